@@ -1,0 +1,14 @@
+"""selfspec: self-speculative decoding with an exact shared verifier."""
+
+from selfspec.sampling import SamplingParams, logits_to_probs
+from selfspec.tree import Tree
+from selfspec.verify import Acceptance, verify_linear, verify_tree
+
+__all__ = [
+    "Acceptance",
+    "SamplingParams",
+    "Tree",
+    "logits_to_probs",
+    "verify_linear",
+    "verify_tree",
+]

@@ -1,0 +1,108 @@
+"""Sampling settings and the one warping function shared by drafters and targets.
+
+Speculative decoding is exact only if the draft and the target distributions are warped the
+same way the plain decoder would warp them, so `logits_to_probs` is the single place where
+temperature, top-k and top-p are applied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a next-token distribution.
+
+    temperature: 0 means greedy (one-hot argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = keep all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = keep all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), "
+                f"got {self.temperature!r}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"SamplingParams: top_k must be an integer >= 0 (0 = no top-k), got {self.top_k!r}"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"SamplingParams: top_p must lie in (0, 1] (1 = no nucleus filter), "
+                f"got {self.top_p!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Warp logits [..., V] into probabilities [..., V] (float32) under `params`.
+
+    Temperature 0 gives the one-hot argmax (lowest index on ties). Otherwise the order is
+    temperature, then top-k, then top-p, as in Hugging Face `generate`; ties at a cut-off are
+    broken towards the lower token index so the kept set is deterministic.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return _one_hot_argmax(logits)
+    logits = logits / params.temperature
+    if params.top_k or params.top_p < 1.0:
+        logits = _filter_top_k_top_p(logits, params.top_k, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k / nucleus set."""
+    # Stable descending sort: among equal logits the lower index ranks first.
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        drop |= rank >= top_k
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p < 1.0:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [..., V]
+        drop |= mass_before >= top_p  # keep a token while the mass before it is short of top_p
+    keep = torch.empty_like(drop).scatter_(-1, order, ~drop)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token from a probability row [V] by inverse CDF.
+
+    A zero-probability token is never returned (its CDF step has zero width), and a one-hot
+    row is returned without touching the generator, so greedy decoding needs no RNG.
+    A generator is required whenever the outcome is random: selfspec never uses torch's
+    global RNG, so runs are reproducible from the seeds passed in.
+    """
+    support = torch.nonzero(probs > 0).flatten()
+    if support.numel() == 1:
+        return int(support[0])
+    if support.numel() == 0:
+        raise ValueError("sample: the probability row has no positive entry")
+    if generator is None:
+        raise ValueError(
+            "sampling needs a torch.Generator: pass generator=torch.Generator().manual_seed(seed)"
+        )
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))
+    return min(index, int(support[-1]))  # u rounded up to the total mass: take the last token

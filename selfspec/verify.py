@@ -1,0 +1,230 @@
+"""Exact verification of linear and tree drafts: pure functions over probability tensors.
+
+The output law of every function here equals the target's: tokens are accepted by
+(recursive) rejection sampling, and on rejection the next token is drawn from the residual
+max(p - q, 0), renormalised (Leviathan et al. 2023; Chen et al. 2023; SpecInfer's recursive
+rejection sampling over sibling candidates). Greedy decoding is the special case of one-hot
+target rows: a draft is kept iff it equals the argmax, and no random number is drawn.
+
+Everything here handles one draft (batch size one). No model calls, no caches, no global RNG:
+randomness comes only from the `torch.Generator` passed in, and only when an outcome is random.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from selfspec.sampling import sample
+from selfspec.tree import Tree
+
+_SUM_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What a verification step keeps.
+
+    tokens: [num_accepted + 1] the accepted draft tokens, then one corrected or bonus token.
+    num_accepted: how many draft tokens were accepted (the extra token excluded).
+    path: [num_accepted] accepted node indices, root to leaf (0..num_accepted-1 for a chain).
+    """
+
+    tokens: torch.Tensor
+    num_accepted: int
+    path: torch.Tensor
+
+
+def verify_linear(
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Verify a linear draft of k tokens.
+
+    draft_tokens: [k] the drafted tokens.
+    q: [k, V] row i is the distribution draft token i was drawn from, or None when the drafts
+        were chosen deterministically (argmax, top-k, lookup).
+    p: [k+1, V] target probabilities (after `logits_to_probs`): row 0 after the last committed
+        token, row i+1 after draft token i.
+    generator: the source of randomness; needed unless every outcome is certain (greedy).
+    """
+    _check_token_vector(draft_tokens, "draft_tokens")
+    tree = _chain(int(draft_tokens.shape[0]))
+    return _verify(tree, draft_tokens, q, p, generator, False, tokens_name="draft_tokens")
+
+
+def verify_tree(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    without_replacement: bool = False,
+) -> Acceptance:
+    """Verify a draft tree of N nodes by recursive rejection sampling over siblings.
+
+    tokens: [N] node i's token.
+    q: [N, V] row i is the distribution node i was drawn from (for siblings drawn without
+        replacement: the distribution *before* earlier siblings were removed), or None when
+        the children were chosen deterministically (top-k).
+    p: [N+1, V] target probabilities: row 0 after the root (the last committed token), row
+        i+1 after node i.
+    without_replacement: siblings were sampled without replacement, so the proposal for a
+        later sibling is q with the earlier siblings' tokens removed and renormalised.
+    """
+    if not isinstance(tree, Tree):
+        raise ValueError(f"verify_tree: tree must be a selfspec.Tree, got {type(tree).__name__}")
+    _check_token_vector(tokens, "tokens")
+    return _verify(tree, tokens, q, p, generator, without_replacement, tokens_name="tokens")
+
+
+@lru_cache(maxsize=64)
+def _chain(k: int) -> Tree:
+    return Tree.chain(k)
+
+
+def _verify(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    without_replacement: bool,
+    tokens_name: str,
+) -> Acceptance:
+    _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
+    token_list = tokens.tolist()
+    node, path = -1, []
+    residual = p[0]  # [V] the law the next emitted token must follow
+    while children := tree.children_of(node):
+        rejected: list[int] = []  # tokens of rejected siblings
+        for child in children:
+            x = token_list[child]
+            proposal = _proposal(q, child, rejected, without_replacement)
+            if _accept(residual, proposal, x, generator):
+                path.append(child)
+                node, residual = child, p[child + 1]
+                break
+            residual = _residual(residual, proposal, x)
+            rejected.append(x)
+        else:
+            break  # every child rejected: the last token comes from the residual
+    accepted = [token_list[i] for i in path]
+    final = sample(residual, generator)
+    return Acceptance(
+        tokens=torch.tensor([*accepted, final], dtype=torch.long),
+        num_accepted=len(path),
+        path=torch.tensor(path, dtype=torch.long),
+    )
+
+
+def _proposal(
+    q: torch.Tensor | None, node: int, removed: list[int], without_replacement: bool
+) -> torch.Tensor | None:
+    """The law node's token was drawn from; None = a point mass on the token itself."""
+    if q is None:
+        return None
+    if not (without_replacement and removed):
+        return q[node]
+    proposal = q[node].clone()
+    proposal[removed] = 0.0
+    return proposal / proposal.sum()
+
+
+def _accept(
+    residual: torch.Tensor, proposal: torch.Tensor | None, x: int, generator
+) -> bool:
+    """Accept x with probability min(1, residual(x) / proposal(x))."""
+    ratio = float(residual[x]) / (1.0 if proposal is None else float(proposal[x]))
+    if ratio >= 1.0 or ratio <= 0.0:
+        return ratio >= 1.0  # a certain outcome draws no random number
+    if generator is None:
+        raise ValueError(
+            "verify: this draft is accepted at random; pass "
+            "generator=torch.Generator().manual_seed(seed)"
+        )
+    return float(torch.rand((), generator=generator, dtype=torch.float64)) < ratio
+
+
+def _residual(residual: torch.Tensor, proposal: torch.Tensor | None, x: int) -> torch.Tensor:
+    """After rejecting x: norm(max(residual - proposal, 0))."""
+    if proposal is None:
+        updated = residual.clone()
+        updated[x] = 0.0
+    else:
+        updated = (residual - proposal).clamp_(min=0.0)
+    total = updated.sum()
+    # A rejection has probability zero when residual == proposal; guard against float noise.
+    return residual if total <= 1e-12 else updated / total
+
+
+# ---- input checks ------------------------------------------------------------------------
+
+
+def _check_token_vector(tokens: torch.Tensor, name: str) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+        raise ValueError(f"verify: {name} must be a 1-D integer tensor of token ids")
+
+
+def _check_inputs(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    without_replacement: bool,
+    tokens_name: str,
+) -> None:
+    n = tree.num_nodes
+    if tokens.shape[0] != n:
+        raise ValueError(f"verify: {tokens_name} has {tokens.shape[0]} entries, the tree {n} nodes")
+    _check_probs("p", p, rows=n + 1)
+    vocab = p.shape[1]
+    if n and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ValueError(f"verify: {tokens_name} holds ids outside [0, {vocab}) (p's vocab size)")
+    if q is not None:
+        _check_probs("q", q, rows=n)
+        if q.shape[1] != vocab:
+            raise ValueError(
+                f"verify: q has vocab size {q.shape[1]} but p has {vocab}: draft and target "
+                f"must share one vocabulary"
+            )
+        if n and (q[torch.arange(n), tokens] <= 0).any():
+            raise ValueError(
+                f"verify: a drafted token has probability 0 under its q row, so it cannot have "
+                f"been drawn from q; pass the distribution each token was sampled from"
+            )
+    if without_replacement:
+        _check_distinct_siblings(tree, tokens.tolist(), tokens_name)
+
+
+def _check_probs(name: str, probs: torch.Tensor, rows: int) -> None:
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
+        raise ValueError(f"verify: {name} must be a 2-D [rows, vocab] probability tensor")
+    if probs.shape[0] != rows:
+        raise ValueError(f"verify: {name} has {probs.shape[0]} rows, expected {rows}")
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"verify: {name} holds NaN or infinite values")
+    if (probs < 0).any():
+        raise ValueError(f"verify: {name} holds negative probabilities")
+    sums = probs.sum(dim=1, dtype=torch.float64)
+    if rows and ((sums - 1.0).abs() > _SUM_TOLERANCE).any():
+        raise ValueError(
+            f"verify: the rows of {name} must sum to 1 (got sums from {float(sums.min()):.4g} "
+            f"to {float(sums.max()):.4g}); pass probabilities from logits_to_probs, not logits"
+        )
+
+
+def _check_distinct_siblings(tree: Tree, tokens: list[int], tokens_name: str) -> None:
+    for parent in range(-1, tree.num_nodes):
+        sibling_tokens = [tokens[c] for c in tree.children_of(parent)]
+        if len(set(sibling_tokens)) != len(sibling_tokens):
+            raise ValueError(
+                f"verify: siblings under node {parent} repeat a token in {tokens_name}, "
+                f"which sampling without replacement cannot produce"
+            )
