@@ -1,0 +1,124 @@
+"""A preallocated key/value cache whose rows (*slots*) are kept apart from RoPE *positions*.
+
+Slots are where K/V live; positions are the RoPE ids the model is given separately. In a tree
+verification forward, siblings share a position but occupy different slots; after
+verification `commit` compacts the accepted root-to-leaf path so that the cache is again the
+plain left-to-right history. A linear draft is rolled back with `truncate`.
+
+Write protocol (what `Transformer.forward` does): every layer calls `write(layer, k, v)`,
+which places the new entries at slots [length, length + T) and returns views over slots
+[0, length + T); after the last layer the model calls `advance(T)` once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    """K/V for every layer: two tensors [num_layers, B, H_kv, max_slots, D], allocated once."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_slots: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.length = 0  # number of valid slots
+
+    @property
+    def max_slots(self) -> int:
+        return self.k.shape[3]
+
+    def __repr__(self) -> str:
+        num_layers, batch, heads, slots, dim = self.k.shape
+        return (
+            f"KVCache(length={self.length}, max_slots={slots}, num_layers={num_layers}, "
+            f"batch_size={batch}, num_kv_heads={heads}, head_dim={dim}, dtype={self.k.dtype})"
+        )
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, H_kv, T, D] at slots [length, length+T); return K, V over [0, length+T).
+
+        `length` is unchanged: the caller advances it once all layers have written.
+        """
+        expected = (*self.k.shape[1:3], k.shape[2], self.k.shape[4])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(
+                f"KVCache.write: k and v must have shape [B, H_kv, T, D] = {list(expected)}, "
+                f"got {list(k.shape)} and {list(v.shape)}"
+            )
+        end = self._end_after(k.shape[2])
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # [B, H_kv, end, D] each
+
+    def advance(self, t: int) -> None:
+        """Mark t more slots valid (after every layer has written them)."""
+        self.length = self._end_after(t)
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first n slots (a rejected linear draft)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"KVCache.truncate: n must be in [0, {self.length}], got {n}")
+        self.length = n
+
+    def commit(self, accepted_slots: torch.Tensor | Sequence[int]) -> None:
+        """Keep slots below accepted_slots[0], then move the accepted slots right after them.
+
+        accepted_slots: [n] strictly increasing slot indices below `length` (the root and the
+        accepted tree nodes). Afterwards length == accepted_slots[0] + n.
+        """
+        slots = torch.as_tensor(accepted_slots, dtype=torch.long, device=self.k.device)
+        values = _check_commit_slots(slots, self.length)
+        start, n = values[0], len(values)
+        if values != list(range(start, start + n)):  # already contiguous: nothing to move
+            # index_select copies first, so overlapping source/target slots are safe.
+            self.k[:, :, :, start : start + n] = self.k.index_select(3, slots)
+            self.v[:, :, :, start : start + n] = self.v.index_select(3, slots)
+        self.length = start + n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _end_after(self, t: int) -> int:
+        end = self.length + t
+        if end > self.max_slots:
+            raise ValueError(
+                f"KV cache overflow: {end} slots needed ({self.length} used + {t} new) but "
+                f"max_slots is {self.max_slots}; allocate a larger cache "
+                f"(e.g. model.new_cache(max_slots={end}) or KVCache(..., max_slots=...))"
+            )
+        return end
+
+
+def _check_commit_slots(slots: torch.Tensor, length: int) -> list[int]:
+    """Validate commit slots; returns them as a python list (one device sync)."""
+    if slots.dim() != 1 or slots.numel() == 0:
+        raise ValueError(
+            f"KVCache.commit: accepted_slots must be a non-empty 1-D tensor of slot indices, "
+            f"got shape {list(slots.shape)}"
+        )
+    values = slots.tolist()
+    if values[0] < 0 or values[-1] >= length:
+        raise ValueError(
+            f"KVCache.commit: accepted slots must lie in [0, {length}) (the valid slots), "
+            f"got {values}"
+        )
+    if any(b <= a for a, b in zip(values, values[1:], strict=False)):
+        raise ValueError(
+            f"KVCache.commit: accepted slots must be strictly increasing, got {values}"
+        )
+    return values

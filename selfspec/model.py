@@ -1,0 +1,516 @@
+"""A compact decoder for the Llama family: Llama 1/2/3.x, Mistral, Qwen2/2.5.
+
+Module names mirror Hugging Face's, so a HF state dict loads once its leading "model." is
+stripped. What differs between the families is all in `ModelConfig`: grouped-query attention
+(num_kv_heads < num_heads), q/k/v bias (Qwen2), tied embeddings, RoPE scaling (linear, llama3).
+
+Attention is always full (causal or masked). Mistral's and Qwen2's sliding windows are ignored,
+which is exact as long as the context is shorter than the window (4096+ tokens).
+
+The forward takes RoPE positions apart from cache slots (see `selfspec.kv_cache`), an optional
+[T, T] attention mask among the new tokens (tree verification), and can run a slice of the
+layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from selfspec.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters (names follow ours; `from_hf` maps HF's config.json).
+
+    rope_scaling: None, {"rope_type": "linear", "factor": f} or {"rope_type": "llama3", ...}.
+    attention_bias: bias on q/k/v (Qwen2; Llama when its config says so).
+    attention_out_bias: bias on o_proj (Llama's attention_bias covers it; Qwen2 has none).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`)."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only 'silu'")
+        num_heads = config["num_attention_heads"]
+        rope_theta, rope_scaling = _read_rope(config)
+        llama_bias = bool(config.get("attention_bias", False))
+        eos = config.get("eos_token_id")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else llama_bias,
+            attention_out_bias=False if model_type == "qwen2" else llama_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            model_type=model_type,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else _opt_tuple(eos),
+        )
+
+
+def _opt_tuple(value: int | None) -> tuple[int, ...]:
+    return () if value is None else (value,)
+
+
+def _read_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either HF convention."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported RoPE scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if kind == "default":
+        return theta, None
+    required = ("factor",) if kind == "linear" else _LLAMA3_ROPE_KEYS
+    missing = [key for key in required if key not in params]
+    if missing:
+        raise ValueError(f"RoPE scaling {kind!r} needs {missing} in the config")
+    return theta, {"rope_type": kind, **{key: params[key] for key in required}}
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] fp32 RoPE inverse frequencies, scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: slow down low frequencies by `factor`, keep high ones, blend in between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths longer than old_context / low are stretched; shorter than old_context / high kept.
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+# ---- building blocks -----------------------------------------------------------------------
+
+
+@dataclass
+class ModelOutput:
+    """logits [B, T, V] fp32; hidden: residual streams in `return_hidden` order, each
+    [B, T, hidden]; last_hidden [B, T, hidden]: the normed state the LM head consumes."""
+
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+    last_hidden: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as HF does) so bf16 weights give the same result.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin broadcastable to it (HF's half-split layout, not interleaved)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,  # [T, S] bool, None = causal without past
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        batch, t, _ = x.shape
+        q = self.q_proj(x).view(batch, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, H, T, D], [B, H_kv, T, D]
+        if cache is not None:
+            k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
+        out = F.scaled_dot_product_attention(
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _attention_mask(
+    mask: torch.Tensor | None, t: int, past: int, device: torch.device
+) -> torch.Tensor | None:
+    """[T, past + T] bool: every cached slot, then `mask` (default causal) among the new tokens.
+
+    None means plain causal with no past, which SDPA handles with is_causal.
+    """
+    if mask is None:
+        if past == 0:
+            return None
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    elif mask.shape != (t, t) or mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be a bool tensor [T, T] = [{t}, {t}], got {mask.dtype} {list(mask.shape)}"
+        )
+    past_cols = torch.ones(t, past, dtype=torch.bool, device=device)
+    return torch.cat([past_cols, mask.to(device)], dim=1)
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
+        self.inv_freq = rope_inv_freq(config)  # [D/2]
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        exit_layer: int | None = None,
+        return_hidden: tuple[int, ...] = (),
+        start_layer: int = 0,
+        hidden_in: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """Run layers [start_layer, exit_layer) over T new tokens.
+
+        tokens: [B, T] ids (only their shape matters when hidden_in is given).
+        positions: [T] or [B, T] RoPE position ids.
+        cache: with a cache, the new tokens attend to slots [0, cache.length) and, among
+            themselves, to what `mask` [T, T] (True = may attend; default causal) allows; the
+            layers that run write their K/V and the cache advances by T. Layers that do not
+            run (below start_layer, from exit_layer on) write nothing, yet their slots count
+            as advanced: filling them is the caller's job (e.g. an early-exit drafter
+            truncates back and verifies with start_layer=E, hidden_in=its hidden E).
+        exit_layer: early exit; logits = lm_head(norm(hidden after exit_layer layers)).
+        return_hidden: layer indices l; hidden l is the residual stream after l layers
+            (0 = embeddings, num_layers = last layer's output, before the final norm).
+        start_layer, hidden_in: resume with hidden_in [B, T, hidden] entering start_layer.
+        """
+        end = self._check_forward_args(
+            tokens, positions, exit_layer, return_hidden, start_layer, hidden_in
+        )
+        h = self.embed_tokens(tokens) if hidden_in is None else hidden_in  # [B, T, hidden]
+        cos, sin = self._rope(positions, h.dtype)
+        past = 0 if cache is None else cache.length
+        attn_mask = _attention_mask(mask, tokens.shape[1], past, h.device)
+        saved = {start_layer: h}
+        for i in range(start_layer, end):
+            h = self.layers[i](h, cos, sin, attn_mask, cache)
+            if i + 1 in return_hidden:
+                saved[i + 1] = h
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        last_hidden = self.norm(h)  # [B, T, hidden]
+        logits = self.lm_head(last_hidden).float()  # [B, T, V]
+        return ModelOutput(logits, tuple(saved[i] for i in return_hidden), last_hidden)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [B or 1, 1, T, D] for positions [T] or [B, T]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
+        angles = angles[None, None] if positions.dim() == 1 else angles[:, None]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _check_forward_args(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        exit_layer: int | None,
+        return_hidden: tuple[int, ...],
+        start_layer: int,
+        hidden_in: torch.Tensor | None,
+    ) -> int:
+        """Validate shapes and the layer range; returns the exclusive end layer."""
+        n = self.config.num_layers
+        end = n if exit_layer is None else exit_layer
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {list(tokens.shape)}")
+        if positions.shape not in (tokens.shape[1:], tokens.shape):
+            raise ValueError(
+                f"positions must be [T] or [B, T] for tokens {list(tokens.shape)}, "
+                f"got {list(positions.shape)}"
+            )
+        if not 0 <= start_layer <= end <= n:
+            raise ValueError(
+                f"need 0 <= start_layer <= exit_layer <= num_layers ({n}), "
+                f"got start_layer={start_layer}, exit_layer={exit_layer}"
+            )
+        if start_layer > 0 and hidden_in is None:
+            raise ValueError("start_layer > 0 needs hidden_in (the residual entering it)")
+        if hidden_in is not None and hidden_in.shape != (*tokens.shape, self.config.hidden_size):
+            raise ValueError(
+                f"hidden_in must be [B, T, hidden] = {[*tokens.shape, self.config.hidden_size]}, "
+                f"got {list(hidden_in.shape)}"
+            )
+        bad = [i for i in return_hidden if not start_layer <= i <= end]
+        if bad:
+            raise ValueError(f"return_hidden {bad} outside the layers run [{start_layer}, {end}]")
+        return end
+
+    # ---- caches and loading ----------------------------------------------------------------
+
+    def new_cache(
+        self, batch_size: int = 1, max_slots: int | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """A KVCache for this model; max_slots defaults to max_position_embeddings, which for
+        long-context models is a lot of memory: pass what the generation actually needs."""
+        weight = self.embed_tokens.weight
+        return KVCache(
+            self.config.num_layers,
+            batch_size,
+            self.config.num_kv_heads,
+            max_slots or self.config.max_position_embeddings,
+            self.config.head_dim,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> Transformer:
+        """Load a local HF model folder: config.json + model.safetensors (or sharded)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"model folder not found: {folder}")
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+        tensors = _read_safetensors(_weight_files(folder), device)
+        return cls._from_tensors(config, tensors, dtype, device)
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> Transformer:
+        """Convert an in-memory `transformers` model. Without a dtype/device change the
+        weights share storage with hf_model (no copy)."""
+        config = ModelConfig.from_hf(hf_model.config.to_dict())
+        state = hf_model.state_dict()
+        first = next(iter(state.values()))
+        return cls._from_tensors(
+            config, iter(state.items()), dtype or first.dtype, device or first.device
+        )
+
+    @classmethod
+    def _from_tensors(
+        cls,
+        config: ModelConfig,
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> Transformer:
+        """Build on the meta device, then adopt the HF-named tensors (assign=True, no copy)."""
+        with torch.device("meta"):
+            model = cls(config)
+        state = {}
+        for name, tensor in tensors:
+            key = _our_key(name, config.tie_word_embeddings)
+            if key is not None:
+                state[key] = tensor.to(device=device, dtype=dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            missing = [key for key in missing if key != "lm_head.weight"]
+            model.lm_head.weight = model.embed_tokens.weight
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the {config.model_type} architecture: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        return model
+
+
+def _our_key(name: str, tied: bool) -> str | None:
+    """Our parameter name for a HF one, or None for tensors we do not keep."""
+    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        return None  # recomputed / shared with embed_tokens
+    return name.removeprefix("model.")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a HF model folder, single-file or sharded."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"no weights in {folder}: expected model.safetensors or "
+            f"model.safetensors.index.json (PyTorch .bin checkpoints are not supported)"
+        )
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    absent = [name for name in shards if not (folder / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index} lists shards missing from {folder}: {absent}")
+    return [folder / name for name in shards]
+
+
+def _read_safetensors(
+    files: list[Path], device: torch.device | str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, one tensor at a time so peak memory stays near one tensor."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
