@@ -196,8 +196,8 @@ def _check_inputs(
             )
         if n and (q[torch.arange(n), tokens] <= 0).any():
             raise ValueError(
-                f"verify: a drafted token has probability 0 under its q row, so it cannot have "
-                f"been drawn from q; pass the distribution each token was sampled from"
+                "verify: a drafted token has probability 0 under its q row, so it cannot have "
+                "been drawn from q; pass the distribution each token was sampled from"
             )
     if without_replacement:
         _check_distinct_siblings(tree, tokens.tolist(), tokens_name)
@@ -208,11 +208,11 @@ def _check_probs(name: str, probs: torch.Tensor, rows: int) -> None:
         raise ValueError(f"verify: {name} must be a 2-D [rows, vocab] probability tensor")
     if probs.shape[0] != rows:
         raise ValueError(f"verify: {name} has {probs.shape[0]} rows, expected {rows}")
-    if not torch.isfinite(probs).all():
+    sums = probs.sum(dim=1, dtype=torch.float64)  # [rows]; NaN or inf anywhere shows here
+    if not torch.isfinite(sums).all():
         raise ValueError(f"verify: {name} holds NaN or infinite values")
-    if (probs < 0).any():
+    if rows and probs.min() < 0:
         raise ValueError(f"verify: {name} holds negative probabilities")
-    sums = probs.sum(dim=1, dtype=torch.float64)
     if rows and ((sums - 1.0).abs() > _SUM_TOLERANCE).any():
         raise ValueError(
             f"verify: the rows of {name} must sum to 1 (got sums from {float(sums.min()):.4g} "

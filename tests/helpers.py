@@ -1,0 +1,42 @@
+"""Shared test helpers: a goodness-of-fit check for statistical exactness tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from scipy.stats import chi2
+
+P_VALUE_FLOOR = 1e-3  # a fixed seed makes each test deterministic; this bounds its false alarms
+
+
+def fit_pvalue(counts: Counter, expected: dict, n: int) -> float:
+    """Chi-square p-value of observed outcome counts against expected probabilities.
+
+    Outcomes with zero expected probability must never be observed (a hard failure, returned
+    as p = 0). Cells with tiny expectations are pooled so the chi-square approximation holds.
+    """
+    if any(expected.get(k, 0.0) <= 0.0 for k in counts):
+        return 0.0
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for key, prob in sorted(expected.items(), key=lambda kv: -kv[1]):
+        if prob <= 0:
+            continue
+        obs, exp = counts.get(key, 0), prob * n
+        if exp < 5:
+            pooled_obs, pooled_exp = pooled_obs + obs, pooled_exp + exp
+            continue
+        stat, df = stat + (obs - exp) ** 2 / exp, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    return float(chi2.sf(stat, max(df, 1)))
+
+
+def joint_two_token_law(first: torch.Tensor, second_given) -> dict:
+    """Exact law of (t1, t2): first [V] probabilities, second_given(t1) -> [V]."""
+    law = {}
+    for t1 in torch.nonzero(first > 0).flatten().tolist():
+        row = second_given(t1)
+        for t2 in torch.nonzero(row > 0).flatten().tolist():
+            law[(t1, t2)] = float(first[t1]) * float(row[t2])
+    return law

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from selfspec.sampling import SamplingParams, logits_to_probs, sample
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_impossible_settings_are_clear_errors(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_is_one_hot_argmax_lowest_index_on_ties():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 2.0, 5.0]])
+    probs = logits_to_probs(logits, SamplingParams())
+    assert torch.equal(probs, torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
+
+
+def test_temperature_scales_logits():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_k_and_breaks_ties_towards_lower_index():
+    logits = torch.tensor([1.0, 4.0, 2.0, 4.0, 2.0, 0.0])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert (probs > 0).tolist() == [False, True, True, True, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs_in = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    logits = probs_in.log()
+    kept = lambda p: (logits_to_probs(logits, SamplingParams(1.0, top_p=p)) > 0).tolist()  # noqa: E731
+    assert kept(0.4) == [False, True, False, False]
+    assert kept(0.41) == [False, True, False, True]
+    assert kept(0.7) == [False, True, False, True]
+    assert kept(0.71) == [False, True, True, True]
+    out = logits_to_probs(logits, SamplingParams(1.0, top_p=0.7))
+    torch.testing.assert_close(out, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+
+
+def test_matches_transformers_warpers_on_random_logits():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1)) * 3
+    for t, k, p in [(1.0, 0, 0.9), (0.7, 10, 1.0), (1.3, 20, 0.8)]:
+        scores = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            scores = TopKLogitsWarper(k)(None, scores)
+        if p < 1:
+            scores = TopPLogitsWarper(p)(None, scores)
+        ours = logits_to_probs(logits, SamplingParams(t, top_k=k, top_p=p))
+        torch.testing.assert_close(ours, torch.softmax(scores, -1))
+
+
+def test_sample_follows_the_distribution_and_never_draws_zero_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample(probs, g) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert counts[[0, 2, 5]].sum() == 0
+    torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
+
+
+def test_sample_one_hot_needs_no_generator_but_random_draws_do():
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), None) == 2
+    with pytest.raises(ValueError, match="Generator"):
+        sample(torch.tensor([0.5, 0.5]), None)

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from selfspec.tree import Tree
+
+
+def test_chain_is_a_linear_draft():
+    tree = Tree.chain(3)
+    assert tree.parents == (-1, 0, 1)
+    assert tree.is_chain and tree.num_nodes == 3 and tree.max_depth == 3
+    assert tree.depth.tolist() == [1, 2, 3]
+    assert torch.equal(tree.ancestor_mask, torch.ones(3, 3, dtype=torch.bool).tril())
+    assert torch.equal(tree.mask_with_root, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert tree.positions_with_root.tolist() == [0, 1, 2, 3]
+    assert tree.paths == ((0, 1, 2),)
+
+
+def test_empty_chain_is_plain_decoding():
+    tree = Tree.chain(0)
+    assert tree.num_nodes == 0 and tree.children_of(-1) == ()
+    assert tree.mask_with_root.tolist() == [[True]]
+
+
+def test_from_paths_orders_nodes_and_derives_structure():
+    tree = Tree.from_paths([[0, 1], [1], [0], [0, 0], [1, 0], [0, 0, 0]])
+    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert tree.parents == (-1, -1, 0, 0, 1, 2)
+    assert tree.children_of(-1) == (0, 1) and tree.children_of(0) == (2, 3)
+    assert tree.depth.tolist() == [1, 1, 2, 2, 2, 3]
+    assert tree.leaves == (3, 4, 5)
+    assert tree.paths == ((0, 3), (1, 4), (0, 2, 5))
+    assert tree.retrieve_indices.tolist() == [[0, 3, -1], [1, 4, -1], [0, 2, 5]]
+    assert tree.positions_with_root.tolist() == [0, 1, 1, 2, 2, 2, 3]
+
+
+def test_ancestor_mask_is_self_plus_ancestors():
+    tree = Tree.from_parents([-1, -1, 0, 0, 1, 2])
+    mask = tree.ancestor_mask
+    for i in range(tree.num_nodes):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
+    full = tree.mask_with_root
+    assert full[:, 0].all() and not full[0, 1:].any()
+
+
+def test_from_parents_assigns_sibling_ranks():
+    tree = Tree.from_parents([-1, -1, 1, 1, 0])
+    assert tree.choices == ((0,), (1,), (1, 0), (1, 1), (0, 0))
+
+
+def test_not_topologically_ordered_is_a_clear_error():
+    with pytest.raises(ValueError, match="topological order"):
+        Tree.from_parents([-1, 2, 0])
+    with pytest.raises(ValueError, match="topological order"):
+        Tree.from_parents([0])
+
+
+def test_from_paths_needs_every_prefix():
+    with pytest.raises(ValueError, match="no parent path"):
+        Tree.from_paths([[0], [1, 0]])
+    with pytest.raises(ValueError, match="non-empty"):
+        Tree.from_paths([[]])
