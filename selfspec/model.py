@@ -307,6 +307,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(config)  # [D/2]
+        self.source: str | None = None  # the folder it was loaded from, if any
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -435,7 +436,9 @@ class Transformer(nn.Module):
             raise FileNotFoundError(f"no config.json in model folder {folder}")
         config = ModelConfig.from_hf(json.loads(config_file.read_text()))
         tensors = _read_safetensors(_weight_files(folder), device)
-        return cls._from_tensors(config, tensors, dtype, device)
+        model = cls._from_tensors(config, tensors, dtype, device)
+        model.source = str(folder)
+        return model
 
     @classmethod
     def from_hf(

@@ -40,3 +40,20 @@ def joint_two_token_law(first: torch.Tensor, second_given) -> dict:
         for t2 in torch.nonzero(row > 0).flatten().tolist():
             law[(t1, t2)] = float(first[t1]) * float(row[t2])
     return law
+
+
+def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, std: float = 0.2):
+    """A seeded random `transformers` Llama; weights of std `std` make its laws peaky."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, std)
+    return model

@@ -1,0 +1,168 @@
+"""The single generation loop: prefill, propose, verify-forward, verify, commit, repeat.
+
+`drafter=None` is plain autoregressive decoding through the same loop and cache. Batch size
+is one. The root of each step is the last committed token, which is not yet in the target's
+cache: the verification forward feeds [root, draft nodes...] in one pass, so its row 0 gives
+the target's law after the root and row i+1 the law after node i.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.metrics import GenerationStats
+from selfspec.model import ModelOutput, Transformer
+from selfspec.sampling import SamplingParams, logits_to_probs, sample
+from selfspec.verify import Acceptance, verify_tree
+
+
+@dataclass
+class GenerationResult:
+    """tokens: the new tokens only (EOS included when reached); stats: what was measured."""
+
+    tokens: list[int]
+    stats: GenerationStats
+
+
+@torch.inference_mode()
+def generate(
+    target: Transformer,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    drafter: Drafter | None = None,
+    sampling: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 128,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` ([L] ids, batch of one).
+
+    With a drafter, every step verifies its draft exactly (`selfspec.verify`), so the output
+    law equals plain decoding's; at temperature 0 the tokens are identical. Stops after an EOS
+    token or exactly at max_new_tokens. An unseeded sampling run draws a fresh seed.
+    """
+    prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
+    if generator is None and not sampling.greedy:
+        generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
+    max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
+    cache = target.new_cache(max_slots=max_length)
+    if drafter is not None:
+        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length))
+    layers = drafter.target_layers if drafter is not None else ()
+    stop_ids = _stop_ids(eos_token_id)
+    stats, history = GenerationStats(), prompt.tolist()
+    start = time.perf_counter()
+    features = _prefill(target, prompt[:-1], cache, layers) if len(prompt) > 1 else None
+    stats.target_forwards += len(prompt) > 1
+    new: list[int] = []
+    while len(new) < max_new_tokens and not (new and new[-1] in stop_ids):
+        tick = time.perf_counter()
+        context = DraftContext(torch.tensor(history, device=prompt.device), features)
+        draft = _checked(drafter.propose(context), drafter) if drafter else Draft.empty()
+        stats.draft_time_s += time.perf_counter() - tick
+        acceptance, features = _step(target, history[-1], draft, cache, layers, sampling, generator)
+        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted)
+        emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(new))
+        new += emitted
+        history += emitted
+    stats.wall_time_s = time.perf_counter() - start
+    stats.new_tokens = len(new)
+    return GenerationResult(new, stats)
+
+
+def _step(
+    target: Transformer,
+    root: int,
+    draft: Draft,
+    cache,
+    layers: tuple[int, ...],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[Acceptance, TargetFeatures]:
+    """One verification forward over [root, draft...], exact verification, cache commit."""
+    tree, base = draft.tree, cache.length
+    device = cache.k.device
+    tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])[None]
+    positions = base + tree.positions_with_root.to(device)
+    mask = tree.mask_with_root.to(device)  # [N+1, N+1]
+    out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
+    p = logits_to_probs(out.logits[0], sampling)  # [N+1, V]
+    if tree.num_nodes == 0:  # plain decoding: nothing to verify
+        acceptance = Acceptance(torch.tensor([sample(p[0], generator)]), 0, torch.empty(0))
+    else:
+        acceptance = verify_tree(
+            tree, draft.tokens, draft.q, p, generator=generator,
+            without_replacement=draft.without_replacement,
+        )
+    rows = torch.cat([torch.zeros(1, dtype=torch.long), acceptance.path.long() + 1]).to(device)
+    cache.commit(base + rows)
+    return acceptance, _features(out, tokens[0, rows], rows)
+
+
+def _prefill(
+    target: Transformer, tokens: torch.Tensor, cache, layers: tuple[int, ...]
+) -> TargetFeatures:
+    positions = torch.arange(len(tokens), device=tokens.device)
+    out = target(tokens[None], positions, cache, return_hidden=layers)
+    return _features(out, tokens, torch.arange(len(tokens), device=tokens.device))
+
+
+def _features(out: ModelOutput, tokens: torch.Tensor, rows: torch.Tensor) -> TargetFeatures:
+    """The target's states at the committed rows of a forward (batch row 0)."""
+    return TargetFeatures(
+        tokens=tokens,
+        last_hidden=out.last_hidden[0, rows],
+        hidden=tuple(h[0, rows] for h in out.hidden),
+    )
+
+
+def _until_stop(tokens: list[int], stop_ids: set[int], room: int) -> list[int]:
+    """Cut a step's tokens after the first stop token and to the room left."""
+    for i, token in enumerate(tokens[:room]):
+        if token in stop_ids:
+            return tokens[: i + 1]
+    return tokens[:room]
+
+
+def _stop_ids(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _checked(draft: Draft, drafter: Drafter) -> Draft:
+    if draft.tokens.shape != (draft.tree.num_nodes,) or draft.tree.num_nodes > drafter.max_nodes:
+        raise ValueError(
+            f"{type(drafter).__name__} proposed {draft.tokens.shape[0]} tokens for a tree of "
+            f"{draft.tree.num_nodes} nodes (its max_nodes is {drafter.max_nodes})"
+        )
+    return draft
+
+
+def _check_arguments(
+    target: Transformer, prompt_ids, sampling: SamplingParams, max_new_tokens: int
+) -> torch.Tensor:
+    """The prompt as a 1-D LongTensor on the target's device, or a clear error."""
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"generate: sampling must be a SamplingParams, got {sampling!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+    if prompt.numel() == 0:
+        raise ValueError("generate: the prompt is empty; give at least one token (e.g. BOS)")
+    vocab, limit = target.config.vocab_size, target.config.max_position_embeddings
+    if prompt.min() < 0 or prompt.max() >= vocab:
+        raise ValueError(f"generate: prompt ids must lie in [0, {vocab}) (the vocab size)")
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(
+            f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's {limit} positions (max_position_embeddings); shorten the prompt or "
+            f"lower max_new_tokens"
+        )
+    return prompt.to(target.embed_tokens.weight.device)

@@ -1,0 +1,16 @@
+"""Drafters: what proposes the tokens the target verifies."""
+
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.ngram import NgramDrafter
+from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
+
+__all__ = [
+    "DecodeSetup",
+    "Draft",
+    "DraftContext",
+    "Drafter",
+    "NgramDrafter",
+    "SmallModelDrafter",
+    "TargetFeatures",
+    "check_same_vocabulary",
+]

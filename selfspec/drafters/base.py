@@ -1,0 +1,93 @@
+"""The drafter protocol: what every drafter receives and what it proposes.
+
+A drafter proposes a `Draft` (a tree of tokens and, when they were sampled, the distributions
+they were drawn from); the decode loop verifies it against the target in one forward. Target
+features a drafter needs (hidden states) reach it explicitly through `DraftContext`, never
+through hooks on modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from selfspec.sampling import SamplingParams
+from selfspec.tree import Tree
+
+if TYPE_CHECKING:
+    from selfspec.model import Transformer
+
+
+@dataclass(frozen=True)
+class Draft:
+    """tree: the draft's shape; tokens [N]: node i's token; q [N, V] | None: the law each
+    token was drawn from (None = chosen deterministically); without_replacement: siblings
+    were sampled without replacement (see `selfspec.verify.verify_tree`)."""
+
+    tree: Tree
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    without_replacement: bool = False
+
+    @classmethod
+    def empty(cls) -> Draft:
+        return cls(Tree.chain(0), torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor | list[int], q: torch.Tensor | None = None) -> Draft:
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        return cls(Tree.chain(len(tokens)), tokens, q)
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What a drafter learns when a generation begins.
+
+    max_length: the most tokens (prompt + generated + one draft) the generation can reach.
+    """
+
+    target: Transformer
+    prompt: torch.Tensor
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    max_length: int
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """The target's states at the rows committed by its last forward, oldest first.
+
+    tokens [A]: their token ids; last_hidden [A, hidden]: the normed final hidden state (what
+    the LM head reads); hidden: the residual streams the drafter asked for
+    (`Drafter.target_layers`), each [A, hidden].
+    """
+
+    tokens: torch.Tensor
+    last_hidden: torch.Tensor
+    hidden: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """tokens [L]: prompt + generated so far; the last one (the root) is not yet in the
+    target's cache. features: the target's states for the rows its last forward committed
+    (None before the first forward, e.g. for a one-token prompt)."""
+
+    tokens: torch.Tensor
+    features: TargetFeatures | None
+
+
+class Drafter(Protocol):
+    """max_nodes: the most nodes one draft may have (sizes the target's cache).
+    target_layers: residual-stream layers whose states the drafter needs from the target."""
+
+    max_nodes: int
+    target_layers: tuple[int, ...]
+
+    def begin(self, setup: DecodeSetup) -> None:
+        """Reset per-generation state; refuse a target it cannot draft for (clear error)."""
+
+    def propose(self, context: DraftContext) -> Draft:
+        """A draft to follow context.tokens."""

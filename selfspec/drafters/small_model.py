@@ -1,0 +1,113 @@
+"""The baseline: a separate small draft model sharing the target's tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.model import Transformer
+from selfspec.sampling import logits_to_probs, sample
+
+
+class SmallModelDrafter:
+    """Drafts `num_draft_tokens` tokens autoregressively with its own model and KV cache.
+
+    When sampling, each token is drawn from the draft's warped distribution (the same
+    `logits_to_probs` as the target) and that distribution is passed on as q; when greedy,
+    drafts are the argmax and q is None. The cache is rolled back to the longest prefix it
+    shares with the committed tokens before each draft.
+    """
+
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, num_draft_tokens: int = 4):
+        if num_draft_tokens < 1:
+            raise ValueError(
+                f"SmallModelDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}"
+            )
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.max_nodes = num_draft_tokens
+        self._cache = None
+        self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
+
+    def begin(self, setup: DecodeSetup) -> None:
+        check_same_vocabulary(setup.target, self.model)
+        self.sampling, self.generator = setup.sampling, setup.generator
+        if self._cache is None or self._cache.max_slots < setup.max_length:
+            self._cache = self.model.new_cache(max_slots=setup.max_length)
+        self._cache.reset()
+        self._fed = []
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Draft:
+        history = context.tokens.tolist()
+        pending = history[self._rollback_to_common_prefix(history) :]  # at least the root
+        tokens, rows = [], []
+        for _ in range(self.num_draft_tokens):
+            probs = logits_to_probs(self._feed(pending)[0, -1], self.sampling)  # [V]
+            token = sample(probs, self.generator)
+            tokens.append(token)
+            rows.append(probs)
+            pending = [token]
+        q = None if self.sampling.greedy else torch.stack(rows)
+        return Draft.chain(tokens, q)
+
+    def _rollback_to_common_prefix(self, history: list[int]) -> int:
+        n = 0
+        limit = min(len(self._fed), len(history) - 1)  # the root is always fed again
+        while n < limit and self._fed[n] == history[n]:
+            n += 1
+        self._cache.truncate(n)
+        del self._fed[n:]
+        return n
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run the draft model over new tokens; returns logits [1, T, V]."""
+        start = self._cache.length
+        ids = torch.tensor([tokens], dtype=torch.long)
+        positions = torch.arange(start, start + len(tokens))
+        self._fed.extend(tokens)
+        return self.model(ids, positions, self._cache).logits
+
+
+def check_same_vocabulary(target: Transformer, draft: Transformer) -> None:
+    """Refuse a draft model whose vocabulary differs from the target's.
+
+    Different tokenizers silently collapse acceptance (token ids mean different strings), so
+    the check compares vocabulary sizes, special token ids and, when both models were loaded
+    from folders holding tokenizer.json, the tokenizers' vocabularies themselves.
+    """
+    t, d = target.config, draft.config
+    if t.vocab_size != d.vocab_size:
+        raise ValueError(
+            f"draft model vocab size {d.vocab_size} differs from the target's {t.vocab_size}: "
+            f"the draft model must use the target's tokenizer"
+        )
+    if (t.bos_token_id, set(t.eos_token_ids)) != (d.bos_token_id, set(d.eos_token_ids)):
+        raise ValueError(
+            f"draft model special tokens (bos {d.bos_token_id}, eos {d.eos_token_ids}) differ "
+            f"from the target's (bos {t.bos_token_id}, eos {t.eos_token_ids}): the draft model "
+            f"must use the target's tokenizer"
+        )
+    fingerprints = [_tokenizer_fingerprint(m) for m in (target, draft)]
+    if None not in fingerprints and fingerprints[0] != fingerprints[1]:
+        raise ValueError(
+            f"draft model tokenizer ({draft.source}) differs from the target's "
+            f"({target.source}): the same ids would mean different text"
+        )
+
+
+def _tokenizer_fingerprint(model: Transformer) -> str | None:
+    """A hash of the vocabulary in the model folder's tokenizer.json, if there is one."""
+    source = getattr(model, "source", None)
+    path = Path(source) / "tokenizer.json" if source else None
+    if path is None or not path.is_file():
+        return None
+    spec = json.loads(path.read_text())
+    vocab = {"model": spec.get("model", {}).get("vocab"), "added": spec.get("added_tokens")}
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,182 @@
+"""The decode loop: lossless greedy for every drafter, exact sampling end to end, bad input."""
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import P_VALUE_FLOOR, fit_pvalue, joint_two_token_law, tiny_llama
+
+from selfspec import SamplingParams, Transformer, generate, logits_to_probs
+from selfspec.drafters import NgramDrafter, SmallModelDrafter
+
+PROMPTS = [
+    torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for n in (1, 5, 17)
+] + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def target(hf_target):
+    return Transformer.from_hf(hf_target)
+
+
+@pytest.fixture(scope="module")
+def draft_model(hf_target):
+    """The target's first layer alone (shared embeddings and head): it often agrees."""
+    import copy
+
+    shallow = copy.deepcopy(hf_target)
+    shallow.model.layers = shallow.model.layers[:1]
+    shallow.config.num_hidden_layers = 1
+    return Transformer.from_hf(shallow)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target):
+    return {tuple(p): generate(target, p, max_new_tokens=24).tokens for p in PROMPTS}
+
+
+def test_plain_greedy_matches_transformers(hf_target, plain_greedy):
+    for prompt, tokens in plain_greedy.items():
+        ids = torch.tensor([prompt])
+        out = hf_target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+            eos_token_id=None, pad_token_id=1,
+        )
+        assert out[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_is_lossless_with_every_drafter(target, draft_model, plain_greedy, k):
+    accepted = 0
+    for drafter in (SmallModelDrafter(draft_model, k), NgramDrafter(k)):
+        for prompt, expected in plain_greedy.items():
+            result = generate(target, list(prompt), drafter=drafter, max_new_tokens=24)
+            assert result.tokens == expected, type(drafter).__name__
+            assert result.stats.new_tokens == 24
+            accepted += result.stats.accepted
+    assert accepted > 0  # the drafts were really used, not all rejected
+
+
+def test_eos_stops_generation_and_is_not_passed(target, plain_greedy):
+    prompt, expected = next(iter(plain_greedy.items()))
+    eos = expected[5]
+    for drafter in (None, NgramDrafter(4)):
+        out = generate(target, list(prompt), drafter=drafter, max_new_tokens=24, eos_token_id=eos)
+        assert out.tokens == expected[: expected.index(eos) + 1]
+
+
+def test_max_new_tokens_is_exact_even_when_a_step_accepts_many(target, draft_model):
+    prompt = PROMPTS[-1]
+    for n in (1, 2, 3, 7):
+        out = generate(target, prompt, drafter=SmallModelDrafter(draft_model, 8), max_new_tokens=n)
+        assert len(out.tokens) == n
+
+
+def test_stats_count_what_happened(target, draft_model):
+    out = generate(target, PROMPTS[2], drafter=SmallModelDrafter(draft_model, 3), max_new_tokens=30)
+    stats = out.stats
+    assert stats.target_forwards == stats.steps + 1  # one prefill
+    assert stats.drafted == 3 * stats.steps
+    assert sum(stats.accept_histogram) == stats.steps
+    assert stats.tau == pytest.approx((stats.accepted + stats.steps) / stats.steps)
+    assert stats.new_tokens == 30 <= stats.accepted + stats.steps
+    assert stats.acceptance_by_position[0] >= stats.acceptance_by_position[-1]
+    assert 0 < stats.draft_time_s < stats.wall_time_s
+
+
+# ---- sampling exactness end to end --------------------------------------------------------
+
+SMALL_VOCAB = 8
+N_SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    draft = Transformer.from_hf(tiny_llama(4, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    return target, draft
+
+
+def exact_two_token_law(target, prompt, params):
+    def law_after(ids):
+        logits = target(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+        return logits_to_probs(logits, params)
+
+    with torch.inference_mode():
+        return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
+
+
+def sampled_pvalue(target, drafter, params) -> float:
+    """Fit of the first two sampled tokens to the target's exact law."""
+    prompt = [2, 3, 4, 2, 3, 4, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    counts, accepted = Counter(), 0
+    for _ in range(N_SAMPLES):
+        out = generate(
+            target, prompt, drafter=drafter, sampling=params, max_new_tokens=2, generator=g
+        )
+        counts[tuple(out.tokens)] += 1
+        accepted += out.stats.accepted
+    assert accepted > N_SAMPLES / 10  # the drafter's tokens were really in play
+    return fit_pvalue(counts, exact_two_token_law(target, prompt, params), N_SAMPLES)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("kind", ["small_model", "ngram"])
+def test_sampling_through_a_drafter_follows_the_target_law(small_pair, params, kind):
+    target, draft = small_pair
+    drafter = SmallModelDrafter(draft, 3) if kind == "small_model" else NgramDrafter(3)
+    assert sampled_pvalue(target, drafter, params) > P_VALUE_FLOOR
+
+
+def test_the_end_to_end_check_catches_a_verifier_without_residual(small_pair, monkeypatch):
+    import selfspec.verify
+
+    monkeypatch.setattr(selfspec.verify, "_residual", lambda residual, proposal, x: residual)
+    assert sampled_pvalue(small_pair[0], NgramDrafter(3), SamplingParams(1.0)) < P_VALUE_FLOOR
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(target):
+    other = Transformer.from_hf(tiny_llama(5, vocab=80, layers=1))
+    with pytest.raises(ValueError, match="vocab size 80 differs from the target's 64"):
+        generate(target, [3, 4], drafter=SmallModelDrafter(other, 2), max_new_tokens=4)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, hf_target):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folders = []
+    for name, words in [("target", "abcdefgh"), ("draft", "hgfedcba")]:
+        vocab = {w: i for i, w in enumerate(words)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf_target.save_pretrained(tmp_path / name)
+        tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+        folders.append(Transformer.from_pretrained(tmp_path / name))
+    with pytest.raises(ValueError, match="tokenizer .* differs from the target's"):
+        generate(folders[0], [3, 4], drafter=SmallModelDrafter(folders[1], 2), max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_ids": []}, "prompt is empty"),
+        ({"prompt_ids": [1] * 250, "max_new_tokens": 10}, "exceeds the model's 256 positions"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"prompt_ids": [64]}, r"prompt ids must lie in \[0, 64\)"),
+        ({"sampling": 0.7}, "sampling must be a SamplingParams"),
+    ],
+)
+def test_bad_generate_arguments_are_clear_errors(target, kwargs, message):
+    args = {"prompt_ids": [3, 4], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(target, args.pop("prompt_ids"), **args)
