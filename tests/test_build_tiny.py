@@ -1,0 +1,86 @@
+"""The tiny-model recipe end to end at toy size (``--quick``), plus the corpus split."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec.data import pack_token_stream, stdlib_files, stdlib_manifest_sha256
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SNIPPET = 'def f(x):\n\t  return  x  +1 \r\n\n    # caf\u00e9 \U0001f642\n  """doc"""  \n'
+
+
+def test_split_is_disjoint_sorted_and_about_five_percent():
+    train, heldout = stdlib_files("train"), stdlib_files("heldout")
+    assert train == sorted(train) and heldout == sorted(heldout)
+    assert not set(train) & set(heldout)
+    assert 0.02 < len(heldout) / (len(train) + len(heldout)) < 0.08
+    assert not any(p in ("test", "tests", "idle_test", "site-packages")
+                   for f in train + heldout for p in f.parts[-4:-1])
+    assert stdlib_manifest_sha256() == stdlib_manifest_sha256()
+
+
+def test_pack_token_stream_drops_the_tail():
+    windows = pack_token_stream(list(range(10)), 4)
+    assert windows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="do not fill"):
+        pack_token_stream([1, 2], 4)
+
+
+@pytest.fixture(scope="module")
+def quick_build(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))
+        build_tiny = importlib.import_module("build_tiny")
+        assert build_tiny.main(["--quick", "--out", str(out)]) == 0
+    return out
+
+
+def test_tokenizer_round_trips_source_exactly(quick_build):
+    from transformers import AutoTokenizer
+
+    for folder in ("tokenizer", "target", "draft"):
+        tok = AutoTokenizer.from_pretrained(quick_build / folder)
+        assert tok.eos_token == tok.bos_token == tok.pad_token == "<|endoftext|>"
+        ids = tok(SNIPPET)["input_ids"]
+        assert tok.decode(ids) == SNIPPET
+
+
+def test_models_load_and_draft_is_smaller(quick_build):
+    from transformers import AutoModelForCausalLM
+
+    configs = {}
+    for folder in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(quick_build / folder, dtype=torch.float32)
+        logits = model(input_ids=torch.tensor([[0, 5, 7]])).logits
+        assert logits.shape == (1, 3, model.config.vocab_size)
+        configs[folder] = model.config
+    t, d = configs["target"], configs["draft"]
+    assert d.vocab_size == t.vocab_size
+    assert (d.hidden_size, d.num_hidden_layers) <= (t.hidden_size, t.num_hidden_layers)
+    assert d.hidden_size * d.num_hidden_layers < t.hidden_size * t.num_hidden_layers
+
+
+def test_cards_and_curves(quick_build):
+    for folder, name in (("target", "selfspec-tiny"), ("draft", "selfspec-tiny-draft")):
+        card = (quick_build / folder / "README.md").read_text()
+        assert card.startswith(f"# {name}\n") and "held-out loss" in card
+        assert "build_tiny.py --quick" in card
+        curve = json.loads((quick_build / folder / "loss_curve.json").read_text())
+        assert curve["final"]["heldout_loss"] > 0 and curve["curve"]
+        assert {"step", "train_loss", "heldout_loss", "tokens_seen", "elapsed_s"} <= set(
+            curve["curve"][-1])
+        assert curve["curve"][-1]["heldout_loss"] is not None
+    assert (quick_build / "_work" / "target.pt").is_file()
+
+
+def test_existing_checkpoint_needs_resume_or_fresh(quick_build):
+    build_tiny = importlib.import_module("build_tiny")  # cached by the fixture
+    with pytest.raises(FileExistsError, match="--resume"):
+        build_tiny.main(["--quick", "--out", str(quick_build), "--stage", "target"])
