@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import P_VALUE_FLOOR, fit_pvalue, joint_two_token_law, tiny_llama
 
-from selfspec import SamplingParams, Transformer, generate, logits_to_probs
-from selfspec.drafters import NgramDrafter, SmallModelDrafter
+from selfspec import SamplingParams, Transformer, Tree, generate, logits_to_probs
+from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
 
 PROMPTS = [
     torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -61,6 +61,44 @@ def test_greedy_is_lossless_with_every_drafter(target, draft_model, plain_greedy
             assert result.stats.new_tokens == 24
             accepted += result.stats.accepted
     assert accepted > 0  # the drafts were really used, not all rejected
+
+
+class TopRankTreeDrafter:
+    """Test drafter for tree verification: node i is the choices[i][-1]-th most likely token of
+    a draft model after the node's path (one uncached forward per node: fine at this size)."""
+
+    target_layers = ()
+
+    def __init__(self, model: Transformer, paths: list[list[int]]):
+        self.model, self.tree = model, Tree.from_paths(paths)
+        self.max_nodes = self.tree.num_nodes
+
+    def begin(self, setup) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, context) -> Draft:
+        tokens: list[int] = []
+        for node, parent in enumerate(self.tree.parents):
+            path = [tokens[i] for i in self.tree.path_to(parent)] if parent >= 0 else []
+            ids = context.tokens.tolist() + path
+            logits = self.model(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+            order = torch.sort(logits, descending=True, stable=True).indices
+            tokens.append(int(order[self.tree.choices[node][-1]]))
+        return Draft(self.tree, torch.tensor(tokens))
+
+
+TREE_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def test_greedy_is_lossless_with_a_tree_drafter(target, draft_model, plain_greedy):
+    drafter = TopRankTreeDrafter(draft_model, TREE_PATHS)
+    prompts_with_accepted_drafts = 0
+    for prompt, expected in plain_greedy.items():
+        result = generate(target, list(prompt), drafter=drafter, max_new_tokens=24)
+        assert result.tokens == expected
+        prompts_with_accepted_drafts += result.stats.accept_histogram[0] < result.stats.steps
+    assert prompts_with_accepted_drafts > 0
 
 
 def test_eos_stops_generation_and_is_not_passed(target, plain_greedy):
@@ -133,6 +171,12 @@ def test_sampling_through_a_drafter_follows_the_target_law(small_pair, params, k
     target, draft = small_pair
     drafter = SmallModelDrafter(draft, 3) if kind == "small_model" else NgramDrafter(3)
     assert sampled_pvalue(target, drafter, params) > P_VALUE_FLOOR
+
+
+def test_sampling_through_a_tree_drafter_follows_the_target_law(small_pair):
+    target, draft = small_pair
+    drafter = TopRankTreeDrafter(draft, [[0], [1], [0, 0]])
+    assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR
 
 
 def test_the_end_to_end_check_catches_a_verifier_without_residual(small_pair, monkeypatch):
