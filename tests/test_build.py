@@ -1,0 +1,221 @@
+"""The config tree composes, every model config is the published size, and build.py turns
+configs into models, drafters, sampling settings and prompts (or clear errors)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
+
+from selfspec import build, generate
+from selfspec.drafters import NgramDrafter, SmallModelDrafter
+from selfspec.model import ModelConfig, Transformer
+from selfspec.plan import count_parameters
+
+# Published parameter counts (model cards / papers); configs must land within 1%.
+PUBLISHED_PARAMS = {
+    "llama2-7b": 6.74e9,
+    "vicuna-7b": 6.74e9,
+    "llama2-13b": 13.0e9,
+    "llama2-70b": 69.0e9,
+    "llama3-8b-instruct": 8.03e9,
+    "llama3.1-70b-instruct": 70.6e9,
+    "mistral-7b": 7.24e9,
+    "qwen2.5-7b-instruct": 7.62e9,
+    "qwen2.5-72b-instruct": 72.7e9,
+}
+# A 2-layer model small enough to save and load in milliseconds.
+SMALL_ARCH = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+              "num_heads": 4, "num_kv_heads": 2}
+SMALL_OVERRIDES = [f"model.arch.{k}={v}" for k, v in SMALL_ARCH.items()]
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (build.CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def cfg_of():
+    """cfg_of(*overrides): conf/generate.yaml composed with Hydra's compose API."""
+    with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
+        yield lambda *overrides: compose("generate", overrides=list(overrides))
+
+
+# ---- composing every config ----------------------------------------------------------------
+
+
+def test_every_real_model_config_has_a_published_size():
+    assert set(group_options("model")) == {"tiny", *PUBLISHED_PARAMS}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_model_config_matches_published_parameter_count(cfg_of, name):
+    cfg = cfg_of(f"model={name}")
+    assert cfg.model.name == name and cfg.model.hf_id and cfg.model.dtype == "bf16"
+    count = count_parameters(build.model_config(cfg.model))
+    assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, f"{name}: {count:,}"
+
+
+def test_default_is_the_tiny_target(cfg_of):
+    cfg = cfg_of()
+    assert cfg.model.name == "tiny" and cfg.model.asset == "tiny/target"
+    assert cfg.model.draft.asset == "tiny/draft"
+    assert (cfg.sampling.name, cfg.data.name, cfg.drafter, cfg.dry_run) == (
+        "greedy", "humaneval", "small_model", False)
+    assert count_parameters(build.model_config(cfg.model)) > 0
+
+
+def test_tiny_config_agrees_with_the_shipped_target(cfg_of):
+    config_json = build.REPO_ROOT / "selfspec/assets/tiny/target/config.json"
+    if not config_json.is_file():
+        pytest.skip("the tiny target is not built yet")
+    expected = build.model_config(cfg_of().model)
+    shipped = ModelConfig.from_hf(json.loads(config_json.read_text()))
+    build.check_architecture(expected, shipped, "tiny", str(config_json.parent))
+
+
+def test_qwen2_configs_have_qkv_bias_and_llama31_its_rope_scaling(cfg_of):
+    qwen = build.model_config(cfg_of("model=qwen2.5-7b-instruct").model)
+    assert qwen.attention_bias and not qwen.attention_out_bias and qwen.model_type == "qwen2"
+    llama31 = build.model_config(cfg_of("model=llama3.1-70b-instruct").model)
+    assert llama31.rope_scaling["rope_type"] == "llama3" and llama31.rope_scaling["factor"] == 8.0
+
+
+@pytest.mark.parametrize("name", group_options("sampling"))
+def test_every_sampling_config_builds(cfg_of, name):
+    params = build.sampling_params(cfg_of(f"sampling={name}").sampling)
+    assert params.greedy == (name == "greedy")
+    assert (params.top_p < 1) == (name == "top_p") and (params.top_k == 50) == (name == "top_k")
+
+
+@pytest.mark.parametrize("name", group_options("data"))
+def test_every_data_config_composes(cfg_of, name):
+    data = cfg_of(f"data={name}").data
+    assert data.name == name and data.num_prompts >= 1 and data.max_prompt_tokens >= 1
+
+
+@pytest.mark.parametrize("name", group_options("bench"))
+def test_every_bench_config_composes(cfg_of, name):
+    bench = cfg_of(f"+bench={name}").bench
+    assert {"max_new_tokens", "num_prompts", "repeats", "warmup"} <= bench.keys()
+
+
+def test_data_paths_default_to_the_shared_folder_and_follow_the_env(cfg_of, monkeypatch, tmp_path):
+    monkeypatch.delenv("SELFSPEC_SHARED_DATA", raising=False)
+    shared = (build.REPO_ROOT.parent / "shared/data").resolve()
+    if shared.is_dir():
+        assert build.data_path(cfg_of("data=mt_bench").data) == shared / "mt_bench_question.jsonl"
+    monkeypatch.setenv("SELFSPEC_SHARED_DATA", str(tmp_path))
+    data = cfg_of("data=spec_bench").data
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/spec_bench_question.jsonl; set da"):
+        build.load_prompts(data, tokenizer=None)
+    (tmp_path / "spec_bench_question.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
+    assert build.data_path(data) == tmp_path / "spec_bench_question.jsonl"
+    (loaded,) = build.load_prompts(data, tokenizer=lambda text: {"input_ids": [len(text)]})
+    assert loaded.prompt.id == "7" and loaded.ids == [2]
+
+
+# ---- finding weights -----------------------------------------------------------------------
+
+
+def test_missing_real_model_names_its_id_and_the_fix(cfg_of, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(build.ModelNotAvailable) as info:
+        build.resolve_model_path(cfg_of("model=llama2-70b").model)
+    message = str(info.value)
+    assert "meta-llama/Llama-2-70b-hf" in message and "model.path=" in message
+    assert str(tmp_path) in message and "Hub access" in message
+
+
+def test_model_path_that_does_not_exist_is_named(cfg_of, tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(build.ModelNotAvailable, match="nowhere"):
+        build.resolve_model_path(cfg_of("model=mistral-7b", f"model.path={missing}").model)
+
+
+def test_hub_cache_snapshot_is_found_offline(cfg_of, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    commit = "0" * 40
+    repo = tmp_path / "models--JackFram--llama-68m"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs/main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    draft_cfg = cfg_of("model=llama2-7b").model.draft
+    assert build.resolve_model_path(draft_cfg, "model.draft") == snapshot
+
+
+def test_generate_without_weights_fails_cleanly(tmp_path):
+    script = build.REPO_ROOT / "eval/generate.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "model=llama2-7b", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode != 0
+    assert "meta-llama/Llama-2-7b-hf" in run.stderr and "model.path=" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ---- loading a model folder and building drafters ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory) -> Path:
+    """A random 2-layer Llama saved the Hugging Face way (config.json + model.safetensors)."""
+    folder = tmp_path_factory.mktemp("small")
+    config = ModelConfig(**SMALL_ARCH, head_dim=8, max_position_embeddings=128, bos_token_id=0,
+                         eos_token_ids=(1,))
+    torch.manual_seed(0)
+    model = Transformer(config)
+    state = {k if k.startswith("lm_head") else f"model.{k}": v.contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    hf_config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 0,
+                 "eos_token_id": 1, **{k: SMALL_ARCH[k] for k in
+                                       ("vocab_size", "hidden_size", "intermediate_size")}}
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    return folder
+
+
+def test_load_target_and_drafters_from_a_local_folder(cfg_of, small_folder):
+    cfg = cfg_of(f"model.path={small_folder}", f"model.draft.path={small_folder}",
+                 *SMALL_OVERRIDES)
+    target = build.load_target(cfg)
+    assert target.source == str(small_folder) and target.embed_tokens.weight.dtype == torch.float32
+    assert build.build_drafter(cfg_of("drafter=none"), target) is None
+    assert isinstance(build.build_drafter(cfg_of("drafter=ngram"), target), NgramDrafter)
+    drafter = build.build_drafter(cfg, target)
+    assert isinstance(drafter, SmallModelDrafter) and drafter.num_draft_tokens == 4
+    plain = generate(target, [0, 5, 7], max_new_tokens=6)
+    spec = generate(target, [0, 5, 7], drafter=drafter, max_new_tokens=6)
+    assert spec.tokens == plain.tokens and spec.stats.tau > 1  # the draft is the target itself
+
+
+def test_weights_that_contradict_the_config_are_refused(cfg_of, small_folder):
+    overrides = [o for o in SMALL_OVERRIDES if "num_layers" not in o]
+    cfg = cfg_of(f"model.path={small_folder}", *overrides)  # tiny's 8 layers vs 2 saved
+    with pytest.raises(ValueError, match="num_layers: config 8 vs checkpoint 2"):
+        build.load_target(cfg)
+
+
+def test_drafter_errors_say_what_to_do(cfg_of, small_folder):
+    target = build.load_target(cfg_of(f"model.path={small_folder}", *SMALL_OVERRIDES))
+    with pytest.raises(ValueError, match="model.draft.path=.*drafter=ngram"):
+        build.build_drafter(cfg_of("model=mistral-7b"), target)
+    with pytest.raises(ValueError, match="unknown drafter 'eagle9'"):
+        build.build_drafter(cfg_of("drafter=eagle9"), target)
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        build.load_target(cfg_of(f"model.path={small_folder}", "model.dtype=fp8",
+                                 *SMALL_OVERRIDES))

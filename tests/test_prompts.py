@@ -1,0 +1,113 @@
+"""Prompt loaders: HumanEval, held-out stdlib, MT-bench / Spec-Bench files, and encoding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from selfspec.build import REPO_ROOT
+from selfspec.data import stdlib_files, stdlib_root
+from selfspec.prompts import (
+    Prompt,
+    encode_prompts,
+    humaneval_prompts,
+    mt_bench_prompts,
+    question_file_prompts,
+    spec_bench_prompts,
+    stdlib_heldout_prompts,
+)
+
+SHARED_DATA = Path(os.environ.get("SELFSPEC_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+needs_shared_data = pytest.mark.skipif(
+    not SHARED_DATA.is_dir(), reason=f"no shared question files at {SHARED_DATA}"
+)
+
+
+def test_humaneval_has_164_problems_with_their_ids():
+    prompts = humaneval_prompts()
+    assert len(prompts) == 164
+    assert [p.id for p in prompts[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert len({p.id for p in prompts}) == 164
+    assert all(p.category == "humaneval" and "def " in p.text for p in prompts)
+
+
+def test_stdlib_heldout_prompts_are_deterministic_heldout_file_heads():
+    prompts = stdlib_heldout_prompts(5, num_lines=3)
+    assert prompts == stdlib_heldout_prompts(5, num_lines=3) and len(prompts) == 5
+    heldout = {p.relative_to(stdlib_root()).as_posix() for p in stdlib_files("heldout")}
+    assert all(p.id in heldout and p.category == "stdlib" for p in prompts)
+    assert all(p.text.strip() and len(p.text.splitlines()) <= 3 for p in prompts)
+    with pytest.raises(ValueError, match="num_lines >= 1"):
+        stdlib_heldout_prompts(5, num_lines=0)
+
+
+@needs_shared_data
+def test_mt_bench_first_turns_with_ids():
+    prompts = mt_bench_prompts(SHARED_DATA / "mt_bench_question.jsonl")
+    assert len(prompts) == 80 and prompts[0].id == "81" and prompts[0].category == "writing"
+    assert prompts[0].text.startswith("Compose an engaging travel blog post")
+    assert len({p.id for p in prompts}) == 80
+
+
+@needs_shared_data
+def test_spec_bench_first_turns_with_ids():
+    prompts = spec_bench_prompts(SHARED_DATA / "spec_bench_question.jsonl")
+    assert len(prompts) == 480 and len({p.id for p in prompts}) == 480
+    assert len({p.category for p in prompts}) > 1 and all(p.text for p in prompts)
+
+
+def test_missing_question_file_names_the_path(tmp_path):
+    missing = tmp_path / "absent.jsonl"
+    with pytest.raises(FileNotFoundError, match="MT-bench file not found: .*absent.jsonl"):
+        mt_bench_prompts(missing)
+
+
+def test_empty_question_file_names_the_path(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="Spec-Bench file .*empty.jsonl holds no questions"):
+        spec_bench_prompts(empty)
+
+
+def test_bad_question_line_names_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["hi"]}\n{"question_id": 2}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 2"):
+        question_file_prompts(bad)
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(ValueError, match="line 1: `turns` must be a non-empty list"):
+        question_file_prompts(bad)
+
+
+class StubTokenizer:
+    """One token per character (ids = code points), BOS 1, optionally a chat template."""
+
+    bos_token_id = 1
+
+    def __init__(self, chat_template: str | None = None):
+        self.chat_template = chat_template
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict
+        return [1, 2, *(ord(c) for c in messages[0]["content"]), 3]
+
+
+def test_encode_adds_bos_and_keeps_the_end_of_long_prompts():
+    prompt = Prompt("x", "abcdef", "test")
+    (short,) = encode_prompts([prompt], StubTokenizer(), max_tokens=100)
+    assert short.prompt == prompt and short.ids == [1, *map(ord, "abcdef")]
+    (cut,) = encode_prompts([prompt], StubTokenizer(), max_tokens=3)
+    assert cut.ids == [1, ord("e"), ord("f")]
+
+
+def test_encode_uses_the_chat_template_only_for_chat_data():
+    prompt = Prompt("x", "hi", "test")
+    tokenizer = StubTokenizer(chat_template="{{ messages }}")
+    assert encode_prompts([prompt], tokenizer, 100, chat=True)[0].ids == [1, 2, 104, 105, 3]
+    assert encode_prompts([prompt], tokenizer, 100, chat=False)[0].ids == [1, 104, 105]
+    assert encode_prompts([prompt], StubTokenizer(), 100, chat=True)[0].ids == [1, 104, 105]
