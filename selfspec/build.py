@@ -8,13 +8,21 @@ download). Its `arch` block holds the architecture facts, so plans need no weigh
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.data import (
+    load_sharegpt,
+    packed_chat_dataset,
+    packed_stdlib_dataset,
+    rows_from_dataset,
+)
 from selfspec.drafters import Drafter, NgramDrafter, SmallModelDrafter
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import ModelPlan, plan_model
 from selfspec.prompts import (
@@ -27,6 +35,8 @@ from selfspec.prompts import (
     stdlib_heldout_prompts,
 )
 from selfspec.sampling import SamplingParams
+from selfspec.training import TokenRows, TrainSettings
+from selfspec.tree import Tree
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"  # the Hydra config root (a repository folder, not package data)
@@ -45,10 +55,12 @@ class ModelNotAvailable(ValueError):
 
 
 def model_config(cfg_model: DictConfig) -> ModelConfig:
-    """The architecture (no weights) from a model config's `arch` block."""
+    """The architecture (no weights) from a model config's `arch` block, or from the model
+    folder's config.json when `arch` is null (a local model: `model=local model.path=...`)."""
     name = cfg_model.get("name")
     if cfg_model.get("arch") is None:
-        raise ValueError(f"model config {name!r} has no `arch` block of architecture facts")
+        config_file = resolve_model_path(cfg_model) / "config.json"
+        return ModelConfig.from_hf(json.loads(config_file.read_text()))
     arch = OmegaConf.to_container(cfg_model.arch, resolve=True)
     if "head_dim" not in arch and {"hidden_size", "num_heads"} <= arch.keys():
         arch["head_dim"] = arch["hidden_size"] // arch["num_heads"]  # unless it differs
@@ -139,7 +151,8 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
 def load_target(cfg: DictConfig) -> Transformer:
     """The target model of cfg.model, checked against its config's architecture facts."""
     target = _load_model(cfg.model, "model", cfg.model.dtype, cfg.get("device", "cpu"))
-    check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
+    if cfg.model.get("arch") is not None:
+        check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
     return target
 
 
@@ -232,3 +245,75 @@ def load_prompts(cfg_data: DictConfig, tokenizer) -> list[EncodedPrompt]:
         prompts(cfg_data), tokenizer, int(cfg_data.max_prompt_tokens), bool(cfg_data.chat)
     )
 
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def train_settings(cfg: DictConfig) -> TrainSettings:
+    """TrainSettings from cfg.trainer and cfg.optim (the run folder is cfg.run_dir)."""
+    t, o = cfg.trainer, cfg.optim
+    return TrainSettings(
+        run_dir=str(cfg.run_dir), max_steps=int(t.max_steps),
+        micro_batch_size=int(t.micro_batch_size), grad_accum=int(t.grad_accum),
+        lr=float(o.lr), weight_decay=float(o.weight_decay), warmup_steps=int(o.warmup_steps),
+        clip_grad=float(o.clip_grad), log_every=int(t.log_every), eval_every=int(t.eval_every),
+        eval_rows=int(t.eval_rows), save_every=int(t.save_every),
+        keep_checkpoints=int(t.keep_checkpoints), seed=int(cfg.seed), resume=bool(t.resume),
+        stop_after=None if t.stop_after is None else int(t.stop_after),
+    )
+
+
+def deepspeed_config(cfg: DictConfig) -> dict | None:
+    """The DeepSpeed config dict of cfg.deepspeed, or None without DeepSpeed."""
+    config = cfg.deepspeed.get("config")
+    return None if config is None else OmegaConf.to_container(config, resolve=True)
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer  # slow import: only when weights are there
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def training_rows(cfg: DictConfig, tokenizer) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len."""
+    source, seq_len = cfg.train_data.source, int(cfg.trainer.seq_len)
+    if source == "stdlib":
+        cache = cfg.train_data.get("cache_dir")
+        train, heldout = (
+            rows_from_dataset(packed_stdlib_dataset(tokenizer, split, seq_len, cache))
+            for split in ("train", "heldout")
+        )
+    elif source == "sharegpt":
+        if not cfg.train_data.get("path"):
+            raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
+        conversations = load_sharegpt(cfg.train_data.path)
+        cut = max(1, len(conversations) // 20)  # every 20th conversation is held out
+        train, heldout = (
+            rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
+            for part in (conversations[cut:], conversations[:cut])
+        )
+    else:
+        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib or sharegpt")
+    cap = cfg.train_data.get("max_rows")
+    if cap is not None:
+        train = train.select(torch.arange(min(int(cap), len(train))))
+    return train, heldout
+
+
+def draft_tree(cfg: DictConfig) -> Tree:
+    return Tree.from_paths(OmegaConf.to_container(cfg.tree.choices))
+
+
+def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, MedusaConfig]:
+    """Fresh Medusa heads sized for the target (output layers copied from its LM head)."""
+    config = MedusaConfig(
+        hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size,
+        num_heads=int(cfg.medusa.num_heads), num_layers=int(cfg.medusa.num_layers),
+    )
+    torch.manual_seed(int(cfg.seed))
+    heads = MedusaHeads(config).to(target.embed_tokens.weight.dtype)
+    if cfg.medusa.init_from_lm_head:
+        heads.init_from_lm_head(target.lm_head.weight.detach())
+    return heads, config

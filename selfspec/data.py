@@ -12,6 +12,7 @@ The stdlib differs between Python versions: ``stdlib_manifest_sha256`` pins what
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from collections.abc import Iterable, Sequence
@@ -108,3 +109,124 @@ def pack_token_stream(ids: Sequence[int], seq_len: int) -> torch.Tensor:
     if n == 0:
         raise ValueError(f"{len(ids)} tokens do not fill one window of {seq_len}")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+# ---- training rows through Hugging Face `datasets` (tokenise, pack, cache) -------------------
+
+
+def packed_stdlib_dataset(tokenizer, split: Split, seq_len: int, cache_dir: str | Path | None):
+    """The stdlib split tokenised and packed into windows: a `datasets.Dataset` with columns
+    `tokens` and `loss_mask` (all ones: every token is a target), cached in cache_dir."""
+    import datasets
+
+    paths = [str(p) for p in stdlib_files(split)]
+    manifest = stdlib_manifest_sha256(split)
+    key = _cache_key("stdlib", split, manifest, seq_len, _vocab_hash(tokenizer))
+    docs = datasets.Dataset.from_dict({"path": paths})
+    docs = docs.map(
+        lambda batch: {"ids": [_document_ids(tokenizer, Path(p)) for p in batch["path"]]},
+        batched=True, remove_columns=["path"], desc="tokenize",
+        cache_file_name=_cache_file(cache_dir, key, "ids"),
+    )
+    return docs.map(
+        lambda batch: _pack_batch(batch["ids"], None, seq_len), batched=True, batch_size=None,
+        remove_columns=["ids"], desc="pack", cache_file_name=_cache_file(cache_dir, key, "packed"),
+    )
+
+
+def packed_chat_dataset(tokenizer, conversations: list[list[dict]], seq_len: int):
+    """ShareGPT-style conversations packed into windows with assistant-only loss masks."""
+    import datasets
+
+    rendered = [render_conversation(tokenizer, c) for c in conversations]
+    ids = [r[0] for r in rendered]
+    masks = [r[1] for r in rendered]
+    return datasets.Dataset.from_dict(_pack_batch(ids, masks, seq_len))
+
+
+def load_sharegpt(path: str | Path) -> list[list[dict]]:
+    """Conversations from a ShareGPT JSON file: a list of {"conversations": [{"from", "value"}]}.
+
+    Roles human/user become "user", gpt/assistant/chatgpt become "assistant".
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file not found: {path}")
+    records = json.loads(path.read_text())
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "chatgpt": "assistant", "system": "system"}
+    conversations = []
+    for record in records:
+        turns = record.get("conversations") or record.get("messages") or []
+        messages = [{"role": roles.get(t.get("from", t.get("role")), "user"),
+                     "content": t.get("value", t.get("content", ""))} for t in turns]
+        if any(m["role"] == "assistant" for m in messages):
+            conversations.append(messages)
+    if not conversations:
+        raise ValueError(f"{path} holds no conversation with an assistant turn")
+    return conversations
+
+
+def render_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and a loss mask that is 1 on assistant tokens only.
+
+    With a chat template each message's tokens are what rendering it adds to the rendered
+    prefix; without one a plain "### role:" layout is used.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if getattr(tokenizer, "chat_template", None):
+            full = tokenizer.apply_chat_template(
+                messages[: i + 1], tokenize=True, return_dict=False
+            )
+            new = list(full)[len(ids):]
+        else:
+            text = f"### {message['role']}:\n{message['content']}\n"
+            new = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if message["role"] == "assistant":
+                new.append(tokenizer.eos_token_id)
+        ids += new
+        mask += [int(message["role"] == "assistant")] * len(new)
+    return ids, mask
+
+
+def rows_from_dataset(dataset):
+    """A packed `datasets.Dataset` as `selfspec.training.TokenRows` tensors."""
+    from selfspec.training import TokenRows
+
+    columns = dataset.with_format("torch")[:]  # every row, as tensors
+    return TokenRows(columns["tokens"].long(), columns["loss_mask"].long())
+
+
+def _document_ids(tokenizer, path: Path) -> list[int]:
+    text = read_source(path)
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [tokenizer.eos_token_id, *ids]
+
+
+def _pack_batch(ids: list[list[int]], masks: list[list[int]] | None, seq_len: int) -> dict:
+    """Concatenate documents and cut full windows of seq_len (the short tail is dropped)."""
+    flat = [t for doc in ids for t in doc]
+    flat_mask = [m for doc in masks for m in doc] if masks is not None else [1] * len(flat)
+    n = len(flat) // seq_len
+    if n == 0:
+        raise ValueError(f"{len(flat)} tokens do not fill one window of {seq_len}")
+    cut = lambda xs: [xs[i * seq_len : (i + 1) * seq_len] for i in range(n)]  # noqa: E731
+    return {"tokens": cut(flat), "loss_mask": cut(flat_mask)}
+
+
+def _vocab_hash(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def _cache_key(*parts) -> str:
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def _cache_file(cache_dir: str | Path | None, key: str, stage: str) -> str | None:
+    if cache_dir is None:
+        return None
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(cache_dir) / f"{key}-{stage}.arrow")

@@ -1,0 +1,324 @@
+"""One training loop for every trainable drafter, on Hugging Face accelerate.
+
+The same `fit` runs on one CPU, under DDP and under DeepSpeed ZeRO (1/2/3), because accelerate
+owns the distribution. What is trained is an *objective*: an `nn.Module` holding the frozen
+target (parameters with requires_grad=False) and the trainable head, whose forward returns a
+`LossOutput`. Checkpoints hold the trainable parameters, the optimizer and scheduler states and
+the RNG, never the frozen target; `resume=True` continues from the last complete one.
+
+Data order is a pure function of (seed, step): the global batch of a step is the same whatever
+the number of processes, so a 2-process run matches a 1-process run of the same global batch,
+and a resumed run sees exactly the batches the interrupted one would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from selfspec.losses import LossOutput
+from selfspec.tracking import Tracker
+
+CHECKPOINT_PREFIX = "step_"
+COMPLETE_MARKER = "COMPLETE"  # written last: a checkpoint without it was interrupted
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training stopped on a NaN/inf loss; the last good checkpoint is kept."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """max_steps: optimizer steps. micro_batch_size: rows per process per micro-step; the
+    global batch is micro_batch_size * processes * grad_accum rows. stop_after: end the run
+    early after that many steps, as an interruption would (the schedule still spans max_steps).
+    """
+
+    run_dir: str
+    max_steps: int
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    clip_grad: float = 1.0
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate at the end only
+    eval_rows: int = 32
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    seed: int = 0
+    resume: bool = False
+    stop_after: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainSettings: {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Packed training rows: tokens [N, T] and loss_mask [N, T] (1 = a token to predict)."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, indices: torch.Tensor) -> TokenRows:
+        return TokenRows(self.tokens[indices], self.loss_mask[indices])
+
+
+@dataclass
+class FitResult:
+    step: int
+    metrics: dict[str, float]
+    checkpoint: Path | None
+
+
+def fit(
+    objective: torch.nn.Module,
+    train: TokenRows,
+    evaluation: TokenRows | None,
+    settings: TrainSettings,
+    *,
+    accelerator: Accelerator,
+    tracker: Tracker | None = None,
+    export: Callable[[dict[str, torch.Tensor], Path], None] | None = None,
+) -> FitResult:
+    """Train the objective's trainable parameters; returns the last step and its metrics.
+
+    export(trainable_state_dict, folder) is called on the main process at every checkpoint
+    with the full (gathered) trainable weights, e.g. to write head-only safetensors.
+    """
+    set_seed(settings.seed)
+    optimizer, scheduler = _optimizer_and_schedule(objective, settings)
+    model, optimizer = accelerator.prepare(objective, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    trainable = {n for n, p in objective.named_parameters() if p.requires_grad}
+    _drop_frozen_weights_from_checkpoints(accelerator, trainable)
+    checkpoints = Path(settings.run_dir) / "checkpoints"
+    start = _resume(accelerator, checkpoints) if settings.resume else 0
+    if tracker is not None and settings.resume:
+        tracker.resumed_at(start)
+    last = settings.max_steps if settings.stop_after is None else min(
+        settings.max_steps, settings.stop_after
+    )
+    metrics, saved = {}, _latest_checkpoint(checkpoints)
+    bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
+    for step in bar:
+        metrics = _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
+        done = step + 1
+        if evaluation is not None and _due(done, settings.eval_every, last):
+            metrics |= _evaluate(model, evaluation, settings, accelerator)
+        if tracker is not None and (_due(done, settings.log_every, last) or "eval/loss" in metrics):
+            tracker.log(metrics, step=done)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if _due(done, settings.save_every, last):
+            saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
+    return FitResult(last, metrics, saved)
+
+
+def make_accelerator(settings: TrainSettings, deepspeed_config: dict | None = None) -> Accelerator:
+    """An Accelerator for this launch: one process, DDP under torchrun, or DeepSpeed ZeRO.
+
+    Checks afterwards that accelerate really runs what was launched: some CPU combinations
+    otherwise fall back silently to one process, or to replicas that never synchronise.
+    """
+    from accelerate import DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    handlers = [InitProcessGroupKwargs(backend=backend)] if world > 1 else []
+    plugin = None
+    if deepspeed_config:
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            **deepspeed_config,
+            "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+            "gradient_accumulation_steps": settings.grad_accum,
+            "gradient_clipping": settings.clip_grad,
+        })
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available() and plugin is None,  # CPU DDP needs cpu=True
+        gradient_accumulation_steps=settings.grad_accum,
+        deepspeed_plugin=plugin,
+        kwargs_handlers=handlers,
+    )
+    _check_launch(accelerator, world, plugin is not None)
+    return accelerator
+
+
+def _check_launch(accelerator: Accelerator, world: int, deepspeed: bool) -> None:
+    if accelerator.num_processes != world:
+        raise RuntimeError(
+            f"launched {world} processes but accelerate runs {accelerator.num_processes}: "
+            f"launch with torchrun --nproc_per_node N (or accelerate launch --use_deepspeed)"
+        )
+    if deepspeed and not _is_deepspeed(accelerator):
+        raise RuntimeError(
+            "a DeepSpeed config was given but accelerate did not enable DeepSpeed (is "
+            "ACCELERATE_USE_CPU set? it disables DeepSpeed): unset it, or use deepspeed=none"
+        )
+
+
+# ---- one step --------------------------------------------------------------------------------
+
+
+def _train_step(model, optimizer, scheduler, train, step, settings, accelerator) -> dict:
+    """grad_accum micro-steps, one optimizer step; metrics averaged over micro-steps and ranks."""
+    outputs = []
+    for micro in range(settings.grad_accum):
+        batch = _micro_batch(train, step, micro, settings, accelerator)
+        with accelerator.accumulate(model):
+            out: LossOutput = model(batch.tokens, batch.loss_mask)
+            _stop_if_not_finite(out.loss, step + 1, settings, accelerator)
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients and not _is_deepspeed(accelerator):
+                accelerator.clip_grad_norm_(model.parameters(), settings.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad()
+        outputs.append(out)
+    scheduler.step()
+    metrics = _mean_over_ranks(outputs, accelerator)
+    return metrics | {"lr": scheduler.get_last_lr()[0]}
+
+
+def _micro_batch(train: TokenRows, step, micro, settings, accelerator) -> TokenRows:
+    """This process's rows of micro-step `micro` of optimizer step `step`."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_micro = settings.micro_batch_size * world
+    first = (step * settings.grad_accum + micro) * per_micro + rank * settings.micro_batch_size
+    positions = torch.arange(first, first + settings.micro_batch_size)
+    return train.select(_epoch_order(positions, len(train), settings.seed))
+
+
+def _epoch_order(positions: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Row index at each position of an endless stream of seeded per-epoch permutations."""
+    epochs, offsets = positions // n, positions % n
+    rows = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        chosen = epochs == epoch
+        rows[chosen] = order[offsets[chosen]]
+    return rows
+
+
+def _mean_over_ranks(outputs: list[LossOutput], accelerator: Accelerator) -> dict[str, float]:
+    names = sorted(outputs[0].metrics)
+    local = torch.tensor(
+        [[o.loss.item()] + [o.metrics[k] for k in names] for o in outputs], dtype=torch.float64
+    ).mean(0)
+    values = accelerator.reduce(local.to(accelerator.device), reduction="mean").tolist()
+    return dict(zip(["loss", *names], values, strict=True))
+
+
+def _stop_if_not_finite(loss: torch.Tensor, step: int, settings, accelerator) -> None:
+    bad = torch.tensor(float(not torch.isfinite(loss).all()), device=accelerator.device)
+    if accelerator.reduce(bad, reduction="sum").item() > 0:
+        kept = _latest_checkpoint(Path(settings.run_dir) / "checkpoints")
+        raise NonFiniteLoss(
+            f"the loss became NaN/inf at step {step}; training stopped without saving. "
+            f"Last good checkpoint: {kept or 'none yet'}. Lower optim.lr or check the data, "
+            f"then resume with trainer.resume=true."
+        )
+
+
+@torch.no_grad()
+def _evaluate(model, evaluation: TokenRows, settings, accelerator) -> dict[str, float]:
+    """Mean loss and metrics over the first eval_rows rows, split across processes."""
+    model.eval()
+    rows = torch.arange(min(settings.eval_rows, len(evaluation)))
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    outputs = [
+        model(chunk.tokens, chunk.loss_mask)
+        for chunk in (evaluation.select(i) for i in mine.split(settings.micro_batch_size))
+    ]
+    model.train()
+    return {f"eval/{k}": v for k, v in _mean_over_ranks(outputs, accelerator).items()}
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def _is_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings):
+    params = [p for p in objective.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the objective has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, settings.warmup_steps, settings.max_steps
+    )
+    return optimizer, scheduler
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _save(model, accelerator, checkpoints: Path, step, trainable, settings, export) -> Path:
+    """Save the state needed to resume, then export the trainable weights, then mark complete."""
+    folder = checkpoints / f"{CHECKPOINT_PREFIX}{step:07d}"
+    kwargs = {"exclude_frozen_parameters": True} if _is_deepspeed(accelerator) else {}
+    accelerator.save_state(str(folder), **kwargs)
+    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; on every rank
+    if accelerator.is_main_process:
+        if export is not None:
+            export({k: v for k, v in state.items() if k in trainable}, folder / "export")
+        (folder / COMPLETE_MARKER).write_text(str(step))
+        _prune(checkpoints, settings.keep_checkpoints)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def _resume(accelerator: Accelerator, checkpoints: Path) -> int:
+    """Load the last complete checkpoint; returns its step (0 when there is none)."""
+    latest = _latest_checkpoint(checkpoints)
+    if latest is None:
+        return 0
+    if _is_deepspeed(accelerator):
+        accelerator.load_state(str(latest), load_module_strict=False)
+    else:
+        accelerator.load_state(str(latest), strict=False)
+    return int(latest.name.removeprefix(CHECKPOINT_PREFIX))
+
+
+def _latest_checkpoint(checkpoints: Path) -> Path | None:
+    complete = sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*/{COMPLETE_MARKER}"))
+    return complete[-1].parent if complete else None
+
+
+def _prune(checkpoints: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (and any incomplete older ones)."""
+    folders = sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
+    complete = [f for f in folders if (f / COMPLETE_MARKER).exists()]
+    for folder in folders:
+        if folder not in complete[-keep:] and folder < complete[-1]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _drop_frozen_weights_from_checkpoints(accelerator: Accelerator, trainable: set[str]) -> None:
+    """Checkpoints hold the trainable weights only: the frozen target is reloaded from its
+    own folder (for a 70B target, saving it at every checkpoint would dwarf the head)."""
+
+    def keep_trainable(models, weights, output_dir) -> None:
+        for state in weights:
+            for name in [n for n in state if n not in trainable]:
+                del state[name]
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
