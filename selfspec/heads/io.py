@@ -1,0 +1,155 @@
+"""Checkpoint I/O shared by every head type: weights in safetensors, metadata in JSON.
+
+A head folder holds `model.safetensors` (the head's own parameters, nothing of the target) and
+`head_config.json`: {"head_type": class name, "config": the config dataclass's fields,
+"target": what the head was trained on (hidden_size, vocab_size, num_layers, source, ...)}.
+`load_head` refuses a head trained for another target, since its features would not match.
+Head classes are built as `cls(config)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from selfspec.model import Transformer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "head_config.json"
+_TARGET_KEYS = ("hidden_size", "vocab_size", "num_layers")  # recorded; must match the target
+_CONFIG_KEYS = ("hidden_size", "vocab_size")  # head config fields that must match too
+
+HeadT = TypeVar("HeadT", bound=nn.Module)
+
+
+def describe_target(target: Transformer) -> dict[str, Any]:
+    """The target facts a head checkpoint records (and `load_head` checks)."""
+    config = target.config
+    return {
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_layers": config.num_layers,
+        "model_type": config.model_type,
+        "source": target.source,
+    }
+
+
+def save_head(
+    folder: str | Path, module: nn.Module, config: Any, target_info: dict[str, Any]
+) -> Path:
+    """Write `module`'s parameters and buffers and its config to `folder`; returns the folder.
+
+    config: the dataclass the module was built from; target_info: e.g. `describe_target(t)`.
+    """
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise ValueError(
+            f"save_head: config must be a dataclass instance (e.g. MedusaConfig(...)), "
+            f"got {type(config).__name__}"
+        )
+    meta = {
+        "head_type": type(module).__name__,
+        "config": dataclasses.asdict(config),
+        "target": dict(target_info),
+    }
+    try:
+        text = json.dumps(meta, indent=2, sort_keys=True)  # before writing anything
+    except TypeError as error:
+        raise ValueError(
+            f"save_head: target_info must hold JSON values (numbers, strings, lists): {error}"
+        ) from error
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous().cpu() for name, t in module.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"head_type": meta["head_type"]})
+    (folder / CONFIG_FILE).write_text(text + "\n")
+    return folder
+
+
+def load_head(
+    folder: str | Path, cls: type[HeadT], config_cls: type, *, target: Transformer
+) -> HeadT:
+    """Load a head saved by `save_head`, on the target's device and dtype.
+
+    Refuses (ValueError) a checkpoint of another head type or one trained for a target with
+    another hidden size, vocab size or layer count; a missing folder or file is a
+    FileNotFoundError.
+    """
+    folder = Path(folder)
+    meta = _read_meta(folder)
+    if meta.get("head_type") != cls.__name__:
+        raise ValueError(
+            f"load_head: {folder} holds a {meta.get('head_type')!r} head, not {cls.__name__!r}; "
+            f"load it with its own class or pick a {cls.__name__} checkpoint"
+        )
+    config = _build_config(config_cls, meta.get("config", {}), folder)
+    _check_target(folder, meta.get("target", {}), config, target)
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        module = cls(config)
+    weight = target.embed_tokens.weight
+    state = load_file(str(folder / WEIGHTS_FILE), device=str(weight.device))
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if missing or unexpected or left:
+        raise ValueError(
+            f"load_head: {folder / WEIGHTS_FILE} does not match {cls.__name__}({config}): "
+            f"missing {sorted(set(missing) | set(left))[:8]}, unexpected {unexpected[:8]}"
+        )
+    return module.to(device=weight.device, dtype=weight.dtype)
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"head checkpoint folder not found: {folder}; pass the folder save_head wrote"
+        )
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"head checkpoint {folder} has no {name}; it must hold {CONFIG_FILE} and "
+                f"{WEIGHTS_FILE} as written by selfspec.heads.save_head"
+            )
+    return json.loads((folder / CONFIG_FILE).read_text())
+
+
+def _build_config(config_cls: type, fields: dict[str, Any], folder: Path) -> Any:
+    """The config dataclass from its JSON fields (JSON turns tuples into lists: undo that)."""
+    declared = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
+    values = {
+        name: tuple(v) if isinstance(v, list) and "tuple" in declared.get(name, "") else v
+        for name, v in fields.items()
+    }
+    try:
+        return config_cls(**values)
+    except TypeError as error:
+        raise ValueError(
+            f"load_head: the config in {folder / CONFIG_FILE} does not fit "
+            f"{config_cls.__name__}: {error}"
+        ) from error
+
+
+def _check_target(
+    folder: Path, trained_for: dict[str, Any], config: Any, target: Transformer
+) -> None:
+    """Refuse a head whose recorded target, or whose config's sizes, disagree with this target."""
+    mismatches = []
+    for key in _TARGET_KEYS:
+        ours = getattr(target.config, key)
+        # A head config's num_layers counts the head's own layers, not the target's.
+        in_config = getattr(config, key, None) if key in _CONFIG_KEYS else None
+        recorded = {"checkpoint target": trained_for.get(key), "head config": in_config}
+        for where, value in recorded.items():
+            if value is not None and value != ours:
+                mismatches.append(f"{key} {value} ({where}) vs {ours} (this target)")
+    if mismatches:
+        source = trained_for.get("source") or "an unrecorded model"
+        raise ValueError(
+            f"load_head: {folder} was trained for another target ({source}): "
+            f"{'; '.join(dict.fromkeys(mismatches))}. Load the head trained for this target "
+            f"({target.source or 'this model'}), or train one for it (e.g. train/medusa.py)"
+        )
