@@ -112,20 +112,20 @@ def fit(
     start = _resume(accelerator, checkpoints) if settings.resume else 0
     if tracker is not None and settings.resume:
         tracker.resumed_at(start)
-    last = settings.max_steps if settings.stop_after is None else min(
-        settings.max_steps, settings.stop_after
-    )
+    end, last = settings.max_steps, settings.max_steps  # `last`: where an interruption stops
+    if settings.stop_after is not None:
+        last = min(last, settings.stop_after)
     metrics, saved = {}, _latest_checkpoint(checkpoints)
     bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
     for step in bar:
         metrics = _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
         done = step + 1
-        if evaluation is not None and _due(done, settings.eval_every, last):
+        if evaluation is not None and _due(done, settings.eval_every, end):
             metrics |= _evaluate(model, evaluation, settings, accelerator)
-        if tracker is not None and (_due(done, settings.log_every, last) or "eval/loss" in metrics):
+        if tracker is not None and (_due(done, settings.log_every, end) or "eval/loss" in metrics):
             tracker.log(metrics, step=done)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if _due(done, settings.save_every, last):
+        if _due(done, settings.save_every, end):
             saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
     return FitResult(last, metrics, saved)
 

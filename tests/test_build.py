@@ -44,14 +44,35 @@ def group_options(group: str) -> list[str]:
 def cfg_of():
     """cfg_of(*overrides): conf/generate.yaml composed with Hydra's compose API."""
     with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
-        yield lambda *overrides: compose("generate", overrides=list(overrides))
+        yield lambda *overrides, config="generate": compose(config, overrides=list(overrides))
 
 
 # ---- composing every config ----------------------------------------------------------------
 
 
 def test_every_real_model_config_has_a_published_size():
-    assert set(group_options("model")) == {"tiny", *PUBLISHED_PARAMS}
+    assert set(group_options("model")) == {"tiny", "local", *PUBLISHED_PARAMS}
+
+
+def test_a_local_model_reads_its_architecture_from_the_folder(cfg_of, small_folder):
+    cfg = cfg_of("model=local", f"model.path={small_folder}")
+    assert build.model_config(cfg.model).num_layers == SMALL_ARCH["num_layers"]
+    assert build.load_target(cfg).config.hidden_size == SMALL_ARCH["hidden_size"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{group}={name}" for group in ("optim", "trainer", "deepspeed", "tree", "model", "data",
+                                     "sampling") for name in group_options(group)],
+)
+def test_every_training_config_composes(cfg_of, override):
+    cfg = cfg_of(override, "run_dir=/tmp/unused", config="train_medusa")
+    settings = build.train_settings(cfg)
+    assert settings.max_steps >= 1 and settings.lr > 0
+    tree = build.draft_tree(cfg)
+    assert 1 <= tree.max_depth <= cfg.medusa.num_heads
+    config = build.deepspeed_config(cfg)
+    assert config is None or config["zero_optimization"]["stage"] in (2, 3)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

@@ -1,0 +1,150 @@
+"""The one training loop: resume, tracking, non-finite loss, DeepSpeed ZeRO on 2 processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from helpers import tiny_llama
+from safetensors.torch import load_file
+
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.losses import LossOutput
+from selfspec.model import Transformer
+from selfspec.objectives import MedusaObjective
+from selfspec.tracking import Tracker, read_metrics
+from selfspec.training import NonFiniteLoss, TokenRows, TrainSettings, fit, make_accelerator
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(True)  # each test builds its own Accelerator
+
+
+def objective(seed: int = 1) -> MedusaObjective:
+    target = Transformer.from_hf(tiny_llama(0))
+    torch.manual_seed(seed)
+    return MedusaObjective(target, MedusaHeads(MedusaConfig(32, 64, num_heads=2)))
+
+
+def rows(n: int = 32, length: int = 24) -> TokenRows:
+    tokens = torch.randint(64, (n, length), generator=torch.Generator().manual_seed(2))
+    return TokenRows(tokens, torch.ones_like(tokens))
+
+
+def run(run_dir: Path, **overrides) -> tuple:
+    settings = TrainSettings(**{"run_dir": str(run_dir), "max_steps": 6, "micro_batch_size": 4,
+                                "lr": 3e-3, "log_every": 1, "save_every": 2, **overrides})
+    accelerator = make_accelerator(settings)
+    tracker = Tracker(run_dir, use_wandb=False)
+    exported = []
+
+    def export(state, folder):
+        folder.mkdir(parents=True)
+        torch.save(state, folder / "state.pt")
+        exported.append(folder)
+
+    result = fit(objective(), rows(), rows(8), settings, accelerator=accelerator,
+                 tracker=tracker, export=export)
+    AcceleratorState._reset_state(True)
+    return result, exported
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
+    whole, _ = run(tmp_path / "whole")
+    stopped, _ = run(tmp_path / "split", stop_after=3)  # step 3 ran after the last save: lost
+    assert stopped.step == 3 and stopped.checkpoint.name == "step_0000002"
+    resumed, _ = run(tmp_path / "split", resume=True)
+    assert resumed.step == 6
+    a = torch.load(whole.checkpoint / "export" / "state.pt")
+    b = torch.load(resumed.checkpoint / "export" / "state.pt")
+    assert a.keys() == b.keys() and all(k.startswith("heads.") for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3, 4, 5, 6]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "whole")]
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "split")], abs=1e-6)
+
+
+def test_checkpoints_hold_the_head_not_the_frozen_target(tmp_path):
+    result, _ = run(tmp_path, max_steps=2)
+    weights = load_file(result.checkpoint / "model.safetensors")
+    assert weights and all(name.startswith("heads.") for name in weights)
+
+
+def test_training_lowers_the_heldout_loss(tmp_path):
+    result, _ = run(tmp_path, max_steps=12, eval_every=12)
+    first = read_metrics(tmp_path)[0]["loss"]
+    assert result.metrics["loss"] < first
+
+
+class BlowsUpAtStep(torch.nn.Module):
+    """Wraps an objective; its loss turns NaN from the given step on."""
+
+    def __init__(self, inner, step: int):
+        super().__init__()
+        self.inner, self.step, self.calls = inner, step, 0
+
+    def forward(self, tokens, loss_mask) -> LossOutput:
+        self.calls += 1
+        out = self.inner(tokens, loss_mask)
+        return LossOutput(out.loss * float("nan"), out.metrics) if self.calls >= self.step else out
+
+
+def test_a_non_finite_loss_stops_training_and_names_the_step(tmp_path):
+    settings = TrainSettings(run_dir=str(tmp_path), max_steps=6, micro_batch_size=4, save_every=2)
+    with pytest.raises(NonFiniteLoss, match="step 4.*step_0000002"):
+        fit(BlowsUpAtStep(objective(), 4), rows(), None, settings,
+            accelerator=make_accelerator(settings))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
+
+
+def test_offline_wandb_and_the_json_lines_file_hold_the_same_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    tracker = Tracker(tmp_path, project="selfspec-test", config={"lr": 0.1})
+    for step in range(1, 4):
+        tracker.log({"loss": 1.0 / step, "medusa/head0_top1": 0.25 * step}, step=step)
+    tracker.finish()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    raw = runs[0].read_bytes()  # W&B's record log: the scalars are stored as JSON text
+    for record in records:
+        for key, value in record.items():
+            assert key.encode() in raw and json.dumps(value).encode() in raw
+
+
+def _torchrun(run_dir: Path, micro_batch: int, zero: str, processes: int) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={processes}", str(TESTS / "distributed_fit.py"),
+               str(run_dir), str(micro_batch), zero]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    _torchrun(run_dir, micro_batch=4, zero="none", processes=1)
+    return run_dir
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_deepspeed_on_two_processes_matches_one_process(tmp_path, single_process_run, zero):
+    _torchrun(tmp_path, micro_batch=2, zero=zero, processes=2)  # same global batch of 4 rows
+    expected = [r["loss"] for r in read_metrics(single_process_run)]
+    got = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5)
+    sums = [json.loads((tmp_path / f"rank{r}.json").read_text())["heads_sum"] for r in (0, 1)]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-9)  # the ranks hold the same weights
+    reference = json.loads((single_process_run / "rank0.json").read_text())["heads_sum"]
+    assert sums[0] == pytest.approx(reference, rel=1e-5)
