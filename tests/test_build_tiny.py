@@ -32,16 +32,6 @@ def test_pack_token_stream_drops_the_tail():
         pack_token_stream([1, 2], 4)
 
 
-@pytest.fixture(scope="module")
-def quick_build(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        build_tiny = importlib.import_module("build_tiny")
-        assert build_tiny.main(["--quick", "--out", str(out)]) == 0
-    return out
-
-
 def test_tokenizer_round_trips_source_exactly(quick_build):
     from transformers import AutoTokenizer
 

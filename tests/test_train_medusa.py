@@ -1,0 +1,61 @@
+"""`python train/medusa.py` end to end on a toy target, and its dry run for a 70B target."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from selfspec.heads import MedusaConfig, MedusaHeads, load_head
+from selfspec.model import Transformer
+from selfspec.tracking import read_metrics
+
+ENTRY = Path(__file__).resolve().parents[1] / "train" / "medusa.py"
+
+
+def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def sharegpt_file(folder: Path) -> Path:
+    """Toy chat data: the loss must fall on the assistant's code only."""
+    records = [
+        {"conversations": [
+            {"from": "human", "value": f"Write a function that adds {i}."},
+            {"from": "gpt", "value": f"def add_{i}(x):\n    return x + {i}\n"},
+        ]}
+        for i in range(60)
+    ]
+    path = folder / "chat.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
+    run_dir = tmp_path / "run"
+    done = run_entry(
+        "model=local", f"model.path={quick_build / 'target'}", "train_data.source=sharegpt",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=8",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
+        "trainer.eval_every=4", "trainer.threads=1", "final_eval.num_prompts=2",
+        "final_eval.max_new_tokens=12", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tau" in done.stdout and "speedup" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tau"] >= 1.0 and summary["lossless"] is True
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    target = Transformer.from_pretrained(quick_build / "target")
+    heads = load_head(run_dir / "checkpoints/step_0000008/export", MedusaHeads, MedusaConfig,
+                      target=target)
+    assert heads.config.num_heads == 4
+
+
+def test_train_medusa_dry_run_plans_a_70b_target_without_weights(tmp_path):
+    done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "68,976,648,192" in done.stdout or "69.0" in done.stdout
