@@ -1,5 +1,6 @@
 """The decode loop: lossless greedy for every drafter, exact sampling end to end, bad input."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -28,8 +29,6 @@ def target(hf_target):
 @pytest.fixture(scope="module")
 def draft_model(hf_target):
     """The target's first layer alone (shared embeddings and head): it often agrees."""
-    import copy
-
     shallow = copy.deepcopy(hf_target)
     shallow.model.layers = shallow.model.layers[:1]
     shallow.config.num_hidden_layers = 1
@@ -208,6 +207,29 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, hf_target):
         folders.append(Transformer.from_pretrained(tmp_path / name))
     with pytest.raises(ValueError, match="tokenizer .* differs from the target's"):
         generate(folders[0], [3, 4], drafter=SmallModelDrafter(folders[1], 2), max_new_tokens=4)
+
+
+def test_a_draft_sharing_the_tokenizer_with_a_smaller_embedding_table_is_lossless(
+    tmp_path, hf_target, plain_greedy
+):
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    padded_less = copy.deepcopy(hf_target)
+    padded_less.resize_token_embeddings(60)  # ids 60..63 exist only in the target's table
+    padded_less.config.vocab_size = 60
+    for name, model in [("target", hf_target), ("draft", padded_less)]:
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+    target, draft = (Transformer.from_pretrained(tmp_path / n) for n in ("target", "draft"))
+    checked = 0
+    for prompt, expected in plain_greedy.items():
+        if max([*prompt, *expected]) < 60:  # ids the draft model can embed
+            out = generate(target, list(prompt), drafter=SmallModelDrafter(draft, 3),
+                           max_new_tokens=24)
+            assert out.tokens == expected
+            checked += 1
+    assert checked >= 2
 
 
 @pytest.mark.parametrize(

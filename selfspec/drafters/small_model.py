@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.model import Transformer
@@ -37,6 +38,9 @@ class SmallModelDrafter:
 
     def begin(self, setup: DecodeSetup) -> None:
         check_same_vocabulary(setup.target, self.model)
+        # A draft sharing the tokenizer may pad its embedding table less (Qwen2.5 0.5B vs 7B):
+        # the target's extra ids get probability 0 under the draft.
+        self._padding = setup.target.config.vocab_size - self.model.config.vocab_size
         self.sampling, self.generator = setup.sampling, setup.generator
         if self._cache is None or self._cache.max_slots < setup.max_length:
             self._cache = self.model.new_cache(max_slots=setup.max_length)
@@ -49,7 +53,9 @@ class SmallModelDrafter:
         pending = history[self._rollback_to_common_prefix(history) :]  # at least the root
         tokens, rows = [], []
         for _ in range(self.num_draft_tokens):
-            probs = logits_to_probs(self._feed(pending)[0, -1], self.sampling)  # [V]
+            logits = self._feed(pending)[0, -1]  # [V_draft]
+            logits = F.pad(logits, (0, self._padding), value=float("-inf"))  # [V]
+            probs = logits_to_probs(logits, self.sampling)
             token = sample(probs, self.generator)
             tokens.append(token)
             rows.append(probs)
@@ -69,6 +75,11 @@ class SmallModelDrafter:
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Run the draft model over new tokens; returns logits [1, T, V]."""
         start = self._cache.length
+        if max(tokens) >= self.model.config.vocab_size:
+            raise ValueError(
+                f"token id {max(tokens)} is outside the draft model's vocabulary "
+                f"({self.model.config.vocab_size}): it only exists in the target's padded table"
+            )
         ids = torch.tensor([tokens], dtype=torch.long)
         positions = torch.arange(start, start + len(tokens))
         self._fed.extend(tokens)
@@ -78,11 +89,24 @@ class SmallModelDrafter:
 def check_same_vocabulary(target: Transformer, draft: Transformer) -> None:
     """Refuse a draft model whose vocabulary differs from the target's.
 
-    Different tokenizers silently collapse acceptance (token ids mean different strings), so
-    the check compares vocabulary sizes, special token ids and, when both models were loaded
-    from folders holding tokenizer.json, the tokenizers' vocabularies themselves.
+    Different tokenizers silently collapse acceptance (token ids mean different strings).
+    When both models were loaded from folders holding tokenizer.json, the vocabularies
+    themselves are compared (and a draft whose embedding table is merely padded less is
+    accepted); otherwise vocabulary sizes and special token ids must agree.
     """
     t, d = target.config, draft.config
+    fingerprints = [_tokenizer_fingerprint(m) for m in (target, draft)]
+    if None not in fingerprints:
+        if fingerprints[0] != fingerprints[1]:
+            raise ValueError(
+                f"draft model tokenizer ({draft.source}) differs from the target's "
+                f"({target.source}): the same ids would mean different text"
+            )
+        if d.vocab_size > t.vocab_size:
+            raise ValueError(
+                f"draft model vocab size {d.vocab_size} exceeds the target's {t.vocab_size}"
+            )
+        return
     if t.vocab_size != d.vocab_size:
         raise ValueError(
             f"draft model vocab size {d.vocab_size} differs from the target's {t.vocab_size}: "
@@ -93,12 +117,6 @@ def check_same_vocabulary(target: Transformer, draft: Transformer) -> None:
             f"draft model special tokens (bos {d.bos_token_id}, eos {d.eos_token_ids}) differ "
             f"from the target's (bos {t.bos_token_id}, eos {t.eos_token_ids}): the draft model "
             f"must use the target's tokenizer"
-        )
-    fingerprints = [_tokenizer_fingerprint(m) for m in (target, draft)]
-    if None not in fingerprints and fingerprints[0] != fingerprints[1]:
-        raise ValueError(
-            f"draft model tokenizer ({draft.source}) differs from the target's "
-            f"({target.source}): the same ids would mean different text"
         )
 
 
