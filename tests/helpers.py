@@ -57,3 +57,15 @@ def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, st
         for name, param in model.named_parameters():
             param.normal_(1.0 if "norm" in name else 0.0, std)
     return model
+
+
+def exact_two_token_law(target, prompt: list[int], params) -> dict:
+    """The target model's exact law of its next two tokens after `prompt`, warped by params."""
+    from selfspec.sampling import logits_to_probs
+
+    def law_after(ids):
+        logits = target(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+        return logits_to_probs(logits, params)
+
+    with torch.inference_mode():
+        return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))

@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, fit_pvalue, joint_two_token_law, tiny_llama
+from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
 
-from selfspec import SamplingParams, Transformer, Tree, generate, logits_to_probs
+from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
 
 PROMPTS = [
@@ -138,15 +138,6 @@ def small_pair():
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     draft = Transformer.from_hf(tiny_llama(4, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     return target, draft
-
-
-def exact_two_token_law(target, prompt, params):
-    def law_after(ids):
-        logits = target(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
-        return logits_to_probs(logits, params)
-
-    with torch.inference_mode():
-        return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
 
 
 def sampled_pvalue(target, drafter, params) -> float:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import P_VALUE_FLOOR, fit_pvalue, joint_two_token_law, tiny_llama
+from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
 
-from selfspec import SamplingParams, Transformer, Tree, generate, logits_to_probs
+from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters.base import DraftContext, TargetFeatures
 from selfspec.drafters.medusa import MedusaDrafter
 from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, load_head, save_head
@@ -276,15 +276,6 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
 SMALL_VOCAB = 8
 N_SAMPLES = 1000  # ~5 s per sampling mode on one core
 SAMPLING_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
-
-
-def exact_two_token_law(target, prompt, params):
-    def law_after(ids):
-        logits = target(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
-        return logits_to_probs(logits, params)
-
-    with torch.inference_mode():
-        return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)])
