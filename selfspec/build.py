@@ -306,12 +306,16 @@ def draft_tree(cfg: DictConfig) -> Tree:
     return Tree.from_paths(OmegaConf.to_container(cfg.tree.choices))
 
 
-def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, MedusaConfig]:
-    """Fresh Medusa heads sized for the target (output layers copied from its LM head)."""
-    config = MedusaConfig(
-        hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size,
+def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
+    return MedusaConfig(
+        hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
         num_heads=int(cfg.medusa.num_heads), num_layers=int(cfg.medusa.num_layers),
     )
+
+
+def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, MedusaConfig]:
+    """Fresh Medusa heads sized for the target (output layers copied from its LM head)."""
+    config = medusa_config(cfg, target.config)
     torch.manual_seed(int(cfg.seed))
     heads = MedusaHeads(config).to(target.embed_tokens.weight.dtype)
     if cfg.medusa.init_from_lm_head:

@@ -82,3 +82,13 @@ def count_parameters(config: ModelConfig) -> int:
 
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
+
+
+def head_training_lines(head: torch.nn.Module, num_gpus: int) -> str:
+    """What training a head adds: its parameters, and fp32 weights + gradients + AdamW moments
+    (16 bytes per parameter), whole and partitioned num_gpus ways (ZeRO-3)."""
+    num_params = sum(p.numel() for p in head.parameters())
+    state = 16 * num_params
+    return (f"  trainable head ({type(head).__name__}): {num_params:,} parameters; "
+            f"fp32 weights+grads+AdamW {_gib(state).strip()} ({_gib(state // num_gpus).strip()} "
+            f"per GPU under ZeRO-3 on {num_gpus})")

@@ -22,6 +22,7 @@ from selfspec.drafters.medusa import MedusaDrafter
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.objectives import MedusaObjective
+from selfspec.plan import head_training_lines
 from selfspec.tracking import Tracker
 from selfspec.training import fit, make_accelerator
 
@@ -33,6 +34,9 @@ def main(cfg: DictConfig) -> None:
         torch.set_num_threads(int(cfg.trainer.threads))
     if cfg.dry_run:
         print(build.model_plan(cfg).format())
+        with torch.device("meta"):  # sized from the config: no weights, no memory
+            heads = MedusaHeads(build.medusa_config(cfg, build.model_config(cfg.model)))
+        print(head_training_lines(heads, int(cfg.num_gpus)))
         return
     try:  # configuration and availability errors carry their fix: no traceback
         target = build.load_target(cfg)
