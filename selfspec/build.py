@@ -20,6 +20,7 @@ from selfspec.data import (
     packed_chat_dataset,
     packed_stdlib_dataset,
     rows_from_dataset,
+    self_distill,
 )
 from selfspec.drafters import Drafter, NgramDrafter, SmallModelDrafter
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
@@ -276,8 +277,11 @@ def load_tokenizer(folder: str | Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def training_rows(cfg: DictConfig, tokenizer) -> tuple[TokenRows, TokenRows]:
-    """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len."""
+def training_rows(
+    cfg: DictConfig, tokenizer, target: Transformer | None = None
+) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
+    train_data.self_distill the target rewrites the assistant turns first."""
     source, seq_len = cfg.train_data.source, int(cfg.trainer.seq_len)
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
@@ -289,6 +293,11 @@ def training_rows(cfg: DictConfig, tokenizer) -> tuple[TokenRows, TokenRows]:
         if not cfg.train_data.get("path"):
             raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
         conversations = load_sharegpt(cfg.train_data.path)
+        if cfg.train_data.get("self_distill"):
+            conversations = self_distill(
+                conversations, target, tokenizer, seed=int(cfg.seed),
+                max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
+            )
         cut = max(1, len(conversations) // 20)  # every 20th conversation is held out
         train, heldout = (
             rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))

@@ -168,27 +168,52 @@ def load_sharegpt(path: str | Path) -> list[list[dict]]:
 
 
 def render_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask that is 1 on assistant tokens only.
+    """Token ids and a loss mask that is 1 on the assistant replies only (their closing
+    end-of-turn token included, the role header excluded).
 
-    With a chat template each message's tokens are what rendering it adds to the rendered
-    prefix; without one a plain "### role:" layout is used.
+    With a chat template the conversation is rendered by it; without one a plain
+    "### role:" layout is used. A reply spans from where `reply_prompt` of the conversation
+    before it ends to where the rendering through it ends.
     """
-    ids: list[int] = []
-    mask: list[int] = []
+    ids = _render(tokenizer, messages)
+    mask = [0] * len(ids)
     for i, message in enumerate(messages):
-        if getattr(tokenizer, "chat_template", None):
-            full = tokenizer.apply_chat_template(
-                messages[: i + 1], tokenize=True, return_dict=False
-            )
-            new = list(full)[len(ids):]
-        else:
-            text = f"### {message['role']}:\n{message['content']}\n"
-            new = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if message["role"] == "assistant":
-                new.append(tokenizer.eos_token_id)
-        ids += new
-        mask += [int(message["role"] == "assistant")] * len(new)
+        if message["role"] == "assistant":
+            start = len(reply_prompt(tokenizer, messages[:i]))
+            end = len(_render(tokenizer, messages[: i + 1]))
+            mask[start:end] = [1] * (end - start)
     return ids, mask
+
+
+def reply_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids that ask for the assistant's next reply after `messages`."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    return _render(tokenizer, messages) + _plain_ids(tokenizer, _plain_header("assistant"))
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    if not messages:
+        return []
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    ids = []
+    for message in messages:  # header and body tokenised apart, so prefixes stay prefixes
+        ids += _plain_ids(tokenizer, _plain_header(message["role"]))
+        ids += _plain_ids(tokenizer, message["content"] + "\n")
+        if message["role"] == "assistant":
+            ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _plain_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _plain_header(role: str) -> str:
+    return f"### {role}:\n"
 
 
 def rows_from_dataset(dataset):
@@ -230,3 +255,33 @@ def _cache_file(cache_dir: str | Path | None, key: str, stage: str) -> str | Non
         return None
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     return str(Path(cache_dir) / f"{key}-{stage}.arrow")
+
+
+def self_distill(conversations: list[list[dict]], target, tokenizer, *, max_new_tokens: int = 256,
+                 sampling=None, seed: int = 0) -> list[list[dict]]:
+    """Replace every assistant turn by the target's own reply to the conversation so far.
+
+    Heads trained on the target's outputs learn what they will be asked to predict (Medusa-2
+    and EAGLE-3 train this way); the user turns are kept.
+    """
+    from tqdm.auto import tqdm
+
+    from selfspec.decode import generate
+    from selfspec.sampling import SamplingParams
+
+    sampling = sampling or SamplingParams()
+    generator = torch.Generator().manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    distilled = []
+    for messages in tqdm(conversations, desc="self-distill"):
+        rewritten: list[dict] = []
+        for message in messages:
+            if message["role"] == "assistant":
+                ids = reply_prompt(tokenizer, rewritten)
+                reply = generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, generator=generator).tokens
+                text = tokenizer.decode([t for t in reply if t != eos])
+                message = {**message, "content": text}
+            rewritten.append(message)
+        distilled.append(rewritten)
+    return distilled

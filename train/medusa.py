@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> None:
         tokenizer = build.load_tokenizer(target.source)
         tree = build.draft_tree(cfg)
         settings = build.train_settings(cfg)
-        train, heldout = build.training_rows(cfg, tokenizer)
+        train, heldout = build.training_rows(cfg, tokenizer, target)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,75 @@
+"""Training data: assistant-only loss masks, packing, self-distillation."""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_llama
+from transformers import AutoTokenizer
+
+from selfspec.data import (
+    load_sharegpt,
+    packed_chat_dataset,
+    render_conversation,
+    reply_prompt,
+    rows_from_dataset,
+    self_distill,
+)
+from selfspec.decode import generate
+from selfspec.model import Transformer
+
+CHAT = [{"role": "user", "content": "add one"},
+        {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(quick_build):
+    return AutoTokenizer.from_pretrained(quick_build / "tokenizer")
+
+
+def test_loss_mask_covers_the_assistant_reply_only(tokenizer):
+    ids, mask = render_conversation(tokenizer, CHAT)
+    assert len(ids) == len(mask)
+    reply = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tokenizer.decode(reply).startswith("def f(x):") and reply[-1] == tokenizer.eos_token_id
+    assert "add one" in tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+
+
+def test_a_chat_template_renders_and_masks_the_reply(quick_build):
+    tok = AutoTokenizer.from_pretrained(quick_build / "tokenizer")
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}[end]{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    ids, mask = render_conversation(tok, CHAT)
+    assert tok.decode(ids) == "[user]add one[end][assistant]" + CHAT[1]["content"] + "[end]"
+    reply = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert reply == CHAT[1]["content"] + "[end]"
+
+
+def test_reply_prompt_is_the_conversation_up_to_the_reply(tokenizer):
+    ids, mask = render_conversation(tokenizer, CHAT)
+    assert ids[: mask.index(1)] == reply_prompt(tokenizer, CHAT[:1])
+
+
+def test_sharegpt_file_loads_and_packs_with_masks(tmp_path, tokenizer):
+    records = [{"conversations": [{"from": "human", "value": "hi"},
+                                  {"from": "gpt", "value": "x = 1\n" * 5}]}] * 8
+    (tmp_path / "c.json").write_text(json.dumps(records))
+    rows = rows_from_dataset(packed_chat_dataset(tokenizer, load_sharegpt(tmp_path / "c.json"), 16))
+    assert rows.tokens.shape[1] == 16 and 0 < rows.loss_mask.float().mean() < 1
+    (tmp_path / "empty.json").write_text(json.dumps([{"conversations": []}]))
+    with pytest.raises(ValueError, match="no conversation with an assistant turn"):
+        load_sharegpt(tmp_path / "empty.json")
+
+
+def test_self_distillation_replaces_replies_with_the_targets_own(tokenizer):
+    hf = tiny_llama(0, vocab=len(tokenizer))
+    target = Transformer.from_hf(hf)
+    [distilled] = self_distill([CHAT], target, tokenizer, max_new_tokens=6)
+    assert distilled[0] == CHAT[0]
+    expected = generate(target, reply_prompt(tokenizer, CHAT[:1]), max_new_tokens=6,
+                        eos_token_id=tokenizer.eos_token_id).tokens
+    assert distilled[1]["content"] == tokenizer.decode(
+        [t for t in expected if t != tokenizer.eos_token_id])
+    assert torch.is_tensor(target.lm_head.weight)
