@@ -9,12 +9,15 @@ download). Its `arch` block holds the architecture facts, so plans need no weigh
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from selfspec.bench import METHODS, BenchSettings, HFDecoder, Method, OurDecoder, SweepGrid
 from selfspec.data import (
     load_sharegpt,
     packed_chat_dataset,
@@ -22,7 +25,8 @@ from selfspec.data import (
     rows_from_dataset,
     self_distill,
 )
-from selfspec.drafters import Drafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters import Drafter, MedusaDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import ModelPlan, plan_model
@@ -330,3 +334,225 @@ def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, Med
     if cfg.medusa.init_from_lm_head:
         heads.init_from_lm_head(target.lm_head.weight.detach())
     return heads, config
+
+
+# ---- sweeps (eval/sweep.py, eval/lossless.py) ----------------------------------------------
+
+DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa when heads are given
+BASELINE_MODES = ("interleaved", "shared")
+_NEEDS_DRAFT_MODEL = ("small_model", "hf_assisted")
+_HF_METHODS = ("hf_assisted", "hf_prompt_lookup")
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep will run, checked before any weights load: the grid, the prompt texts,
+    and whether baselines are shared per sampling setting (else interleaved beside each row)."""
+
+    grid: SweepGrid
+    prompts: list[Prompt]
+    shared_baseline: bool = False
+
+
+@dataclass
+class SweepModels:
+    """The weights a sweep's methods need, each loaded once (hf_*: transformers models)."""
+
+    target: Transformer
+    draft: Transformer | None = None
+    medusa_heads: MedusaHeads | None = None
+    tree: Tree | None = None
+    hf_target: Any = None
+    hf_draft: Any = None
+
+
+def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) -> SweepPlan:
+    """The grid and prompts of cfg, or a clear error (unknown method or sampling, draft length
+    < 1, medusa without heads, missing weights or prompt file, no prompts), before any load."""
+    methods = sweep_methods(cfg)
+    samplings = (("greedy", SamplingParams()),) if greedy_only else named_samplings(cfg.samplings)
+    lengths = draft_lengths(cfg)
+    mode = str(cfg.get("baseline", "interleaved"))
+    if mode not in BASELINE_MODES:
+        raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
+    texts = sweep_prompt_texts(cfg.data, num_prompts)
+    check_sweep_weights(cfg, methods)
+    depth = medusa_depth(cfg) if "medusa" in methods else None
+    return SweepPlan(SweepGrid(methods, lengths, samplings, depth), texts, mode == "shared")
+
+
+def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
+    """cfg.methods as names (one name, as a multirun job gets it, counts too); null means
+    small_model and ngram, plus medusa when cfg.medusa_heads is set."""
+    raw, heads = cfg.get("methods"), cfg.get("medusa_heads")
+    if raw is None:
+        return DEFAULT_SWEEP_METHODS + (("medusa",) if heads else ())
+    methods = tuple(dict.fromkeys(str(m) for m in _as_list(raw)))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"unknown method(s) {unknown or '(none given)'} in methods: choose from "
+                         f"{', '.join(METHODS)}, e.g. methods=[small_model,ngram]")
+    if "medusa" in methods and not heads:
+        raise ValueError("method medusa needs trained heads: set medusa_heads=/path/to/run/"
+                         "checkpoints/step_N/export (an export folder written by train/medusa.py)")
+    return methods
+
+
+def draft_lengths(cfg: DictConfig) -> tuple[int, ...]:
+    values = _as_list(cfg.num_draft_tokens)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad or not values:
+        raise ValueError(f"num_draft_tokens must be integers >= 1, got {values}: e.g. "
+                         f"num_draft_tokens=[2,4,8] (or num_draft_tokens=4)")
+    return tuple(int(v) for v in values)
+
+
+def named_samplings(names) -> tuple[tuple[str, SamplingParams], ...]:
+    """Sampling settings by their conf/sampling/ file names, e.g. [greedy, t1, top_p]."""
+    found = []
+    for name in _as_list(names):
+        path = CONF_DIR / "sampling" / f"{name}.yaml"
+        if not path.is_file():
+            options = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise ValueError(f"unknown sampling setting {name!r}: choose from "
+                             f"{', '.join(options)} (files in {path.parent})")
+        found.append((str(name), sampling_params(OmegaConf.load(path))))
+    if not found:
+        raise ValueError("samplings is empty: give at least one, e.g. samplings=[greedy]")
+    return tuple(found)
+
+
+def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
+    """Every folder the methods need exists (nothing is loaded): target, draft, Medusa heads."""
+    resolve_model_path(cfg.model)
+    if set(methods) & set(_NEEDS_DRAFT_MODEL):
+        resolve_model_path(_draft_model_config(cfg), "model.draft")
+    if "medusa" in methods:
+        folder = Path(str(cfg.medusa_heads)).expanduser()
+        if not (folder / "head_config.json").is_file():
+            raise FileNotFoundError(
+                f"medusa_heads={folder}: no head_config.json there; point it at an export folder "
+                f"of train/medusa.py, e.g. outputs/medusa/<run>/checkpoints/step_0000200/export"
+            )
+
+
+def medusa_depth(cfg: DictConfig) -> int:
+    """The deepest Medusa draft: cfg.tree's depth, capped by the heads' count (read from the
+    export's head_config.json, no weights): node depth d needs head d-1."""
+    meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
+    num_heads = int(meta.get("config", {}).get("num_heads", 0)) or draft_tree(cfg).max_depth
+    return min(draft_tree(cfg).max_depth, num_heads)
+
+
+def _draft_model_config(cfg: DictConfig) -> DictConfig:
+    draft_cfg = cfg.model.get("draft")
+    if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
+        raise ValueError(
+            f"model {cfg.model.name!r} has no standard small draft model: set "
+            f"model.draft.path=/local/folder (a model with the target's tokenizer) or leave "
+            f"small_model and hf_assisted out of methods"
+        )
+    return draft_cfg
+
+
+def sweep_prompt_texts(cfg_data: DictConfig, num_prompts: int) -> list[Prompt]:
+    """The first min(num_prompts, data.num_prompts) prompts of the data config, or an error."""
+    if int(num_prompts) < 1:
+        raise ValueError(f"the number of prompts must be >= 1, got {num_prompts}")
+    data = OmegaConf.merge(cfg_data, {"num_prompts": min(int(num_prompts),
+                                                         int(cfg_data.num_prompts))})
+    found = prompts(data)
+    if not found:
+        raise ValueError(f"prompt set {cfg_data.name!r} gave no prompts; check its data config "
+                         f"(data.path, data.num_prompts)")
+    return found
+
+
+def encode_sweep_prompts(
+    cfg_data: DictConfig, texts: list[Prompt], tokenizer
+) -> list[EncodedPrompt]:
+    return encode_prompts(texts, tokenizer, int(cfg_data.max_prompt_tokens), bool(cfg_data.chat))
+
+
+def stop_ids(cfg: DictConfig, target: Transformer, tokenizer) -> tuple[int, ...]:
+    """EOS ids ending a generation (cfg.stop_at_eos), else () for fixed-length generations."""
+    if not cfg.get("stop_at_eos", True):
+        return ()
+    if target.config.eos_token_ids:
+        return tuple(target.config.eos_token_ids)
+    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+
+
+def bench_settings(cfg: DictConfig, stops: tuple[int, ...]) -> BenchSettings:
+    b = cfg.bench
+    return BenchSettings(max_new_tokens=int(b.max_new_tokens), repeats=int(b.repeats),
+                         warmup=int(b.warmup), seed=int(cfg.seed), stop_ids=stops)
+
+
+def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
+    """Load what `methods` need, once: ours in cfg.model.dtype, and the hf_* methods'
+    transformers copies of the same folders in the same dtype."""
+    dtype, device = cfg.model.dtype, cfg.get("device", "cpu")
+    models = SweepModels(load_target(cfg))
+    if "small_model" in methods:
+        models.draft = _load_model(_draft_model_config(cfg), "model.draft", dtype, device)
+    if "medusa" in methods:
+        models.medusa_heads = load_head(str(cfg.medusa_heads), MedusaHeads, MedusaConfig,
+                                        target=models.target)
+        models.tree = draft_tree(cfg)
+    if set(methods) & set(_HF_METHODS):
+        models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, device)
+    if "hf_assisted" in methods:
+        folder = resolve_model_path(_draft_model_config(cfg), "model.draft")
+        models.hf_draft = load_hf_model(folder, dtype, device)
+    return models
+
+
+def load_hf_model(folder: str | Path, dtype: str, device: str):
+    """A transformers causal LM from a model folder, for the Hugging Face peer methods."""
+    from transformers import AutoModelForCausalLM  # slow import: only when a peer is swept
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype(dtype))
+    return model.to(device).eval()
+
+
+def build_method(models: SweepModels, name: str, k: int) -> Method:
+    """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
+    the same target by the same library. Medusa at k uses its tree's nodes of depth <= k
+    (and <= its number of heads)."""
+    target = models.target
+    if name in ("small_model", "ngram", "medusa"):
+        drafter, nodes = _our_drafter(models, name, k)
+        return Method(name, k, OurDecoder(target, drafter), OurDecoder(target), "plain", nodes)
+    if name not in _HF_METHODS:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+    _require(models.hf_target, name)
+    assistant = _require(models.hf_draft, name) if name == "hf_assisted" else None
+    decoder = HFDecoder(models.hf_target, assistant, num_draft_tokens=k,
+                        prompt_lookup=name == "hf_prompt_lookup")
+    return Method(name, k, decoder, HFDecoder(models.hf_target), "hf_plain", k)
+
+
+def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
+    if name == "ngram":
+        return NgramDrafter(num_draft_tokens=k), k
+    if name == "small_model":
+        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k), k
+    heads = _require(models.medusa_heads, name)
+    depth = min(k, heads.config.num_heads)
+    tree = Tree.from_paths([c for c in _require(models.tree, name).choices if len(c) <= depth])
+    return MedusaDrafter(heads, tree), tree.num_nodes
+
+
+def _require(value, method: str):
+    if value is None:
+        raise ValueError(f"build_method: {method} needs weights that were not loaded; pass "
+                         f"{method} to load_sweep_models")
+    return value
+
+
+def _as_list(value) -> list:
+    """A config value that may be one item (a multirun job's value) or a list of them."""
+    if isinstance(value, ListConfig | list | tuple):
+        return list(value)
+    return [] if value is None else [value]

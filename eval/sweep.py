@@ -1,0 +1,80 @@
+"""Sweep methods x draft lengths x sampling settings on one target; every speedup is measured
+against plain decoding of the same target in the same process, on the same prompts.
+
+    python eval/sweep.py                                        # tiny target, quick bench
+    python eval/sweep.py bench=full medusa_heads=<train/medusa.py run>/checkpoints/step_N/export
+    python eval/sweep.py methods=[small_model,hf_assisted] num_draft_tokens=[2,4] samplings=[greedy]
+    python eval/sweep.py -m methods=ngram,small_model num_draft_tokens=2,4   # a folder per job
+
+Writes to the run folder: results.json, results.csv, *.png plots, metrics.jsonl, summary.json
+and a W&B run (offline unless logged in).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec import build
+from selfspec.bench import (
+    best_rows,
+    format_table,
+    log_sweep,
+    machine_facts,
+    quiet_transformers,
+    run_sweep,
+    write_results,
+)
+from selfspec.plots import plot_sweep
+from selfspec.tracking import Tracker
+
+
+@hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    code = run(cfg)
+    if code:  # a clean exit would stop the remaining jobs of a multirun
+        sys.exit(code)
+
+
+def run(cfg: DictConfig) -> int:
+    """The whole sweep; returns the exit code (2: bad configuration, nothing loaded or run)."""
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    try:  # configuration errors first, before any weights load; each message carries its fix
+        plan = build.plan_sweep(cfg, int(cfg.bench.num_prompts))
+        models = build.load_sweep_models(cfg, plan.grid.methods)
+        tokenizer = build.load_tokenizer(models.target.source)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    quiet_transformers()
+    prompts = build.encode_sweep_prompts(cfg.data, plan.prompts, tokenizer)
+    settings = build.bench_settings(cfg, build.stop_ids(cfg, models.target, tokenizer))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
+                      name=Path(cfg.run_dir).name, config=config)
+    rows = run_sweep(
+        plan.grid.points(), lambda name, k: build.build_method(models, name, k),
+        [p.ids for p in prompts], settings, shared_baseline=plan.shared_baseline,
+        device=cfg.device, progress=bool(cfg.progress),
+    )
+    machine = machine_facts()
+    write_results(rows, cfg.run_dir, {
+        "machine": machine, "settings": asdict(settings), "shared_baseline": plan.shared_baseline,
+        "prompt_ids": [p.prompt.id for p in prompts], "config": config,
+    })
+    figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir)
+    log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
+    tracker.finish()
+    print(format_table(rows))
+    print(f"results, plots and W&B run in {Path(cfg.run_dir).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

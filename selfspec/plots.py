@@ -1,0 +1,148 @@
+"""Figures of a sweep (selfspec.bench rows as dicts, e.g. results.json's "rows"), as PNG files.
+
+Built on matplotlib's object API (`Figure`), not pyplot: no global state, no GUI backend, so
+plotting works in threads, tests and headless machines. Each figure has one panel per
+sampling setting, since acceptance and speed differ between greedy and sampled decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+Row = Mapping[str, Any]
+# One colour per method across every figure.
+COLORS = {"small_model": "tab:blue", "ngram": "tab:orange", "medusa": "tab:green",
+          "hf_assisted": "tab:purple", "hf_prompt_lookup": "tab:brown", "drafter": "tab:gray"}
+
+
+def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
+    """Every sweep figure as a PNG in folder; returns {name: path}."""
+    if not rows:
+        raise ValueError("plot_sweep: no rows to plot (the sweep measured nothing)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    makers = {
+        "acceptance_vs_draft_length": acceptance_vs_draft_length,
+        "tokens_per_s_vs_draft_length": tokens_per_s_vs_draft_length,
+        "speedup_at_best_draft_length": speedup_at_best_draft_length,
+        "acceptance_by_position": acceptance_by_position,
+    }
+    paths = {}
+    for name, make in makers.items():
+        paths[name] = folder / f"{name}.png"
+        make(rows).savefig(paths[name], dpi=110)
+    return paths
+
+
+def acceptance_vs_draft_length(rows: Sequence[Row]) -> Figure:
+    """Acceptance rate (accepted / drafted depth) against draft length, a line per method."""
+    fig, panels = _panels(rows, "Acceptance rate vs draft length")
+    for sampling, ax in panels.items():
+        for method, line in _lines(rows, sampling).items():
+            ax.plot([r["draft_length"] for r in line], [r["acceptance_rate"] for r in line],
+                    marker="o", color=_color(method), label=method)
+        ax.set(xlabel="draft length k", ylabel="acceptance rate", ylim=(0, 1.05))
+    return _finish(fig, panels)
+
+
+def tokens_per_s_vs_draft_length(rows: Sequence[Row]) -> Figure:
+    """Median tokens/s against draft length (bars: min..max over repeats), with each
+    baseline's median as a dashed line."""
+    fig, panels = _panels(rows, "Tokens/s vs draft length (median; bars: min-max over repeats)")
+    for sampling, ax in panels.items():
+        lines = _lines(rows, sampling)
+        for method, line in lines.items():
+            y = [r["tokens_per_s"] for r in line]
+            spread = [[v - r["tokens_per_s_min"] for v, r in zip(y, line, strict=True)],
+                      [r["tokens_per_s_max"] - v for v, r in zip(y, line, strict=True)]]
+            ax.errorbar([r["draft_length"] for r in line], y, yerr=spread, marker="o",
+                        capsize=3, color=_color(method), label=method)
+        for baseline, style in (("plain", "--"), ("hf_plain", ":")):
+            speeds = [r["baseline_tokens_per_s"] for line in lines.values() for r in line
+                      if r["baseline"] == baseline]
+            if speeds:
+                ax.axhline(statistics.median(speeds), color="black", linestyle=style,
+                           label=f"{baseline} (baseline, median of its runs)")
+        ax.set(xlabel="draft length k", ylabel="tokens / s")
+        ax.set_ylim(bottom=0)
+    return _finish(fig, panels)
+
+
+def speedup_at_best_draft_length(rows: Sequence[Row]) -> Figure:
+    """Each method's speedup over its baseline at its best draft length, per sampling setting,
+    labelled with that k and the share of repeated 4-grams in its outputs."""
+    fig, panels = _panels(rows, "Speedup over plain decoding at each method's best draft length")
+    for sampling, ax in panels.items():
+        best = [max(line, key=lambda r: r["speedup"])
+                for line in _lines(rows, sampling).values()]
+        x = range(len(best))
+        heights = [r["speedup"] for r in best]
+        spread = [[h - r["speedup_min"] for h, r in zip(heights, best, strict=True)],
+                  [r["speedup_max"] - h for h, r in zip(heights, best, strict=True)]]
+        bars = ax.bar(x, heights, yerr=spread, capsize=3,
+                      color=[_color(r["method"]) for r in best])
+        labels = [f"k={r['draft_length']}\nrep4 {r['repeated_4gram_share']:.2f}" for r in best]
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(list(x), [r["method"] for r in best], rotation=20, fontsize=8)
+        ax.set(ylabel="speedup (x)")
+        ax.set_ylim(0, max([*heights, 1.0]) * 1.35)
+    return _finish(fig, panels, line_plot=False)
+
+
+def acceptance_by_position(rows: Sequence[Row]) -> Figure:
+    """Share of drafts accepted at each draft position, per method at its longest draft."""
+    fig, panels = _panels(rows, "Acceptance by draft position (each method at its longest draft)")
+    for sampling, ax in panels.items():
+        for method, line in _lines(rows, sampling).items():
+            rates = line[-1]["acceptance_by_position"]
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", color=_color(method),
+                        label=f"{method} (k={line[-1]['draft_length']})")
+        ax.set(xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
+    return _finish(fig, panels)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def _panels(rows: Sequence[Row], title: str) -> tuple[Figure, dict[str, Any]]:
+    """A figure with one panel per sampling setting, in the rows' order."""
+    samplings = list(dict.fromkeys(r["sampling"] for r in rows))
+    fig = Figure(figsize=(4.6 * len(samplings), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(samplings), squeeze=False)[0]
+    fig.suptitle(title)
+    for sampling, ax in zip(samplings, axes, strict=True):
+        ax.set_title(f"sampling: {sampling}", fontsize=10)
+        ax.grid(alpha=0.3)
+    return fig, dict(zip(samplings, axes, strict=True))
+
+
+def _lines(rows: Sequence[Row], sampling: str) -> dict[str, list[Row]]:
+    """The rows of one sampling setting, grouped by method, by increasing draft length."""
+    lines: dict[str, list[Row]] = {}
+    for row in rows:
+        if row["sampling"] == sampling:
+            lines.setdefault(row["method"], []).append(row)
+    return {m: sorted(line, key=lambda r: r["draft_length"]) for m, line in lines.items()}
+
+
+def _finish(fig: Figure, panels: dict[str, Any], line_plot: bool = True) -> Figure:
+    """Legends and integer x ticks (draft lengths, positions) on line plots."""
+    if line_plot:
+        for ax in panels.values():
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return fig
+
+
+def _color(method: str) -> str | None:
+    return COLORS.get(method)
+

@@ -1,0 +1,289 @@
+"""eval/sweep.py and eval/lossless.py on the toy target: results files, plots, an offline W&B
+run, lossless greedy rows, the Hugging Face peers, multirun folders, and bad input refused
+before any model loads."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from matplotlib.image import imread
+
+from selfspec import build
+from selfspec.bench import (
+    COLUMNS,
+    BenchSettings,
+    GridPoint,
+    Method,
+    OurDecoder,
+    SweepGrid,
+    lossless_mismatches,
+    measure_row,
+)
+from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, save_head
+from selfspec.model import Transformer
+from selfspec.sampling import SamplingParams
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+PLOTS = ("acceptance_vs_draft_length", "tokens_per_s_vs_draft_length",
+         "speedup_at_best_draft_length", "acceptance_by_position")
+
+
+def load_entry(name: str):
+    """An eval/ entry point as a module (eval/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"eval_{name}", EVAL / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cfg_of():
+    """cfg_of(config, *overrides): a conf/ config composed with Hydra's compose API."""
+    with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
+        yield lambda config, *overrides: compose(config, overrides=list(overrides))
+
+
+def toy(quick_build: Path, draft: str = "draft") -> list[str]:
+    return ["model=local", f"model.path={quick_build / 'target'}",
+            f"model.draft.path={quick_build / draft}", "progress=false"]
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory, quick_build, cfg_of) -> Path:
+    """2 methods x draft lengths [1, 2] x greedy and t1, 2 prompts, 8 new tokens."""
+    run_dir = tmp_path_factory.mktemp("sweep")
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[small_model,ngram]",
+                 "num_draft_tokens=[1,2]", "samplings=[greedy,t1]", "bench.num_prompts=2",
+                 "bench.max_new_tokens=8", f"run_dir={run_dir}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        assert load_entry("sweep").run(cfg) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, quick_build) -> Path:
+    """Untrained 2-head Medusa export for the toy target (output layers = its LM head)."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    config = MedusaConfig(hidden_size=target.config.hidden_size,
+                          vocab_size=target.config.vocab_size, num_heads=2, num_layers=1)
+    heads = MedusaHeads(config)
+    heads.init_from_lm_head(target.lm_head.weight.detach())
+    return save_head(tmp_path_factory.mktemp("heads") / "export", heads, config,
+                     describe_target(target))
+
+
+# ---- the sweep's outputs ------------------------------------------------------------------
+
+
+def test_results_json_has_every_grid_row(sweep_dir):
+    results = json.loads((sweep_dir / "results.json").read_text())
+    rows = results["rows"]
+    grid = {(r["method"], r["draft_length"], r["sampling"]) for r in rows}
+    assert grid == {(m, k, s) for m in ("small_model", "ngram") for k in (1, 2)
+                    for s in ("greedy", "t1")}
+    for row in rows:
+        assert row["tau"] >= 1.0 and 0.0 <= row["acceptance_rate"] <= 1.0
+        assert len(row["acceptance_by_position"]) == row["draft_length"]
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"])
+        assert row["new_tokens"] == 16 and row["prompts"] == 2 and row["baseline"] == "plain"
+        assert row["peak_memory_mb"] > 0 and row["memory_measure"] == "cpu_peak_rss_sampled"
+        assert 0.0 <= row["draft_time_share"] < 1.0 and row["target_forwards_per_token"] > 0
+        assert row["lossless"] is (True if row["sampling"] == "greedy" else None)
+    machine = results["machine"]
+    assert machine["cpu_count"] >= 1 and machine["torch_threads"] >= 1
+    assert machine["torch_version"]
+    assert len(results["prompt_ids"]) == 2
+
+
+def test_results_csv_has_the_columns_and_a_line_per_row(sweep_dir):
+    with (sweep_dir / "results.csv").open() as f:
+        reader = csv.DictReader(f)
+        lines = list(reader)
+    assert tuple(reader.fieldnames) == COLUMNS
+    assert {"tau", "acceptance_rate", "acceptance_by_position", "tokens_per_s", "speedup",
+            "target_forwards_per_token", "draft_time_share", "peak_memory_mb",
+            "repeated_4gram_share", "lossless"} <= set(COLUMNS)
+    assert len(lines) == 8
+    assert all(len(json.loads(line["acceptance_by_position"])) >= 1 for line in lines)
+
+
+def test_plots_are_readable_pngs(sweep_dir):
+    for name in PLOTS:
+        path = sweep_dir / f"{name}.png"
+        assert path.stat().st_size > 1000
+        image = imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_offline_wandb_run_holds_the_table_and_plots(sweep_dir):
+    (run,) = list((sweep_dir / "wandb").glob("offline-run-*"))
+    assert list(run.glob("run-*.wandb"))
+    media = run / "files" / "media"
+    images = [p.name for p in media.rglob("*.png")]
+    assert len(images) == len(PLOTS)
+    assert all(any(image.startswith(name) for image in images) for name in PLOTS)
+    assert list(media.rglob("results_*.table.json"))
+    records = [json.loads(line) for line in (sweep_dir / "metrics.jsonl").read_text().split("\n")
+               if line]
+    assert [r["step"] for r in records] == list(range(8))
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert "small_model/greedy" in summary["best"] and summary["machine"]["cpu_count"] >= 1
+
+
+def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, heads_dir):
+    """With the target as its own draft, drafts are accepted: lossless is then meaningful."""
+    cfg = cfg_of("sweep", *toy(quick_build, draft="target"), f"medusa_heads={heads_dir}",
+                 "methods=[small_model,hf_assisted,hf_prompt_lookup,medusa,ngram]",
+                 "num_draft_tokens=[2,3]", "samplings=[greedy]", "bench.num_prompts=2",
+                 "bench.max_new_tokens=12", "wandb.enabled=false", f"run_dir={tmp_path}")
+    assert load_entry("sweep").run(cfg) == 0
+    rows = {(r["method"], r["draft_length"]): r
+            for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert ("medusa", 3) not in rows  # 2 heads: length 3 folds into the depth-2 tree
+    assert rows["medusa", 2]["draft_nodes"] == 10  # medusa_small's nodes of depth <= 2
+    assert all(r["lossless"] is True for r in rows.values())
+    for method in ("small_model", "hf_assisted"):
+        assert rows[method, 2]["tau"] > 2.0  # a self-draft is (nearly) always accepted
+    for method, peer in (("hf_assisted", "small_model"), ("hf_prompt_lookup", "ngram")):
+        row = rows[method, 2]
+        assert row["baseline"] == "hf_plain"
+        assert row["ours_over_hf"] == pytest.approx(rows[peer, 2]["tokens_per_s"]
+                                                    / row["tokens_per_s"])
+    assert rows["hf_assisted", 2]["draft_time_share"] > 0
+    assert rows["hf_prompt_lookup", 2]["draft_time_share"] is None  # not measurable
+
+
+def test_shared_baseline_measures_plain_once_per_sampling(quick_build):
+    target = Transformer.from_pretrained(quick_build / "target")
+    prompts, settings = [[1, 2, 3, 1, 2]], BenchSettings(max_new_tokens=6, warmup=0)
+    greedy = GridPoint("ngram", 2, "greedy", SamplingParams())
+    plain = OurDecoder(target)
+    first, base = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings)
+    again, same = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings, base)
+    assert same is base and again.baseline_tokens_per_s == first.baseline_tokens_per_s
+
+
+def test_grid_folds_medusa_lengths_beyond_its_tree():
+    grid = SweepGrid(("ngram", "medusa"), (2, 4, 6), (("greedy", SamplingParams()),), 4)
+    assert [(p.method, p.draft_length) for p in grid.points()] == [
+        ("ngram", 2), ("ngram", 4), ("ngram", 6), ("medusa", 2), ("medusa", 4)]
+
+
+def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    done = subprocess.run(
+        [sys.executable, str(EVAL / "sweep.py"), "-m", *toy(quick_build), "methods=ngram",
+         "num_draft_tokens=1,2", "samplings=[greedy]", "bench.num_prompts=1",
+         "bench.max_new_tokens=4", "wandb.enabled=false", "threads=1",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for job, k in (("0", 1), ("1", 2)):
+        (row,) = json.loads((tmp_path / job / "results.json").read_text())["rows"]
+        assert (row["method"], row["draft_length"]) == ("ngram", k)
+
+
+# ---- eval/lossless.py ---------------------------------------------------------------------
+
+
+def test_lossless_passes_on_the_toy_target(quick_build, cfg_of, heads_dir, capsys):
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], f"medusa_heads={heads_dir}",
+                 "methods=[small_model,ngram,medusa,hf_assisted,hf_prompt_lookup]",
+                 "num_draft_tokens=[1,3]", "num_prompts=3", "max_new_tokens=16")
+    assert load_entry("lossless").run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and "medusa k=1: 3/3 prompts equal plain" in out
+    assert "hf_assisted k=3: 3/3 prompts equal hf_plain" in out
+
+
+def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
+    quick_build, cfg_of, monkeypatch, capsys
+):
+    class Wrong:
+        """Plain decoding that then swaps one token: what a broken drafter would do."""
+
+        measures_draft_time = True
+
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def __call__(self, prompt, sampling, max_new_tokens, seed, stop_ids):
+            result = self.decoder(prompt, sampling, max_new_tokens, seed, stop_ids)
+            result.tokens[2] = (result.tokens[2] + 1) % 100
+            return result
+
+    entry = load_entry("lossless")
+    real = build.build_method
+
+    def broken(models, name, k):
+        method = real(models, name, k)
+        return Method(method.name, k, Wrong(method.decoder), method.baseline)
+
+    monkeypatch.setattr(entry.build, "build_method", broken)
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
+                 "num_prompts=2", "max_new_tokens=8", "stop_at_eos=false")
+    assert entry.run(cfg) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH ngram k=2: 0/2 prompts" in out
+    assert "on prompt HumanEval/0: first difference at new token 2" in out
+
+
+def test_lossless_mismatches_names_the_prompt(quick_build):
+    target = Transformer.from_pretrained(quick_build / "target")
+    plain = OurDecoder(target)
+    method = Method("ngram", 2, plain, plain)
+    found = lossless_mismatches(method, [("p0", [1, 2, 3])], [[7, 7, 7, 7]], 4)
+    assert [(m.prompt_id, m.position) for m in found] == [("p0", 0)]
+
+
+# ---- bad input, refused before any model loads ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["methods=[small_model,eagle]"], "unknown method(s) ['eagle']"),
+        (["num_draft_tokens=[2,0]"], "num_draft_tokens must be integers >= 1"),
+        (["num_draft_tokens=-1"], "num_draft_tokens must be integers >= 1"),
+        (["samplings=[greedy,hot]"], "unknown sampling setting 'hot'"),
+        (["methods=[medusa]"], "medusa needs trained heads: set medusa_heads="),
+        (["methods=[medusa]", "medusa_heads=/nonexistent/export"], "no head_config.json"),
+        (["data=mt_bench", "data.path=/nonexistent/questions.jsonl"], "file not found"),
+        (["data=mt_bench", "data.path={empty}"], "holds no questions"),
+        (["baseline=sometimes"], "unknown baseline mode"),
+    ],
+)
+def test_bad_input_is_refused_before_any_model_loads(
+    tmp_path, quick_build, cfg_of, monkeypatch, capsys, overrides, message
+):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    overrides = [o.replace("{empty}", str(empty)) for o in overrides]
+    entry = load_entry("sweep")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the configuration was checked")
+
+    monkeypatch.setattr(entry.build, "load_sweep_models", no_loading)
+    cfg = cfg_of("sweep", *toy(quick_build), *overrides, f"run_dir={tmp_path / 'run'}")
+    assert entry.run(cfg) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_draft_model_is_refused_before_loading(tmp_path, quick_build, cfg_of):
+    cfg = cfg_of("sweep", *toy(quick_build, draft="missing"), "methods=[hf_assisted]",
+                 f"run_dir={tmp_path}")
+    with pytest.raises(build.ModelNotAvailable, match="model.draft.path"):
+        build.plan_sweep(cfg, 2)
