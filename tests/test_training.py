@@ -106,12 +106,22 @@ def test_a_non_finite_loss_stops_training_and_names_the_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
 
 
-def test_offline_wandb_and_the_json_lines_file_hold_the_same_numbers(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    tracker = Tracker(tmp_path, project="selfspec-test", config={"lr": 0.1})
-    for step in range(1, 4):
-        tracker.log({"loss": 1.0 / step, "medusa/head0_top1": 0.25 * step}, step=step)
-    tracker.finish()
+LOG_THREE_STEPS = """
+import sys
+from selfspec.tracking import Tracker
+tracker = Tracker(sys.argv[1], project="selfspec-test", config={"lr": 0.1})
+for step in range(1, 4):
+    tracker.log({"loss": 1.0 / step, "medusa/head0_top1": 0.25 * step}, step=step)
+tracker.finish()
+"""
+
+
+def test_offline_wandb_and_the_json_lines_file_hold_the_same_numbers(tmp_path):
+    # A process of its own, as a training run is: W&B's service finishes writing at exit.
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-c", LOG_THREE_STEPS, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
