@@ -17,7 +17,8 @@ import torch
 from omegaconf import DictConfig
 
 from selfspec import build
-from selfspec.bench import greedy_outputs, lossless_mismatches, quiet_transformers
+from selfspec.bench import greedy_outputs, lossless_mismatches
+from selfspec.peers import quiet_transformers
 
 
 @hydra.main(config_path="../conf", config_name="lossless", version_base="1.3")

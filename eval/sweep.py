@@ -21,16 +21,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
-from selfspec.bench import (
-    best_rows,
-    format_table,
-    log_sweep,
-    machine_facts,
-    quiet_transformers,
-    run_sweep,
-    write_results,
-)
+from selfspec.bench import run_sweep
+from selfspec.peers import quiet_transformers
 from selfspec.plots import plot_sweep
+from selfspec.results import best_rows, format_table, log_sweep, machine_facts, write_results
 from selfspec.tracking import Tracker
 
 

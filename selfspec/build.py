@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from selfspec.bench import METHODS, BenchSettings, HFDecoder, Method, OurDecoder, SweepGrid
+from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
 from selfspec.data import (
     load_sharegpt,
     packed_chat_dataset,
@@ -29,6 +29,7 @@ from selfspec.drafters import Drafter, MedusaDrafter, NgramDrafter, SmallModelDr
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer
+from selfspec.peers import HFDecoder, OurDecoder
 from selfspec.plan import ModelPlan, plan_model
 from selfspec.prompts import (
     EncodedPrompt,

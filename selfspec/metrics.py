@@ -35,6 +35,17 @@ class GenerationStats:
             _bump(self.position_drafted, depth)
             _bump(self.position_accepted, depth, by=int(depth < num_accepted))
 
+    def merge(self, other: GenerationStats) -> None:
+        """Add another generation's counters to these (a pass over many prompts)."""
+        for name in ("new_tokens", "steps", "target_forwards", "drafted", "accepted",
+                     "wall_time_s", "draft_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("accept_histogram", "position_drafted", "position_accepted"):
+            counts, more = getattr(self, name), getattr(other, name)
+            counts.extend([0] * (len(more) - len(counts)))
+            for i, value in enumerate(more):
+                counts[i] += value
+
     @property
     def tau(self) -> float:
         """Mean tokens a verification step yields (accepted drafts + one target token)."""

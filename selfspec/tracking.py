@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,24 @@ class Tracker:
         (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2, default=str))
         if self._run is not None:
             self._run.summary.update(values)
+
+    def log_media(
+        self,
+        tables: Mapping[str, tuple[Sequence[str], Sequence[Sequence[Any]]]] | None = None,
+        images: Mapping[str, Path] | None = None,
+    ) -> None:
+        """Tables (name: (columns, rows)) as wandb.Table and image files as wandb.Image, in one
+        W&B history entry. Without W&B it does nothing: the JSON/CSV record is the caller's."""
+        if self._run is None:
+            return
+        import wandb  # only when W&B is on: it is slow to import
+
+        media: dict[str, Any] = {
+            name: wandb.Table(columns=list(columns), data=[list(row) for row in rows])
+            for name, (columns, rows) in (tables or {}).items()
+        }
+        media.update({name: wandb.Image(str(path)) for name, path in (images or {}).items()})
+        self._run.log(media)
 
     def finish(self) -> None:
         if self._run is not None:

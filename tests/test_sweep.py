@@ -22,13 +22,13 @@ from selfspec.bench import (
     BenchSettings,
     GridPoint,
     Method,
-    OurDecoder,
     SweepGrid,
     lossless_mismatches,
     measure_row,
 )
 from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, save_head
 from selfspec.model import Transformer
+from selfspec.peers import OurDecoder
 from selfspec.sampling import SamplingParams
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"

@@ -1,0 +1,101 @@
+"""A sweep's results: machine facts, results.json / results.csv, the terminal table, and
+the tracker's record (JSON lines, and W&B history, table and figures when W&B is on)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.bench import COLUMNS, SweepRow
+from selfspec.tracking import Tracker
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the numbers depend on: cores, threads, versions, accelerator."""
+    import transformers
+
+    facts = {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        facts["cuda_device"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def write_results(
+    rows: Sequence[SweepRow], folder: str | Path, extra: Mapping[str, Any] | None = None
+) -> tuple[Path, Path]:
+    """results.json ({**extra, "columns", "rows"}) and results.csv (one line per row; list
+    cells as JSON) in folder; returns both paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [r.as_dict() for r in rows]
+    json_path, csv_path = folder / "results.json", folder / "results.csv"
+    payload = {**(extra or {}), "columns": list(COLUMNS), "rows": records}
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table_rows(records))
+    return json_path, csv_path
+
+
+def table_rows(records: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Rows with list cells turned into JSON text (for CSV files and W&B tables)."""
+    for record in records:
+        yield {k: json.dumps(v) if isinstance(v, list) else v for k, v in record.items()}
+
+
+def format_table(rows: Sequence[SweepRow]) -> str:
+    """A plain-text summary, one line per row, for the terminal."""
+    head = (f"{'method':<17}{'k':>3} {'sampling':<8}{'tau':>6}{'acc':>6}{'tok/s':>9}"
+            f"{'speedup':>9}{'rep4':>6}  lossless")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.method:<17}{r.draft_length:>3} {r.sampling:<8}{r.tau:>6.2f}"
+            f"{r.acceptance_rate:>6.2f}{r.tokens_per_s:>9.1f}{r.speedup:>8.2f}x"
+            f"{r.repeated_4gram_share:>6.2f}  {'' if r.lossless is None else r.lossless}"
+        )
+    return "\n".join(lines)
+
+
+def log_sweep(tracker: Tracker, rows: Sequence[SweepRow], figures: Mapping[str, Path],
+              summary: Mapping[str, Any]) -> None:
+    """Rows as JSON-lines records and W&B history (step = row index), the whole grid as a
+    W&B table, the figures as W&B images, and `summary` as the run summary."""
+    # List cells as JSON text: W&B history and tables take scalars only.
+    records = list(table_rows([r.as_dict() for r in rows]))
+    for i, record in enumerate(records):
+        tracker.log(record, step=i)
+    tracker.log_summary(dict(summary))
+    tracker.log_media(
+        tables={"results": (COLUMNS, [[r[c] for c in COLUMNS] for r in records])},
+        images={f"plots/{name}": path for name, path in figures.items()},
+    )
+
+
+def best_rows(rows: Sequence[SweepRow]) -> dict[str, dict[str, Any]]:
+    """Per "method/sampling": the draft length with the highest speedup, and its figures."""
+    best: dict[str, SweepRow] = {}
+    for row in rows:
+        key = f"{row.method}/{row.sampling}"
+        if key not in best or row.speedup > best[key].speedup:
+            best[key] = row
+    keep = ("draft_length", "speedup", "tau", "tokens_per_s", "repeated_4gram_share", "lossless")
+    return {key: {k: getattr(r, k) for k in keep} for key, r in best.items()}
