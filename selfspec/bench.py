@@ -392,6 +392,24 @@ def greedy_outputs(
     return [decoder(p, greedy, max_new_tokens, 0, stop_ids).tokens for p in prompts]
 
 
+def greedy_agreement(
+    reference: Transformer, other: Transformer, prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+) -> float:
+    """Mean share of each plain greedy continuation of `reference` that `other` reproduces
+    before their first difference (1.0: identical outputs): how far an adapted target drifted."""
+    ours, theirs = (greedy_outputs(OurDecoder(m), prompts, max_new_tokens)
+                    for m in (reference, other))
+    shares = [_common_prefix(a, b) / max(len(a), 1) for a, b in zip(ours, theirs, strict=True)]
+    return sum(shares) / max(len(shares), 1)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first difference (the shorter length when one is a prefix of the other)."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
 def lossless_mismatches(
     method: Method,
     prompts: Sequence[tuple[str, Sequence[int]]],
@@ -405,8 +423,7 @@ def lossless_mismatches(
     found = []
     for (prompt_id, _), want, got in zip(prompts, reference, outputs, strict=True):
         if list(want) != list(got):
-            at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-                      min(len(want), len(got)))
+            at = _common_prefix(want, got)
             found.append(Mismatch(method.name, method.draft_length, prompt_id, at,
                                   list(want[at:]), list(got[at:])))
     return found

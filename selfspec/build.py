@@ -25,10 +25,18 @@ from selfspec.data import (
     rows_from_dataset,
     self_distill,
 )
-from selfspec.drafters import Drafter, MedusaDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters import (
+    Drafter,
+    MedusaDrafter,
+    MedusaProductDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+)
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, merge_adapter
 from selfspec.model import ModelConfig, Transformer
+from selfspec.objectives import Medusa2Objective, MedusaObjective
 from selfspec.peers import HFDecoder, OurDecoder
 from selfspec.plan import ModelPlan, plan_model
 from selfspec.prompts import (
@@ -316,8 +324,33 @@ def training_rows(
     return train, heldout
 
 
-def draft_tree(cfg: DictConfig) -> Tree:
-    return Tree.from_paths(OmegaConf.to_container(cfg.tree.choices))
+def tree_depth(cfg_tree: DictConfig) -> int | None:
+    """How deep a tree config drafts: a static tree's depth, a top-k-products config's `depth`
+    (None: as many heads as there are)."""
+    if cfg_tree.get("choices") is not None:
+        return Tree.from_paths(OmegaConf.to_container(cfg_tree.choices)).max_depth
+    return None if cfg_tree.get("depth") is None else int(cfg_tree.depth)
+
+
+def medusa_drafter(
+    cfg_tree: DictConfig, heads: MedusaHeads, max_depth: int | None = None
+) -> MedusaDrafter | MedusaProductDrafter:
+    """The Medusa drafter of a tree config (conf/tree/), at most max_depth deep: a static tree
+    (`choices`: its nodes of depth <= max_depth) or a dynamic one (`top_k`, `max_nodes`,
+    optional `depth`: each step's best paths of the heads' top-k products)."""
+    name = cfg_tree.get("name")
+    if cfg_tree.get("choices") is not None:
+        choices = OmegaConf.to_container(cfg_tree.choices)
+        if max_depth is not None:
+            choices = [c for c in choices if len(c) <= max_depth]
+        return MedusaDrafter(heads, Tree.from_paths(choices))
+    if cfg_tree.get("top_k") is None or cfg_tree.get("max_nodes") is None:
+        raise ValueError(f"tree config {name!r} needs `choices` (a static tree) or `top_k` and "
+                         f"`max_nodes` (a tree of the heads' top-k products); see conf/tree/")
+    depth = tree_depth(cfg_tree) or heads.config.num_heads
+    depth = depth if max_depth is None else min(depth, max_depth)
+    return MedusaProductDrafter(heads, top_k=int(cfg_tree.top_k),
+                                max_nodes=int(cfg_tree.max_nodes), depth=depth)
 
 
 def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
@@ -335,6 +368,44 @@ def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, Med
     if cfg.medusa.init_from_lm_head:
         heads.init_from_lm_head(target.lm_head.weight.detach())
     return heads, config
+
+
+def medusa_version(cfg: DictConfig) -> int:
+    """1: heads on the frozen target (Medusa-1); 2: heads and LoRA on the target (Medusa-2)."""
+    version = cfg.medusa.get("version", 1)
+    if version not in (1, 2):
+        raise ValueError(f"medusa.version must be 1 (frozen target) or 2 (joint training with "
+                         f"LoRA on the target), got {version!r}")
+    return int(version)
+
+
+def lora_settings(cfg: DictConfig) -> LoraSettings:
+    lora = cfg.medusa.lora
+    return LoraSettings(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                        target_modules=tuple(str(m) for m in lora.target_modules))
+
+
+def medusa_objective(
+    cfg: DictConfig, target: Transformer, heads: MedusaHeads
+) -> MedusaObjective | Medusa2Objective:
+    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
+    decay = float(cfg.medusa.decay)
+    if medusa_version(cfg) == 1:
+        return MedusaObjective(target, heads, decay=decay)
+    adapted = add_lora(target, lora_settings(cfg))
+    return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
+                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
+
+
+def load_medusa(
+    cfg: DictConfig, folder: str | Path, target: Transformer
+) -> tuple[MedusaHeads, Transformer | None]:
+    """The heads of a train/medusa.py export, and for a Medusa-2 export the target they draft
+    for: a fresh copy of cfg's target with the export's LoRA adapter merged (None for
+    Medusa-1, whose heads draft for `target` itself, which is never modified)."""
+    heads = load_head(folder, MedusaHeads, MedusaConfig, target=target)
+    adapter = Path(folder) / ADAPTER_DIR
+    return heads, merge_adapter(load_target(cfg), adapter) if adapter.is_dir() else None
 
 
 # ---- sweeps (eval/sweep.py, eval/lossless.py) ----------------------------------------------
@@ -362,7 +433,8 @@ class SweepModels:
     target: Transformer
     draft: Transformer | None = None
     medusa_heads: MedusaHeads | None = None
-    tree: Tree | None = None
+    medusa_target: Transformer | None = None  # Medusa-2: the LoRA-adapted target they verify on
+    tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
     hf_target: Any = None
     hf_draft: Any = None
 
@@ -438,11 +510,13 @@ def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
 
 
 def medusa_depth(cfg: DictConfig) -> int:
-    """The deepest Medusa draft: cfg.tree's depth, capped by the heads' count (read from the
-    export's head_config.json, no weights): node depth d needs head d-1."""
+    """The deepest Medusa draft: cfg.tree's depth (a top-k-products tree without one: every
+    head), capped by the heads' count read from the export's head_config.json (no weights):
+    node depth d needs head d-1."""
     meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
-    num_heads = int(meta.get("config", {}).get("num_heads", 0)) or draft_tree(cfg).max_depth
-    return min(draft_tree(cfg).max_depth, num_heads)
+    num_heads = int(meta.get("config", {}).get("num_heads", 0))
+    depth = tree_depth(cfg.tree) or num_heads
+    return min(depth, num_heads or depth)
 
 
 def _draft_model_config(cfg: DictConfig) -> DictConfig:
@@ -498,9 +572,9 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     if "small_model" in methods:
         models.draft = _load_model(_draft_model_config(cfg), "model.draft", dtype, device)
     if "medusa" in methods:
-        models.medusa_heads = load_head(str(cfg.medusa_heads), MedusaHeads, MedusaConfig,
-                                        target=models.target)
-        models.tree = draft_tree(cfg)
+        models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
+                                                                models.target)
+        models.tree = cfg.tree
     if set(methods) & set(_HF_METHODS):
         models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, device)
     if "hf_assisted" in methods:
@@ -519,12 +593,15 @@ def load_hf_model(folder: str | Path, dtype: str, device: str):
 
 def build_method(models: SweepModels, name: str, k: int) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
-    the same target by the same library. Medusa at k uses its tree's nodes of depth <= k
-    (and <= its number of heads)."""
-    target = models.target
+    the same target by the same library. Medusa at k drafts at most k deep (a static tree's
+    nodes of depth <= k; top-k products over k heads); Medusa-2 heads draft for, and are
+    compared with plain decoding of, their LoRA-adapted target ("plain_adapted")."""
     if name in ("small_model", "ngram", "medusa"):
         drafter, nodes = _our_drafter(models, name, k)
-        return Method(name, k, OurDecoder(target, drafter), OurDecoder(target), "plain", nodes)
+        target, baseline = models.target, "plain"
+        if name == "medusa" and models.medusa_target is not None:
+            target, baseline = models.medusa_target, "plain_adapted"
+        return Method(name, k, OurDecoder(target, drafter), OurDecoder(target), baseline, nodes)
     if name not in _HF_METHODS:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
     _require(models.hf_target, name)
@@ -540,9 +617,8 @@ def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
     if name == "small_model":
         return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k), k
     heads = _require(models.medusa_heads, name)
-    depth = min(k, heads.config.num_heads)
-    tree = Tree.from_paths([c for c in _require(models.tree, name).choices if len(c) <= depth])
-    return MedusaDrafter(heads, tree), tree.num_nodes
+    drafter = medusa_drafter(_require(models.tree, name), heads, max_depth=k)
+    return drafter, drafter.max_nodes
 
 
 def _require(value, method: str):

@@ -84,3 +84,29 @@ def _check_medusa_inputs(
         )
     if not decay > 0:
         raise ValueError(f"medusa_loss: decay must be > 0 (head k weighs decay**k), got {decay}")
+
+
+def kl_to_teacher(
+    logits: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean KL(teacher || model) of the next-token laws, over the positions whose next token
+    counts (Medusa-2's self-distillation: the teacher is the unadapted target).
+
+    logits, teacher_logits: [B, T, V]; position t predicts token t + 1, so it counts when
+    loss_mask[:, t + 1] is set (None = every position). No valid position gives 0.
+    """
+    if logits.shape != teacher_logits.shape or logits.dim() != 3:
+        raise ValueError(
+            f"kl_to_teacher: logits and teacher_logits must both be [B, T, V], got "
+            f"{list(logits.shape)} and {list(teacher_logits.shape)}"
+        )
+    if loss_mask is not None and loss_mask.shape != logits.shape[:2]:
+        raise ValueError(
+            f"kl_to_teacher: loss_mask must be [B, T] = {list(logits.shape[:2])}, got "
+            f"{list(loss_mask.shape)}"
+        )
+    model = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T - 1, V]
+    teacher = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
+    per_position = F.kl_div(model, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
+    valid = torch.ones_like(per_position) if loss_mask is None else loss_mask[:, 1:].float()
+    return (per_position * valid).sum() / valid.sum().clamp(min=1.0)

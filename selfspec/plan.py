@@ -85,10 +85,15 @@ def _gib(num_bytes: int) -> str:
 
 
 def head_training_lines(head: torch.nn.Module, num_gpus: int) -> str:
-    """What training a head adds: its parameters, and fp32 weights + gradients + AdamW moments
-    (16 bytes per parameter), whole and partitioned num_gpus ways (ZeRO-3)."""
+    """What training a head adds: see `trainable_line`."""
     num_params = sum(p.numel() for p in head.parameters())
+    return trainable_line(f"trainable head ({type(head).__name__})", num_params, num_gpus)
+
+
+def trainable_line(what: str, num_params: int, num_gpus: int) -> str:
+    """Trainable parameters and their fp32 weights + gradients + AdamW moments (16 bytes per
+    parameter), whole and partitioned num_gpus ways (ZeRO-3)."""
     state = 16 * num_params
-    return (f"  trainable head ({type(head).__name__}): {num_params:,} parameters; "
+    return (f"  {what}: {num_params:,} parameters; "
             f"fp32 weights+grads+AdamW {_gib(state).strip()} ({_gib(state // num_gpus).strip()} "
             f"per GPU under ZeRO-3 on {num_gpus})")

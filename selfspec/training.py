@@ -267,10 +267,15 @@ def _is_deepspeed(accelerator: Accelerator) -> bool:
 
 
 def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings):
-    params = [p for p in objective.parameters() if p.requires_grad]
-    if not params:
+    """AdamW over the trainable parameters: the objective's own `param_groups(lr)` when it
+    has them (e.g. a lower rate for adapters on the target), else all at settings.lr."""
+    if not any(p.requires_grad for p in objective.parameters()):
         raise ValueError("the objective has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    if hasattr(objective, "param_groups"):
+        groups = objective.param_groups(settings.lr)
+    else:
+        groups = [{"params": [p for p in objective.parameters() if p.requires_grad]}]
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, settings.warmup_steps, settings.max_steps
     )

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
 from selfspec import build, generate
-from selfspec.drafters import NgramDrafter, SmallModelDrafter
+from selfspec.drafters import MedusaDrafter, MedusaProductDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import count_parameters
 
@@ -69,10 +70,27 @@ def test_every_training_config_composes(cfg_of, override):
     cfg = cfg_of(override, "run_dir=/tmp/unused", config="train_medusa")
     settings = build.train_settings(cfg)
     assert settings.max_steps >= 1 and settings.lr > 0
-    tree = build.draft_tree(cfg)
-    assert 1 <= tree.max_depth <= cfg.medusa.num_heads
+    heads = MedusaHeads(MedusaConfig(8, 64, num_heads=int(cfg.medusa.num_heads)))
+    drafter = build.medusa_drafter(cfg.tree, heads)
+    assert 1 <= drafter.max_nodes and (build.tree_depth(cfg.tree) or 1) <= cfg.medusa.num_heads
     config = build.deepspeed_config(cfg)
     assert config is None or config["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_tree_configs_build_static_and_top_k_product_drafters(cfg_of):
+    heads = MedusaHeads(MedusaConfig(8, 64, num_heads=4))
+    static = build.medusa_drafter(cfg_of("tree=medusa_small", config="sweep").tree, heads,
+                                    max_depth=2)
+    assert isinstance(static, MedusaDrafter) and static.tree.max_depth == 2
+    assert static.max_nodes == 10  # medusa_small's nodes of depth <= 2
+    cfg = cfg_of("tree=top_k_products", "tree.top_k=3", "tree.max_nodes=100", config="sweep")
+    product = build.medusa_drafter(cfg.tree, heads, max_depth=2)
+    assert isinstance(product, MedusaProductDrafter)
+    assert (product.depth, product.max_nodes) == (2, 3 + 9)  # the full product tree, 2 deep
+    assert build.medusa_drafter(cfg.tree, heads).depth == 4  # depth null: every head
+    with pytest.raises(ValueError, match="needs `choices` .* or `top_k` and `max_nodes`"):
+        build.medusa_drafter(cfg_of("tree=top_k_products", "~tree.top_k", config="sweep").tree,
+                             heads)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

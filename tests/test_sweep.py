@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
@@ -23,10 +24,12 @@ from selfspec.bench import (
     GridPoint,
     Method,
     SweepGrid,
+    greedy_outputs,
     lossless_mismatches,
     measure_row,
 )
 from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, save_head
+from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 from selfspec.model import Transformer
 from selfspec.peers import OurDecoder
 from selfspec.sampling import SamplingParams
@@ -69,16 +72,37 @@ def sweep_dir(tmp_path_factory, quick_build, cfg_of) -> Path:
     return run_dir
 
 
+def lm_head_copies(target: Transformer, num_heads: int = 2) -> MedusaHeads:
+    """Untrained Medusa heads for the target (output layers = its LM head)."""
+    config = MedusaConfig(hidden_size=target.config.hidden_size,
+                          vocab_size=target.config.vocab_size, num_heads=num_heads, num_layers=1)
+    return MedusaHeads(config).init_from_lm_head(target.lm_head.weight.detach())
+
+
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory, quick_build) -> Path:
-    """Untrained 2-head Medusa export for the toy target (output layers = its LM head)."""
+    """Untrained 2-head Medusa export for the toy target."""
     target = Transformer.from_pretrained(quick_build / "target")
-    config = MedusaConfig(hidden_size=target.config.hidden_size,
-                          vocab_size=target.config.vocab_size, num_heads=2, num_layers=1)
-    heads = MedusaHeads(config)
-    heads.init_from_lm_head(target.lm_head.weight.detach())
-    return save_head(tmp_path_factory.mktemp("heads") / "export", heads, config,
+    heads = lm_head_copies(target)
+    return save_head(tmp_path_factory.mktemp("heads") / "export", heads, heads.config,
                      describe_target(target))
+
+
+@pytest.fixture(scope="module")
+def medusa2_dir(tmp_path_factory, quick_build) -> Path:
+    """A Medusa-2 export: untrained heads and a random LoRA adapter (fresh ones are the
+    identity), so its adapted target is another model than the toy target."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    heads, info = lm_head_copies(target), describe_target(target)
+    adapted = add_lora(target, LoraSettings(rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    folder = save_head(tmp_path_factory.mktemp("medusa2") / "export", heads, heads.config, info)
+    save_adapter(adapted, folder / ADAPTER_DIR)
+    return folder
 
 
 # ---- the sweep's outputs ------------------------------------------------------------------
@@ -205,6 +229,27 @@ def test_lossless_passes_on_the_toy_target(quick_build, cfg_of, heads_dir, capsy
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and "medusa k=1: 3/3 prompts equal plain" in out
     assert "hf_assisted k=3: 3/3 prompts equal hf_plain" in out
+
+
+def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, medusa2_dir,
+                                                       capsys):
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], f"medusa_heads={medusa2_dir}",
+                 "methods=[medusa,ngram]", "tree=top_k_products", "num_draft_tokens=[1,2]",
+                 "num_prompts=3", "max_new_tokens=16")
+    models = build.load_sweep_models(cfg, ("medusa", "ngram"))
+    method = build.build_method(models, "medusa", 2)
+    assert method.decoder.target is models.medusa_target is method.baseline.target
+    assert models.medusa_target is not models.target
+    assert method.baseline_name == "plain_adapted"
+    assert method.draft_nodes == 16  # max_nodes of the 4 + 4 * 4 product paths, 2 deep
+    prompts = [[5, 6, 7], [40, 41, 42, 43], [9]]
+    adapted, original = (greedy_outputs(OurDecoder(t), prompts, 16)
+                         for t in (models.medusa_target, models.target))
+    assert adapted != original  # so comparing with the wrong target would be caught
+    assert load_entry("lossless").run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and "medusa k=2: 3/3 prompts equal plain_adapted" in out
+    assert "ngram k=2: 3/3 prompts equal plain\n" in out
 
 
 def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
+from selfspec.lora import merge_adapter
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 
@@ -60,3 +61,45 @@ def test_train_medusa_dry_run_plans_a_70b_target_without_weights(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "68,976,648,192" in done.stdout
     assert "trainable head (MedusaHeads): 1,317,044,224 parameters" in done.stdout
+
+
+def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path, quick_build):
+    run_dir = tmp_path / "run"
+    done = run_entry(
+        "model=local", f"model.path={quick_build / 'target'}", "medusa.version=2",
+        "medusa.lora.rank=4", "tree=top_k_products", "train_data.source=sharegpt",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
+        "trainer.eval_every=4", "trainer.threads=1", "final_eval.num_prompts=2",
+        "final_eval.max_new_tokens=12", "wandb.enabled=false", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Medusa-2: verified against the LoRA-adapted target" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lossless"] is True and summary["tau"] >= 1.0
+    assert 0.0 <= summary["greedy_agreement_with_original"] <= 1.0
+    assert summary["eval_kl_to_original"] >= 0.0
+    export = run_dir / "checkpoints/step_0000004/export"
+    target = Transformer.from_pretrained(quick_build / "target")
+    load_head(export, MedusaHeads, MedusaConfig, target=target)
+    merged = merge_adapter(target, export / "adapter")  # peft's format, merged into our model
+    assert isinstance(merged, Transformer)
+    assert any("lm_kl" in key for row in read_metrics(run_dir) for key in row)
+
+
+def test_train_medusa2_dry_run_plans_the_adapters(tmp_path):
+    done = run_entry("model=llama2-70b", "dry_run=true", "medusa.version=2",
+                     f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 8 on q, k, v, o, gate, up, down: 8 * (2 * 16384 + 2 * 9216 + 3 * 36864) per layer
+    assert "LoRA adapters on the target (rank 8): 103,546,880 parameters" in done.stdout
+
+
+def test_a_bad_medusa_version_or_tree_is_refused_with_its_fix(tmp_path, quick_build):
+    done = run_entry("medusa.version=3", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert done.returncode == 2 and "medusa.version must be 1" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = run_entry("model=local", f"model.path={quick_build / 'target'}", "medusa.num_heads=2",
+                     "tree=medusa_63", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert done.returncode == 2 and "only 2 Medusa heads" in done.stderr

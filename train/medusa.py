@@ -1,6 +1,7 @@
-"""Train Medusa heads on a frozen target, then measure tau and speedup on held-out prompts.
+"""Train Medusa heads on a target, then measure tau and speedup on held-out prompts.
 
     python train/medusa.py                                         # tiny target, CPU minutes
+    python train/medusa.py medusa.version=2                        # Medusa-2: + LoRA on target
     python train/medusa.py model=llama2-70b dry_run=true           # memory plan, no weights
     torchrun --nproc_per_node 2 train/medusa.py deepspeed=zero2 hydra.run.dir=runs/m1
     python train/medusa.py trainer.resume=true hydra.run.dir=runs/m1   # continue a run
@@ -17,12 +18,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
-from selfspec.bench import compare_with_plain
-from selfspec.drafters.medusa import MedusaDrafter
-from selfspec.heads.io import describe_target, load_head, save_head
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.objectives import MedusaObjective
-from selfspec.plan import head_training_lines
+from selfspec.bench import compare_with_plain, greedy_agreement
+from selfspec.heads.io import describe_target, save_head
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
+from selfspec.model import Transformer
+from selfspec.plan import head_training_lines, trainable_line
 from selfspec.tracking import Tracker
 from selfspec.training import fit, make_accelerator
 
@@ -32,54 +33,84 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
     if cfg.trainer.get("threads"):
         torch.set_num_threads(int(cfg.trainer.threads))
-    if cfg.dry_run:
-        print(build.model_plan(cfg).format())
-        with torch.device("meta"):  # sized from the config: no weights, no memory
-            heads = MedusaHeads(build.medusa_config(cfg, build.model_config(cfg.model)))
-        print(head_training_lines(heads, int(cfg.num_gpus)))
-        return
     try:  # configuration and availability errors carry their fix: no traceback
+        version = build.medusa_version(cfg)
+        if cfg.dry_run:
+            return dry_run(cfg, version)
         target = build.load_target(cfg)
         tokenizer = build.load_tokenizer(target.source)
-        tree = build.draft_tree(cfg)
         settings = build.train_settings(cfg)
+        heads, head_config = build.medusa_heads(cfg, target)
+        build.medusa_drafter(cfg.tree, heads)  # a tree the heads cannot fill fails now, not later
         train, heldout = build.training_rows(cfg, tokenizer, target)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
-    heads, head_config = build.medusa_heads(cfg, target)
+    target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
+    objective = build.medusa_objective(cfg, target, heads)
     tracker = None
     if accelerator.is_main_process:
         tracker = Tracker(settings.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
                           config=OmegaConf.to_container(cfg, resolve=True))
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        """Heads alone (safetensors + config); Medusa-2 adds its adapter in peft's format."""
         trained = MedusaHeads(head_config)
-        trained.load_state_dict({k.removeprefix("heads."): v for k, v in state.items()})
-        save_head(folder, trained, head_config, describe_target(target))
+        trained.load_state_dict(_part(state, "heads."))
+        save_head(folder, trained, head_config, target_info)
+        if version == 2:
+            save_adapter(objective.target, folder / ADAPTER_DIR, _part(state, "target."))
 
-    objective = MedusaObjective(target, heads, decay=float(cfg.medusa.decay))
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
     if tracker is not None:
         if result.step == settings.max_steps and cfg.final_eval.num_prompts > 0:
-            report(cfg, result.checkpoint / "export", tree, result.metrics, tracker)
+            report(cfg, result.checkpoint / "export", result.metrics, tracker)
         tracker.finish()
 
 
-def report(cfg: DictConfig, heads_folder: Path, tree, metrics: dict, tracker: Tracker) -> None:
-    """tau and speedup of the trained heads over plain decoding, on a fresh copy of the target."""
-    target = build.load_target(cfg)  # unpartitioned, whatever DeepSpeed did to the trained one
-    heads = load_head(heads_folder, MedusaHeads, MedusaConfig, target=target)
+def dry_run(cfg: DictConfig, version: int) -> None:
+    """The memory plan of the target, the heads and (Medusa-2) the adapters, on meta tensors."""
+    print(build.model_plan(cfg).format())
+    config, gpus = build.model_config(cfg.model), int(cfg.num_gpus)
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        heads = MedusaHeads(build.medusa_config(cfg, config))
+        target = Transformer(config) if version == 2 else None
+    print(head_training_lines(heads, gpus))
+    if target is not None:
+        settings = build.lora_settings(cfg)
+        print(trainable_line(f"LoRA adapters on the target (rank {settings.rank})",
+                             lora_parameter_count(target, settings), gpus))
+        print("  Medusa-2 also back-propagates through the target: plan activation memory "
+              "(micro_batch_size x seq_len) on top")
+
+
+def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
+def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau and speedup of the trained heads over plain decoding of the target they draft for
+    (Medusa-2: the adapted target), on fresh weights, whatever DeepSpeed did to the trained
+    ones; for Medusa-2 also how much of the original's greedy output the adapted target keeps."""
+    target = build.load_target(cfg)
+    heads, adapted = build.load_medusa(cfg, heads_folder, target)
+    verified = adapted if adapted is not None else target
     prompts = build.load_prompts(cfg.data, build.load_tokenizer(target.source))
     prompts = [p.ids for p in prompts[: int(cfg.final_eval.num_prompts)]]
+    new_tokens = int(cfg.final_eval.max_new_tokens)
     comparison = compare_with_plain(
-        target, MedusaDrafter(heads, tree), prompts, sampling=build.sampling_params(cfg.sampling),
-        max_new_tokens=int(cfg.final_eval.max_new_tokens), seed=int(cfg.seed),
+        verified, build.medusa_drafter(cfg.tree, heads), prompts,
+        sampling=build.sampling_params(cfg.sampling), max_new_tokens=new_tokens,
+        seed=int(cfg.seed),
     )
     top1 = {k: round(v, 3) for k, v in metrics.items() if k.endswith("_top1")}
     summary = {**comparison.as_dict(), **top1, "heads": str(heads_folder)}
+    if adapted is not None:
+        summary["greedy_agreement_with_original"] = greedy_agreement(
+            target, adapted, prompts, new_tokens)
+        summary["eval_kl_to_original"] = metrics.get("eval/medusa/lm_kl")
     tracker.log_summary(summary)
     print(f"Medusa heads: {heads_folder}")
     print(f"per-head top-1 (held-out): {top1}")
@@ -87,6 +118,11 @@ def report(cfg: DictConfig, heads_folder: Path, tree, metrics: dict, tracker: Tr
           f"({comparison.tokens_per_s:.1f} vs {comparison.plain_tokens_per_s:.1f} tokens/s) on "
           f"{comparison.prompts} {cfg.data.name} prompts, lossless={comparison.lossless}, "
           f"repeated 4-grams {comparison.repeated_4gram_share:.2f}")
+    if adapted is not None:
+        print(f"Medusa-2: verified against the LoRA-adapted target (held-out KL to the original "
+              f"{summary['eval_kl_to_original']}); its greedy output keeps "
+              f"{summary['greedy_agreement_with_original']:.0%} of the original's tokens before "
+              f"the first difference")
 
 
 if __name__ == "__main__":

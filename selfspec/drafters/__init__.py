@@ -1,7 +1,7 @@
 """Drafters: what proposes the tokens the target verifies."""
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
-from selfspec.drafters.medusa import MedusaDrafter
+from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import NgramDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
 
@@ -11,6 +11,7 @@ __all__ = [
     "DraftContext",
     "Drafter",
     "MedusaDrafter",
+    "MedusaProductDrafter",
     "NgramDrafter",
     "SmallModelDrafter",
     "TargetFeatures",
