@@ -1,9 +1,11 @@
 """Run by tests/test_training.py under torchrun: a few Medusa training steps with `fit`.
 
-    torchrun --nproc_per_node 2 tests/distributed_fit.py RUN_DIR MICRO_BATCH [zero2|zero3|none]
+    torchrun --nproc_per_node 2 tests/distributed_fit.py RUN_DIR MICRO_BATCH ZERO [VERSION]
 
-Every rank builds the same tiny target and heads from fixed seeds and trains on the same
-random token rows; each rank writes a checksum of the trained head weights it holds.
+ZERO is zero2, zero3 or none; VERSION the Medusa version (default 1; 2: LoRA adapters on the
+target train too, and every checkpoint exports them). Every rank builds the same tiny target
+and heads from fixed seeds and trains on the same random token rows; each rank writes a
+checksum of the trained weights (heads, and adapters for Medusa-2) it holds.
 """
 
 import json
@@ -16,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import tiny_llama  # noqa: E402
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
+from selfspec.lora import LoraSettings, add_lora, save_adapter  # noqa: E402
 from selfspec.model import Transformer  # noqa: E402
-from selfspec.objectives import MedusaObjective  # noqa: E402
+from selfspec.objectives import Medusa2Objective, MedusaObjective  # noqa: E402
 from selfspec.tracking import Tracker  # noqa: E402
 from selfspec.training import TokenRows, TrainSettings, fit, make_accelerator  # noqa: E402
 
@@ -29,7 +32,7 @@ ZERO = {
 }
 
 
-def main(run_dir: str, micro_batch: int, zero: str) -> None:
+def main(run_dir: str, micro_batch: int, zero: str, version: int = 1) -> None:
     torch.set_num_threads(1)
     settings = TrainSettings(run_dir=run_dir, max_steps=4, micro_batch_size=micro_batch,
                              lr=3e-3, log_every=1, save_every=4, seed=0)
@@ -40,15 +43,25 @@ def main(run_dir: str, micro_batch: int, zero: str) -> None:
     tokens = torch.randint(64, (32, 24), generator=torch.Generator().manual_seed(2))
     rows = TokenRows(tokens, torch.ones_like(tokens))
     tracker = Tracker(run_dir, use_wandb=False) if accelerator.is_main_process else None
-    model = MedusaObjective(target, heads)
-    fit(model, rows, None, settings, accelerator=accelerator, tracker=tracker)
+    if version == 2:
+        model = Medusa2Objective(add_lora(target, LoraSettings(rank=4)), heads)
+    else:
+        model = MedusaObjective(target, heads)
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        if version == 2:
+            adapter = {k.removeprefix("target."): v for k, v in state.items()
+                       if k.startswith("target.")}
+            save_adapter(model.target, folder / "adapter", adapter)
+
+    fit(model, rows, None, settings, accelerator=accelerator, tracker=tracker, export=export)
     rank = accelerator.process_index
-    Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"heads_sum": heads_checksum(heads)}))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"trained_sum": checksum(trained)}))
 
 
-def heads_checksum(heads: MedusaHeads) -> float:
-    """Sum of the full head weights this rank sees (ZeRO-3 partitions are gathered first)."""
-    params = list(heads.parameters())
+def checksum(params: list[torch.Tensor]) -> float:
+    """Sum of the full weights this rank sees (ZeRO-3 partitions are gathered first)."""
     if hasattr(params[0], "ds_id"):  # partitioned by ZeRO-3
         import deepspeed
 
@@ -58,4 +71,4 @@ def heads_checksum(heads: MedusaHeads) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 1)

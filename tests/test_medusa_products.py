@@ -1,13 +1,11 @@
 """Medusa "top-k products" candidates: the dynamic tree against brute force, lossless greedy,
-exact sampling, argument errors, the tree config."""
+exact sampling, argument errors."""
 
 import itertools
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
 from test_medusa import NEW_TOKENS, PROMPTS, random_heads
 
@@ -17,8 +15,6 @@ from selfspec.drafters.base import DraftContext, TargetFeatures
 from selfspec.drafters.medusa import _best_product_paths
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.losses import medusa_loss
-
-TREE_DIR = Path(__file__).resolve().parents[1] / "conf" / "tree"
 
 
 def propose(drafter: MedusaProductDrafter, hidden: torch.Tensor):
@@ -152,14 +148,6 @@ def test_bad_arguments_are_clear_errors():
     drafter = MedusaProductDrafter(heads, 2, 4)
     with pytest.raises(ValueError, match="MedusaProductDrafter: the heads have hidden_size 16"):
         generate(target, [3, 4], drafter=drafter, max_new_tokens=2)
-
-
-def test_the_tree_config_builds_a_drafter():
-    spec = yaml.safe_load((TREE_DIR / "top_k_products.yaml").read_text())
-    assert spec == {"name": "top_k_products", "top_k": 4, "max_nodes": 16}
-    heads = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=24, num_heads=4))
-    drafter = MedusaProductDrafter(heads, spec["top_k"], spec["max_nodes"])
-    assert drafter.max_nodes == 16 and propose(drafter, torch.randn(1, 16)).tree.num_nodes == 16
 
 
 # ---- lossless greedy, exact sampling --------------------------------------------------------

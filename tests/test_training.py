@@ -132,10 +132,10 @@ def test_offline_wandb_and_the_json_lines_file_hold_the_same_numbers(tmp_path):
             assert key.encode() in raw and json.dumps(value).encode() in raw
 
 
-def _torchrun(run_dir: Path, micro_batch: int, zero: str, processes: int) -> None:
+def _torchrun(run_dir: Path, micro_batch: int, zero: str, processes: int, version: int = 1):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={processes}", str(TESTS / "distributed_fit.py"),
-               str(run_dir), str(micro_batch), zero]
+               str(run_dir), str(micro_batch), zero, str(version)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -148,13 +148,33 @@ def single_process_run(tmp_path_factory):
     return run_dir
 
 
+def assert_matches_one_process(run_dir: Path, single: Path) -> None:
+    """Same losses as one process with the same global batch, and every rank holds the same
+    trained weights as that process."""
+    expected = [r["loss"] for r in read_metrics(single)]
+    got = [r["loss"] for r in read_metrics(run_dir)]
+    assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5)
+    sums = [json.loads((run_dir / f"rank{r}.json").read_text())["trained_sum"] for r in (0, 1)]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-9)  # the ranks hold the same weights
+    reference = json.loads((single / "rank0.json").read_text())["trained_sum"]
+    assert sums[0] == pytest.approx(reference, rel=1e-5)
+
+
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_deepspeed_on_two_processes_matches_one_process(tmp_path, single_process_run, zero):
     _torchrun(tmp_path, micro_batch=2, zero=zero, processes=2)  # same global batch of 4 rows
-    expected = [r["loss"] for r in read_metrics(single_process_run)]
-    got = [r["loss"] for r in read_metrics(tmp_path)]
-    assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5)
-    sums = [json.loads((tmp_path / f"rank{r}.json").read_text())["heads_sum"] for r in (0, 1)]
-    assert sums[0] == pytest.approx(sums[1], rel=1e-9)  # the ranks hold the same weights
-    reference = json.loads((single_process_run / "rank0.json").read_text())["heads_sum"]
-    assert sums[0] == pytest.approx(reference, rel=1e-5)
+    assert_matches_one_process(tmp_path, single_process_run)
+
+
+def test_medusa2_under_zero3_on_two_processes_matches_one_process(tmp_path):
+    """Partitioned adapters, the adapter-disabled teacher pass and the gathered adapter export."""
+    single, double = tmp_path / "single", tmp_path / "double"
+    _torchrun(single, micro_batch=4, zero="none", processes=1, version=2)
+    _torchrun(double, micro_batch=2, zero="zero3", processes=2, version=2)
+    assert_matches_one_process(double, single)
+    adapters = [load_file(run / "checkpoints/step_0000004/export/adapter/adapter_model.safetensors")
+                for run in (single, double)]
+    assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) == 2 * 2 * 7
+    for name, tensor in adapters[0].items():
+        assert torch.allclose(adapters[1][name], tensor, atol=1e-6), name
+    assert any("lora_B" in n and t.abs().sum() > 0 for n, t in adapters[1].items())
