@@ -12,7 +12,7 @@ from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
 
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters.base import DraftContext, TargetFeatures
-from selfspec.drafters.medusa import MedusaDrafter
+from selfspec.drafters.medusa import MedusaDrafter, _ranked
 from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, load_head, save_head
 from selfspec.losses import medusa_loss
 
@@ -179,6 +179,15 @@ def test_each_node_gets_its_rank_from_the_head_of_its_depth():
     assert draft.tokens.tolist() == expected
     assert draft.q is None  # chosen, not sampled: exact under the shared verifier
     assert draft.tree.choices == tuple(sorted(map(tuple, paths), key=lambda p: (len(p), p)))
+
+
+@pytest.mark.parametrize("levels", [3, 40, 10_000])  # many ties ... almost none
+@pytest.mark.parametrize("count", [1, 4, 10, 24])
+def test_ranking_takes_the_top_candidates_with_ties_in_token_id_order(levels, count):
+    g = torch.Generator().manual_seed(levels + count)
+    logits = torch.randint(levels, (4, 24), generator=g).float()  # [heads, V]
+    full = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :count]
+    assert torch.equal(_ranked(logits, count), full)
 
 
 def test_no_hidden_state_yet_means_an_empty_draft():

@@ -57,6 +57,7 @@ class MedusaDrafter:
         )
         self._head_of = self.tree.depth - 1  # [N] which head ranks each node
         self._rank_of = torch.tensor([c[-1] for c in self.tree.choices], dtype=torch.long)  # [N]
+        self._ranks = worst + 1  # how many candidates per head the tree uses
 
     def begin(self, setup: DecodeSetup) -> None:
         _check_target("MedusaDrafter", self.heads, setup)
@@ -68,7 +69,7 @@ class MedusaDrafter:
         logits = _root_logits(self.heads, context, self.tree.max_depth)  # [depth, V]
         if logits is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
-        ranked = _ranked(logits)  # [depth, V] token ids, most likely first
+        ranked = _ranked(logits, self._ranks)  # [depth, ranks] token ids, most likely first
         tokens = ranked[self._head_of.to(ranked.device), self._rank_of.to(ranked.device)]  # [N]
         return Draft(self.tree, tokens.to(context.features.last_hidden.device))
 
@@ -104,7 +105,7 @@ class MedusaProductDrafter:
         logits = _root_logits(self.heads, context, self.depth)  # [depth, V]
         if logits is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
-        ranked = _ranked(logits)[:, : self.top_k]  # [depth, k] token ids, most likely first
+        ranked = _ranked(logits, self.top_k)  # [depth, k] token ids, most likely first
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(1, ranked)  # [depth, k]
         # The tree is built on the CPU: it holds at most max_nodes nodes.
         parents, level, rank = _best_product_paths(log_probs.cpu(), self.max_nodes)
@@ -127,10 +128,23 @@ def _root_logits(heads: MedusaHeads, context: DraftContext, depth: int) -> torch
     return logits[:depth]
 
 
-def _ranked(logits: torch.Tensor) -> torch.Tensor:
-    """[depth, V] token ids, most likely first. Stable: equal logits rank by token id, the
-    same rule as logits_to_probs' cut-offs."""
-    return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+def _ranked(logits: torch.Tensor, count: int) -> torch.Tensor:
+    """[depth, count] the `count` most likely token ids per row, most likely first. Equal
+    logits rank by token id, the same rule as logits_to_probs' cut-offs.
+
+    A top-k instead of a sort of the whole vocabulary (which cost a millisecond per step);
+    only a tie across the cut, where top-k may pick any of the tied ids, ranks the full row.
+    """
+    vocab = logits.shape[-1]
+    if count >= vocab:
+        return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    values, ids = torch.topk(logits, count + 1, dim=-1)  # [depth, count + 1], sorted
+    if (values[:, count - 1] == values[:, count]).any():
+        return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :count]
+    by_id = ids.argsort(dim=-1)  # then a stable sort by value keeps ties in id order
+    ids, values = ids.gather(-1, by_id), values.gather(-1, by_id)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order)[:, :count]
 
 
 def _check_target(drafter: str, heads: MedusaHeads, setup: DecodeSetup) -> None:
