@@ -9,6 +9,7 @@ download). Its `arch` block holds the architecture facts, so plans need no weigh
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,7 @@ from selfspec.data import (
     packed_stdlib_dataset,
     rows_from_dataset,
     self_distill,
+    self_distill_rows,
 )
 from selfspec.drafters import (
     Drafter,
@@ -294,7 +296,8 @@ def training_rows(
     cfg: DictConfig, tokenizer, target: Transformer | None = None
 ) -> tuple[TokenRows, TokenRows]:
     """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
-    train_data.self_distill the target rewrites the assistant turns first."""
+    train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
+    each corpus row after its first tokens (stdlib) first."""
     source, seq_len = cfg.train_data.source, int(cfg.trainer.seq_len)
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
@@ -302,6 +305,8 @@ def training_rows(
             rows_from_dataset(packed_stdlib_dataset(tokenizer, split, seq_len, cache))
             for split in ("train", "heldout")
         )
+        if cfg.train_data.get("self_distill"):
+            train, heldout = _distilled_corpus(cfg, target, train, heldout)
     elif source == "sharegpt":
         if not cfg.train_data.get("path"):
             raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
@@ -322,6 +327,24 @@ def training_rows(
     if cap is not None:
         train = train.select(torch.arange(min(int(cap), len(train))))
     return train, heldout
+
+
+def _distilled_corpus(
+    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows
+) -> tuple[TokenRows, TokenRows]:
+    """The stdlib rows continued by the target itself: as many training rows as the run will
+    draw (steps x global batch, or train_data.max_rows if fewer) and the held-out rows that
+    evaluation reads."""
+    if target is None:
+        raise ValueError("train_data.self_distill needs the target to generate with")
+    t = cfg.trainer
+    drawn = (int(t.max_steps) * int(t.micro_batch_size) * int(t.grad_accum)
+             * int(os.environ.get("WORLD_SIZE", "1")))
+    cap = cfg.train_data.get("max_rows")
+    options = {"prompt_tokens": int(cfg.train_data.self_distill_prompt_tokens),
+               "cache_dir": cfg.train_data.get("cache_dir")}
+    return (self_distill_rows(train, target, count=min(drawn, int(cap or drawn)), **options),
+            self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
 
 
 def tree_depth(cfg_tree: DictConfig) -> int | None:

@@ -285,3 +285,75 @@ def self_distill(conversations: list[list[dict]], target, tokenizer, *, max_new_
             rewritten.append(message)
         distilled.append(rewritten)
     return distilled
+
+
+def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = None,
+                      batch_size: int = 64, cache_dir: str | Path | None = None):
+    """Corpus rows rewritten by the target: each keeps its first `prompt_tokens` tokens and
+    continues with the target's own greedy output to the row's length; the loss counts only
+    that continuation. The corpus counterpart of `self_distill` for chat data.
+
+    rows: `TokenRows` [N, T]; count: how many rows to rewrite, picked evenly across the corpus
+    (None = all). Generated `batch_size` rows at a time, and cached in cache_dir, keyed by the
+    target's weights and these settings.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from selfspec.training import TokenRows
+
+    length = rows.tokens.shape[1]
+    if not 1 <= prompt_tokens < length:
+        raise ValueError(f"self-distillation: prompt_tokens must lie in [1, {length}) (the rows' "
+                         f"length), got {prompt_tokens}; set train_data.self_distill_prompt_tokens")
+    count = len(rows) if count is None else min(count, len(rows))
+    picked = rows.select(torch.linspace(0, len(rows) - 1, count).round().long())
+    key = _cache_key("distill", _weights_fingerprint(target), _rows_hash(picked), prompt_tokens)
+    cached = None if cache_dir is None else Path(cache_dir) / f"{key}-distilled.safetensors"
+    if cached is not None and cached.is_file():
+        return TokenRows(**load_file(str(cached)))
+    prompts = picked.tokens[:, :prompt_tokens]  # [count, P]
+    tokens = torch.cat([_greedy_continuations(target, batch, length - prompt_tokens)
+                        for batch in _batches(prompts, batch_size)])  # [count, T]
+    mask = torch.zeros_like(tokens)
+    mask[:, prompt_tokens:] = 1
+    distilled = TokenRows(tokens, mask)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"tokens": tokens, "loss_mask": mask}, str(cached))
+    return distilled
+
+
+def _batches(prompts: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
+    from tqdm.auto import tqdm
+
+    starts = range(0, len(prompts), batch_size)
+    return (prompts[s : s + batch_size] for s in tqdm(starts, desc="self-distill"))
+
+
+@torch.inference_mode()
+def _greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[B, P + new_tokens]: every prompt row [B, P] of equal length and its greedy
+    continuation (argmax, lowest id on ties, as greedy decoding), all rows in one batch."""
+    device = target.embed_tokens.weight.device
+    batch, length = prompts.shape
+    cache = target.new_cache(batch_size=batch, max_slots=length + new_tokens)
+    out = target(prompts.to(device), torch.arange(length, device=device), cache)
+    generated = []
+    for i in range(new_tokens):
+        token = out.logits[:, -1].argmax(dim=-1)  # [B]
+        generated.append(token)
+        if i + 1 < new_tokens:
+            position = torch.tensor([length + i], device=device)
+            out = target(token[:, None], position, cache)
+    return torch.cat([prompts, torch.stack(generated, dim=1).cpu()], dim=1)
+
+
+def _weights_fingerprint(target) -> str:
+    """What identifies the target's weights: a sum over every parameter (cheap, and any
+    retrained or adapted target differs) with the architecture."""
+    total = sum(float(p.detach().double().sum()) for p in target.parameters())
+    return f"{target.config}|{total:.12e}"
+
+
+def _rows_hash(rows) -> str:
+    return hashlib.sha256(rows.tokens.numpy().tobytes()).hexdigest()[:16]

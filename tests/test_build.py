@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_llama
 from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
@@ -18,6 +19,7 @@ from selfspec.drafters import MedusaDrafter, MedusaProductDrafter, NgramDrafter,
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import count_parameters
+from selfspec.training import TokenRows
 
 # Published parameter counts (model cards / papers); configs must land within 1%.
 PUBLISHED_PARAMS = {
@@ -91,6 +93,20 @@ def test_tree_configs_build_static_and_top_k_product_drafters(cfg_of):
     with pytest.raises(ValueError, match="needs `choices` .* or `top_k` and `max_nodes`"):
         build.medusa_drafter(cfg_of("tree=top_k_products", "~tree.top_k", config="sweep").tree,
                              heads)
+
+
+def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_path):
+    cfg = cfg_of("trainer.max_steps=2", "trainer.micro_batch_size=3", "trainer.grad_accum=2",
+                 "trainer.eval_rows=2", "train_data.self_distill_prompt_tokens=4",
+                 f"train_data.cache_dir={tmp_path}", "run_dir=/tmp/unused", config="train_medusa")
+    target = Transformer.from_hf(tiny_llama(0))
+    tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))
+    train, heldout = build._distilled_corpus(cfg, target, rows, rows)
+    assert len(train) == 2 * 3 * 2 and len(heldout) == 2  # steps x global batch; eval rows
+    assert train.loss_mask[:, :4].sum() == 0 and train.loss_mask[:, 4:].all()
+    with pytest.raises(ValueError, match="self_distill needs the target"):
+        build._distilled_corpus(cfg, None, rows, rows)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

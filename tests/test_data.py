@@ -14,9 +14,11 @@ from selfspec.data import (
     reply_prompt,
     rows_from_dataset,
     self_distill,
+    self_distill_rows,
 )
 from selfspec.decode import generate
 from selfspec.model import Transformer
+from selfspec.training import TokenRows
 
 CHAT = [{"role": "user", "content": "add one"},
         {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
@@ -73,3 +75,30 @@ def test_self_distillation_replaces_replies_with_the_targets_own(tokenizer):
     assert distilled[1]["content"] == tokenizer.decode(
         [t for t in expected if t != tokenizer.eos_token_id])
     assert torch.is_tensor(target.lm_head.weight)
+
+
+def corpus_rows(n: int = 10, length: int = 20) -> TokenRows:
+    tokens = torch.randint(2, 64, (n, length), generator=torch.Generator().manual_seed(3))
+    return TokenRows(tokens, torch.ones_like(tokens))
+
+
+def test_corpus_self_distillation_continues_rows_with_the_targets_greedy_output(tmp_path):
+    target = Transformer.from_hf(tiny_llama(0))
+    rows = corpus_rows()
+    distilled = self_distill_rows(rows, target, prompt_tokens=6, count=4, batch_size=3,
+                                  cache_dir=tmp_path)
+    picked = [0, 3, 6, 9]  # evenly across the corpus
+    assert distilled.tokens.shape == (4, 20)
+    assert torch.equal(distilled.tokens[:, :6], rows.tokens[picked, :6])
+    for row in distilled.tokens:  # batched generation = one-by-one greedy decoding
+        assert row[6:].tolist() == generate(target, row[:6].tolist(), max_new_tokens=14).tokens
+    assert distilled.loss_mask[:, :6].sum() == 0 and distilled.loss_mask[:, 6:].all()
+    assert rows.tokens[picked, 6:].ne(distilled.tokens[:, 6:]).any()  # really rewritten
+    (cached,) = tmp_path.glob("*-distilled.safetensors")
+    again = self_distill_rows(rows, target, prompt_tokens=6, count=4, cache_dir=tmp_path)
+    assert torch.equal(again.tokens, distilled.tokens) and len(list(tmp_path.iterdir())) == 1
+    other = Transformer.from_hf(tiny_llama(1))  # another target: not served from the cache
+    fresh = self_distill_rows(rows, other, prompt_tokens=6, count=4, cache_dir=tmp_path)
+    assert not torch.equal(fresh.tokens, distilled.tokens)
+    with pytest.raises(ValueError, match=r"prompt_tokens must lie in \[1, 20\)"):
+        self_distill_rows(rows, target, prompt_tokens=20)
