@@ -69,3 +69,28 @@ def exact_two_token_law(target, prompt: list[int], params) -> dict:
 
     with torch.inference_mode():
         return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
+
+
+def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int = 30):
+    """Medusa heads fit (AdamW, full batch) to the target's own greedy continuations, given as
+    {prompt tuple: new tokens}; returns (heads in eval mode, the last step's metrics)."""
+    from selfspec.heads import MedusaConfig, MedusaHeads
+    from selfspec.losses import medusa_loss
+
+    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(length)).last_hidden  # [B, T, H]
+    torch.manual_seed(0)
+    config = target.config
+    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads))
+    heads.init_from_lm_head(target.lm_head.weight)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    for _ in range(steps):
+        out = medusa_loss(heads(hidden), tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return heads.eval(), out.metrics

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
+from helpers import (
+    P_VALUE_FLOOR,
+    exact_two_token_law,
+    fit_medusa_heads,
+    fit_pvalue,
+    tiny_llama,
+)
 
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters.base import DraftContext, TargetFeatures
@@ -235,23 +241,9 @@ def plain_greedy(target):
 @pytest.fixture(scope="module")
 def fitted_heads(target, plain_greedy):
     """Heads fit for 30 AdamW steps to the target's own greedy continuations of PROMPTS."""
-    rows = [list(prompt) + tokens for prompt, tokens in plain_greedy.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
-    with torch.no_grad():
-        hidden = target(tokens, torch.arange(length)).last_hidden  # [B, T, H]
-    torch.manual_seed(0)
-    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=4))
-    heads.init_from_lm_head(target.lm_head.weight)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    for _ in range(30):
-        out = medusa_loss(heads(hidden), tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-    assert out.metrics["medusa/head3_top1"] > 0.5
-    return heads.eval()
+    heads, metrics = fit_medusa_heads(target, plain_greedy)
+    assert metrics["medusa/head3_top1"] > 0.5
+    return heads
 
 
 def greedy_with_medusa(target, heads, choices, plain_greedy) -> list[float]:

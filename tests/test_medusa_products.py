@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
+from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_medusa_heads, fit_pvalue, tiny_llama
 from test_medusa import NEW_TOKENS, PROMPTS, random_heads
 
 from selfspec import SamplingParams, Transformer, generate
@@ -14,7 +14,6 @@ from selfspec.drafters import MedusaProductDrafter
 from selfspec.drafters.base import DraftContext, TargetFeatures
 from selfspec.drafters.medusa import _best_product_paths
 from selfspec.heads import MedusaConfig, MedusaHeads
-from selfspec.losses import medusa_loss
 
 
 def propose(drafter: MedusaProductDrafter, hidden: torch.Tensor):
@@ -166,22 +165,7 @@ def plain_greedy(target):
 @pytest.fixture(scope="module")
 def fitted_heads(target, plain_greedy):
     """Heads fit for 30 AdamW steps to the target's own greedy continuations of PROMPTS."""
-    rows = [list(prompt) + tokens for prompt, tokens in plain_greedy.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
-    with torch.no_grad():
-        hidden = target(tokens, torch.arange(length)).last_hidden  # [B, T, H]
-    torch.manual_seed(0)
-    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=4))
-    heads.init_from_lm_head(target.lm_head.weight)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    for _ in range(30):
-        loss = medusa_loss(heads(hidden), tokens, mask).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return heads.eval()
+    return fit_medusa_heads(target, plain_greedy)[0]
 
 
 def greedy_taus(target, heads, top_k, max_nodes, plain_greedy) -> list[float]:
