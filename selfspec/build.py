@@ -305,13 +305,13 @@ def training_rows(
             rows_from_dataset(packed_stdlib_dataset(tokenizer, split, seq_len, cache))
             for split in ("train", "heldout")
         )
-        if cfg.train_data.get("self_distill"):
+        if self_distill_enabled(cfg):
             train, heldout = _distilled_corpus(cfg, target, train, heldout)
     elif source == "sharegpt":
         if not cfg.train_data.get("path"):
             raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
         conversations = load_sharegpt(cfg.train_data.path)
-        if cfg.train_data.get("self_distill"):
+        if self_distill_enabled(cfg):
             conversations = self_distill(
                 conversations, target, tokenizer, seed=int(cfg.seed),
                 max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
@@ -327,6 +327,17 @@ def training_rows(
     if cap is not None:
         train = train.select(torch.arange(min(int(cap), len(train))))
     return train, heldout
+
+
+def self_distill_enabled(cfg: DictConfig) -> bool:
+    """train_data.self_distill: true, false, or auto (stdlib yes: batched and cheap;
+    sharegpt no: regenerating a chat set one conversation at a time is a long job)."""
+    value = cfg.train_data.get("self_distill", False)
+    if value == "auto":
+        return cfg.train_data.source == "stdlib"
+    if not isinstance(value, bool):
+        raise ValueError(f"train_data.self_distill must be true, false or auto, got {value!r}")
+    return value
 
 
 def _distilled_corpus(

@@ -95,6 +95,15 @@ def test_tree_configs_build_static_and_top_k_product_drafters(cfg_of):
                              heads)
 
 
+@pytest.mark.parametrize("value, source, expected", [
+    ("auto", "stdlib", True), ("auto", "sharegpt", False), ("false", "stdlib", False),
+    ("true", "sharegpt", True)])
+def test_self_distillation_is_automatic_for_the_corpus_only(cfg_of, value, source, expected):
+    cfg = cfg_of(f"train_data.self_distill={value}", f"train_data.source={source}",
+                 "run_dir=/tmp/unused", config="train_medusa")
+    assert build.self_distill_enabled(cfg) is expected
+
+
 def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_path):
     cfg = cfg_of("trainer.max_steps=2", "trainer.micro_batch_size=3", "trainer.grad_accum=2",
                  "trainer.eval_rows=2", "train_data.self_distill_prompt_tokens=4",

@@ -234,7 +234,8 @@ def test_lossless_passes_on_the_toy_target(quick_build, cfg_of, heads_dir, capsy
 def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, medusa2_dir,
                                                        capsys):
     cfg = cfg_of("lossless", *toy(quick_build)[:3], f"medusa_heads={medusa2_dir}",
-                 "methods=[medusa,ngram]", "tree=top_k_products", "num_draft_tokens=[1,2]",
+                 "methods=[medusa,ngram]", "tree=top_k_products", "tree.top_k=4",
+                 "tree.max_nodes=16", "num_draft_tokens=[1,2]",
                  "num_prompts=3", "max_new_tokens=16")
     models = build.load_sweep_models(cfg, ("medusa", "ngram"))
     method = build.build_method(models, "medusa", 2)
