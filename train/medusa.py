@@ -105,7 +105,8 @@ def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker)
         sampling=build.sampling_params(cfg.sampling), max_new_tokens=new_tokens,
         seed=int(cfg.seed),
     )
-    top1 = {k: round(v, 3) for k, v in metrics.items() if k.endswith("_top1")}
+    top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
+            if k.startswith("eval/") and k.endswith("_top1")}  # held-out, not the last batch
     summary = {**comparison.as_dict(), **top1, "heads": str(heads_folder)}
     if adapted is not None:
         summary["greedy_agreement_with_original"] = greedy_agreement(
