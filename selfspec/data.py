@@ -317,9 +317,11 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     mask = torch.zeros_like(tokens)
     mask[:, prompt_tokens:] = 1
     distilled = TokenRows(tokens, mask)
-    if cached is not None:
+    if cached is not None:  # written whole, then renamed: other ranks never read half a file
         cached.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"tokens": tokens, "loss_mask": mask}, str(cached))
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+        save_file({"tokens": tokens, "loss_mask": mask}, str(partial))
+        os.replace(partial, cached)
     return distilled
 
 
