@@ -7,48 +7,37 @@
 
 from __future__ import annotations
 
-import sys
-
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from selfspec import build
+from selfspec.cli import hydra_entry_point
 from selfspec.decode import GenerationResult, generate
 
 
-@hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
+@hydra_entry_point("generate")
 def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
         print(build.model_plan(cfg).format())
         return
-    try:  # configuration and availability errors carry their fix: no traceback
-        target = build.load_target(cfg)
-        drafter = build.build_drafter(cfg, target)
-        tokenizer = load_tokenizer(target.source)
-        prompts = build.load_prompts(cfg.data, tokenizer)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    sampling = build.sampling_params(cfg.sampling)
+    settings = build.generation_settings(cfg)  # checked before any model loads
+    texts = build.prompts(cfg.data)
+    target = build.load_target(cfg)
+    drafter = build.build_drafter(cfg, target)
+    tokenizer = build.load_tokenizer(target.source)
+    prompts = build.encode_prompt_texts(cfg.data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 
     def run(ids: list[int], drafter, max_new_tokens: int) -> GenerationResult:
-        return generate(target, ids, drafter=drafter, sampling=sampling, eos_token_id=eos,
-                        max_new_tokens=max_new_tokens,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+        generator = torch.Generator(target.embed_tokens.weight.device).manual_seed(settings.seed)
+        return generate(target, ids, drafter=drafter, sampling=settings.sampling,
+                        eos_token_id=eos, max_new_tokens=max_new_tokens, generator=generator)
 
     for d in (None, drafter):  # warm-up: one-off costs stay out of the timed runs
         run(prompts[0].ids, d, 4)
     for encoded in prompts:
-        plain, spec = (run(encoded.ids, d, cfg.max_new_tokens) for d in (None, drafter))
+        plain, spec = (run(encoded.ids, d, settings.max_new_tokens) for d in (None, drafter))
         report(encoded.prompt.id, tokenizer.decode(spec.tokens), plain, spec)
-
-
-def load_tokenizer(folder: str):
-    from transformers import AutoTokenizer  # a slow import: only once the weights are there
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def report(prompt_id: str, text: str, plain: GenerationResult, spec: GenerationResult) -> None:

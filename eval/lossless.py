@@ -12,36 +12,33 @@ from __future__ import annotations
 
 import sys
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from selfspec import build
 from selfspec.bench import greedy_outputs, lossless_mismatches
+from selfspec.cli import hydra_entry_point
 from selfspec.peers import quiet_transformers
 
 
-@hydra.main(config_path="../conf", config_name="lossless", version_base="1.3")
+@hydra_entry_point("lossless")
 def main(cfg: DictConfig) -> None:
-    code = run(cfg)
-    if code:
-        sys.exit(code)
+    if run(cfg):
+        sys.exit(1)  # a mismatch: not an input error, so not status 2
 
 
 def run(cfg: DictConfig) -> int:
+    """Every method's greedy output against plain greedy; returns the number of mismatches."""
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    try:
-        plan = build.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
-        models = build.load_sweep_models(cfg, plan.grid.methods)
-        tokenizer = build.load_tokenizer(models.target.source)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    plan = build.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
+    n = build.positive_int(cfg, "max_new_tokens")
+    models = build.load_sweep_models(cfg, plan.grid.methods)
+    tokenizer = build.load_tokenizer(models.target.source)
     quiet_transformers()
-    encoded = build.encode_sweep_prompts(cfg.data, plan.prompts, tokenizer)
+    encoded = build.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
     prompts = [(p.prompt.id, p.ids) for p in encoded]
-    stops, n = build.stop_ids(cfg, models.target, tokenizer), int(cfg.max_new_tokens)
+    stops = build.stop_ids(cfg, models.target, tokenizer)
     references, failures = {}, 0
     for point in plan.grid.points():
         method = build.build_method(models, point.method, point.draft_length)
@@ -55,7 +52,7 @@ def run(cfg: DictConfig) -> int:
             print(f"  {mismatch.describe()}")
         failures += len(found)
     print(f"{failures} mismatch(es)" if failures else "lossless: every output equals plain greedy")
-    return 1 if failures else 0
+    return failures
 
 
 if __name__ == "__main__":

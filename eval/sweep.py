@@ -12,42 +12,36 @@ and a W&B run (offline unless logged in).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
 from selfspec.bench import run_sweep
+from selfspec.cli import hydra_entry_point
 from selfspec.peers import quiet_transformers
 from selfspec.plots import plot_sweep
 from selfspec.results import best_rows, format_table, log_sweep, machine_facts, write_results
 from selfspec.tracking import Tracker
 
 
-@hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
+@hydra_entry_point("sweep")
 def main(cfg: DictConfig) -> None:
-    code = run(cfg)
-    if code:  # a clean exit would stop the remaining jobs of a multirun
-        sys.exit(code)
+    run(cfg)
 
 
-def run(cfg: DictConfig) -> int:
-    """The whole sweep; returns the exit code (2: bad configuration, nothing loaded or run)."""
+def run(cfg: DictConfig) -> None:
+    """The whole sweep; bad settings are refused before any weights load."""
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    try:  # configuration errors first, before any weights load; each message carries its fix
-        plan = build.plan_sweep(cfg, int(cfg.bench.num_prompts))
-        models = build.load_sweep_models(cfg, plan.grid.methods)
-        tokenizer = build.load_tokenizer(models.target.source)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    plan = build.plan_sweep(cfg, int(cfg.bench.num_prompts))
+    build.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
+    models = build.load_sweep_models(cfg, plan.grid.methods)
+    tokenizer = build.load_tokenizer(models.target.source)
     quiet_transformers()
-    prompts = build.encode_sweep_prompts(cfg.data, plan.prompts, tokenizer)
+    prompts = build.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
     settings = build.bench_settings(cfg, build.stop_ids(cfg, models.target, tokenizer))
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
@@ -67,7 +61,6 @@ def run(cfg: DictConfig) -> int:
     tracker.finish()
     print(format_table(rows))
     print(f"results, plots and W&B run in {Path(cfg.run_dir).resolve()}")
-    return 0
 
 
 if __name__ == "__main__":

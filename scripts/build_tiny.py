@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from selfspec.cli import exit_on_user_error
 from selfspec.data import (
     EOS_TOKEN,
     HELDOUT_BUCKETS,
@@ -642,4 +643,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_user_error(main))

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from selfspec.build import load_tokenizer
+from selfspec.cli import exit_on_user_error
 from selfspec.data import pack_token_stream, stdlib_files, token_stream
 
 DEFAULT_MAX_TOKENS = 200_000
@@ -62,11 +64,10 @@ def load_model(folder: Path) -> torch.nn.Module:
 def measure(folder: Path, max_tokens: int = DEFAULT_MAX_TOKENS,
             seq_len: int = DEFAULT_SEQ_LEN) -> dict:
     """Held-out loss, perplexity and token count of one model folder (with its tokenizer)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = load_model(folder)  # checks the folder first
+    tokenizer = load_tokenizer(folder)
     windows = heldout_windows(tokenizer, max_tokens, seq_len)
-    loss, count = mean_token_loss(load_model(folder), windows)
+    loss, count = mean_token_loss(model, windows)
     return {"model": str(folder), "heldout_loss": loss, "perplexity": math.exp(loss),
             "tokens": count, "seq_len": seq_len}
 
@@ -97,4 +98,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_user_error(main, sys.argv[1:])

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from selfspec import training
 from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
 from selfspec.data import (
     load_sharegpt,
@@ -27,6 +28,8 @@ from selfspec.data import (
     self_distill,
     self_distill_rows,
 )
+from selfspec.decode import GenerationSettings
+from selfspec.devices import check_device
 from selfspec.drafters import (
     Drafter,
     MedusaDrafter,
@@ -58,6 +61,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"  # the Hydra config root (a repository folder, not package data)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DRAFTERS = ("small_model", "ngram", "none")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Fields where the config's facts and the checkpoint's config.json must agree.
 _CHECKED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                    "num_kv_heads", "head_dim", "model_type")
@@ -164,17 +168,24 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
     return "\n".join(lines)
 
 
+def device(cfg: DictConfig) -> torch.device:
+    """cfg.device, checked: this machine has it (e.g. device=cuda needs a CUDA GPU)."""
+    return check_device(cfg.get("device", "cpu"))
+
+
 def load_target(cfg: DictConfig) -> Transformer:
     """The target model of cfg.model, checked against its config's architecture facts."""
-    target = _load_model(cfg.model, "model", cfg.model.dtype, cfg.get("device", "cpu"))
+    target = _load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
     if cfg.model.get("arch") is not None:
         check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
     return target
 
 
-def _load_model(cfg_model: DictConfig, key: str, dtype: str, device: str) -> Transformer:
+def _load_model(
+    cfg_model: DictConfig, key: str, dtype: str, on: torch.device
+) -> Transformer:
     folder = resolve_model_path(cfg_model, key)
-    return Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=device)
+    return Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
 
 
 def check_architecture(
@@ -191,23 +202,34 @@ def check_architecture(
         )
 
 
-def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
-    """The drafter named by cfg.drafter (small_model | ngram | none); None = plain decoding."""
-    kind, k = cfg.drafter, int(cfg.num_draft_tokens)
+def generation_settings(cfg: DictConfig) -> GenerationSettings:
+    """eval/generate.py's settings, checked with its drafter choice before any model loads."""
+    drafter_choice(cfg)
+    return GenerationSettings(max_new_tokens=cfg.max_new_tokens,
+                              sampling=sampling_params(cfg.sampling), seed=int(cfg.seed))
+
+
+def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
+    """(cfg.drafter, cfg.num_draft_tokens), checked; the small draft model must be on disk."""
+    kind, k = cfg.drafter, cfg.num_draft_tokens
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter {kind!r}: choose one of {', '.join(DRAFTERS)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    if kind == "small_model":
+        resolve_model_path(_draft_model_config(cfg, "use drafter=ngram"), "model.draft")
+    return kind, k
+
+
+def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
+    """The drafter named by cfg.drafter (small_model | ngram | none); None = plain decoding."""
+    kind, k = drafter_choice(cfg)
     if kind == "none":
         return None
     if kind == "ngram":
         return NgramDrafter(num_draft_tokens=k)
-    draft_cfg = cfg.model.get("draft")
-    if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
-        raise ValueError(
-            f"model {cfg.model.name!r} has no standard small draft model: set "
-            f"model.draft.path=/local/folder (a model with the target's tokenizer) or use "
-            f"drafter=ngram"
-        )
-    draft = _load_model(draft_cfg, "model.draft", cfg.model.dtype, cfg.get("device", "cpu"))
+    draft_cfg = _draft_model_config(cfg, "use drafter=ngram")
+    draft = _load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
     return SmallModelDrafter(draft, num_draft_tokens=k)
 
 
@@ -215,11 +237,16 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
 
 
 def sampling_params(cfg_sampling: DictConfig) -> SamplingParams:
-    return SamplingParams(
-        temperature=float(cfg_sampling.temperature),
-        top_k=int(cfg_sampling.top_k),
-        top_p=float(cfg_sampling.top_p),
-    )
+    return _settings(SamplingParams, "sampling", temperature=float(cfg_sampling.temperature),
+                     top_k=int(cfg_sampling.top_k), top_p=float(cfg_sampling.top_p))
+
+
+def _settings(cls: type, section: str, **values: Any) -> Any:
+    """cls(**values), its errors naming the setting as the config does (sampling.top_p)."""
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"{cls.__name__}: ", f"{section}.", 1)) from None
 
 
 def data_path(cfg_data: DictConfig) -> Path:
@@ -266,6 +293,22 @@ def load_prompts(cfg_data: DictConfig, tokenizer) -> list[EncodedPrompt]:
 # ---- training ------------------------------------------------------------------------------
 
 
+# Settings a resumed run may change: they shape neither the weights nor the optimizer.
+RESUMABLE_CHANGES = (
+    "trainer.resume", "trainer.stop_after", "trainer.threads", "trainer.log_every",
+    "trainer.eval_every", "trainer.eval_rows", "trainer.save_every", "trainer.keep_checkpoints",
+    "train_data.cache_dir", "final_eval", "wandb", "tree", "data", "sampling", "device",
+    "dry_run", "num_gpus", "run_dir",
+)
+
+
+def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
+    """Keep cfg in the run folder; a resume with other weight- or optimizer-shaping settings
+    is refused (see `training.record_run_config`)."""
+    training.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
+                               resume=settings.resume, may_change=RESUMABLE_CHANGES)
+
+
 def train_settings(cfg: DictConfig) -> TrainSettings:
     """TrainSettings from cfg.trainer and cfg.optim (the run folder is cfg.run_dir)."""
     t, o = cfg.trainer, cfg.optim
@@ -287,9 +330,17 @@ def deepspeed_config(cfg: DictConfig) -> dict | None:
 
 
 def load_tokenizer(folder: str | Path):
+    """The `transformers` tokenizer saved in a model folder (refused clearly if there is none)."""
     from transformers import AutoTokenizer  # slow import: only when weights are there
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in model folder {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+            f"save the model's tokenizer there (tokenizer.save_pretrained(folder))")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except OSError as exc:  # unreadable or incomplete tokenizer files
+        raise ValueError(f"cannot load the tokenizer in {folder} ({exc})") from None
 
 
 def training_rows(
@@ -553,13 +604,15 @@ def medusa_depth(cfg: DictConfig) -> int:
     return min(depth, num_heads or depth)
 
 
-def _draft_model_config(cfg: DictConfig) -> DictConfig:
+def _draft_model_config(
+    cfg: DictConfig, otherwise: str = "leave small_model and hf_assisted out of methods"
+) -> DictConfig:
     draft_cfg = cfg.model.get("draft")
     if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
         raise ValueError(
             f"model {cfg.model.name!r} has no standard small draft model: set "
-            f"model.draft.path=/local/folder (a model with the target's tokenizer) or leave "
-            f"small_model and hf_assisted out of methods"
+            f"model.draft.path=/local/folder (a model with the target's tokenizer) or "
+            f"{otherwise}"
         )
     return draft_cfg
 
@@ -577,7 +630,7 @@ def sweep_prompt_texts(cfg_data: DictConfig, num_prompts: int) -> list[Prompt]:
     return found
 
 
-def encode_sweep_prompts(
+def encode_prompt_texts(
     cfg_data: DictConfig, texts: list[Prompt], tokenizer
 ) -> list[EncodedPrompt]:
     return encode_prompts(texts, tokenizer, int(cfg_data.max_prompt_tokens), bool(cfg_data.chat))
@@ -592,37 +645,46 @@ def stop_ids(cfg: DictConfig, target: Transformer, tokenizer) -> tuple[int, ...]
     return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
 
+def positive_int(cfg: DictConfig, key: str) -> int:
+    """cfg's setting `key` (dotted), checked to be an integer >= 1."""
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def bench_settings(cfg: DictConfig, stops: tuple[int, ...]) -> BenchSettings:
     b = cfg.bench
-    return BenchSettings(max_new_tokens=int(b.max_new_tokens), repeats=int(b.repeats),
-                         warmup=int(b.warmup), seed=int(cfg.seed), stop_ids=stops)
+    return _settings(BenchSettings, "bench", max_new_tokens=int(b.max_new_tokens),
+                     repeats=int(b.repeats), warmup=int(b.warmup), seed=int(cfg.seed),
+                     stop_ids=stops)
 
 
 def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     """Load what `methods` need, once: ours in cfg.model.dtype, and the hf_* methods'
     transformers copies of the same folders in the same dtype."""
-    dtype, device = cfg.model.dtype, cfg.get("device", "cpu")
+    dtype, on = cfg.model.dtype, device(cfg)
     models = SweepModels(load_target(cfg))
     if "small_model" in methods:
-        models.draft = _load_model(_draft_model_config(cfg), "model.draft", dtype, device)
+        models.draft = _load_model(_draft_model_config(cfg), "model.draft", dtype, on)
     if "medusa" in methods:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
     if set(methods) & set(_HF_METHODS):
-        models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, device)
+        models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, on)
     if "hf_assisted" in methods:
         folder = resolve_model_path(_draft_model_config(cfg), "model.draft")
-        models.hf_draft = load_hf_model(folder, dtype, device)
+        models.hf_draft = load_hf_model(folder, dtype, on)
     return models
 
 
-def load_hf_model(folder: str | Path, dtype: str, device: str):
+def load_hf_model(folder: str | Path, dtype: str, on: torch.device | str):
     """A transformers causal LM from a model folder, for the Hugging Face peer methods."""
     from transformers import AutoModelForCausalLM  # slow import: only when a peer is swept
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype(dtype))
-    return model.to(device).eval()
+    return model.to(on).eval()
 
 
 def build_method(models: SweepModels, name: str, k: int) -> Method:

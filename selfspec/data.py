@@ -152,7 +152,14 @@ def load_sharegpt(path: str | Path) -> list[list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ShareGPT file not found: {path}")
-    records = json.loads(path.read_text())
+    try:
+        records = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"ShareGPT file {path} is not JSON ({exc}); give a JSON list of "
+                         f'{{"conversations": [{{"from": ..., "value": ...}}]}} records') from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"ShareGPT file {path} must hold a JSON list of records "
+                         f'({{"conversations": [...]}} each)')
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
              "chatgpt": "assistant", "system": "system"}
     conversations = []

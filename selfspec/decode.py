@@ -22,6 +22,21 @@ from selfspec.sampling import SamplingParams, logits_to_probs, sample
 from selfspec.verify import Acceptance, verify_tree
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What to generate, checked before any model loads: new tokens per prompt, the sampling
+    law and the seed of the generator."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+
+
 @dataclass
 class GenerationResult:
     """tokens: the new tokens only (EOS included when reached); stats: what was measured."""

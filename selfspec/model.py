@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from selfspec.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -92,6 +94,10 @@ class ModelConfig:
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only 'silu'")
+        missing = [key for key in REQUIRED_HF_KEYS if key not in config]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: every Llama-family "
+                             f"config.json has {', '.join(REQUIRED_HF_KEYS)}")
         num_heads = config["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(config)
         llama_bias = bool(config.get("attention_bias", False))
@@ -431,10 +437,7 @@ class Transformer(nn.Module):
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {folder}")
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in model folder {folder}")
-        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+        config = _read_config(folder)
         tensors = _read_safetensors(_weight_files(folder), device)
         model = cls._from_tensors(config, tensors, dtype, device)
         model.source = str(folder)
@@ -485,6 +488,20 @@ class Transformer(nn.Module):
         return model
 
 
+def _read_config(folder: Path) -> ModelConfig:
+    """The architecture of a model folder's config.json; errors name the file."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {folder}")
+    try:
+        return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc}): copy the model's "
+                         f"config.json again") from None
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
+
+
 def _our_key(name: str, tied: bool) -> str | None:
     """Our parameter name for a HF one, or None for tensors we do not keep."""
     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
@@ -514,6 +531,12 @@ def _read_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs, one tensor at a time so peak memory stays near one tensor."""
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(
+                f"{file} is not a complete safetensors file ({exc}): it was probably cut "
+                f"short by an interrupted download or copy; copy it again"
+            ) from None

@@ -13,6 +13,8 @@ and a resumed run sees exactly the batches the interrupted one would have seen.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -25,14 +27,26 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from selfspec.errors import SelfspecError
 from selfspec.losses import LossOutput
 from selfspec.tracking import Tracker
 
 CHECKPOINT_PREFIX = "step_"
-COMPLETE_MARKER = "COMPLETE"  # written last: a checkpoint without it was interrupted
+# Written last, listing every file of the checkpoint with its size: a checkpoint without it was
+# interrupted while saving, one whose files differ from it was cut short or damaged later.
+COMPLETE_MARKER = "COMPLETE"
+RUN_CONFIG = "run_config.json"  # the resolved config a run folder was started with
+log = logging.getLogger(__name__)
 
 
-class NonFiniteLoss(RuntimeError):
+# Where each setting lives in the Hydra configs (conf/trainer, conf/optim), for messages.
+SETTING_NAMES = {name: f"trainer.{name}" for name in (
+    "max_steps", "micro_batch_size", "grad_accum", "save_every", "log_every", "eval_rows",
+    "keep_checkpoints", "eval_every")} | {name: f"optim.{name}" for name in (
+    "lr", "clip_grad", "warmup_steps", "weight_decay")}
+
+
+class NonFiniteLoss(SelfspecError, RuntimeError):
     """Training stopped on a NaN/inf loss; the last good checkpoint is kept."""
 
 
@@ -61,9 +75,20 @@ class TrainSettings:
     stop_after: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "grad_accum", "save_every", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainSettings: {name} must be >= 1, got {getattr(self, name)}")
+        at_least = {"max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "save_every": 1,
+                    "log_every": 1, "eval_rows": 1, "keep_checkpoints": 1, "eval_every": 0,
+                    "warmup_steps": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{SETTING_NAMES.get(name, name)} must be >= {low}, "
+                                 f"got {getattr(self, name)}")
+        for name in ("lr", "clip_grad"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{SETTING_NAMES[name]} must be > 0, got {getattr(self, name)}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"trainer.stop_after must be >= 1 (or null), got {self.stop_after}")
 
 
 @dataclass(frozen=True)
@@ -171,12 +196,12 @@ def _mixed_precision(deepspeed: bool) -> str:
 
 def _check_launch(accelerator: Accelerator, world: int, deepspeed: bool) -> None:
     if accelerator.num_processes != world:
-        raise RuntimeError(
+        raise SelfspecError(
             f"launched {world} processes but accelerate runs {accelerator.num_processes}: "
             f"launch with torchrun --nproc_per_node N (or accelerate launch --use_deepspeed)"
         )
     if deepspeed and not _is_deepspeed(accelerator):
-        raise RuntimeError(
+        raise SelfspecError(
             "a DeepSpeed config was given but accelerate did not enable DeepSpeed (is "
             "ACCELERATE_USE_CPU set? it disables DeepSpeed): unset it, or use deepspeed=none"
         )
@@ -285,16 +310,53 @@ def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings)
 # ---- checkpoints -----------------------------------------------------------------------------
 
 
+def record_run_config(
+    run_dir: str | Path, config: dict, *, resume: bool, may_change: tuple[str, ...] = ()
+) -> None:
+    """Keep the resolved config a run folder was started with (main process); on resume,
+    refuse a config that differs from it outside `may_change` (dotted keys or prefixes of
+    settings that do not shape the weights or the optimizer), naming each key and both values.
+    """
+    path, text = Path(run_dir) / RUN_CONFIG, json.dumps(config, indent=1, sort_keys=True,
+                                                         default=str)
+    if resume and path.is_file():
+        saved, now = (_flatten(json.loads(t)) for t in (path.read_text(), text))
+        differ = sorted(k for k in saved.keys() | now.keys()
+                        if saved.get(k, "<unset>") != now.get(k, "<unset>")
+                        and not any(k == m or k.startswith(m + ".") for m in may_change))
+        if differ:
+            changes = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the run, "
+                                f"{now.get(k, '<unset>')!r} now" for k in differ)
+            raise SelfspecError(
+                f"trainer.resume=true: {run_dir} was trained with another config ({changes}); "
+                f"resume with the run's values, or start a new run folder")
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, text)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        flat |= _flatten(value, name + ".") if isinstance(value, dict) else {name: value}
+    return flat
+
+
+
 def _save(model, accelerator, checkpoints: Path, step, trainable, settings, export) -> Path:
     """Save the state needed to resume, then export the trainable weights, then mark complete."""
     folder = checkpoints / f"{CHECKPOINT_PREFIX}{step:07d}"
     kwargs = {"exclude_frozen_parameters": True} if _is_deepspeed(accelerator) else {}
     accelerator.save_state(str(folder), **kwargs)
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; on every rank
+    accelerator.wait_for_everyone()  # every rank's shard is written before the manifest
     if accelerator.is_main_process:
         if export is not None:
             export({k: v for k, v in state.items() if k in trainable}, folder / "export")
-        (folder / COMPLETE_MARKER).write_text(str(step))
+        _mark_complete(folder, step)
         _prune(checkpoints, settings.keep_checkpoints)
     accelerator.wait_for_everyone()
     return folder
@@ -302,7 +364,7 @@ def _save(model, accelerator, checkpoints: Path, step, trainable, settings, expo
 
 def _resume(accelerator: Accelerator, checkpoints: Path) -> int:
     """Load the last complete checkpoint; returns its step (0 when there is none)."""
-    latest = _latest_checkpoint(checkpoints)
+    latest = _latest_checkpoint(checkpoints, warn=accelerator.is_main_process)
     if latest is None:
         return 0
     if _is_deepspeed(accelerator):
@@ -312,15 +374,54 @@ def _resume(accelerator: Accelerator, checkpoints: Path) -> int:
     return int(latest.name.removeprefix(CHECKPOINT_PREFIX))
 
 
-def _latest_checkpoint(checkpoints: Path) -> Path | None:
-    complete = sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*/{COMPLETE_MARKER}"))
-    return complete[-1].parent if complete else None
+def _latest_checkpoint(checkpoints: Path, *, warn: bool = False) -> Path | None:
+    """The newest complete checkpoint; with warn, say why each newer one is skipped."""
+    for folder in sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        if warn:
+            log.warning("skipping checkpoint %s: %s; resuming from an earlier one", folder,
+                        problem)
+    return None
+
+
+def _mark_complete(folder: Path, step: int) -> None:
+    files = {str(f.relative_to(folder)): f.stat().st_size
+             for f in sorted(folder.rglob("*")) if f.is_file()}
+    _write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": step, "files": files}))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (None: it is complete)."""
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return "it was interrupted while saving (no COMPLETE marker)"
+    try:
+        manifest = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return "its COMPLETE marker is unreadable"
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else {}  # older: a step
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is cut short or damaged ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write then rename: a reader sees the whole file or none."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def _prune(checkpoints: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (and any incomplete older ones)."""
     folders = sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
-    complete = [f for f in folders if (f / COMPLETE_MARKER).exists()]
+    complete = [f for f in folders if checkpoint_problem(f) is None]
     for folder in folders:
         if folder not in complete[-keep:] and folder < complete[-1]:
             shutil.rmtree(folder, ignore_errors=True)

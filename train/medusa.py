@@ -10,15 +10,14 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
 from selfspec.bench import compare_with_plain, greedy_agreement
+from selfspec.cli import hydra_entry_point
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
@@ -28,24 +27,24 @@ from selfspec.tracking import Tracker
 from selfspec.training import fit, make_accelerator
 
 
-@hydra.main(config_path="../conf", config_name="train_medusa", version_base="1.3")
+@hydra_entry_point("train_medusa")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
     if cfg.trainer.get("threads"):
         torch.set_num_threads(int(cfg.trainer.threads))
-    try:  # configuration and availability errors carry their fix: no traceback
-        version = build.medusa_version(cfg)
-        if cfg.dry_run:
-            return dry_run(cfg, version)
-        target = build.load_target(cfg)
-        tokenizer = build.load_tokenizer(target.source)
-        settings = build.train_settings(cfg)
-        heads, head_config = build.medusa_heads(cfg, target)
-        build.medusa_drafter(cfg.tree, heads)  # a tree the heads cannot fill fails now, not later
-        train, heldout = build.training_rows(cfg, tokenizer, target)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    version = build.medusa_version(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg, version)
+    settings = build.train_settings(cfg)  # every setting is checked before any model loads
+    if version == 2:
+        build.lora_settings(cfg)
+    build.device(cfg)
+    build.record_run_config(cfg, settings)
+    target = build.load_target(cfg)
+    tokenizer = build.load_tokenizer(target.source)
+    heads, head_config = build.medusa_heads(cfg, target)
+    build.medusa_drafter(cfg.tree, heads)  # a tree the heads cannot fill fails now, not later
+    train, heldout = build.training_rows(cfg, tokenizer, target)
     accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
     target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
     objective = build.medusa_objective(cfg, target, heads)

@@ -1,0 +1,37 @@
+"""Device names from configs, checked before anything is built on them."""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.errors import SelfspecError
+
+
+def check_device(name: str, setting: str = "device") -> torch.device:
+    """torch.device(name) if this machine has it, else an error naming the setting and fix."""
+    try:
+        device = torch.device(str(name))
+    except RuntimeError:
+        raise SelfspecError(f"{setting}={name}: not a device name; use cpu, cuda, cuda:N or "
+                            f"mps") from None
+    if device.type == "cuda":
+        _check_cuda(device, setting)
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise SelfspecError(f"{setting}={name}: this machine has no MPS (Apple GPU) backend; "
+                            f"use {setting}=cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise SelfspecError(f"{setting}={name}: selfspec runs on cpu, cuda or mps")
+    return device
+
+
+def _check_cuda(device: torch.device, setting: str) -> None:
+    if not torch.cuda.is_available():
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        raise SelfspecError(
+            f"{setting}={device}: CUDA is not available on this machine (torch "
+            f"{torch.__version__} is {build}); use {setting}=cpu, or install a CUDA build of "
+            f"torch on a machine with an NVIDIA GPU")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise SelfspecError(f"{setting}={device}: this machine has {count} CUDA device(s), "
+                            f"cuda:0 to cuda:{count - 1}")
