@@ -203,7 +203,10 @@ def check_architecture(
 
 
 def generation_settings(cfg: DictConfig) -> GenerationSettings:
-    """eval/generate.py's settings, checked with its drafter choice before any model loads."""
+    """eval/generate.py's settings, checked with its device, target folder and drafter choice
+    before any model loads."""
+    device(cfg)
+    resolve_model_path(cfg.model)
     drafter_choice(cfg)
     return GenerationSettings(max_new_tokens=cfg.max_new_tokens,
                               sampling=sampling_params(cfg.sampling), seed=int(cfg.seed))

@@ -350,6 +350,9 @@ def _save(model, accelerator, checkpoints: Path, step, trainable, settings, expo
     """Save the state needed to resume, then export the trainable weights, then mark complete."""
     folder = checkpoints / f"{CHECKPOINT_PREFIX}{step:07d}"
     kwargs = {"exclude_frozen_parameters": True} if _is_deepspeed(accelerator) else {}
+    if accelerator.is_main_process and folder.exists():  # a damaged one a resume skipped
+        shutil.rmtree(folder)
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(folder), **kwargs)
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; on every rank
     accelerator.wait_for_everyone()  # every rank's shard is written before the manifest

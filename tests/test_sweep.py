@@ -68,7 +68,7 @@ def sweep_dir(tmp_path_factory, quick_build, cfg_of) -> Path:
                  "bench.max_new_tokens=8", f"run_dir={run_dir}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
-        assert load_entry("sweep").run(cfg) == 0
+        load_entry("sweep").run(cfg)
     return run_dir
 
 
@@ -170,7 +170,7 @@ def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, head
                  "methods=[small_model,hf_assisted,hf_prompt_lookup,medusa,ngram]",
                  "num_draft_tokens=[2,3]", "samplings=[greedy]", "bench.num_prompts=2",
                  "bench.max_new_tokens=12", "wandb.enabled=false", f"run_dir={tmp_path}")
-    assert load_entry("sweep").run(cfg) == 0
+    load_entry("sweep").run(cfg)
     rows = {(r["method"], r["draft_length"]): r
             for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     assert ("medusa", 3) not in rows  # 2 heads: length 3 folds into the depth-2 tree
@@ -279,7 +279,7 @@ def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
     monkeypatch.setattr(entry.build, "build_method", broken)
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
                  "num_prompts=2", "max_new_tokens=8", "stop_at_eos=false")
-    assert entry.run(cfg) == 1
+    assert entry.run(cfg) == 2  # both prompts differ
     out = capsys.readouterr().out
     assert "MISMATCH ngram k=2: 0/2 prompts" in out
     assert "on prompt HumanEval/0: first difference at new token 2" in out
@@ -311,7 +311,7 @@ def test_lossless_mismatches_names_the_prompt(quick_build):
     ],
 )
 def test_bad_input_is_refused_before_any_model_loads(
-    tmp_path, quick_build, cfg_of, monkeypatch, capsys, overrides, message
+    tmp_path, quick_build, cfg_of, monkeypatch, overrides, message
 ):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -323,8 +323,9 @@ def test_bad_input_is_refused_before_any_model_loads(
 
     monkeypatch.setattr(entry.build, "load_sweep_models", no_loading)
     cfg = cfg_of("sweep", *toy(quick_build), *overrides, f"run_dir={tmp_path / 'run'}")
-    assert entry.run(cfg) == 2
-    assert message in capsys.readouterr().err
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        entry.run(cfg)
+    assert message in str(info.value)
     assert not (tmp_path / "run").exists()
 
 

@@ -1,6 +1,7 @@
 """The one training loop: resume, tracking, non-finite loss, DeepSpeed ZeRO on 2 processes."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,14 @@ from selfspec.losses import LossOutput
 from selfspec.model import Transformer
 from selfspec.objectives import MedusaObjective
 from selfspec.tracking import Tracker, read_metrics
-from selfspec.training import NonFiniteLoss, TokenRows, TrainSettings, fit, make_accelerator
+from selfspec.training import (
+    NonFiniteLoss,
+    TokenRows,
+    TrainSettings,
+    checkpoint_problem,
+    fit,
+    make_accelerator,
+)
 
 TESTS = Path(__file__).parent
 
@@ -83,6 +91,38 @@ def test_training_lowers_the_heldout_loss(tmp_path):
     result, _ = run(tmp_path, max_steps=12, eval_every=12)
     first = read_metrics(tmp_path)[0]["loss"]
     assert result.metrics["loss"] < first
+
+
+@pytest.mark.parametrize("damage", ["cut_short", "file_missing", "never_marked"])
+def test_a_damaged_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path, caplog, damage):
+    whole, _ = run(tmp_path / "whole")
+    run(tmp_path / "split", stop_after=4)  # checkpoints at steps 2 and 4
+    newest = tmp_path / "split/checkpoints/step_0000004"
+    weights = newest / "model.safetensors"
+    if damage == "cut_short":  # e.g. a copy of the run folder that stopped half-way
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "file_missing":
+        weights.unlink()
+    else:  # the process died while saving: no COMPLETE marker yet
+        (newest / "COMPLETE").unlink()
+    assert checkpoint_problem(newest) is not None
+    with caplog.at_level(logging.WARNING, logger="selfspec.training"):
+        resumed, _ = run(tmp_path / "split", resume=True)
+    assert f"skipping checkpoint {newest}" in caplog.text
+    assert resumed.step == 6
+    a = torch.load(whole.checkpoint / "export" / "state.pt")
+    b = torch.load(resumed.checkpoint / "export" / "state.pt")
+    for key in a:  # resumed from step 2: steps 3 and 4 ran again, the same way
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def test_a_complete_checkpoint_lists_its_files_and_sizes(tmp_path):
+    result, _ = run(tmp_path, max_steps=2)
+    manifest = json.loads((result.checkpoint / "COMPLETE").read_text())
+    assert manifest["step"] == 2 and "model.safetensors" in manifest["files"]
+    assert manifest["files"]["model.safetensors"] == (
+        result.checkpoint / "model.safetensors").stat().st_size
+    assert checkpoint_problem(result.checkpoint) is None
 
 
 class BlowsUpAtStep(torch.nn.Module):
