@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from omegaconf import DictConfig
 
 from selfspec import build
@@ -29,8 +28,7 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> int:
     """Every method's greedy output against plain greedy; returns the number of mismatches."""
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    build.set_threads(cfg)
     plan = build.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
     n = build.positive_int(cfg, "max_new_tokens")
     models = build.load_sweep_models(cfg, plan.grid.methods)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
@@ -34,8 +33,7 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> None:
     """The whole sweep; bad settings are refused before any weights load."""
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    build.set_threads(cfg)
     plan = build.plan_sweep(cfg, int(cfg.bench.num_prompts))
     build.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
     models = build.load_sweep_models(cfg, plan.grid.methods)

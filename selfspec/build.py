@@ -79,8 +79,7 @@ def model_config(cfg_model: DictConfig) -> ModelConfig:
     folder's config.json when `arch` is null (a local model: `model=local model.path=...`)."""
     name = cfg_model.get("name")
     if cfg_model.get("arch") is None:
-        config_file = resolve_model_path(cfg_model) / "config.json"
-        return ModelConfig.from_hf(json.loads(config_file.read_text()))
+        return ModelConfig.from_folder(resolve_model_path(cfg_model))
     arch = OmegaConf.to_container(cfg_model.arch, resolve=True)
     if "head_dim" not in arch and {"hidden_size", "num_heads"} <= arch.keys():
         arch["head_dim"] = arch["hidden_size"] // arch["num_heads"]  # unless it differs
@@ -166,6 +165,12 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
                      f"into its cache (nothing is downloaded here).")
     lines.append("dry_run=true prints the model's memory plan without weights.")
     return "\n".join(lines)
+
+
+def set_threads(cfg: DictConfig, key: str = "threads") -> None:
+    """torch's thread count from cfg's `key` (null: torch's default)."""
+    if OmegaConf.select(cfg, key) is not None:
+        torch.set_num_threads(positive_int(cfg, key))
 
 
 def device(cfg: DictConfig) -> torch.device:
@@ -352,7 +357,9 @@ def training_rows(
     """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
     train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
     each corpus row after its first tokens (stdlib) first."""
-    source, seq_len = cfg.train_data.source, int(cfg.trainer.seq_len)
+    source, seq_len = cfg.train_data.source, positive_int(cfg, "trainer.seq_len", 2)
+    if cfg.train_data.get("max_rows") is not None:
+        positive_int(cfg, "train_data.max_rows")
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
         train, heldout = (
@@ -442,10 +449,24 @@ def medusa_drafter(
 
 
 def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
-    return MedusaConfig(
-        hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
-        num_heads=int(cfg.medusa.num_heads), num_layers=int(cfg.medusa.num_layers),
-    )
+    return _settings(MedusaConfig, "medusa", hidden_size=target_config.hidden_size,
+                     vocab_size=target_config.vocab_size, num_heads=int(cfg.medusa.num_heads),
+                     num_layers=int(cfg.medusa.num_layers))
+
+
+def check_medusa_settings(cfg: DictConfig) -> int:
+    """Every cfg.medusa setting checked from the config alone (no weights); returns the
+    version. A model without an `arch` block has its config.json read, nothing more."""
+    version = medusa_version(cfg)
+    medusa_config(cfg, model_config(cfg.model))
+    if not float(cfg.medusa.decay) > 0:
+        raise ValueError(f"medusa.decay must be > 0 (head k weighs decay**k), "
+                         f"got {cfg.medusa.decay}")
+    if version == 2:
+        lora_settings(cfg)
+        if not float(cfg.medusa.lm_weight) >= 0:
+            raise ValueError(f"medusa.lm_weight must be >= 0, got {cfg.medusa.lm_weight}")
+    return version
 
 
 def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, MedusaConfig]:
@@ -648,11 +669,11 @@ def stop_ids(cfg: DictConfig, target: Transformer, tokenizer) -> tuple[int, ...]
     return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
 
-def positive_int(cfg: DictConfig, key: str) -> int:
-    """cfg's setting `key` (dotted), checked to be an integer >= 1."""
+def positive_int(cfg: DictConfig, key: str, low: int = 1) -> int:
+    """cfg's setting `key` (dotted), checked to be an integer >= low."""
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
     return value
 
 

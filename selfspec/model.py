@@ -84,6 +84,20 @@ class ModelConfig:
             )
 
     @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        """The architecture in a model folder's config.json; errors name the file."""
+        config_file = Path(folder) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        try:
+            return cls.from_hf(json.loads(config_file.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file} is not valid JSON ({exc}): copy the model's "
+                             f"config.json again") from None
+        except ValueError as exc:
+            raise ValueError(f"{config_file}: {exc}") from None
+
+    @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`)."""
         model_type = config.get("model_type")
@@ -437,7 +451,7 @@ class Transformer(nn.Module):
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {folder}")
-        config = _read_config(folder)
+        config = ModelConfig.from_folder(folder)
         tensors = _read_safetensors(_weight_files(folder), device)
         model = cls._from_tensors(config, tensors, dtype, device)
         model.source = str(folder)
@@ -486,20 +500,6 @@ class Transformer(nn.Module):
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
         return model
-
-
-def _read_config(folder: Path) -> ModelConfig:
-    """The architecture of a model folder's config.json; errors name the file."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in model folder {folder}")
-    try:
-        return ModelConfig.from_hf(json.loads(config_file.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON ({exc}): copy the model's "
-                         f"config.json again") from None
-    except ValueError as exc:
-        raise ValueError(f"{config_file}: {exc}") from None
 
 
 def _our_key(name: str, tied: bool) -> str | None:

@@ -87,6 +87,8 @@ class TrainSettings:
                 raise ValueError(f"{SETTING_NAMES[name]} must be > 0, got {getattr(self, name)}")
         if not self.weight_decay >= 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"trainer.stop_after must be >= 1 (or null), got {self.stop_after}")
 

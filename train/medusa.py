@@ -30,14 +30,12 @@ from selfspec.training import fit, make_accelerator
 @hydra_entry_point("train_medusa")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
-    if cfg.trainer.get("threads"):
-        torch.set_num_threads(int(cfg.trainer.threads))
+    build.set_threads(cfg, "trainer.threads")
     version = build.medusa_version(cfg)
     if cfg.dry_run:
         return dry_run(cfg, version)
     settings = build.train_settings(cfg)  # every setting is checked before any model loads
-    if version == 2:
-        build.lora_settings(cfg)
+    build.check_medusa_settings(cfg)
     build.device(cfg)
     build.record_run_config(cfg, settings)
     target = build.load_target(cfg)
