@@ -8,7 +8,7 @@ stands a repetition measure: a small model's greedy output can collapse into loo
 drafter predicts.
 
 A sweep is a grid of methods x draft lengths x sampling settings (`SweepGrid`); each grid
-point becomes one `SweepRow`. Building the decoders from configs is build.py's job: this
+point becomes one `SweepRow`. Building the decoders from configs is `selfspec.build`'s job: this
 module receives them ready (`Method`) and only measures. The decoders live in peers.py,
 peak memory in memory.py, and writing and presenting the rows in results.py.
 """

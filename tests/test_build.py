@@ -1,4 +1,4 @@
-"""The config tree composes, every model config is the published size, and build.py turns
+"""The config tree composes, every model config is the published size, and `build` turns
 configs into models, drafters, sampling settings and prompts (or clear errors)."""
 
 from __future__ import annotations
@@ -111,11 +111,11 @@ def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_pa
     target = Transformer.from_hf(tiny_llama(0))
     tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
     rows = TokenRows(tokens, torch.ones_like(tokens))
-    train, heldout = build._distilled_corpus(cfg, target, rows, rows)
+    train, heldout = build.distilled_corpus(cfg, target, rows, rows)
     assert len(train) == 2 * 3 * 2 and len(heldout) == 2  # steps x global batch; eval rows
     assert train.loss_mask[:, :4].sum() == 0 and train.loss_mask[:, 4:].all()
     with pytest.raises(ValueError, match="self_distill needs the target"):
-        build._distilled_corpus(cfg, None, rows, rows)
+        build.distilled_corpus(cfg, None, rows, rows)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
