@@ -57,6 +57,14 @@ class OurDecoder:
         result.stats.wall_time_s = time.perf_counter() - start  # timed like every decoder
         return result
 
+    @torch.inference_mode()
+    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.dtype]:
+        """The target's logits [V] for the token after ids (one full forward), its dtype."""
+        weight = self.target.embed_tokens.weight
+        tokens = torch.tensor([list(ids)], device=weight.device)
+        positions = torch.arange(len(ids), device=weight.device)
+        return self.target(tokens, positions).logits[0, -1], weight.dtype
+
 
 @dataclass
 class HFDecoder:
@@ -98,6 +106,12 @@ class HFDecoder:
         stats = log.stats(len(prompt), len(tokens))
         stats.wall_time_s = seconds
         return GenerationResult(tokens, stats)
+
+    @torch.inference_mode()
+    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.dtype]:
+        """The model's logits [V] for the token after ids (one full forward), its dtype."""
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
+        return self.model(tokens).logits[0, -1], self.model.dtype
 
     def _mode_kwargs(self) -> dict[str, Any]:
         if self.assistant is not None:
