@@ -35,3 +35,11 @@ def _check_cuda(device: torch.device, setting: str) -> None:
     if device.index is not None and device.index >= count:
         raise SelfspecError(f"{setting}={device}: this machine has {count} CUDA device(s), "
                             f"cuda:0 to cuda:{count - 1}")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work, so a timer read afterwards covers it (CUDA runs
+    asynchronously; the CPU needs nothing)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -138,6 +138,24 @@ class ModelConfig:
         )
 
 
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face config.json dict of this architecture (`from_hf` reads it back)."""
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        eos = list(self.eos_token_ids)
+        return {
+            "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "rope_parameters": rope, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "hidden_act": "silu",
+        }
+
+
 def _opt_tuple(value: int | None) -> tuple[int, ...]:
     return () if value is None else (value,)
 

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 import torch
 
 from selfspec.decode import GenerationResult, generate
+from selfspec.devices import synchronize
 from selfspec.drafters.base import Drafter
 from selfspec.metrics import GenerationStats
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
 from selfspec.sampling import SamplingParams
 
 
@@ -53,7 +54,7 @@ class OurDecoder:
         result = generate(self.target, list(prompt), drafter=self.drafter, sampling=sampling,
                           max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
                           generator=generator)
-        _sync(device)
+        synchronize(device)
         result.stats.wall_time_s = time.perf_counter() - start  # timed like every decoder
         return result
 
@@ -100,7 +101,7 @@ class HFDecoder:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                 eos_token_id=list(stop_ids) or None, pad_token_id=_pad_id(self.model), **kwargs,
             )
-            _sync(ids.device)
+            synchronize(ids.device)
             seconds = time.perf_counter() - start
         tokens = out[0, ids.shape[1]:].tolist()
         stats = log.stats(len(prompt), len(tokens))
@@ -143,10 +144,18 @@ def _hf_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
             "top_p": sampling.top_p}
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so the clock stops when the tokens really exist."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                    seed: int = 0):
+    """A transformers causal LM of this architecture with random weights (transformers' own
+    initialisation), built directly on `device`: a target to time without any download.
+    `Transformer.from_hf` on it shares its weights, so both libraries run the same tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf()),
+                                                 dtype=dtype)
+    return model.eval()
 
 
 def _pad_id(model) -> int:

@@ -146,3 +146,19 @@ def _finish(fig: Figure, panels: dict[str, Any], line_plot: bool = True) -> Figu
 def _color(method: str) -> str | None:
     return COLORS.get(method)
 
+
+
+def plot_cost_profile(c_of_n: Mapping[int, float], title: str, path: str | Path) -> Path:
+    """c(N), the cost of a forward over N new tokens in one-token forwards, as a PNG."""
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    lengths = sorted(int(n) for n in c_of_n)
+    axes.plot(lengths, [c_of_n[n] for n in lengths], marker="o", color="tab:blue")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("new tokens N in one forward")
+    axes.set_ylabel("c(N): time / time of one token")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return Path(path)

@@ -54,7 +54,7 @@ def cfg_of():
 
 
 def test_every_real_model_config_has_a_published_size():
-    assert set(group_options("model")) == {"tiny", "local", *PUBLISHED_PARAMS}
+    assert set(group_options("model")) == {"tiny", "local", "random-7b", *PUBLISHED_PARAMS}
 
 
 def test_a_local_model_reads_its_architecture_from_the_folder(cfg_of, small_folder):

@@ -3,6 +3,7 @@
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import NgramDrafter
+from selfspec.drafters.oracle import OracleDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",
+    "OracleDrafter",
     "SmallModelDrafter",
     "TargetFeatures",
     "check_same_vocabulary",

@@ -1,0 +1,55 @@
+"""The decode loop's floor and ceiling on this machine: plain tokens/s (selfspec and Hugging
+Face generate on the same weights), c(N), and the oracle drafter against its bound.
+
+    python eval/bench_decode.py                                  # tiny target, CPU
+    python eval/bench_decode.py model=random-7b device=cuda      # Llama-2-7B shape, bf16
+
+Prints a table and writes bench_decode.json and c_of_n.png into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from selfspec import build
+from selfspec.cli import hydra_entry_point
+from selfspec.costs import measure_floor
+from selfspec.plots import plot_cost_profile
+from selfspec.results import machine_facts
+
+
+@hydra_entry_point("bench_decode")
+def main(cfg: DictConfig) -> None:
+    build.set_threads(cfg)
+    settings = build.floor_settings(cfg)  # checked before any model loads
+    target, hf_model = build.timing_models(cfg)
+    figures = measure_floor(target, hf_model, settings)
+    figures |= {"model": cfg.model.name, "machine": machine_facts()}
+    folder = Path(cfg.run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench_decode.json").write_text(json.dumps(figures, indent=1))
+    profile = figures["cost_profile"]
+    plot_cost_profile(profile["c"], f"{cfg.model.name}, {profile['device']}, {profile['dtype']}",
+                      folder / "c_of_n.png")
+    print(report(figures))
+    print(f"figures in {folder.resolve()}")
+
+
+def report(figures: dict) -> str:
+    profile = figures["cost_profile"]
+    lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}): plain "
+             f"{figures['plain_tokens_per_s']:.1f} tokens/s (Hugging Face generate "
+             f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "
+             f"{profile['one_token_ms']:.2f} ms",
+             "c(N): " + ", ".join(f"{n}: {c:.2f}" for n, c in profile["c"].items()),
+             "oracle  k   tau  speedup  bound  efficiency  lossless"]
+    lines += [f"       {r['k']:>2}  {r['tau']:.2f}  {r['speedup']:>6.2f}x  {r['bound']:.2f}x  "
+              f"{r['efficiency']:>9.2f}  {r['lossless']}" for r in figures["oracle"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

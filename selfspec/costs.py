@@ -1,0 +1,156 @@
+"""What a target forward costs on the running machine, measured in the same process.
+
+c(N) is the wall time of one target forward over N new tokens (over a cache of a given length)
+divided by that of a forward over one token. A speculative step that verifies N draft nodes
+costs c(N + 1) plain steps plus its drafting, so tau / (c(N + 1) + draft cost) bounds the
+speedup over plain decoding that acceptance alone allows (ARCHITECTURE.md, rule 9).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from selfspec.devices import synchronize
+from selfspec.model import Transformer
+from selfspec.sampling import SamplingParams
+
+DEFAULT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """seconds[N]: median seconds of a forward over N new tokens after cache_length tokens."""
+
+    seconds: dict[int, float]
+    cache_length: int
+    device: str
+    dtype: str
+
+    def c(self, n: int) -> float:
+        """c(n) = seconds(n) / seconds(1); between measured lengths, the next one above."""
+        if n < 1:
+            raise ValueError(f"CostProfile.c: n must be >= 1, got {n}")
+        above = [m for m in sorted(self.seconds) if m >= n]
+        if not above:
+            raise ValueError(f"CostProfile.c: measured up to N={max(self.seconds)}, not {n}")
+        return self.seconds[above[0]] / self.seconds[1]
+
+    def bound(self, tau: float, nodes: int, draft_cost: float = 0.0) -> float:
+        """The speedup tau allows when a step verifies `nodes` draft nodes (a forward over
+        nodes + 1 tokens) and drafting costs `draft_cost` one-token forwards."""
+        return tau / (self.c(nodes + 1) + draft_cost)
+
+    def as_dict(self) -> dict:
+        return {"cache_length": self.cache_length, "device": self.device, "dtype": self.dtype,
+                "one_token_ms": 1000 * self.seconds[1],
+                "c": {n: self.c(n) for n in sorted(self.seconds)}}
+
+
+@torch.inference_mode()
+def measure_cost_profile(
+    target: Transformer,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    *,
+    cache_length: int = 200,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> CostProfile:
+    """Time target forwards of every N in lengths over a cache of cache_length random tokens.
+
+    The lengths are measured in interleaved rounds, so drift of the machine's speed hits all
+    of them alike; each figure is the median over `repeats` rounds after `warmup` rounds.
+    """
+    lengths = sorted({1, *(int(n) for n in lengths)})
+    if lengths[0] < 1 or repeats < 1 or warmup < 0 or cache_length < 1:
+        raise ValueError("measure_cost_profile: lengths and cache_length must be >= 1, "
+                         "repeats >= 1 and warmup >= 0")
+    weight = target.embed_tokens.weight
+    generator = torch.Generator(weight.device).manual_seed(seed)
+    vocab = target.config.vocab_size
+
+    def random_tokens(n: int) -> torch.Tensor:
+        return torch.randint(vocab, (1, n), generator=generator, device=weight.device)
+
+    cache = target.new_cache(max_slots=cache_length + lengths[-1])
+    target(random_tokens(cache_length), torch.arange(cache_length, device=weight.device), cache)
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for round_ in range(warmup + repeats):
+        for n in lengths:
+            seconds = _timed_forward(target, random_tokens(n), cache, cache_length)
+            if round_ >= warmup:
+                times[n].append(seconds)
+    return CostProfile({n: statistics.median(t) for n, t in times.items()}, cache_length,
+                       str(weight.device), str(weight.dtype).removeprefix("torch."))
+
+
+def _timed_forward(target: Transformer, tokens: torch.Tensor, cache, cache_length: int) -> float:
+    positions = torch.arange(cache_length, cache_length + tokens.shape[1], device=tokens.device)
+    synchronize(tokens.device)
+    start = time.perf_counter()
+    target(tokens, positions, cache)
+    synchronize(tokens.device)
+    seconds = time.perf_counter() - start
+    cache.truncate(cache_length)
+    return seconds
+
+
+@dataclass(frozen=True)
+class FloorSettings:
+    """What eval/bench_decode.py measures: random prompts of prompt_tokens ids, new_tokens
+    generated greedily, the oracle at each draft length, c(N) at each cost length."""
+
+    prompt_tokens: int = 512
+    new_tokens: int = 128
+    num_prompts: int = 2
+    draft_lengths: tuple[int, ...] = (1, 2, 4, 8)
+    cost_lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "new_tokens", "num_prompts", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("draft_lengths", "cost_lengths"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a non-empty list of integers >= 1")
+        if max(self.draft_lengths) + 1 > max(self.cost_lengths):
+            raise ValueError(f"cost_lengths must reach max(draft_lengths) + 1 = "
+                             f"{max(self.draft_lengths) + 1} (a draft of k verifies k + 1 "
+                             f"tokens), got up to {max(self.cost_lengths)}")
+
+
+def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
+    """The decode loop's floor and ceiling on this machine: plain tokens/s of selfspec and of
+    Hugging Face `generate` on the same weights, c(N), and the oracle drafter's speedup at
+    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing)."""
+    from selfspec.bench import BenchSettings, compare_with_plain, run_passes
+    from selfspec.drafters.oracle import OracleDrafter
+    from selfspec.peers import HFDecoder, OurDecoder
+
+    generator = torch.Generator().manual_seed(settings.seed)
+    prompts = torch.randint(target.config.vocab_size, (settings.num_prompts,
+                            settings.prompt_tokens), generator=generator).tolist()
+    bench = BenchSettings(max_new_tokens=settings.new_tokens, repeats=settings.repeats,
+                          seed=settings.seed)
+    ours, theirs = run_passes([OurDecoder(target), HFDecoder(hf_model)], prompts,
+                              SamplingParams(), bench)
+    profile = measure_cost_profile(target, settings.cost_lengths,
+                                   cache_length=settings.prompt_tokens, repeats=settings.repeats)
+    oracle = []
+    for k in settings.draft_lengths:
+        row = compare_with_plain(target, OracleDrafter(k), prompts,
+                                 max_new_tokens=settings.new_tokens, seed=settings.seed)
+        bound = profile.bound(row.tau, k)
+        oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
+                       "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
+                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless})
+    return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
+            "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
+            "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}
