@@ -1,0 +1,137 @@
+"""Every path on every device: tensors are made where their inputs live, random draws use a
+generator on the device of the probabilities, and a generator on another device is refused.
+
+The CUDA variants run where a GPU is present; on a CPU-only machine the "other device" is the
+meta device (a model built there, probabilities there), which is enough to reach each check.
+"""
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.drafters import NgramDrafter
+from selfspec.model import ModelConfig
+from selfspec.sampling import check_generator, sample
+from selfspec.verify import verify_linear
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
+NEW_TOKENS = 16
+SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
+DRAFTERS = ["none", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(hf_target, device) -> Transformer:
+    return Transformer.from_hf(hf_target, device=device)
+
+
+@pytest.fixture(scope="module")
+def make_drafter():
+    """make_drafter(kind): a fresh drafter of `kind` for the target on the module's device."""
+
+    def make(kind: str):
+        return {"none": lambda: None, "ngram": lambda: NgramDrafter(4)}[kind]()
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target) -> list[list[int]]:
+    return [generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+
+
+def seeded(device: str, seed: int = 0) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# ---- every drafter on every device ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_greedy_equals_plain_greedy(target, plain_greedy, make_drafter, kind):
+    drafter = make_drafter(kind)
+    for prompt, expected in zip(PROMPTS, plain_greedy, strict=True):
+        assert generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS).tokens \
+            == expected
+
+
+@pytest.mark.parametrize("params", SAMPLINGS, ids=["t1", "top_p"])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_sampling_runs_and_repeats_with_a_generator_on_the_device(
+    target, device, make_drafter, kind, params
+):
+    vocab = target.config.vocab_size
+    for prompt in PROMPTS:
+        runs = [generate(target, prompt, drafter=make_drafter(kind), sampling=params,
+                         max_new_tokens=NEW_TOKENS, generator=seeded(device)).tokens
+                for _ in range(2)]
+        assert len(runs[0]) == NEW_TOKENS and all(0 <= t < vocab for t in runs[0])
+        assert runs[0] == runs[1]  # the seed alone decides: no other source of randomness
+
+
+def test_an_unseeded_sampling_run_makes_its_generator_on_the_device(target):
+    out = generate(target, PROMPTS[0], drafter=NgramDrafter(4), sampling=SamplingParams(1.0),
+                   max_new_tokens=NEW_TOKENS)
+    assert len(out.tokens) == NEW_TOKENS
+
+
+# ---- a generator on another device is refused -----------------------------------------------
+
+
+def test_the_check_names_both_devices_and_the_fix():
+    with pytest.raises(ValueError, match=r"generate: the generator is on cpu but the "
+                       r"probabilities are on cuda:0; pass generator=torch\.Generator\("
+                       r"device='cuda:0'\)"):
+        check_generator(torch.Generator(), torch.device("cuda:0"), "generate")
+    check_generator(torch.Generator(), torch.device("cpu"), "generate")  # same device: fine
+    check_generator(None, torch.device("cuda:0"), "generate")  # none given: decided later
+
+
+def test_something_else_than_a_generator_is_refused():
+    with pytest.raises(ValueError, match="generator must be a torch.Generator, got int"):
+        check_generator(0, "cpu", "generate")
+
+
+@pytest.fixture(scope="module")
+def meta_target() -> Transformer:
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["greedy", "t1"])
+def test_generate_refuses_a_generator_on_another_device_than_the_target(meta_target, params):
+    with pytest.raises(ValueError, match="generator is on cpu but the probabilities are on meta"):
+        generate(meta_target, [3, 4], sampling=params, max_new_tokens=2,
+                 generator=torch.Generator())
+
+
+def test_verify_and_sample_refuse_a_generator_on_another_device_than_p():
+    p = torch.full((2, 4), 0.25, device="meta")
+    with pytest.raises(ValueError, match="verify: the generator is on cpu but the probabilities"):
+        verify_linear(torch.tensor([1]), None, p, generator=torch.Generator())
+    with pytest.raises(ValueError, match="sample: the generator is on cpu but the probabilities"):
+        sample(p[0], torch.Generator())
+
+
+@needs_cuda
+def test_a_cpu_generator_is_refused_for_a_cuda_target(hf_target):
+    cuda_target = Transformer.from_hf(hf_target, device="cuda")
+    with pytest.raises(ValueError, match="generator is on cpu but the probabilities are on cuda"):
+        generate(cuda_target, [3, 4], sampling=SamplingParams(1.0), max_new_tokens=2,
+                 generator=torch.Generator())
