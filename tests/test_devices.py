@@ -7,10 +7,16 @@ meta device (a model built there, probabilities there), which is enough to reach
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import first_layers, fit_medusa_heads, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.drafters import NgramDrafter
+from selfspec.drafters import (
+    DecodeSetup,
+    MedusaDrafter,
+    MedusaProductDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+)
 from selfspec.model import ModelConfig
 from selfspec.sampling import check_generator, sample
 from selfspec.verify import verify_linear
@@ -21,7 +27,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
-DRAFTERS = ["none", "ngram"]
+DRAFTERS = ["none", "small_model", "ngram", "medusa", "medusa_products"]
+MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +47,37 @@ def target(hf_target, device) -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def make_drafter():
+def meta_target() -> Transformer:
+    """A model on the meta device: a second device on any machine (forwards give shapes)."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+@pytest.fixture(scope="module")
+def fitted_heads(hf_target):
+    """Medusa heads fit on the CPU to the target's greedy continuations (so drafts get
+    accepted); each device gets a copy."""
+    cpu_target = Transformer.from_hf(hf_target)
+    continuations = {tuple(p): generate(cpu_target, p, max_new_tokens=NEW_TOKENS).tokens
+                     for p in PROMPTS}
+    return fit_medusa_heads(cpu_target, continuations)[0]
+
+
+@pytest.fixture(scope="module")
+def make_drafter(hf_target, fitted_heads, device):
     """make_drafter(kind): a fresh drafter of `kind` for the target on the module's device."""
-
-    def make(kind: str):
-        return {"none": lambda: None, "ngram": lambda: NgramDrafter(4)}[kind]()
-
-    return make
+    draft_model = Transformer.from_hf(first_layers(hf_target), device=device)
+    heads = fitted_heads.to(device)
+    makers = {
+        "none": lambda: None,
+        "small_model": lambda: SmallModelDrafter(draft_model, 3),
+        "ngram": lambda: NgramDrafter(4),
+        "medusa": lambda: MedusaDrafter(heads, MEDUSA_CHOICES),
+        "medusa_products": lambda: MedusaProductDrafter(heads, top_k=2, max_nodes=6),
+    }
+    return lambda kind: makers[kind]()
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +94,12 @@ def seeded(device: str, seed: int = 0) -> torch.Generator:
 
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_greedy_equals_plain_greedy(target, plain_greedy, make_drafter, kind):
-    drafter = make_drafter(kind)
+    drafter, accepted = make_drafter(kind), 0
     for prompt, expected in zip(PROMPTS, plain_greedy, strict=True):
-        assert generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS).tokens \
-            == expected
+        out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS)
+        assert out.tokens == expected
+        accepted += out.stats.accepted
+    assert kind == "none" or accepted > 0  # the drafts were in play, not all rejected
 
 
 @pytest.mark.parametrize("params", SAMPLINGS, ids=["t1", "top_p"])
@@ -81,6 +114,15 @@ def test_sampling_runs_and_repeats_with_a_generator_on_the_device(
                 for _ in range(2)]
         assert len(runs[0]) == NEW_TOKENS and all(0 <= t < vocab for t in runs[0])
         assert runs[0] == runs[1]  # the seed alone decides: no other source of randomness
+
+
+def test_the_draft_model_is_fed_on_its_own_device(meta_target):
+    """Forwards on the meta device run (shapes only) but refuse inputs from another device."""
+    drafter = SmallModelDrafter(meta_target, 2)
+    prompt = torch.tensor([3, 4], device="meta")
+    drafter.begin(DecodeSetup(meta_target, prompt, SamplingParams(), None, max_length=8))
+    logits = drafter._feed([3, 4])
+    assert logits.device.type == "meta" and logits.shape == (1, 2, 64)
 
 
 def test_an_unseeded_sampling_run_makes_its_generator_on_the_device(target):
@@ -104,14 +146,6 @@ def test_the_check_names_both_devices_and_the_fix():
 def test_something_else_than_a_generator_is_refused():
     with pytest.raises(ValueError, match="generator must be a torch.Generator, got int"):
         check_generator(0, "cpu", "generate")
-
-
-@pytest.fixture(scope="module")
-def meta_target() -> Transformer:
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8)
-    with torch.device("meta"):
-        return Transformer(config)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["greedy", "t1"])
