@@ -1,5 +1,6 @@
 """Every path on every device: tensors are made where their inputs live, random draws use a
-generator on the device of the probabilities, and a generator on another device is refused.
+generator on the device of the probabilities, a generator on another device is refused, and
+training rows reach the device of the model they train.
 
 The CUDA variants run where a GPU is present; on a CPU-only machine the "other device" is the
 meta device (a model built there, probabilities there), which is enough to reach each check.
@@ -17,8 +18,10 @@ from selfspec.drafters import (
     NgramDrafter,
     SmallModelDrafter,
 )
+from selfspec.losses import LossOutput
 from selfspec.model import ModelConfig
 from selfspec.sampling import check_generator, sample
+from selfspec.training import TokenRows, TrainSettings, _evaluate, _micro_batch
 from selfspec.verify import verify_linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -169,3 +172,56 @@ def test_a_cpu_generator_is_refused_for_a_cuda_target(hf_target):
     with pytest.raises(ValueError, match="generator is on cpu but the probabilities are on cuda"):
         generate(cuda_target, [3, 4], sampling=SamplingParams(1.0), max_new_tokens=2,
                  generator=torch.Generator())
+
+
+# ---- training rows reach the device the prepared model lives on -----------------------------
+
+
+class StandInAccelerator:
+    """What `_micro_batch` and `_evaluate` read of an Accelerator: one process on `device`."""
+
+    num_processes, process_index = 1, 0
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)  # values do not matter here
+
+
+class DeviceRecorder(torch.nn.Module):
+    """An objective that records the device of every batch it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.device, torch.device]] = []
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        self.seen.append((tokens.device, loss_mask.device))
+        return LossOutput(torch.zeros(()), {})
+
+
+@pytest.fixture
+def rows() -> TokenRows:
+    tokens = torch.arange(10 * 6).view(10, 6)  # [N, T]: row i holds 6i..6i+5
+    return TokenRows(tokens, torch.ones_like(tokens))
+
+
+@pytest.mark.parametrize("where", [*DEVICES, "meta"])
+def test_micro_batches_go_to_the_accelerator_device(tmp_path, rows, where):
+    settings = TrainSettings(run_dir=str(tmp_path), max_steps=4, micro_batch_size=3)
+    batch = _micro_batch(rows, 1, 0, settings, StandInAccelerator(where))
+    on_cpu = _micro_batch(rows, 1, 0, settings, StandInAccelerator("cpu"))
+    for tensor in (batch.tokens, batch.loss_mask):
+        assert tensor.device.type == where and tensor.shape == (3, 6)
+    if where != "meta":
+        assert torch.equal(batch.tokens.cpu(), on_cpu.tokens)  # the same rows, moved
+
+
+@pytest.mark.parametrize("where", [*DEVICES, "meta"])
+def test_evaluation_rows_go_to_the_accelerator_device(tmp_path, rows, where):
+    settings = TrainSettings(run_dir=str(tmp_path), max_steps=4, micro_batch_size=3, eval_rows=7)
+    model = DeviceRecorder()
+    _evaluate(model, rows, settings, StandInAccelerator(where))
+    assert len(model.seen) == 3  # 7 rows in micro-batches of 3
+    assert {d.type for pair in model.seen for d in pair} == {where}
