@@ -1,6 +1,7 @@
 """Every path on every device: tensors are made where their inputs live, random draws use a
-generator on the device of the probabilities, a generator on another device is refused, and
-training rows reach the device of the model they train.
+generator on the device of the probabilities, a generator on another device is refused,
+training rows reach the device of the model they train, and the attention kernel is pinned
+per device.
 
 The CUDA variants run where a GPU is present; on a CPU-only machine the "other device" is the
 meta device (a model built there, probabilities there), which is enough to reach each check.
@@ -9,6 +10,7 @@ meta device (a model built there, probabilities there), which is enough to reach
 import pytest
 import torch
 from helpers import first_layers, fit_medusa_heads, tiny_llama
+from torch.nn.attention import SDPBackend
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import (
@@ -19,7 +21,7 @@ from selfspec.drafters import (
     SmallModelDrafter,
 )
 from selfspec.losses import LossOutput
-from selfspec.model import ModelConfig
+from selfspec.model import ModelConfig, attention_kernels
 from selfspec.sampling import check_generator, sample
 from selfspec.training import TokenRows, TrainSettings, _evaluate, _micro_batch
 from selfspec.verify import verify_linear
@@ -225,3 +227,51 @@ def test_evaluation_rows_go_to_the_accelerator_device(tmp_path, rows, where):
     _evaluate(model, rows, settings, StandInAccelerator(where))
     assert len(model.seen) == 3  # 7 rows in micro-batches of 3
     assert {d.type for pair in model.seen for d in pair} == {where}
+
+
+# ---- the attention kernel is chosen per device -----------------------------------------------
+
+
+def enabled_kernels() -> set[str]:
+    """The SDPA kernels torch may pick right now."""
+    flags = torch.backends.cuda
+    return {name for name, on in [("flash", flags.flash_sdp_enabled()),
+                                  ("efficient", flags.mem_efficient_sdp_enabled()),
+                                  ("math", flags.math_sdp_enabled()),
+                                  ("cudnn", flags.cudnn_sdp_enabled())] if on}
+
+
+def kernels_during_attention(model: Transformer, **forward) -> set[str]:
+    """The kernels enabled while the first layer's attention runs in model(**forward)."""
+    seen = []
+    hook = model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(enabled_kernels()))
+    try:
+        model(**forward)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def test_the_kernels_are_pinned_on_cuda_and_left_to_torch_elsewhere():
+    assert attention_kernels(torch.device("cpu"), masked=True) is None
+    assert attention_kernels(torch.device("cpu"), masked=False) is None
+    # Flash takes no arbitrary mask: a masked forward gets the memory-efficient kernel alone.
+    assert attention_kernels(torch.device("cuda:0"), masked=True) == [
+        SDPBackend.EFFICIENT_ATTENTION]
+    assert attention_kernels(torch.device("cuda:0"), masked=False) == [
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def test_a_forward_runs_under_its_device_kernels_and_restores_the_flags(target, device):
+    before = enabled_kernels()
+    tokens = torch.tensor([[3, 4, 5]], device=device)
+    positions = torch.arange(3, device=device)
+    plain = kernels_during_attention(target, tokens=tokens, positions=positions)
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+    masked = kernels_during_attention(target, tokens=tokens, positions=positions, mask=tree_mask)
+    if device == "cuda":
+        assert (plain, masked) == ({"flash", "efficient"}, {"efficient"})
+    else:
+        assert plain == masked == before  # CPU: torch's own choice, logits unchanged
+    assert enabled_kernels() == before
