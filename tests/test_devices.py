@@ -7,6 +7,8 @@ The CUDA variants run where a GPU is present; on a CPU-only machine the "other d
 meta device (a model built there, probabilities there), which is enough to reach each check.
 """
 
+import copy
+
 import pytest
 import torch
 from helpers import first_layers, fit_medusa_heads, tiny_llama
@@ -74,7 +76,7 @@ def fitted_heads(hf_target):
 def make_drafter(hf_target, fitted_heads, device):
     """make_drafter(kind): a fresh drafter of `kind` for the target on the module's device."""
     draft_model = Transformer.from_hf(first_layers(hf_target), device=device)
-    heads = fitted_heads.to(device)
+    heads = copy.deepcopy(fitted_heads).to(device)  # Module.to moves in place
     makers = {
         "none": lambda: None,
         "small_model": lambda: SmallModelDrafter(draft_model, 3),
