@@ -277,7 +277,7 @@ def self_distill(conversations: list[list[dict]], target, tokenizer, *, max_new_
     from selfspec.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
     eos = tokenizer.eos_token_id
     distilled = []
     for messages in tqdm(conversations, desc="self-distill"):

@@ -18,7 +18,7 @@ import torch
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
-from selfspec.sampling import SamplingParams, logits_to_probs, sample
+from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
 from selfspec.verify import Acceptance, verify_tree
 
 
@@ -60,9 +60,15 @@ def generate(
 
     With a drafter, every step verifies its draft exactly (`selfspec.verify`), so the output
     law equals plain decoding's; at temperature 0 the tokens are identical. Stops after an EOS
-    token or exactly at max_new_tokens. An unseeded sampling run draws a fresh seed.
+    token or exactly at max_new_tokens.
+
+    generator: a torch.Generator on the target's device, e.g.
+    `torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)`; one on
+    another device is refused (ValueError). An unseeded sampling run makes one there from a
+    fresh seed.
     """
     prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
+    check_generator(generator, prompt.device, "generate")
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
     max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
@@ -109,13 +115,16 @@ def _step(
     out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
     p = logits_to_probs(out.logits[0], sampling)  # [N+1, V]
     if tree.num_nodes == 0:  # plain decoding: nothing to verify
-        acceptance = Acceptance(torch.tensor([sample(p[0], generator)]), 0, torch.empty(0))
+        token = torch.tensor([sample(p[0], generator)], device=device)
+        acceptance = Acceptance(token, 0, torch.empty(0, dtype=torch.long, device=device))
     else:
+        q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
         acceptance = verify_tree(
-            tree, draft.tokens, draft.q, p, generator=generator,
+            tree, draft.tokens, q, p, generator=generator,
             without_replacement=draft.without_replacement,
         )
-    rows = torch.cat([torch.zeros(1, dtype=torch.long), acceptance.path.long() + 1]).to(device)
+    root_row = torch.zeros(1, dtype=torch.long, device=device)
+    rows = torch.cat([root_row, acceptance.path.to(device) + 1])  # [1 + accepted]
     cache.commit(base + rows)
     return acceptance, _features(out, tokens[0, rows], rows)
 

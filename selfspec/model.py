@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfspec.kv_cache import KVCache
 
@@ -330,6 +332,26 @@ def _attention_mask(
     return torch.cat([past_cols, mask.to(device)], dim=1)
 
 
+# On CUDA the attention kernel is pinned, not left to SDPA's heuristics: with a boolean mask
+# they picked cuDNN attention, which re-planned at every new KV length (~77 ms of host time per
+# step on an H100). Flash attention takes no mask, so masked forwards get the memory-efficient
+# kernel alone. Other devices keep torch's default choice (on CPU: unchanged logits).
+_CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_CUDA_MASKED_KERNELS = [SDPBackend.EFFICIENT_ATTENTION]
+
+
+def attention_kernels(device: torch.device, masked: bool) -> list[SDPBackend] | None:
+    """The SDPA kernels a forward on `device` may use (None: torch's default choice)."""
+    if device.type != "cuda":
+        return None
+    return _CUDA_MASKED_KERNELS if masked else _CUDA_KERNELS
+
+
+def _pinned_attention(device: torch.device, masked: bool) -> AbstractContextManager:
+    kernels = attention_kernels(device, masked)
+    return nullcontext() if kernels is None else sdpa_kernel(kernels)
+
+
 # ---- the model -----------------------------------------------------------------------------
 
 
@@ -384,10 +406,11 @@ class Transformer(nn.Module):
         past = 0 if cache is None else cache.length
         attn_mask = _attention_mask(mask, tokens.shape[1], past, h.device)
         saved = {start_layer: h}
-        for i in range(start_layer, end):
-            h = self.layers[i](h, cos, sin, attn_mask, cache)
-            if i + 1 in return_hidden:
-                saved[i + 1] = h
+        with _pinned_attention(h.device, masked=attn_mask is not None):
+            for i in range(start_layer, end):
+                h = self.layers[i](h, cos, sin, attn_mask, cache)
+                if i + 1 in return_hidden:
+                    saved[i + 1] = h
         if cache is not None:
             cache.advance(tokens.shape[1])
         last_hidden = self.norm(h)  # [B, T, hidden]

@@ -3,6 +3,10 @@
 Speculative decoding is exact only if the draft and the target distributions are warped the
 same way the plain decoder would warp them, so `logits_to_probs` is the single place where
 temperature, top-k and top-p are applied.
+
+Randomness: selfspec draws every random number from a `torch.Generator` the caller passes, on
+the device of the probabilities it draws for (`torch.Generator(device="cuda:0")` for a target
+on cuda:0). `check_generator` is the one place that enforces this.
 """
 
 from __future__ import annotations
@@ -85,14 +89,44 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def check_generator(
+    generator: torch.Generator | None, device: torch.device | str, caller: str
+) -> None:
+    """Refuse a generator that is not a torch.Generator on `device` (where the probabilities
+    live): torch cannot draw on one device with another device's generator.
+
+    None passes: whether a generator is needed at all depends on the outcome (see `sample`).
+    """
+    if generator is None:
+        return
+    device = torch.device(device)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(
+            f"{caller}: generator must be a torch.Generator, got {type(generator).__name__}; "
+            f"pass generator=torch.Generator(device='{device}').manual_seed(seed)"
+        )
+    if not _same_device(generator.device, device):
+        raise ValueError(
+            f"{caller}: the generator is on {generator.device} but the probabilities are on "
+            f"{device}; pass generator=torch.Generator(device='{device}').manual_seed(seed)"
+        )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same type, and the same index where both name one ('cuda' means the current one)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token from a probability row [V] by inverse CDF.
 
     A zero-probability token is never returned (its CDF step has zero width), and a one-hot
     row is returned without touching the generator, so greedy decoding needs no RNG.
     A generator is required whenever the outcome is random: selfspec never uses torch's
-    global RNG, so runs are reproducible from the seeds passed in.
+    global RNG, so runs are reproducible from the seeds passed in. It must live on
+    probs.device (see `check_generator`).
     """
+    check_generator(generator, probs.device, "sample")
     support = torch.nonzero(probs > 0).flatten()
     if support.numel() == 1:
         return int(support[0])
@@ -100,7 +134,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
         raise ValueError("sample: the probability row has no positive entry")
     if generator is None:
         raise ValueError(
-            "sampling needs a torch.Generator: pass generator=torch.Generator().manual_seed(seed)"
+            f"sampling needs a torch.Generator: pass "
+            f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)"
         )
     cdf = torch.cumsum(probs.double(), dim=-1)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]

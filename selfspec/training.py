@@ -106,6 +106,9 @@ class TokenRows:
     def select(self, indices: torch.Tensor) -> TokenRows:
         return TokenRows(self.tokens[indices], self.loss_mask[indices])
 
+    def to(self, device: torch.device | str) -> TokenRows:
+        return TokenRows(self.tokens.to(device), self.loss_mask.to(device))
+
 
 @dataclass
 class FitResult:
@@ -232,12 +235,16 @@ def _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
 
 
 def _micro_batch(train: TokenRows, step, micro, settings, accelerator) -> TokenRows:
-    """This process's rows of micro-step `micro` of optimizer step `step`."""
+    """This process's rows of micro-step `micro` of optimizer step `step`, on its device.
+
+    The corpus stays on the CPU (self-distilled rows come back there too); only the rows a
+    micro-step uses go to the device the prepared model lives on.
+    """
     world, rank = accelerator.num_processes, accelerator.process_index
     per_micro = settings.micro_batch_size * world
     first = (step * settings.grad_accum + micro) * per_micro + rank * settings.micro_batch_size
     positions = torch.arange(first, first + settings.micro_batch_size)
-    return train.select(_epoch_order(positions, len(train), settings.seed))
+    return train.select(_epoch_order(positions, len(train), settings.seed)).to(accelerator.device)
 
 
 def _epoch_order(positions: torch.Tensor, n: int, seed: int) -> torch.Tensor:
@@ -279,7 +286,8 @@ def _evaluate(model, evaluation: TokenRows, settings, accelerator) -> dict[str, 
     mine = rows[accelerator.process_index :: accelerator.num_processes]
     outputs = [
         model(chunk.tokens, chunk.loss_mask)
-        for chunk in (evaluation.select(i) for i in mine.split(settings.micro_batch_size))
+        for chunk in (evaluation.select(i).to(accelerator.device)
+                      for i in mine.split(settings.micro_batch_size))
     ]
     model.train()
     return {f"eval/{k}": v for k, v in _mean_over_ranks(outputs, accelerator).items()}

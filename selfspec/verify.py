@@ -8,6 +8,8 @@ target rows: a draft is kept iff it equals the argmax, and no random number is d
 
 Everything here handles one draft (batch size one). No model calls, no caches, no global RNG:
 randomness comes only from the `torch.Generator` passed in, and only when an outcome is random.
+The generator must live on p's device (`torch.Generator(device=p.device)`); q, when given, on
+that device too. The returned tensors are on p's device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from selfspec.sampling import sample
+from selfspec.sampling import check_generator, sample
 from selfspec.tree import Tree
 
 _SUM_TOLERANCE = 1e-3
@@ -51,7 +53,8 @@ def verify_linear(
         were chosen deterministically (argmax, top-k, lookup).
     p: [k+1, V] target probabilities (after `logits_to_probs`): row 0 after the last committed
         token, row i+1 after draft token i.
-    generator: the source of randomness; needed unless every outcome is certain (greedy).
+    generator: the source of randomness, a torch.Generator on p's device; needed unless
+        every outcome is certain (greedy). One on another device is refused (ValueError).
     """
     _check_token_vector(draft_tokens, "draft_tokens")
     tree = _chain(int(draft_tokens.shape[0]))
@@ -75,6 +78,8 @@ def verify_tree(
         the children were chosen deterministically (top-k).
     p: [N+1, V] target probabilities: row 0 after the root (the last committed token), row
         i+1 after node i.
+    generator: as for `verify_linear`: a torch.Generator on p's device, needed unless every
+        outcome is certain.
     without_replacement: siblings were sampled without replacement, so the proposal for a
         later sibling is q with the earlier siblings' tokens removed and renormalised.
     """
@@ -98,6 +103,8 @@ def _verify(
     without_replacement: bool,
     tokens_name: str,
 ) -> Acceptance:
+    if isinstance(p, torch.Tensor):  # a setup error: refused before the values are read
+        check_generator(generator, p.device, "verify")
     _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
     token_list = tokens.tolist()
     node, path = -1, []
@@ -118,9 +125,9 @@ def _verify(
     accepted = [token_list[i] for i in path]
     final = sample(residual, generator)
     return Acceptance(
-        tokens=torch.tensor([*accepted, final], dtype=torch.long),
+        tokens=torch.tensor([*accepted, final], dtype=torch.long, device=p.device),
         num_accepted=len(path),
-        path=torch.tensor(path, dtype=torch.long),
+        path=torch.tensor(path, dtype=torch.long, device=p.device),
     )
 
 
@@ -138,7 +145,10 @@ def _proposal(
 
 
 def _accept(
-    residual: torch.Tensor, proposal: torch.Tensor | None, x: int, generator
+    residual: torch.Tensor,
+    proposal: torch.Tensor | None,
+    x: int,
+    generator: torch.Generator | None,
 ) -> bool:
     """Accept x with probability min(1, residual(x) / proposal(x))."""
     ratio = float(residual[x]) / (1.0 if proposal is None else float(proposal[x]))
@@ -146,10 +156,11 @@ def _accept(
         return ratio >= 1.0  # a certain outcome draws no random number
     if generator is None:
         raise ValueError(
-            "verify: this draft is accepted at random; pass "
-            "generator=torch.Generator().manual_seed(seed)"
+            f"verify: this draft is accepted at random; pass "
+            f"generator=torch.Generator(device='{residual.device}').manual_seed(seed)"
         )
-    return float(torch.rand((), generator=generator, dtype=torch.float64)) < ratio
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
+    return float(u) < ratio
 
 
 def _residual(residual: torch.Tensor, proposal: torch.Tensor | None, x: int) -> torch.Tensor:
@@ -189,12 +200,17 @@ def _check_inputs(
         raise ValueError(f"verify: {tokens_name} holds ids outside [0, {vocab}) (p's vocab size)")
     if q is not None:
         _check_probs("q", q, rows=n)
+        if q.device != p.device:
+            raise ValueError(
+                f"verify: q is on {q.device} but p on {p.device}: pass both on one device"
+            )
         if q.shape[1] != vocab:
             raise ValueError(
                 f"verify: q has vocab size {q.shape[1]} but p has {vocab}: draft and target "
                 f"must share one vocabulary"
             )
-        if n and (q[torch.arange(n), tokens] <= 0).any():
+        rows = torch.arange(n, device=q.device)
+        if n and (q[rows, tokens.to(q.device)] <= 0).any():
             raise ValueError(
                 "verify: a drafted token has probability 0 under its q row, so it cannot have "
                 "been drawn from q; pass the distribution each token was sampled from"

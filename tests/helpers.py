@@ -59,6 +59,17 @@ def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, st
     return model
 
 
+def first_layers(hf_model, layers: int = 1):
+    """A copy of a `transformers` Llama keeping its first `layers` layers (shared embeddings
+    and head): a draft that often agrees with it."""
+    import copy
+
+    shallow = copy.deepcopy(hf_model)
+    shallow.model.layers = shallow.model.layers[:layers]
+    shallow.config.num_hidden_layers = layers
+    return shallow
+
+
 def exact_two_token_law(target, prompt: list[int], params) -> dict:
     """The target model's exact law of its next two tokens after `prompt`, warped by params."""
     from selfspec.sampling import logits_to_probs

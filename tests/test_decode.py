@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_pvalue, tiny_llama
+from helpers import P_VALUE_FLOOR, exact_two_token_law, first_layers, fit_pvalue, tiny_llama
 
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
@@ -29,10 +29,7 @@ def target(hf_target):
 @pytest.fixture(scope="module")
 def draft_model(hf_target):
     """The target's first layer alone (shared embeddings and head): it often agrees."""
-    shallow = copy.deepcopy(hf_target)
-    shallow.model.layers = shallow.model.layers[:1]
-    shallow.config.num_hidden_layers = 1
-    return Transformer.from_hf(shallow)
+    return Transformer.from_hf(first_layers(hf_target))
 
 
 @pytest.fixture(scope="module")

@@ -60,8 +60,12 @@ class SmallModelDrafter:
             tokens.append(token)
             rows.append(probs)
             pending = [token]
-        q = None if self.sampling.greedy else torch.stack(rows)
-        return Draft.chain(tokens, q)
+        q = None if self.sampling.greedy else torch.stack(rows)  # [k, V] on the draft's device
+        return Draft.chain(torch.tensor(tokens, device=self._device), q)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def _rollback_to_common_prefix(self, history: list[int]) -> int:
         n = 0
@@ -80,8 +84,8 @@ class SmallModelDrafter:
                 f"token id {max(tokens)} is outside the draft model's vocabulary "
                 f"({self.model.config.vocab_size}): it only exists in the target's padded table"
             )
-        ids = torch.tensor([tokens], dtype=torch.long)
-        positions = torch.arange(start, start + len(tokens))
+        ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
+        positions = torch.arange(start, start + len(tokens), device=self._device)  # [T]
         self._fed.extend(tokens)
         return self.model(ids, positions, self._cache).logits
 
