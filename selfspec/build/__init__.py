@@ -38,10 +38,10 @@ from selfspec.build.models import (  # noqa: F401
     load_hf_model,
     load_model,
     load_target,
-    random_models,
     load_tokenizer,
     model_config,
     model_plan,
+    random_models,
     resolve_model_path,
     torch_dtype,
 )

@@ -21,19 +21,13 @@ from selfspec.build.models import (
     random_models,
     resolve_model_path,
 )
-from selfspec.costs import FloorSettings
 from selfspec.build.prompts import sweep_prompt_texts
-from selfspec.drafters import (
-    Drafter,
-    NgramDrafter,
-    SmallModelDrafter,
-)
+from selfspec.costs import FloorSettings
+from selfspec.drafters import Drafter, NgramDrafter, SmallModelDrafter
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
 from selfspec.peers import HFDecoder, OurDecoder
-from selfspec.prompts import (
-    Prompt,
-)
+from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
 DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa when heads are given
