@@ -170,19 +170,21 @@ def test_every_bench_config_composes(cfg_of, name):
     assert {"max_new_tokens", "num_prompts", "repeats", "warmup"} <= bench.keys()
 
 
-def test_data_paths_default_to_the_shared_folder_and_follow_the_env(cfg_of, monkeypatch, tmp_path):
-    monkeypatch.delenv("SELFSPEC_SHARED_DATA", raising=False)
-    shared = (build.REPO_ROOT.parent / "shared/data").resolve()
-    if shared.is_dir():
-        assert build.data_path(cfg_of("data=mt_bench").data) == shared / "mt_bench_question.jsonl"
-    monkeypatch.setenv("SELFSPEC_SHARED_DATA", str(tmp_path))
-    data = cfg_of("data=spec_bench").data
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/spec_bench_question.jsonl; set da"):
+def test_question_files_ship_with_the_package_and_data_path_overrides(cfg_of, tmp_path):
+    shipped = build.data_path(cfg_of("data=mt_bench").data)
+    assert shipped.parent.parts[-3:] == ("selfspec", "assets", "prompts")
+    assert shipped.name == "mt_bench_question.jsonl" and shipped.is_file()
+    assert build.data_path(cfg_of("data=spec_bench").data).is_file()
+    assert len(build.prompts(cfg_of("data=mt_bench", "data.num_prompts=80").data)) == 80
+    data = cfg_of("data=spec_bench", f"data.path={tmp_path}/mine.jsonl").data
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/mine.jsonl; set data.path="):
         build.load_prompts(data, tokenizer=None)
-    (tmp_path / "spec_bench_question.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
-    assert build.data_path(data) == tmp_path / "spec_bench_question.jsonl"
+    (tmp_path / "mine.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
+    assert build.data_path(data) == tmp_path / "mine.jsonl"
     (loaded,) = build.load_prompts(data, tokenizer=lambda text: {"input_ids": [len(text)]})
     assert loaded.prompt.id == "7" and loaded.ids == [2]
+    with pytest.raises(ValueError, match="names no question file"):
+        build.data_path(cfg_of("data=mt_bench", "data.asset=null").data)
 
 
 # ---- finding weights -----------------------------------------------------------------------
