@@ -1,9 +1,11 @@
 """The only module that reads configs: turns the Hydra config tree (conf/) into library objects.
 
 Entry points call these functions and stay short; everything below them takes plain values.
-A model config names its weights three ways, tried in order: a local `path`, a shipped
-package `asset` (selfspec/assets/<asset>), the Hugging Face cache for `hf_id` (never a
-download). Its `arch` block holds the architecture facts, so plans need no weights.
+A model config names its weights four ways, tried in order: a local `path`, a shipped
+package `asset` (selfspec/assets/<asset>), a `gguf` file inside an installed pip package
+(converted once into a cache folder, `selfspec.converted`), the Hugging Face cache for
+`hf_id` (never a download). Its `arch` block holds the architecture facts, so plans need no
+weights.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from selfspec import training
 from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
+from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.data import (
     load_sharegpt,
     packed_chat_dataset,
@@ -119,6 +122,8 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
         if _is_model_folder(folder):
             return folder
         tried.append(f"the shipped asset {folder}: missing (build it: scripts/build_tiny.py)")
+    if cfg_model.get("gguf"):
+        return _converted_gguf(cfg_model, key)
     if cfg_model.get("hf_id"):
         folder = _hf_cache_snapshot(cfg_model.hf_id)
         if folder is not None:
@@ -126,6 +131,17 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
         cache = _hf_cache_dir()
         tried.append(f"the Hugging Face cache ({cache}): no snapshot of {cfg_model.hf_id}")
     raise ModelNotAvailable(_unavailable_message(cfg_model, key, tried))
+
+
+def _converted_gguf(cfg_model: DictConfig, key: str) -> Path:
+    """The cached conversion of the model's GGUF file (converted now if missing)."""
+    g = cfg_model.gguf
+    source = GGUFSource(str(g.package), str(g.version), str(g.file))
+    try:
+        return gguf_model_folder(str(cfg_model.name), source)
+    except SourceNotInstalled as exc:
+        raise SourceNotInstalled(f"model {cfg_model.name!r}: {exc} (or point {key}.path at a "
+                                 f"model folder)") from None
 
 
 def _is_model_folder(folder: Path) -> bool:
