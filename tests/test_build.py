@@ -32,6 +32,7 @@ PUBLISHED_PARAMS = {
     "mistral-7b": 7.24e9,
     "qwen2.5-7b-instruct": 7.62e9,
     "qwen2.5-72b-instruct": 72.7e9,
+    "smollm2-135m": 135e6,  # SmolLM2-135M-Instruct: 134.5M, the LM head tied to the embedding
 }
 # A 2-layer model small enough to save and load in milliseconds.
 SMALL_ARCH = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
@@ -121,7 +122,8 @@ def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_pa
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_model_config_matches_published_parameter_count(cfg_of, name):
     cfg = cfg_of(f"model={name}")
-    assert cfg.model.name == name and cfg.model.hf_id and cfg.model.dtype == "bf16"
+    assert cfg.model.name == name and (cfg.model.hf_id or cfg.model.get("gguf"))
+    assert cfg.model.dtype == ("fp32" if cfg.model.get("gguf") else "bf16")  # CPU-run: fp32
     count = count_parameters(build.model_config(cfg.model))
     assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, f"{name}: {count:,}"
 
@@ -170,19 +172,21 @@ def test_every_bench_config_composes(cfg_of, name):
     assert {"max_new_tokens", "num_prompts", "repeats", "warmup"} <= bench.keys()
 
 
-def test_data_paths_default_to_the_shared_folder_and_follow_the_env(cfg_of, monkeypatch, tmp_path):
-    monkeypatch.delenv("SELFSPEC_SHARED_DATA", raising=False)
-    shared = (build.REPO_ROOT.parent / "shared/data").resolve()
-    if shared.is_dir():
-        assert build.data_path(cfg_of("data=mt_bench").data) == shared / "mt_bench_question.jsonl"
-    monkeypatch.setenv("SELFSPEC_SHARED_DATA", str(tmp_path))
-    data = cfg_of("data=spec_bench").data
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/spec_bench_question.jsonl; set da"):
+def test_question_files_ship_with_the_package_and_data_path_overrides(cfg_of, tmp_path):
+    shipped = build.data_path(cfg_of("data=mt_bench").data)
+    assert shipped.parent.parts[-3:] == ("selfspec", "assets", "prompts")
+    assert shipped.name == "mt_bench_question.jsonl" and shipped.is_file()
+    assert build.data_path(cfg_of("data=spec_bench").data).is_file()
+    assert len(build.prompts(cfg_of("data=mt_bench", "data.num_prompts=80").data)) == 80
+    data = cfg_of("data=spec_bench", f"data.path={tmp_path}/mine.jsonl").data
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/mine.jsonl; set data.path="):
         build.load_prompts(data, tokenizer=None)
-    (tmp_path / "spec_bench_question.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
-    assert build.data_path(data) == tmp_path / "spec_bench_question.jsonl"
+    (tmp_path / "mine.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
+    assert build.data_path(data) == tmp_path / "mine.jsonl"
     (loaded,) = build.load_prompts(data, tokenizer=lambda text: {"input_ids": [len(text)]})
     assert loaded.prompt.id == "7" and loaded.ids == [2]
+    with pytest.raises(ValueError, match="names no question file"):
+        build.data_path(cfg_of("data=mt_bench", "data.asset=null").data)
 
 
 # ---- finding weights -----------------------------------------------------------------------

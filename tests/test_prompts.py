@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
-from selfspec.build import REPO_ROOT
 from selfspec.data import stdlib_files, stdlib_root
 from selfspec.prompts import (
     Prompt,
@@ -19,10 +18,7 @@ from selfspec.prompts import (
     stdlib_heldout_prompts,
 )
 
-SHARED_DATA = Path(os.environ.get("SELFSPEC_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
-needs_shared_data = pytest.mark.skipif(
-    not SHARED_DATA.is_dir(), reason=f"no shared question files at {SHARED_DATA}"
-)
+SHIPPED = Path(str(resources.files("selfspec") / "assets" / "prompts"))  # package data
 
 
 def test_humaneval_has_164_problems_with_their_ids():
@@ -43,17 +39,15 @@ def test_stdlib_heldout_prompts_are_deterministic_heldout_file_heads():
         stdlib_heldout_prompts(5, num_lines=0)
 
 
-@needs_shared_data
 def test_mt_bench_first_turns_with_ids():
-    prompts = mt_bench_prompts(SHARED_DATA / "mt_bench_question.jsonl")
+    prompts = mt_bench_prompts(SHIPPED / "mt_bench_question.jsonl")
     assert len(prompts) == 80 and prompts[0].id == "81" and prompts[0].category == "writing"
     assert prompts[0].text.startswith("Compose an engaging travel blog post")
     assert len({p.id for p in prompts}) == 80
 
 
-@needs_shared_data
 def test_spec_bench_first_turns_with_ids():
-    prompts = spec_bench_prompts(SHARED_DATA / "spec_bench_question.jsonl")
+    prompts = spec_bench_prompts(SHIPPED / "spec_bench_question.jsonl")
     assert len(prompts) == 480 and len({p.id for p in prompts}) == 480
     assert len({p.category for p in prompts}) > 1 and all(p.text for p in prompts)
 

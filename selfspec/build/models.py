@@ -1,6 +1,11 @@
-"""Models and weights from `conf/model/`: architecture facts, where the weights are (a local
-`path`, a shipped package `asset`, the Hugging Face cache for `hf_id`: never a download),
-loading them checked against those facts, tokenizers, and the Hugging Face peers' copies."""
+"""Models and weights from `conf/model/`: architecture facts, where the weights are, loading
+them checked against those facts, tokenizers, and the Hugging Face peers' copies.
+
+A model config names its weights four ways, tried in order: a local `path`, a shipped package
+`asset` (selfspec/assets/<asset>), a `gguf` file inside an installed pip package (converted
+once into a cache folder, `selfspec.converted`), the Hugging Face cache for `hf_id` (never a
+download). Its `arch` block holds the architecture facts, so plans need no weights.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.build.common import device
+from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.model import ModelConfig, Transformer
 from selfspec.peers import random_hf_model
 from selfspec.plan import ModelPlan, plan_model
@@ -77,6 +83,8 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
         if _is_model_folder(folder):
             return folder
         tried.append(f"the shipped asset {folder}: missing (build it: scripts/build_tiny.py)")
+    if cfg_model.get("gguf"):
+        return _converted_gguf(cfg_model, key)
     if cfg_model.get("hf_id"):
         folder = _hf_cache_snapshot(cfg_model.hf_id)
         if folder is not None:
@@ -84,6 +92,17 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
         cache = _hf_cache_dir()
         tried.append(f"the Hugging Face cache ({cache}): no snapshot of {cfg_model.hf_id}")
     raise ModelNotAvailable(_unavailable_message(cfg_model, key, tried))
+
+
+def _converted_gguf(cfg_model: DictConfig, key: str) -> Path:
+    """The cached conversion of the model's GGUF file (converted now if missing)."""
+    g = cfg_model.gguf
+    source = GGUFSource(str(g.package), str(g.version), str(g.file))
+    try:
+        return gguf_model_folder(str(cfg_model.name), source)
+    except SourceNotInstalled as exc:
+        raise SourceNotInstalled(f"model {cfg_model.name!r}: {exc} (or point {key}.path at a "
+                                 f"model folder)") from None
 
 
 def _is_model_folder(folder: Path) -> bool:

