@@ -5,10 +5,13 @@
 ZERO is zero2, zero3 or none; VERSION the Medusa version (default 1; 2: LoRA adapters on the
 target train too, and every checkpoint exports them). Every rank builds the same tiny target
 and heads from fixed seeds and trains on the same random token rows; each rank writes the full
-trained weights it holds (heads, and adapters for Medusa-2) to RUN_DIR/rank{RANK}.safetensors.
+trained weights it holds (heads, and adapters for Medusa-2) to RUN_DIR/rank{RANK}.safetensors,
+with its torch thread count. The processes share SELFSPEC_TEST_THREADS threads (default 1), so
+that one process runs with as many threads as two processes together.
 """
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import tiny_llama  # noqa: E402
+from helpers import suite_threads, tiny_llama  # noqa: E402
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from selfspec.lora import LoraSettings, add_lora, save_adapter  # noqa: E402
@@ -50,8 +53,12 @@ def objective(version: int) -> torch.nn.Module:
     return MedusaObjective(target, heads)
 
 
+def threads_per_process() -> int:
+    return max(1, suite_threads() // int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def main(run_dir: str, micro_batch: int, zero: str, version: int = 1) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_process())
     run_settings = settings(run_dir, micro_batch)
     accelerator = make_accelerator(run_settings, ZERO[zero])
     model = objective(version)
@@ -78,7 +85,8 @@ def save_trained(model: torch.nn.Module, path: Path) -> None:
 
         gathered = deepspeed.zero.GatheredParameters([p for _, p in named])
     with gathered:
-        save_file({name: p.detach().clone().contiguous() for name, p in named}, str(path))
+        save_file({name: p.detach().clone().contiguous() for name, p in named}, str(path),
+                  metadata={"torch_threads": str(torch.get_num_threads())})
 
 
 if __name__ == "__main__":

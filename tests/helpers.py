@@ -4,11 +4,19 @@ of weights trained by Adam along two float paths, tiny models."""
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 from scipy.stats import chi2
+
+
+def suite_threads() -> int:
+    """The torch threads of the test suite (SELFSPEC_TEST_THREADS, default 1), shared by the
+    processes of a test that starts several."""
+    return int(os.environ.get("SELFSPEC_TEST_THREADS", "1"))
+
 
 P_VALUE_FLOOR = 1e-3  # a fixed seed makes each test deterministic; this bounds its false alarms
 FLOAT_NOISE = 1e-6  # rounding alone moves a trained fp32 weight of size <= 1 by ~1e-7

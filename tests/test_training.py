@@ -10,7 +10,8 @@ import distributed_fit
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from helpers import assert_same_adam_training, tiny_llama
+from helpers import assert_same_adam_training, suite_threads, tiny_llama
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
@@ -147,6 +148,10 @@ def _torchrun(run_dir: Path, micro_batch: int, zero: str, processes: int, versio
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    threads = max(1, suite_threads() // processes)
+    for rank in range(processes):  # the processes share the suite's threads
+        with safe_open(run_dir / f"rank{rank}.safetensors", "pt") as weights:
+            assert weights.metadata()["torch_threads"] == str(threads)
 
 
 @pytest.fixture(scope="module")
