@@ -75,11 +75,14 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     a = torch.load(whole.checkpoint / "export" / "state.pt")
     b = torch.load(resumed.checkpoint / "export" / "state.pt")
     assert a.keys() == b.keys() and all(k.startswith("heads.") for k in a)
+    # Exact: one process and thread count, so the resumed run repeats the same float operations
+    # on bit-identical restored state (a tolerance would mean little: Adam turns any rounding
+    # difference into steps of ~lr).
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+        assert torch.equal(a[key], b[key]), key
     assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3, 4, 5, 6]
     losses = [r["loss"] for r in read_metrics(tmp_path / "whole")]
-    assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "split")], abs=1e-6)
+    assert losses == [r["loss"] for r in read_metrics(tmp_path / "split")]
 
 
 def test_checkpoints_hold_the_head_not_the_frozen_target(tmp_path):
