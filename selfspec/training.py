@@ -180,6 +180,7 @@ def make_accelerator(settings: TrainSettings, deepspeed_config: dict | None = No
             "gradient_accumulation_steps": settings.grad_accum,
             "gradient_clipping": settings.clip_grad,
         })
+    threads = torch.get_num_threads()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available() and plugin is None,  # CPU DDP needs cpu=True
         mixed_precision=_mixed_precision(plugin is not None),
@@ -187,6 +188,9 @@ def make_accelerator(settings: TrainSettings, deepspeed_config: dict | None = No
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
     )
+    # Under torchrun on a CPU without OMP_NUM_THREADS, accelerate resets torch's thread count
+    # to its own guess: keep the caller's (e.g. trainer.threads).
+    torch.set_num_threads(threads)
     _check_launch(accelerator, world, plugin is not None)
     return accelerator
 

@@ -1,13 +1,26 @@
-"""Shared test helpers: a goodness-of-fit check for statistical exactness tests."""
+"""Shared test helpers: a goodness-of-fit check for statistical exactness tests, the comparison
+of weights trained by Adam along two float paths, tiny models."""
 
 from __future__ import annotations
 
+import math
+import os
 from collections import Counter
+from collections.abc import Mapping, Sequence
 
 import torch
 from scipy.stats import chi2
 
+
+def suite_threads() -> int:
+    """The torch threads of the test suite (SELFSPEC_TEST_THREADS, default 1), shared by the
+    processes of a test that starts several."""
+    return int(os.environ.get("SELFSPEC_TEST_THREADS", "1"))
+
+
 P_VALUE_FLOOR = 1e-3  # a fixed seed makes each test deterministic; this bounds its false alarms
+FLOAT_NOISE = 1e-6  # rounding alone moves a trained fp32 weight of size <= 1 by ~1e-7
+MAX_MOVED_SHARE = 0.01  # elements allowed beyond FLOAT_NOISE (gradients that were ~0 once)
 
 
 def fit_pvalue(counts: Counter, expected: dict, n: int) -> float:
@@ -105,3 +118,56 @@ def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int
         out.loss.backward()
         optimizer.step()
     return heads.eval(), out.metrics
+
+
+# ---- weights trained by Adam along two float paths ------------------------------------------
+#
+# Two runs that differ only in float rounding (process count, ZeRO partitioning, threads) do not
+# give the same weights to any fixed atol. Adam's step for an element is lr_t * m_t / sqrt(v_t)
+# (bias-corrected): about lr_t * sign(g) whatever |g|, so an element whose gradient is within
+# rounding of zero at some step moves by up to ~lr_t, one way in one run and the other way in
+# the other. What is guaranteed:
+#
+# 1. A bound on every element. With m_t = (1-b1) sum_j b1^j g_{t-j} and v_t = (1-b2) sum_j
+#    b2^j g_{t-j}^2, Cauchy-Schwarz on b1^j g = (b1^j / b2^(j/2)) (b2^(j/2) g) gives
+#    |m_hat / sqrt(v_hat)| <= C_t = (1-b1)/(1-b1^t) * sqrt((1-b2^t)/(1-b2))
+#    * sqrt(sum_{j<t} (b1^2/b2)^j), so no step moves an element by more than lr_t * C_t
+#    (eps only shrinks it; C_1 = 1, C_4 ~ 1.007 at 0.9/0.999). Decoupled weight decay scales
+#    the difference of two runs from the same start by (1 - lr_t wd) <= 1, so the runs differ
+#    per element by at most 2 * sum_t lr_t C_t. It is loose (an export one step late passes).
+# 2. Power. Rounding changes a gradient by ~1e-7 of the typical gradient size G, which moves
+#    the step lr * m_hat / sqrt(v_hat) by ~lr * 1e-7 * G / |g|: beyond FLOAT_NOISE (at lr ~1e-3)
+#    only where |g| < ~1e-4 G at some step. Few elements of a tensor with generic gradients are
+#    that close to zero (an exactly-zero gradient takes the same zero step in both runs), so
+#    at most MAX_MOVED_SHARE of the elements may differ by more than FLOAT_NOISE; a stale or
+#    partial export moves nearly all of them.
+
+
+def adam_step_bound(t: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """C_t: the largest |m_hat / sqrt(v_hat)| Adam can reach at step t (1-based)."""
+    b1, b2 = betas
+    geometric = sum((b1 * b1 / b2) ** j for j in range(t))
+    return (1 - b1) / (1 - b1**t) * math.sqrt((1 - b2**t) / (1 - b2)) * math.sqrt(geometric)
+
+
+def assert_same_adam_training(
+    got: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    lr_per_step: Sequence[float],
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> None:
+    """Weights from the same start and data trained by Adam(W) at these per-step learning rates
+    (the largest of any group they belong to) agree as far as float rounding allows (above)."""
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
+    bound = 2 * sum(lr * adam_step_bound(t, betas) for t, lr in enumerate(lr_per_step, 1))
+    diffs = {k: (got[k].double() - expected[k].double()).abs().flatten() for k in expected}
+    worst = max(diffs, key=lambda k: float(diffs[k].max()))
+    assert float(diffs[worst].max()) <= bound + FLOAT_NOISE, (
+        f"{worst} differs by {float(diffs[worst].max()):.3g}: beyond what Adam allows "
+        f"({bound:.3g})")
+    moved = {k: int((d > FLOAT_NOISE).sum()) for k, d in diffs.items()}
+    total = sum(d.numel() for d in diffs.values())
+    most = ", ".join(f"{moved[k]} in {k}" for k in sorted(moved, key=moved.get)[-3:])
+    assert sum(moved.values()) <= MAX_MOVED_SHARE * total, (
+        f"{sum(moved.values())} of {total} elements differ by more than {FLOAT_NOISE:g} "
+        f"(at most {MAX_MOVED_SHARE:.0%} may), most in: {most}")

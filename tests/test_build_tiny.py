@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import suite_threads
 
 from selfspec.data import pack_token_stream, stdlib_files, stdlib_manifest_sha256
 
@@ -72,5 +73,7 @@ def test_cards_and_curves(quick_build):
 
 def test_existing_checkpoint_needs_resume_or_fresh(quick_build):
     build_tiny = importlib.import_module("build_tiny")  # cached by the fixture
+    threads = str(suite_threads())  # main sets torch's threads for the session
     with pytest.raises(FileExistsError, match="--resume"):
-        build_tiny.main(["--quick", "--out", str(quick_build), "--stage", "target"])
+        build_tiny.main(["--quick", "--out", str(quick_build), "--stage", "target",
+                         "--threads", threads])

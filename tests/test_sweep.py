@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import suite_threads
 from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
@@ -211,7 +212,7 @@ def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
     done = subprocess.run(
         [sys.executable, str(EVAL / "sweep.py"), "-m", *toy(quick_build), "methods=ngram",
          "num_draft_tokens=1,2", "samplings=[greedy]", "bench.num_prompts=1",
-         "bench.max_new_tokens=4", "wandb.enabled=false", "threads=1",
+         "bench.max_new_tokens=4", "wandb.enabled=false", f"threads={suite_threads()}",
          f"hydra.sweep.dir={tmp_path}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import suite_threads
+
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.lora import merge_adapter
 from selfspec.model import Transformer
@@ -40,7 +42,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
         "model=local", f"model.path={quick_build / 'target'}", "train_data.source=sharegpt",
         f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=8",
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
-        "trainer.eval_every=4", "trainer.threads=1", "final_eval.num_prompts=2",
+        "trainer.eval_every=4", f"trainer.threads={suite_threads()}", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", f"hydra.run.dir={run_dir}", cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,7 +72,7 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
         "medusa.lora.rank=4", "tree=top_k_products", "train_data.source=sharegpt",
         f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
-        "trainer.eval_every=4", "trainer.threads=1", "final_eval.num_prompts=2",
+        "trainer.eval_every=4", f"trainer.threads={suite_threads()}", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", "wandb.enabled=false", f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )
