@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.state import AcceleratorState
 
 from selfspec.cli import USAGE_ERROR, one_line
@@ -118,11 +119,13 @@ def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # restored afterwards (the boundary sets it)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(sys, "argv", [str(ROOT / script), *args])
-    code = 0
+    code, threads = 0, torch.get_num_threads()
     try:
         runpy.run_path(str(ROOT / script), run_name="__main__")
     except SystemExit as stop:
         code = stop.code
+    finally:
+        torch.set_num_threads(threads)  # an entry point may set its own (threads=...)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -175,8 +178,8 @@ def toy_training(files: dict, run_dir: Path, *extra: str) -> list[str]:
             for i in range(40)]))
     return ["model=local", f"model.path={files['toy']}", "train_data.source=sharegpt",
             f"train_data.path={chat}", "trainer.max_steps=4", "trainer.micro_batch_size=2",
-            "trainer.seq_len=32", "trainer.save_every=2", "trainer.threads=1",
-            "final_eval.num_prompts=0", "medusa.num_heads=2", *extra]
+            "trainer.seq_len=32", "trainer.save_every=2", "final_eval.num_prompts=0",
+            "medusa.num_heads=2", *extra]
 
 
 def test_a_resume_with_a_config_that_shapes_the_weights_differently_is_refused(
