@@ -1,0 +1,79 @@
+"""The only package that reads configs: turns the Hydra config tree (conf/) into library objects.
+
+Entry points call `build.<function>` and stay short; everything below them takes plain values.
+One module per concern: `common` (paths, checked settings, devices), `models` (weights and
+tokenizers), `prompts`, `drafters` (heads, trees, drafters), `training` and `sweeps`.
+"""
+
+from selfspec.build.common import (  # noqa: F401
+    CONF_DIR,
+    REPO_ROOT,
+    as_list,
+    checked_settings,
+    device,
+    positive_int,
+    sampling_params,
+    set_threads,
+)
+from selfspec.build.drafters import (  # noqa: F401
+    DRAFTERS,
+    build_drafter,
+    check_medusa_settings,
+    drafter_choice,
+    generation_settings,
+    load_medusa,
+    lora_settings,
+    medusa_config,
+    medusa_drafter,
+    medusa_heads,
+    medusa_version,
+    tree_depth,
+)
+from selfspec.build.models import (  # noqa: F401
+    DTYPES,
+    TOKENIZER_FILES,
+    ModelNotAvailable,
+    check_architecture,
+    draft_model_config,
+    load_hf_model,
+    load_model,
+    load_target,
+    load_tokenizer,
+    model_config,
+    model_plan,
+    resolve_model_path,
+    torch_dtype,
+)
+from selfspec.build.prompts import (  # noqa: F401
+    data_path,
+    encode_prompt_texts,
+    load_prompts,
+    prompts,
+    stop_ids,
+    sweep_prompt_texts,
+)
+from selfspec.build.sweeps import (  # noqa: F401
+    BASELINE_MODES,
+    DEFAULT_SWEEP_METHODS,
+    SweepModels,
+    SweepPlan,
+    bench_settings,
+    build_method,
+    check_sweep_weights,
+    draft_lengths,
+    load_sweep_models,
+    medusa_depth,
+    named_samplings,
+    plan_sweep,
+    sweep_methods,
+)
+from selfspec.build.training import (  # noqa: F401
+    RESUMABLE_CHANGES,
+    deepspeed_config,
+    distilled_corpus,
+    medusa_objective,
+    record_run_config,
+    self_distill_enabled,
+    train_settings,
+    training_rows,
+)

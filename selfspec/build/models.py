@@ -1,0 +1,186 @@
+"""Models and weights from `conf/model/`: architecture facts, where the weights are (a local
+`path`, a shipped package `asset`, the Hugging Face cache for `hf_id`: never a download),
+loading them checked against those facts, tokenizers, and the Hugging Face peers' copies."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.build.common import device
+from selfspec.model import ModelConfig, Transformer
+from selfspec.plan import ModelPlan, plan_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+# Fields where the config's facts and the checkpoint's config.json must agree.
+_CHECKED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                   "num_kv_heads", "head_dim", "model_type")
+
+
+class ModelNotAvailable(ValueError):
+    """The weights of a configured model are not on this machine (the message says why)."""
+
+
+def model_config(cfg_model: DictConfig) -> ModelConfig:
+    """The architecture (no weights) from a model config's `arch` block, or from the model
+    folder's config.json when `arch` is null (a local model: `model=local model.path=...`)."""
+    name = cfg_model.get("name")
+    if cfg_model.get("arch") is None:
+        return ModelConfig.from_folder(resolve_model_path(cfg_model))
+    arch = OmegaConf.to_container(cfg_model.arch, resolve=True)
+    if "head_dim" not in arch and {"hidden_size", "num_heads"} <= arch.keys():
+        arch["head_dim"] = arch["hidden_size"] // arch["num_heads"]  # unless it differs
+    arch["eos_token_ids"] = tuple(arch.get("eos_token_ids") or ())
+    try:
+        return ModelConfig(**arch)
+    except TypeError as exc:  # an unknown or missing field
+        raise ValueError(f"model config {name!r}: bad `arch` block ({exc})") from None
+
+
+def model_plan(cfg: DictConfig) -> ModelPlan:
+    """The memory plan of cfg.model over cfg.num_gpus GPUs, built on the meta device."""
+    return plan_model(model_config(cfg.model), cfg.model.name, int(cfg.num_gpus))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
+    """The local folder holding the model's weights, or ModelNotAvailable saying what was tried.
+
+    key: where the config sits in the tree ("model", "model.draft"), for the message's fix.
+    """
+    if cfg_model.get("path"):
+        folder = Path(cfg_model.path).expanduser()
+        if _is_model_folder(folder):
+            return folder
+        tried = [f"{key}.path={folder}: no config.json there"]
+        raise ModelNotAvailable(_unavailable_message(cfg_model, key, tried))
+    tried = [f"{key}.path: not set"]
+    if cfg_model.get("asset"):
+        folder = Path(str(resources.files("selfspec") / "assets" / cfg_model.asset))
+        if _is_model_folder(folder):
+            return folder
+        tried.append(f"the shipped asset {folder}: missing (build it: scripts/build_tiny.py)")
+    if cfg_model.get("hf_id"):
+        folder = _hf_cache_snapshot(cfg_model.hf_id)
+        if folder is not None:
+            return folder
+        cache = _hf_cache_dir()
+        tried.append(f"the Hugging Face cache ({cache}): no snapshot of {cfg_model.hf_id}")
+    raise ModelNotAvailable(_unavailable_message(cfg_model, key, tried))
+
+
+def _is_model_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot folder of repo_id, looked up without any network access."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, HFValidationError):  # LocalEntryNotFoundError is an OSError
+        return None
+    return folder if _is_model_folder(folder) else None
+
+
+def _hf_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> str:
+    name, hf_id = cfg_model.get("name"), cfg_model.get("hf_id")
+    ident = f" (Hugging Face id {hf_id})" if hf_id else ""
+    example = f", e.g. from `hf download {hf_id}` elsewhere" if hf_id else ""
+    lines = [
+        f"model {name!r}{ident} is not available on this machine.",
+        "Tried:",
+        *(f"  - {t}" for t in tried),
+        f"Fix: point {key}.path=/local/folder at downloaded weights (a folder with config.json "
+        f"and *.safetensors{example}).",
+    ]
+    if hf_id:
+        lines.append(f"Otherwise this machine needs Hugging Face Hub access to download {hf_id} "
+                     f"into its cache (nothing is downloaded here).")
+    lines.append("dry_run=true prints the model's memory plan without weights.")
+    return "\n".join(lines)
+
+
+def load_target(cfg: DictConfig) -> Transformer:
+    """The target model of cfg.model, checked against its config's architecture facts."""
+    target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
+    if cfg.model.get("arch") is not None:
+        check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
+    return target
+
+
+def load_model(
+    cfg_model: DictConfig, key: str, dtype: str, on: torch.device
+) -> Transformer:
+    folder = resolve_model_path(cfg_model, key)
+    return Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
+
+
+def check_architecture(
+    expected: ModelConfig, loaded: ModelConfig, name: str, source: str | None
+) -> None:
+    """Refuse weights whose config.json contradicts the config (the plan would be wrong)."""
+    wrong = {f: (getattr(expected, f), getattr(loaded, f)) for f in _CHECKED_FIELDS
+             if getattr(expected, f) != getattr(loaded, f)}
+    if wrong:
+        details = ", ".join(f"{f}: config {a} vs checkpoint {b}" for f, (a, b) in wrong.items())
+        raise ValueError(
+            f"the weights in {source} do not match model config {name!r} ({details}); point "
+            f"model.path at that model's weights or choose the model config that matches them"
+        )
+
+
+def load_tokenizer(folder: str | Path):
+    """The `transformers` tokenizer saved in a model folder (refused clearly if there is none)."""
+    from transformers import AutoTokenizer  # slow import: only when weights are there
+
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in model folder {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+            f"save the model's tokenizer there (tokenizer.save_pretrained(folder))")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except OSError as exc:  # unreadable or incomplete tokenizer files
+        raise ValueError(f"cannot load the tokenizer in {folder} ({exc})") from None
+
+
+def draft_model_config(
+    cfg: DictConfig, otherwise: str = "leave small_model and hf_assisted out of methods"
+) -> DictConfig:
+    draft_cfg = cfg.model.get("draft")
+    if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
+        raise ValueError(
+            f"model {cfg.model.name!r} has no standard small draft model: set "
+            f"model.draft.path=/local/folder (a model with the target's tokenizer) or "
+            f"{otherwise}"
+        )
+    return draft_cfg
+
+
+def load_hf_model(folder: str | Path, dtype: str, on: torch.device | str):
+    """A transformers causal LM from a model folder, for the Hugging Face peer methods."""
+    from transformers import AutoModelForCausalLM  # slow import: only when a peer is swept
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype(dtype))
+    return model.to(on).eval()

@@ -1,0 +1,87 @@
+"""Evaluation prompts from `conf/data/`: HumanEval, held-out stdlib, MT-bench, Spec-Bench."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.build.common import REPO_ROOT
+from selfspec.model import Transformer
+from selfspec.prompts import (
+    EncodedPrompt,
+    Prompt,
+    encode_prompts,
+    humaneval_prompts,
+    mt_bench_prompts,
+    spec_bench_prompts,
+    stdlib_heldout_prompts,
+)
+
+
+def data_path(cfg_data: DictConfig) -> Path:
+    """cfg_data.path as an existing file; a relative path is relative to the repository root
+    (so runs work from any cwd)."""
+    path = Path(cfg_data.path).expanduser()
+    path = path if path.is_absolute() else (REPO_ROOT / path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{cfg_data.name} question file not found: {path}; set data.path=/file.jsonl or "
+            f"SELFSPEC_SHARED_DATA=/folder/holding/{path.name}"
+        )
+    return path
+
+
+def prompts(cfg_data: DictConfig) -> list[Prompt]:
+    """The first cfg_data.num_prompts prompts of the data config's prompt set."""
+    name, n = cfg_data.name, int(cfg_data.num_prompts)
+    if n < 1:
+        raise ValueError(f"data.num_prompts must be >= 1, got {n}")
+    if name == "humaneval":
+        found = humaneval_prompts()
+    elif name == "stdlib_heldout":
+        found = stdlib_heldout_prompts(n, int(cfg_data.num_lines))
+    elif name == "mt_bench":
+        found = mt_bench_prompts(data_path(cfg_data))
+    elif name == "spec_bench":
+        found = spec_bench_prompts(data_path(cfg_data))
+    else:
+        raise ValueError(
+            f"unknown prompt set {name!r}: choose humaneval, stdlib_heldout, mt_bench or spec_bench"
+        )
+    return found[:n]
+
+
+def load_prompts(cfg_data: DictConfig, tokenizer) -> list[EncodedPrompt]:
+    """The data config's prompts as token ids of `tokenizer` (a `transformers` tokenizer)."""
+    return encode_prompts(
+        prompts(cfg_data), tokenizer, int(cfg_data.max_prompt_tokens), bool(cfg_data.chat)
+    )
+
+
+def sweep_prompt_texts(cfg_data: DictConfig, num_prompts: int) -> list[Prompt]:
+    """The first min(num_prompts, data.num_prompts) prompts of the data config, or an error."""
+    if int(num_prompts) < 1:
+        raise ValueError(f"the number of prompts must be >= 1, got {num_prompts}")
+    data = OmegaConf.merge(cfg_data, {"num_prompts": min(int(num_prompts),
+                                                         int(cfg_data.num_prompts))})
+    found = prompts(data)
+    if not found:
+        raise ValueError(f"prompt set {cfg_data.name!r} gave no prompts; check its data config "
+                         f"(data.path, data.num_prompts)")
+    return found
+
+
+def encode_prompt_texts(
+    cfg_data: DictConfig, texts: list[Prompt], tokenizer
+) -> list[EncodedPrompt]:
+    return encode_prompts(texts, tokenizer, int(cfg_data.max_prompt_tokens), bool(cfg_data.chat))
+
+
+def stop_ids(cfg: DictConfig, target: Transformer, tokenizer) -> tuple[int, ...]:
+    """EOS ids ending a generation (cfg.stop_at_eos), else () for fixed-length generations."""
+    if not cfg.get("stop_at_eos", True):
+        return ()
+    if target.config.eos_token_ids:
+        return tuple(target.config.eos_token_ids)
+    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)

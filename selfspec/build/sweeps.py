@@ -1,0 +1,212 @@
+"""Sweeps from configs (eval/sweep.py, eval/lossless.py): the grid, checked before any weights
+load, the models it needs, loaded once, and each grid point's decoders."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
+from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
+from selfspec.build.drafters import load_medusa, medusa_drafter, tree_depth
+from selfspec.build.models import (
+    draft_model_config,
+    load_hf_model,
+    load_model,
+    load_target,
+    resolve_model_path,
+)
+from selfspec.build.prompts import sweep_prompt_texts
+from selfspec.drafters import (
+    Drafter,
+    NgramDrafter,
+    SmallModelDrafter,
+)
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.model import Transformer
+from selfspec.peers import HFDecoder, OurDecoder
+from selfspec.prompts import (
+    Prompt,
+)
+from selfspec.sampling import SamplingParams
+
+DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa when heads are given
+
+
+BASELINE_MODES = ("interleaved", "shared")
+
+
+_NEEDS_DRAFT_MODEL = ("small_model", "hf_assisted")
+
+
+_HF_METHODS = ("hf_assisted", "hf_prompt_lookup")
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep will run, checked before any weights load: the grid, the prompt texts,
+    and whether baselines are shared per sampling setting (else interleaved beside each row)."""
+
+    grid: SweepGrid
+    prompts: list[Prompt]
+    shared_baseline: bool = False
+
+
+@dataclass
+class SweepModels:
+    """The weights a sweep's methods need, each loaded once (hf_*: transformers models)."""
+
+    target: Transformer
+    draft: Transformer | None = None
+    medusa_heads: MedusaHeads | None = None
+    medusa_target: Transformer | None = None  # Medusa-2: the LoRA-adapted target they verify on
+    tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
+    hf_target: Any = None
+    hf_draft: Any = None
+
+
+def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) -> SweepPlan:
+    """The grid and prompts of cfg, or a clear error (unknown method or sampling, draft length
+    < 1, medusa without heads, missing weights or prompt file, no prompts), before any load."""
+    methods = sweep_methods(cfg)
+    samplings = (("greedy", SamplingParams()),) if greedy_only else named_samplings(cfg.samplings)
+    lengths = draft_lengths(cfg)
+    mode = str(cfg.get("baseline", "interleaved"))
+    if mode not in BASELINE_MODES:
+        raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
+    texts = sweep_prompt_texts(cfg.data, num_prompts)
+    check_sweep_weights(cfg, methods)
+    depth = medusa_depth(cfg) if "medusa" in methods else None
+    return SweepPlan(SweepGrid(methods, lengths, samplings, depth), texts, mode == "shared")
+
+
+def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
+    """cfg.methods as names (one name, as a multirun job gets it, counts too); null means
+    small_model and ngram, plus medusa when cfg.medusa_heads is set."""
+    raw, heads = cfg.get("methods"), cfg.get("medusa_heads")
+    if raw is None:
+        return DEFAULT_SWEEP_METHODS + (("medusa",) if heads else ())
+    methods = tuple(dict.fromkeys(str(m) for m in as_list(raw)))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"unknown method(s) {unknown or '(none given)'} in methods: choose from "
+                         f"{', '.join(METHODS)}, e.g. methods=[small_model,ngram]")
+    if "medusa" in methods and not heads:
+        raise ValueError("method medusa needs trained heads: set medusa_heads=/path/to/run/"
+                         "checkpoints/step_N/export (an export folder written by train/medusa.py)")
+    return methods
+
+
+def draft_lengths(cfg: DictConfig) -> tuple[int, ...]:
+    values = as_list(cfg.num_draft_tokens)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad or not values:
+        raise ValueError(f"num_draft_tokens must be integers >= 1, got {values}: e.g. "
+                         f"num_draft_tokens=[2,4,8] (or num_draft_tokens=4)")
+    return tuple(int(v) for v in values)
+
+
+def named_samplings(names) -> tuple[tuple[str, SamplingParams], ...]:
+    """Sampling settings by their conf/sampling/ file names, e.g. [greedy, t1, top_p]."""
+    found = []
+    for name in as_list(names):
+        path = CONF_DIR / "sampling" / f"{name}.yaml"
+        if not path.is_file():
+            options = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise ValueError(f"unknown sampling setting {name!r}: choose from "
+                             f"{', '.join(options)} (files in {path.parent})")
+        found.append((str(name), sampling_params(OmegaConf.load(path))))
+    if not found:
+        raise ValueError("samplings is empty: give at least one, e.g. samplings=[greedy]")
+    return tuple(found)
+
+
+def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
+    """Every folder the methods need exists (nothing is loaded): target, draft, Medusa heads."""
+    resolve_model_path(cfg.model)
+    if set(methods) & set(_NEEDS_DRAFT_MODEL):
+        resolve_model_path(draft_model_config(cfg), "model.draft")
+    if "medusa" in methods:
+        folder = Path(str(cfg.medusa_heads)).expanduser()
+        if not (folder / "head_config.json").is_file():
+            raise FileNotFoundError(
+                f"medusa_heads={folder}: no head_config.json there; point it at an export folder "
+                f"of train/medusa.py, e.g. outputs/medusa/<run>/checkpoints/step_0000200/export"
+            )
+
+
+def medusa_depth(cfg: DictConfig) -> int:
+    """The deepest Medusa draft: cfg.tree's depth (a top-k-products tree without one: every
+    head), capped by the heads' count read from the export's head_config.json (no weights):
+    node depth d needs head d-1."""
+    meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
+    num_heads = int(meta.get("config", {}).get("num_heads", 0))
+    depth = tree_depth(cfg.tree) or num_heads
+    return min(depth, num_heads or depth)
+
+
+def bench_settings(cfg: DictConfig, stops: tuple[int, ...]) -> BenchSettings:
+    b = cfg.bench
+    return checked_settings(BenchSettings, "bench", max_new_tokens=int(b.max_new_tokens),
+                            repeats=int(b.repeats), warmup=int(b.warmup), seed=int(cfg.seed),
+                            stop_ids=stops)
+
+
+def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
+    """Load what `methods` need, once: ours in cfg.model.dtype, and the hf_* methods'
+    transformers copies of the same folders in the same dtype."""
+    dtype, on = cfg.model.dtype, device(cfg)
+    models = SweepModels(load_target(cfg))
+    if "small_model" in methods:
+        models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
+    if "medusa" in methods:
+        models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
+                                                                models.target)
+        models.tree = cfg.tree
+    if set(methods) & set(_HF_METHODS):
+        models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, on)
+    if "hf_assisted" in methods:
+        folder = resolve_model_path(draft_model_config(cfg), "model.draft")
+        models.hf_draft = load_hf_model(folder, dtype, on)
+    return models
+
+
+def build_method(models: SweepModels, name: str, k: int) -> Method:
+    """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
+    the same target by the same library. Medusa at k drafts at most k deep (a static tree's
+    nodes of depth <= k; top-k products over k heads); Medusa-2 heads draft for, and are
+    compared with plain decoding of, their LoRA-adapted target ("plain_adapted")."""
+    if name in ("small_model", "ngram", "medusa"):
+        drafter, nodes = _our_drafter(models, name, k)
+        target, baseline = models.target, "plain"
+        if name == "medusa" and models.medusa_target is not None:
+            target, baseline = models.medusa_target, "plain_adapted"
+        return Method(name, k, OurDecoder(target, drafter), OurDecoder(target), baseline, nodes)
+    if name not in _HF_METHODS:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
+    _require(models.hf_target, name)
+    assistant = _require(models.hf_draft, name) if name == "hf_assisted" else None
+    decoder = HFDecoder(models.hf_target, assistant, num_draft_tokens=k,
+                        prompt_lookup=name == "hf_prompt_lookup")
+    return Method(name, k, decoder, HFDecoder(models.hf_target), "hf_plain", k)
+
+
+def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
+    if name == "ngram":
+        return NgramDrafter(num_draft_tokens=k), k
+    if name == "small_model":
+        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k), k
+    heads = _require(models.medusa_heads, name)
+    drafter = medusa_drafter(_require(models.tree, name), heads, max_depth=k)
+    return drafter, drafter.max_nodes
+
+
+def _require(value, method: str):
+    if value is None:
+        raise ValueError(f"build_method: {method} needs weights that were not loaded; pass "
+                         f"{method} to load_sweep_models")
+    return value

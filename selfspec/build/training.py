@@ -1,0 +1,141 @@
+"""Training from configs: settings, resume checks, DeepSpeed, training rows (with
+self-distillation), and the objective that `selfspec.training.fit` trains."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec import training as loop
+from selfspec.build.common import positive_int
+from selfspec.build.drafters import lora_settings, medusa_version
+from selfspec.data import (
+    load_sharegpt,
+    packed_chat_dataset,
+    packed_stdlib_dataset,
+    rows_from_dataset,
+    self_distill,
+    self_distill_rows,
+)
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.lora import add_lora
+from selfspec.model import Transformer
+from selfspec.objectives import Medusa2Objective, MedusaObjective
+from selfspec.training import TokenRows, TrainSettings
+
+# Settings a resumed run may change: they shape neither the weights nor the optimizer.
+RESUMABLE_CHANGES = (
+    "trainer.resume", "trainer.stop_after", "trainer.threads", "trainer.log_every",
+    "trainer.eval_every", "trainer.eval_rows", "trainer.save_every", "trainer.keep_checkpoints",
+    "train_data.cache_dir", "final_eval", "wandb", "tree", "data", "sampling", "device",
+    "dry_run", "num_gpus", "run_dir",
+)
+
+
+def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
+    """Keep cfg in the run folder; a resume with other weight- or optimizer-shaping settings
+    is refused (see `training.record_run_config`)."""
+    loop.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
+                               resume=settings.resume, may_change=RESUMABLE_CHANGES)
+
+
+def train_settings(cfg: DictConfig) -> TrainSettings:
+    """TrainSettings from cfg.trainer and cfg.optim (the run folder is cfg.run_dir)."""
+    t, o = cfg.trainer, cfg.optim
+    return TrainSettings(
+        run_dir=str(cfg.run_dir), max_steps=int(t.max_steps),
+        micro_batch_size=int(t.micro_batch_size), grad_accum=int(t.grad_accum),
+        lr=float(o.lr), weight_decay=float(o.weight_decay), warmup_steps=int(o.warmup_steps),
+        clip_grad=float(o.clip_grad), log_every=int(t.log_every), eval_every=int(t.eval_every),
+        eval_rows=int(t.eval_rows), save_every=int(t.save_every),
+        keep_checkpoints=int(t.keep_checkpoints), seed=int(cfg.seed), resume=bool(t.resume),
+        stop_after=None if t.stop_after is None else int(t.stop_after),
+    )
+
+
+def deepspeed_config(cfg: DictConfig) -> dict | None:
+    """The DeepSpeed config dict of cfg.deepspeed, or None without DeepSpeed."""
+    config = cfg.deepspeed.get("config")
+    return None if config is None else OmegaConf.to_container(config, resolve=True)
+
+
+def training_rows(
+    cfg: DictConfig, tokenizer, target: Transformer | None = None
+) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
+    train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
+    each corpus row after its first tokens (stdlib) first."""
+    source, seq_len = cfg.train_data.source, positive_int(cfg, "trainer.seq_len", 2)
+    if cfg.train_data.get("max_rows") is not None:
+        positive_int(cfg, "train_data.max_rows")
+    if source == "stdlib":
+        cache = cfg.train_data.get("cache_dir")
+        train, heldout = (
+            rows_from_dataset(packed_stdlib_dataset(tokenizer, split, seq_len, cache))
+            for split in ("train", "heldout")
+        )
+        if self_distill_enabled(cfg):
+            train, heldout = distilled_corpus(cfg, target, train, heldout)
+    elif source == "sharegpt":
+        if not cfg.train_data.get("path"):
+            raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
+        conversations = load_sharegpt(cfg.train_data.path)
+        if self_distill_enabled(cfg):
+            conversations = self_distill(
+                conversations, target, tokenizer, seed=int(cfg.seed),
+                max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
+            )
+        cut = max(1, len(conversations) // 20)  # every 20th conversation is held out
+        train, heldout = (
+            rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
+            for part in (conversations[cut:], conversations[:cut])
+        )
+    else:
+        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib or sharegpt")
+    cap = cfg.train_data.get("max_rows")
+    if cap is not None:
+        train = train.select(torch.arange(min(int(cap), len(train))))
+    return train, heldout
+
+
+def self_distill_enabled(cfg: DictConfig) -> bool:
+    """train_data.self_distill: true, false, or auto (stdlib yes: batched and cheap;
+    sharegpt no: regenerating a chat set one conversation at a time is a long job)."""
+    value = cfg.train_data.get("self_distill", False)
+    if value == "auto":
+        return cfg.train_data.source == "stdlib"
+    if not isinstance(value, bool):
+        raise ValueError(f"train_data.self_distill must be true, false or auto, got {value!r}")
+    return value
+
+
+def distilled_corpus(
+    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows
+) -> tuple[TokenRows, TokenRows]:
+    """The stdlib rows continued by the target itself: as many training rows as the run will
+    draw (steps x global batch, or train_data.max_rows if fewer) and the held-out rows that
+    evaluation reads."""
+    if target is None:
+        raise ValueError("train_data.self_distill needs the target to generate with")
+    t = cfg.trainer
+    drawn = (int(t.max_steps) * int(t.micro_batch_size) * int(t.grad_accum)
+             * int(os.environ.get("WORLD_SIZE", "1")))
+    cap = cfg.train_data.get("max_rows")
+    options = {"prompt_tokens": int(cfg.train_data.self_distill_prompt_tokens),
+               "cache_dir": cfg.train_data.get("cache_dir")}
+    return (self_distill_rows(train, target, count=min(drawn, int(cap or drawn)), **options),
+            self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
+
+
+def medusa_objective(
+    cfg: DictConfig, target: Transformer, heads: MedusaHeads
+) -> MedusaObjective | Medusa2Objective:
+    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
+    decay = float(cfg.medusa.decay)
+    if medusa_version(cfg) == 1:
+        return MedusaObjective(target, heads, decay=decay)
+    adapted = add_lora(target, lora_settings(cfg))
+    return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
+                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
