@@ -1,6 +1,7 @@
 """Drafters: what proposes the tokens the target verifies."""
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.eagle import EagleDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import NgramDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
@@ -10,6 +11,7 @@ __all__ = [
     "Draft",
     "DraftContext",
     "Drafter",
+    "EagleDrafter",
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",
