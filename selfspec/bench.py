@@ -338,6 +338,14 @@ class Comparison:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self, prompt_set: str) -> str:
+        """One line: tau, speedup, both speeds, draft time share, losslessness, repetition."""
+        return (f"tau {self.tau:.2f}, speedup x{self.speedup:.2f} over plain decoding "
+                f"({self.tokens_per_s:.1f} vs {self.plain_tokens_per_s:.1f} tokens/s) on "
+                f"{self.prompts} {prompt_set} prompts, draft time share "
+                f"{self.draft_time_share:.2f}, lossless={self.lossless}, repeated 4-grams "
+                f"{self.repeated_4gram_share:.2f}")
+
 
 def compare_with_plain(
     target: Transformer,
