@@ -31,7 +31,7 @@ from selfspec.peers import Decoder, OurDecoder
 from selfspec.sampling import SamplingParams
 
 # Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
-METHODS = ("small_model", "ngram", "medusa", "hf_assisted", "hf_prompt_lookup")
+METHODS = ("small_model", "ngram", "medusa", "eagle", "hf_assisted", "hf_prompt_lookup")
 # Our method whose Hugging Face peer does the same thing (for the ours-over-HF ratio).
 HF_PEERS = {"hf_assisted": "small_model", "hf_prompt_lookup": "ngram"}
 
