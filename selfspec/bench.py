@@ -31,7 +31,7 @@ from selfspec.peers import Decoder, OurDecoder
 from selfspec.sampling import SamplingParams
 
 # Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
-METHODS = ("small_model", "ngram", "medusa", "hf_assisted", "hf_prompt_lookup")
+METHODS = ("small_model", "ngram", "medusa", "eagle", "hf_assisted", "hf_prompt_lookup")
 # Our method whose Hugging Face peer does the same thing (for the ours-over-HF ratio).
 HF_PEERS = {"hf_assisted": "small_model", "hf_prompt_lookup": "ngram"}
 
@@ -337,6 +337,14 @@ class Comparison:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def describe(self, prompt_set: str) -> str:
+        """One line: tau, speedup, both speeds, draft time share, losslessness, repetition."""
+        return (f"tau {self.tau:.2f}, speedup x{self.speedup:.2f} over plain decoding "
+                f"({self.tokens_per_s:.1f} vs {self.plain_tokens_per_s:.1f} tokens/s) on "
+                f"{self.prompts} {prompt_set} prompts, draft time share "
+                f"{self.draft_time_share:.2f}, lossless={self.lossless}, repeated 4-grams "
+                f"{self.repeated_4gram_share:.2f}")
 
 
 def compare_with_plain(

@@ -110,3 +110,104 @@ def kl_to_teacher(
     per_position = F.kl_div(model, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
     valid = torch.ones_like(per_position) if loss_mask is None else loss_mask[:, 1:].float()
     return (per_position * valid).sum() / valid.sum().clamp(min=1.0)
+
+
+def eagle_loss(
+    predicted: torch.Tensor,
+    head_logits: torch.Tensor,
+    target_features: torch.Tensor,
+    target_logits: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    feature_weight: float = 1.0,
+    token_weight: float = 0.1,
+) -> LossOutput:
+    """EAGLE-1/2 loss: feature_weight x smooth-L1 between the predicted and the target's next
+    features, plus token_weight x cross-entropy of the head's logits against the target's law.
+
+    Every input is aligned row by row (the caller shifts): predicted [B, T, H] the head's f_{t+1}
+    from (f_t, token t+1); head_logits [B, T, V] its scores through the target's LM head;
+    target_features [B, T, H] the target's f_{t+1}; target_logits [B, T, V] the target's
+    logits at t+1 (the law of token t+2); valid [B, T] which rows count (None: all).
+    Metrics: the two terms and top-1, the share of rows where the head's argmax is the
+    target's. No valid row gives 0 (gradients stay connected and finite).
+    """
+    _check_eagle_inputs(predicted, head_logits, target_features, target_logits, valid)
+    rows = torch.ones(predicted.shape[:2], dtype=torch.bool, device=predicted.device)
+    rows = rows if valid is None else valid.bool()
+    feature = F.smooth_l1_loss(predicted.float(), target_features.float(),
+                               reduction="none").mean(-1)  # [B, T]
+    token = soft_cross_entropy(head_logits, target_logits)  # [B, T]
+    feature_loss, token_loss = _masked_mean(feature, rows), _masked_mean(token, rows)
+    metrics = {"eagle/feature_loss": float(feature_loss.detach()),
+               "eagle/token_loss": float(token_loss.detach()),
+               "eagle/top1": _agreement(head_logits, target_logits, rows)}
+    return LossOutput(feature_weight * feature_loss + token_weight * token_loss, metrics)
+
+
+def eagle3_loss(
+    step_logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    t2d: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    decay: float = 0.8,
+) -> LossOutput:
+    """EAGLE-3's training-time-test loss: sum over steps j of decay**j x the cross-entropy of
+    step j's draft-vocabulary logits against the target's law restricted to the draft
+    vocabulary.
+
+    step_logits: per step j, [B, T-1, Vd]: row t scores token t+2+j (`EagleHead.unroll`).
+    target_logits: [B, T, V] the target's logits on the row (position i: the law of token i+1).
+    t2d: [V] bool, the draft vocabulary. loss_mask: [B, T] whether a token is a prediction
+    target (None: every token). Row t of step j counts when token t+2+j exists and counts, and
+    the target's argmax at t+1+j lies in the draft vocabulary.
+    """
+    if not decay > 0:
+        raise ValueError(f"eagle3_loss: decay must be > 0 (step j weighs decay**j), got {decay}")
+    batch, length, _ = target_logits.shape
+    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    mask = mask if loss_mask is None else loss_mask.bool()
+    total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
+    for j, logits in enumerate(step_logits):
+        n = max(length - 2 - j, 0)  # rows whose token t+2+j exists
+        teacher = target_logits[:, 1 + j: 1 + j + n]  # [B, n, V]
+        rows = mask[:, 2 + j: 2 + j + n] & t2d[teacher.argmax(-1)]  # [B, n]
+        step = _masked_mean(soft_cross_entropy(logits[:, :n], teacher[..., t2d]), rows)
+        total = total + decay**j * step
+        metrics[f"eagle3/step{j}_loss"] = float(step.detach())
+        metrics[f"eagle3/step{j}_top1"] = _agreement(logits[:, :n], teacher[..., t2d], rows)
+    return LossOutput(total, metrics)
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[...] -sum softmax(teacher) * log_softmax(logits) over the last dimension (fp32)."""
+    teacher = torch.softmax(teacher_logits.float(), dim=-1)
+    return -(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def _masked_mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Mean of values [B, T] over rows [B, T] (0, graph kept, when no row counts)."""
+    weights = rows.float()
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def _agreement(logits: torch.Tensor, teacher_logits: torch.Tensor, rows: torch.Tensor) -> float:
+    """Share of the counted rows where both argmaxes agree (0 when no row counts)."""
+    same = (logits.detach().argmax(-1) == teacher_logits.argmax(-1)) & rows
+    return float(same.sum()) / max(float(rows.sum()), 1.0)
+
+
+def _check_eagle_inputs(
+    predicted: torch.Tensor, head_logits: torch.Tensor, target_features: torch.Tensor,
+    target_logits: torch.Tensor, valid: torch.Tensor | None,
+) -> None:
+    if predicted.dim() != 3 or target_features.shape != predicted.shape:
+        raise ValueError(f"eagle_loss: predicted and target_features must both be [B, T, H], got "
+                         f"{list(predicted.shape)} and {list(target_features.shape)}")
+    if head_logits.dim() != 3 or head_logits.shape != target_logits.shape \
+            or head_logits.shape[:2] != predicted.shape[:2]:
+        raise ValueError(f"eagle_loss: head_logits and target_logits must both be [B, T, V] with "
+                         f"[B, T] = {list(predicted.shape[:2])}, got {list(head_logits.shape)} "
+                         f"and {list(target_logits.shape)}")
+    if valid is not None and valid.shape != predicted.shape[:2]:
+        raise ValueError(f"eagle_loss: valid must be [B, T] = {list(predicted.shape[:2])}, got "
+                         f"{list(valid.shape)}")

@@ -232,6 +232,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B or 1, 1, T, D] for positions [T] or [B, T] (inv_freq [D/2] on their device)."""
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
+    angles = angles[None, None] if positions.dim() == 1 else angles[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -243,21 +253,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """input_size: the width of what q, k and v read (default hidden_size; EAGLE-3's head reads
+    its feature and embedding side by side, 2 x hidden)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        bias, width = config.attention_bias, input_size or config.hidden_size
+        self.q_proj = nn.Linear(width, q_dim, bias=bias)
+        self.k_proj = nn.Linear(width, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(width, kv_dim, bias=bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, T, hidden]
+        x: torch.Tensor,  # [B, T, input_size]
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,  # [T, S] bool, None = causal without past
@@ -294,11 +307,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """input_norm=False drops the input RMSNorm (EAGLE-1's head layer reads its fc output as is;
+    it then has no `input_layernorm` weight)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm
+                                else nn.Identity())
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -313,21 +330,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _attention_mask(
+def attention_mask(
     mask: torch.Tensor | None, t: int, past: int, device: torch.device
 ) -> torch.Tensor | None:
     """[T, past + T] bool: every cached slot, then `mask` (default causal) among the new tokens.
 
+    A mask [T, past + T] is taken as it is (a drafter's own tree over cached draft slots).
     None means plain causal with no past, which SDPA handles with is_causal.
     """
     if mask is None:
         if past == 0:
             return None
         mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    elif mask.shape != (t, t) or mask.dtype != torch.bool:
+    elif mask.dtype != torch.bool or mask.shape not in ((t, t), (t, past + t)):
         raise ValueError(
-            f"mask must be a bool tensor [T, T] = [{t}, {t}], got {mask.dtype} {list(mask.shape)}"
+            f"mask must be a bool tensor [T, T] = [{t}, {t}] (or [T, past + T] = "
+            f"[{t}, {past + t}]), got {mask.dtype} {list(mask.shape)}"
         )
+    if mask.shape[1] == past + t:
+        return mask.to(device)
     past_cols = torch.ones(t, past, dtype=torch.bool, device=device)
     return torch.cat([past_cols, mask.to(device)], dim=1)
 
@@ -404,7 +425,7 @@ class Transformer(nn.Module):
         h = self.embed_tokens(tokens) if hidden_in is None else hidden_in  # [B, T, hidden]
         cos, sin = self._rope(positions, h.dtype)
         past = 0 if cache is None else cache.length
-        attn_mask = _attention_mask(mask, tokens.shape[1], past, h.device)
+        attn_mask = attention_mask(mask, tokens.shape[1], past, h.device)
         saved = {start_layer: h}
         with _pinned_attention(h.device, masked=attn_mask is not None):
             for i in range(start_layer, end):
@@ -418,13 +439,9 @@ class Transformer(nn.Module):
         return ModelOutput(logits, tuple(saved[i] for i in return_hidden), last_hidden)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin [B or 1, 1, T, D] for positions [T] or [B, T]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
-        angles = angles[None, None] if positions.dim() == 1 else angles[:, None]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def _check_forward_args(
         self,

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from selfspec.heads.eagle import EagleHead
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.losses import LossOutput, kl_to_teacher, medusa_loss
-from selfspec.model import Transformer
+from selfspec.losses import LossOutput, eagle3_loss, eagle_loss, kl_to_teacher, medusa_loss
+from selfspec.model import ModelOutput, Transformer
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -81,3 +82,76 @@ class Medusa2Objective(nn.Module):
         kl = kl_to_teacher(out.logits, teacher, loss_mask)
         metrics = heads.metrics | {"medusa/lm_kl": float(kl.detach())}
         return LossOutput(heads.loss + self.lm_weight * kl, metrics)
+
+
+class EagleObjective(nn.Module):
+    """EAGLE-1 (and EAGLE-2, which drafts with the same heads): row t of the head reads
+    (token t+1, the frozen target's feature f_t) and learns f_{t+1} (smooth-L1, weight
+    feature_weight) and the target's law of token t+2 through the target's LM head (soft
+    cross-entropy, weight token_weight). Row t counts when token t+2 is a prediction target.
+
+    feature_noise: during training the input features get uniform noise in
+    [-feature_noise, feature_noise] (the head learns to read its own imperfect features), drawn
+    from `generator` (None: torch's default generator, which `fit` seeds and checkpoints).
+    """
+
+    def __init__(self, target: Transformer, head: EagleHead, feature_weight: float = 1.0,
+                 token_weight: float = 0.1, feature_noise: float = 0.0,
+                 generator: torch.Generator | None = None):
+        super().__init__()
+        if head.config.version != 1:
+            raise ValueError("EagleObjective trains EAGLE-1 heads; use Eagle3Objective for EAGLE-3")
+        if not feature_noise >= 0:
+            raise ValueError(f"EagleObjective: feature_noise must be >= 0, got {feature_noise}")
+        self.target, self.head = freeze(target), head
+        self.feature_weight, self.token_weight = feature_weight, token_weight
+        self.feature_noise, self.generator = feature_noise, generator
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        out, embeds = _frozen_target(self.target, tokens, ())
+        feature = self._noisy(out.last_hidden[:, :-1])  # [B, T-1, H] f_t for t <= T-2
+        positions = torch.arange(tokens.shape[1] - 1, device=tokens.device)
+        predicted = self.head(embeds[:, 1:], feature, positions)  # [B, T-1, H] f_{t+1}
+        logits = self.head.logits(predicted, self.target.lm_head)  # [B, T-1, V]
+        valid = torch.cat([loss_mask[:, 2:].bool(), loss_mask.new_zeros(
+            loss_mask.shape[0], 1, dtype=torch.bool)], dim=1)  # [B, T-1]: token t+2 counts
+        return eagle_loss(predicted, logits, out.last_hidden[:, 1:], out.logits[:, 1:], valid,
+                          self.feature_weight, self.token_weight)
+
+    def _noisy(self, feature: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.feature_noise == 0:
+            return feature
+        noise = torch.rand(feature.shape, generator=self.generator, device=feature.device,
+                           dtype=feature.dtype)  # [B, T-1, H] uniform in [0, 1)
+        return feature + (2 * noise - 1) * self.feature_noise
+
+
+class Eagle3Objective(nn.Module):
+    """EAGLE-3: the head fuses the frozen target's layers `head.config.target_layers` and is
+    trained by the training-time test (`EagleHead.unroll`, `steps` steps, step j weighing
+    decay**j) against the target's law restricted to the head's draft vocabulary."""
+
+    def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8):
+        super().__init__()
+        if head.config.version != 3:
+            raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"Eagle3Objective: steps must be an integer >= 1, got {steps!r}")
+        self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        out, embeds = _frozen_target(self.target, tokens, self.head.config.target_layers)
+        feature = self.head.target_feature(out.last_hidden, out.hidden)[:, :-1]  # [B, T-1, H]
+        hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
+        logits = [self.head.logits(h) for h in hidden]  # steps x [B, T-1, Vd]
+        return eagle3_loss(logits, out.logits, self.head.t2d, loss_mask, decay=self.decay)
+
+
+def _frozen_target(
+    target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...]
+) -> tuple[ModelOutput, torch.Tensor]:
+    """The frozen target's forward over tokens [B, T] (the residual streams `layers` too) and
+    its embeddings of them [B, T, H], without gradients."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    with torch.no_grad():
+        return target(tokens, positions, return_hidden=layers), target.embed_tokens(tokens)

@@ -160,6 +160,11 @@ def fit(
     return FitResult(last, metrics, saved)
 
 
+def state_part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of a state dict under `prefix` (e.g. an objective's "head."), unprefixed."""
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
 def make_accelerator(settings: TrainSettings, deepspeed_config: dict | None = None) -> Accelerator:
     """An Accelerator for this launch: one process, DDP under torchrun, or DeepSpeed ZeRO.
 

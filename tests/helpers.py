@@ -120,6 +120,35 @@ def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int
     return heads.eval(), out.metrics
 
 
+def fit_eagle_head(target, continuations: dict, version: int = 1, steps: int = 60, **config):
+    """An EAGLE head fit (AdamW, full batch) to the target's own greedy continuations, given as
+    {prompt tuple: new tokens}; EAGLE-3 heads (version 3) get their draft vocabulary from those
+    rows and train with a 3-step training-time test. Returns (head in eval mode, metrics)."""
+    from selfspec.heads import EagleConfig, EagleHead, draft_vocabulary
+    from selfspec.objectives import Eagle3Objective, EagleObjective
+
+    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target.config, version, **config))
+    if version == 3:
+        vocab = draft_vocabulary(tokens, target.config.vocab_size, head.config.draft_vocab_size,
+                                 mask)
+        head.set_draft_vocab(vocab).init_from_target(target)
+        objective = Eagle3Objective(target, head, steps=3)
+    else:
+        objective = EagleObjective(target, head)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        out = objective(tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return head.eval(), out.metrics
+
+
 # ---- weights trained by Adam along two float paths ------------------------------------------
 #
 # Two runs that differ only in float rounding (process count, ZeRO partitioning, threads) do not

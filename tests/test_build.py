@@ -96,6 +96,31 @@ def test_tree_configs_build_static_and_top_k_product_drafters(cfg_of):
                              heads)
 
 
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of, version):
+    cfg = cfg_of(f"eagle.version={version}", "eagle.draft_vocab_size=32",
+                 "eagle.target_layers=[0,1,2]", "eagle.ttt_steps=2", "run_dir=/tmp/unused",
+                 config="train_eagle")
+    assert build.check_eagle_settings(cfg) == version
+    target = Transformer.from_hf(tiny_llama(0))
+    head, config = build.eagle_head(cfg, target)
+    assert config.version == (3 if version == 3 else 1) and head.config == config
+    tokens = torch.randint(2, 64, (6, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))
+    build.eagle_draft_vocab(head, target, rows)
+    drafter = build.eagle_drafter(cfg, head)
+    if version == 1:  # the static chain4 tree
+        assert drafter.tree.is_chain and drafter.max_nodes == 4
+    else:  # the EAGLE-2 defaults for a CPU
+        assert (drafter.total_tokens, drafter.depth, drafter.top_k) == (12, 4, 3)
+    objective = build.eagle_objective(cfg, target, head)
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+    if version == 3:
+        seen = tokens.unique()
+        assert len(seen) > 32  # so the draft vocabulary holds training tokens only
+        assert set(head.draft_vocab.target_ids.tolist()) < set(seen.tolist())
+
+
 @pytest.mark.parametrize("value, source, expected", [
     ("auto", "stdlib", True), ("auto", "sharegpt", False), ("false", "stdlib", False),
     ("true", "sharegpt", True)])

@@ -19,6 +19,7 @@ from selfspec.cli import USAGE_ERROR, one_line
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN, GENERATE, SWEEP, LOSSLESS = ("train/medusa.py", "eval/generate.py", "eval/sweep.py",
                                     "eval/lossless.py")
+EAGLE = "train/eagle.py"
 HELDOUT = "scripts/heldout_loss.py"
 NO_SUCH_GPU = "device=cuda:99"
 NO_SUCH_GPU_SAYS = r"CUDA is not available|CUDA device\(s\)"  # a CPU machine | a GPU machine
@@ -53,6 +54,16 @@ BAD_INPUTS = [
     (TRAIN, ["model=local", "model.path={toy}", "medusa.num_heads=2", "tree=medusa_63"],
      r"only 2 Medusa heads"),
     (TRAIN, ["trainer.speed=11"], r"Could not override 'trainer.speed'"),
+    (EAGLE, ["eagle.version=4"], r"eagle.version must be 1, 2 or 3"),
+    (EAGLE, ["eagle.version=2", "eagle.total_tokens=3", "eagle.depth=5"],
+     r"total_tokens \(3\) < depth \(5\)"),
+    (EAGLE, ["eagle.version=2", "eagle.top_k=5000"], r"top_k \(5000\) exceeds the 4096 tokens"),
+    (EAGLE, ["eagle.version=3", "eagle.draft_vocab_size=5000"],
+     r"eagle.draft_vocab_size 5000 exceeds the target's vocab_size 4096"),
+    (EAGLE, ["eagle.version=3", "eagle.target_layers=[2,4]"], r"fuses three target layers"),
+    (EAGLE, ["tree=top_k_products"], r"eagle.version=1 drafts a static tree"),
+    (EAGLE, ["eagle.feature_noise=-1"], r"eagle.feature_noise must be >= 0"),
+    (EAGLE, ["eagle.version=3", "eagle.ttt_steps=0"], r"eagle.ttt_steps must be an integer >= 1"),
     (TRAIN, ["model=gpt5"], r"Could not find 'model/gpt5'"),
     (TRAIN, ["model=local"], r"model.path: not set"),
     (TRAIN, ["model=llama2-70b"], r"meta-llama/Llama-2-70b-hf.* is not available on this"),
@@ -66,7 +77,7 @@ BAD_INPUTS = [
     (GENERATE, ["data=mt_bench", "data.path=/nonexistent/q.jsonl"],
      r"mt_bench question file not found: /nonexistent/q.jsonl"),
     (GENERATE, ["model=local", "model.path=/nonexistent"], r"model.path=/nonexistent: no "),
-    (SWEEP, ["methods=[small_model,eagle]"], r"unknown method\(s\) \['eagle'\]"),
+    (SWEEP, ["methods=[small_model,layerskip]"], r"unknown method\(s\) \['layerskip'\]"),
     (SWEEP, ["num_draft_tokens=[2,0]"], r"num_draft_tokens must be integers >= 1"),
     (SWEEP, ["samplings=[greedy,hot]"], r"unknown sampling setting 'hot'"),
     (SWEEP, ["bench.repeats=0"], r"bench.repeats must be an integer >= 1"),
@@ -112,7 +123,7 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
 def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple:
     """Run an entry point in this process as `python script args...` would; returns (exit
     status, stdout, stderr). Hydra entry points write into run_dir."""
-    if script in (TRAIN, SWEEP):
+    if script in (TRAIN, EAGLE, SWEEP):
         args = [*args, "wandb.enabled=false"]
     if not script.startswith("scripts/"):
         args = [*args, f"hydra.run.dir={run_dir}"]

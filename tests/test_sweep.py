@@ -31,7 +31,14 @@ from selfspec.bench import (
     measure_row,
 )
 from selfspec.decode import GenerationResult
-from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, save_head
+from selfspec.heads import (
+    EagleConfig,
+    EagleHead,
+    MedusaConfig,
+    MedusaHeads,
+    describe_target,
+    save_head,
+)
 from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
@@ -90,6 +97,18 @@ def heads_dir(tmp_path_factory, quick_build) -> Path:
     heads = lm_head_copies(target)
     return save_head(tmp_path_factory.mktemp("heads") / "export", heads, heads.config,
                      describe_target(target))
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def eagle_dir(request, tmp_path_factory, quick_build) -> Path:
+    """A random EAGLE-1 or EAGLE-3 export for the toy target (one layer: EAGLE-3 fuses the
+    streams 0, 1, 1)."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    extra = {"draft_vocab_size": 64, "target_layers": (0, 1, 1)} if request.param == 3 else {}
+    torch.manual_seed(request.param)
+    head = EagleHead(EagleConfig.for_target(target.config, request.param, **extra))
+    folder = tmp_path_factory.mktemp(f"eagle{request.param}") / "export"
+    return save_head(folder, head, head.config, describe_target(target))
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +254,22 @@ def test_lossless_passes_on_the_toy_target(quick_build, cfg_of, heads_dir, capsy
     assert "hf_assisted k=3: 3/3 prompts equal hf_plain" in out
 
 
+def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, capsys, tmp_path):
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], f"eagle_head={eagle_dir}",
+                 "methods=[eagle,ngram]", "num_draft_tokens=[1,3]", "num_prompts=3",
+                 "max_new_tokens=16", "eagle.total_tokens=6", "eagle.top_k=2")
+    assert load_entry("lossless").run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and "eagle k=3: 3/3 prompts equal plain" in out
+    models = build.load_sweep_models(cfg, ("eagle",))
+    method = build.build_method(models, "eagle", 3)
+    assert method.decoder.drafter.depth == 3 and method.draft_nodes == 6
+    point = GridPoint("eagle", 3, "t1", SamplingParams(1.0))
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    row, _ = measure_row(method, point, prompts, BenchSettings(max_new_tokens=8))
+    assert row.method == "eagle" and row.tau >= 1.0 and row.draft_time_share is not None
+
+
 def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, medusa2_dir,
                                                        capsys):
     cfg = cfg_of("lossless", *toy(quick_build)[:3], f"medusa_heads={medusa2_dir}",
@@ -345,7 +380,11 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["methods=[small_model,eagle]"], "unknown method(s) ['eagle']"),
+        (["methods=[small_model,layerskip]"], "unknown method(s) ['layerskip']"),
+        (["methods=[eagle]"], "eagle needs a trained head: set eagle_head="),
+        (["methods=[eagle]", "eagle_head=/nonexistent/export"], "no head_config.json"),
+        (["methods=[eagle]", "eagle_head={empty_dir}", "num_draft_tokens=[2,13]"],
+         "eagle.total_tokens (12) < the longest draft length (13)"),
         (["num_draft_tokens=[2,0]"], "num_draft_tokens must be integers >= 1"),
         (["num_draft_tokens=-1"], "num_draft_tokens must be integers >= 1"),
         (["samplings=[greedy,hot]"], "unknown sampling setting 'hot'"),
@@ -361,7 +400,10 @@ def test_bad_input_is_refused_before_any_model_loads(
 ):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    overrides = [o.replace("{empty}", str(empty)) for o in overrides]
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "head_config.json").write_text("{}")
+    overrides = [o.replace("{empty}", str(empty)).replace("{empty_dir}", str(tmp_path / "export"))
+                 for o in overrides]
     entry = load_entry("sweep")
 
     def no_loading(*args, **kwargs):

@@ -13,10 +13,10 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from selfspec import build
-from selfspec.bench import compare_with_plain, greedy_agreement
+from selfspec.bench import greedy_agreement
 from selfspec.cli import hydra_entry_point
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
@@ -24,7 +24,7 @@ from selfspec.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
 from selfspec.model import Transformer
 from selfspec.plan import head_training_lines, trainable_line
 from selfspec.tracking import Tracker
-from selfspec.training import fit, make_accelerator
+from selfspec.training import fit, make_accelerator, state_part
 
 
 @hydra_entry_point("train_medusa")
@@ -46,23 +46,20 @@ def main(cfg: DictConfig) -> None:
     accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
     target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
     objective = build.medusa_objective(cfg, target, heads)
-    tracker = None
-    if accelerator.is_main_process:
-        tracker = Tracker(settings.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
-                          config=OmegaConf.to_container(cfg, resolve=True))
+    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
         """Heads alone (safetensors + config); Medusa-2 adds its adapter in peft's format."""
         trained = MedusaHeads(head_config)
-        trained.load_state_dict(_part(state, "heads."))
+        trained.load_state_dict(state_part(state, "heads."))
         save_head(folder, trained, head_config, target_info)
         if version == 2:
-            save_adapter(objective.target, folder / ADAPTER_DIR, _part(state, "target."))
+            save_adapter(objective.target, folder / ADAPTER_DIR, state_part(state, "target."))
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
     if tracker is not None:
-        if result.step == settings.max_steps and cfg.final_eval.num_prompts > 0:
+        if build.report_due(cfg, settings, result.step):
             report(cfg, result.checkpoint / "export", result.metrics, tracker)
         tracker.finish()
 
@@ -83,10 +80,6 @@ def dry_run(cfg: DictConfig, version: int) -> None:
               "(micro_batch_size x seq_len) on top")
 
 
-def _part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-
-
 def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker) -> None:
     """tau and speedup of the trained heads over plain decoding of the target they draft for
     (Medusa-2: the adapted target), on fresh weights, whatever DeepSpeed did to the trained
@@ -94,28 +87,19 @@ def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker)
     target = build.load_target(cfg)
     heads, adapted = build.load_medusa(cfg, heads_folder, target)
     verified = adapted if adapted is not None else target
-    prompts = build.load_prompts(cfg.data, build.load_tokenizer(target.source))
-    prompts = [p.ids for p in prompts[: int(cfg.final_eval.num_prompts)]]
-    new_tokens = int(cfg.final_eval.max_new_tokens)
-    comparison = compare_with_plain(
-        verified, build.medusa_drafter(cfg.tree, heads), prompts,
-        sampling=build.sampling_params(cfg.sampling), max_new_tokens=new_tokens,
-        seed=int(cfg.seed),
-    )
+    comparison = build.compare_on_final_eval(cfg, verified, build.medusa_drafter(cfg.tree, heads))
     top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
             if k.startswith("eval/") and k.endswith("_top1")}  # held-out, not the last batch
     summary = {**comparison.as_dict(), **top1, "heads": str(heads_folder)}
     if adapted is not None:
         summary["greedy_agreement_with_original"] = greedy_agreement(
-            target, adapted, prompts, new_tokens)
+            target, adapted, build.final_eval_prompts(cfg, target),
+            int(cfg.final_eval.max_new_tokens))
         summary["eval_kl_to_original"] = metrics.get("eval/medusa/lm_kl")
     tracker.log_summary(summary)
     print(f"Medusa heads: {heads_folder}")
     print(f"per-head top-1 (held-out): {top1}")
-    print(f"tau {comparison.tau:.2f}, speedup x{comparison.speedup:.2f} over plain decoding "
-          f"({comparison.tokens_per_s:.1f} vs {comparison.plain_tokens_per_s:.1f} tokens/s) on "
-          f"{comparison.prompts} {cfg.data.name} prompts, lossless={comparison.lossless}, "
-          f"repeated 4-grams {comparison.repeated_4gram_share:.2f}")
+    print(comparison.describe(cfg.data.name))
     if adapted is not None:
         print(f"Medusa-2: verified against the LoRA-adapted target (held-out KL to the original "
               f"{summary['eval_kl_to_original']}); its greedy output keeps "

@@ -19,11 +19,13 @@ from selfspec.build.models import (
 from selfspec.decode import GenerationSettings
 from selfspec.drafters import (
     Drafter,
+    EagleDrafter,
     MedusaDrafter,
     MedusaProductDrafter,
     NgramDrafter,
     SmallModelDrafter,
 )
+from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
@@ -152,3 +154,83 @@ def load_medusa(
     heads = load_head(folder, MedusaHeads, MedusaConfig, target=target)
     adapter = Path(folder) / ADAPTER_DIR
     return heads, merge_adapter(load_target(cfg), adapter) if adapter.is_dir() else None
+
+
+# ---- EAGLE --------------------------------------------------------------------------------
+
+EAGLE_VERSIONS = {1: "EAGLE-1 head, static tree", 2: "EAGLE-1 head, EAGLE-2 dynamic tree",
+                  3: "EAGLE-3 head, EAGLE-2 dynamic tree"}
+
+
+def eagle_version(cfg: DictConfig) -> int:
+    """1: an EAGLE-1 head drafting cfg.tree (static); 2: the same head drafting EAGLE-2 dynamic
+    trees; 3: an EAGLE-3 head (fused layers, draft vocabulary) drafting dynamic trees."""
+    version = cfg.eagle.get("version", 1)
+    if version not in EAGLE_VERSIONS:
+        choices = "; ".join(f"{v}: {what}" for v, what in EAGLE_VERSIONS.items())
+        raise ValueError(f"eagle.version must be 1, 2 or 3 ({choices}), got {version!r}")
+    return int(version)
+
+
+def eagle_config(cfg: DictConfig, target_config: ModelConfig) -> EagleConfig:
+    """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
+    eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3)."""
+    e, version = cfg.eagle, eagle_version(cfg)
+    layers = e.get("target_layers")
+    try:
+        if version < 3:
+            return EagleConfig.for_target(target_config, 1)
+        return EagleConfig.for_target(
+            target_config, 3, draft_vocab_size=e.draft_vocab_size,
+            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
+
+
+def check_eagle_settings(cfg: DictConfig) -> int:
+    """Every cfg.eagle setting checked from the config alone (a head on the meta device, no
+    weights): the head's config, loss weights, and the drafter the report will use (tree
+    sizes, total_tokens >= depth, top_k within the vocabulary). Returns the version."""
+    version = eagle_version(cfg)
+    with torch.device("meta"):
+        head = EagleHead(eagle_config(cfg, model_config(cfg.model)))
+    eagle_drafter(cfg, head)
+    e = cfg.eagle
+    for key in ("feature_weight", "token_weight", "feature_noise"):
+        if not float(e[key]) >= 0:
+            raise ValueError(f"eagle.{key} must be >= 0, got {e[key]}")
+    if not float(e.ttt_decay) > 0:
+        raise ValueError(f"eagle.ttt_decay must be > 0 (step j weighs decay**j), "
+                         f"got {e.ttt_decay}")
+    if isinstance(e.ttt_steps, bool) or not isinstance(e.ttt_steps, int) or e.ttt_steps < 1:
+        raise ValueError(f"eagle.ttt_steps must be an integer >= 1, got {e.ttt_steps!r}")
+    return version
+
+
+def eagle_drafter(cfg: DictConfig, head: EagleHead) -> EagleDrafter:
+    """train/eagle.py's drafter: version 1 a static tree (cfg.tree's `choices`), versions 2
+    and 3 an EAGLE-2 dynamic tree (eagle.total_tokens, eagle.depth, eagle.top_k)."""
+    e, sampled = cfg.eagle, bool(cfg.eagle.sampled_children)
+    if eagle_version(cfg) == 1:
+        if cfg.tree.get("choices") is None:
+            raise ValueError(f"eagle.version=1 drafts a static tree: pick one with `choices` "
+                             f"(tree=chain4|medusa_small|medusa_63), not tree={cfg.tree.name}; "
+                             f"or draft dynamic trees with eagle.version=2")
+        choices = OmegaConf.to_container(cfg.tree.choices)
+        return EagleDrafter(head, Tree.from_paths(choices), sampled_children=sampled)
+    return EagleDrafter(head, total_tokens=e.total_tokens, depth=e.depth, top_k=e.top_k,
+                        sampled_children=sampled)
+
+
+def eagle_head(cfg: DictConfig, target: Transformer) -> tuple[EagleHead, EagleConfig]:
+    """A fresh head sized for the target (EAGLE-3: its draft vocabulary, and then its LM head
+    rows, come from the training rows: `build.eagle_draft_vocab`)."""
+    config = eagle_config(cfg, target.config)
+    torch.manual_seed(int(cfg.seed))
+    head = EagleHead(config).to(target.embed_tokens.weight.dtype)
+    return head, config
+
+
+def load_eagle(folder: str | Path, target: Transformer) -> EagleHead:
+    """The head of a train/eagle.py export (refused when trained for another target)."""
+    return load_head(folder, EagleHead, EagleConfig, target=target)

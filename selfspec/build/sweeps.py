@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
-from selfspec.build.drafters import load_medusa, medusa_drafter, tree_depth
+from selfspec.build.drafters import load_eagle, load_medusa, medusa_drafter, tree_depth
 from selfspec.build.models import (
     draft_model_config,
     load_hf_model,
@@ -23,14 +23,15 @@ from selfspec.build.models import (
 )
 from selfspec.build.prompts import sweep_prompt_texts
 from selfspec.costs import FloorSettings
-from selfspec.drafters import Drafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters import Drafter, EagleDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.heads.eagle import EagleHead
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
 from selfspec.peers import HFDecoder, OurDecoder
 from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
-DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa when heads are given
+DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa, eagle when heads are given
 
 
 BASELINE_MODES = ("interleaved", "shared")
@@ -61,6 +62,8 @@ class SweepModels:
     medusa_heads: MedusaHeads | None = None
     medusa_target: Transformer | None = None  # Medusa-2: the LoRA-adapted target they verify on
     tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
+    eagle_head: EagleHead | None = None
+    eagle: DictConfig | None = None  # EAGLE-2 tree settings: total_tokens, top_k, ...
     hf_target: Any = None
     hf_draft: Any = None
 
@@ -76,16 +79,20 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     check_sweep_weights(cfg, methods)
+    if "eagle" in methods:
+        check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
     return SweepPlan(SweepGrid(methods, lengths, samplings, depth), texts, mode == "shared")
 
 
 def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
     """cfg.methods as names (one name, as a multirun job gets it, counts too); null means
-    small_model and ngram, plus medusa when cfg.medusa_heads is set."""
-    raw, heads = cfg.get("methods"), cfg.get("medusa_heads")
+    small_model and ngram, plus medusa when cfg.medusa_heads is set and eagle when
+    cfg.eagle_head is."""
+    raw, heads, eagle = cfg.get("methods"), cfg.get("medusa_heads"), cfg.get("eagle_head")
     if raw is None:
-        return DEFAULT_SWEEP_METHODS + (("medusa",) if heads else ())
+        return DEFAULT_SWEEP_METHODS + (("medusa",) if heads else ()) + (
+            ("eagle",) if eagle else ())
     methods = tuple(dict.fromkeys(str(m) for m in as_list(raw)))
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -94,6 +101,9 @@ def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
     if "medusa" in methods and not heads:
         raise ValueError("method medusa needs trained heads: set medusa_heads=/path/to/run/"
                          "checkpoints/step_N/export (an export folder written by train/medusa.py)")
+    if "eagle" in methods and not eagle:
+        raise ValueError("method eagle needs a trained head: set eagle_head=/path/to/run/"
+                         "checkpoints/step_N/export (an export folder written by train/eagle.py)")
     return methods
 
 
@@ -126,13 +136,28 @@ def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
     resolve_model_path(cfg.model)
     if set(methods) & set(_NEEDS_DRAFT_MODEL):
         resolve_model_path(draft_model_config(cfg), "model.draft")
-    if "medusa" in methods:
-        folder = Path(str(cfg.medusa_heads)).expanduser()
+    for method, key in (("medusa", "medusa_heads"), ("eagle", "eagle_head")):
+        if method not in methods:
+            continue
+        folder = Path(str(cfg[key])).expanduser()
         if not (folder / "head_config.json").is_file():
             raise FileNotFoundError(
-                f"medusa_heads={folder}: no head_config.json there; point it at an export folder "
-                f"of train/medusa.py, e.g. outputs/medusa/<run>/checkpoints/step_0000200/export"
-            )
+                f"{key}={folder}: no head_config.json there; point it at an export folder "
+                f"of train/{method}.py, e.g. outputs/{method}/<run>/checkpoints/step_0000200/"
+                f"export")
+
+
+def check_eagle_tree(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+    """EAGLE drafts an EAGLE-2 tree as deep as each draft length k, with eagle.total_tokens
+    nodes and eagle.top_k children per frontier node: every k must fit in total_tokens."""
+    e = cfg.eagle
+    for key in ("total_tokens", "top_k"):
+        if isinstance(e[key], bool) or not isinstance(e[key], int) or e[key] < 1:
+            raise ValueError(f"eagle.{key} must be an integer >= 1, got {e[key]!r}")
+    if max(lengths) > e.total_tokens:
+        raise ValueError(f"eagle.total_tokens ({e.total_tokens}) < the longest draft length "
+                         f"({max(lengths)}): a tree that deep needs that many nodes; raise "
+                         f"eagle.total_tokens or lower num_draft_tokens")
 
 
 def medusa_depth(cfg: DictConfig) -> int:
@@ -163,6 +188,9 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
+    if "eagle" in methods:
+        models.eagle_head = load_eagle(str(cfg.eagle_head), models.target)
+        models.eagle = cfg.eagle
     if set(methods) & set(_HF_METHODS):
         models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, on)
     if "hf_assisted" in methods:
@@ -175,8 +203,9 @@ def build_method(models: SweepModels, name: str, k: int) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
     the same target by the same library. Medusa at k drafts at most k deep (a static tree's
     nodes of depth <= k; top-k products over k heads); Medusa-2 heads draft for, and are
-    compared with plain decoding of, their LoRA-adapted target ("plain_adapted")."""
-    if name in ("small_model", "ngram", "medusa"):
+    compared with plain decoding of, their LoRA-adapted target ("plain_adapted"). EAGLE at k
+    drafts an EAGLE-2 dynamic tree k deep (whatever version the head is)."""
+    if name in ("small_model", "ngram", "medusa", "eagle"):
         drafter, nodes = _our_drafter(models, name, k)
         target, baseline = models.target, "plain"
         if name == "medusa" and models.medusa_target is not None:
@@ -196,6 +225,11 @@ def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
         return NgramDrafter(num_draft_tokens=k), k
     if name == "small_model":
         return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k), k
+    if name == "eagle":
+        e = _require(models.eagle, name)
+        drafter = EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,
+                               depth=k, top_k=e.top_k, sampled_children=e.sampled_children)
+        return drafter, drafter.max_nodes
     heads = _require(models.medusa_heads, name)
     drafter = medusa_drafter(_require(models.tree, name), heads, max_depth=k)
     return drafter, drafter.max_nodes

@@ -9,8 +9,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import training as loop
-from selfspec.build.common import positive_int
-from selfspec.build.drafters import lora_settings, medusa_version
+from selfspec.bench import Comparison, compare_with_plain
+from selfspec.build.common import positive_int, sampling_params
+from selfspec.build.drafters import eagle_version, lora_settings, medusa_version
+from selfspec.build.models import load_tokenizer
+from selfspec.build.prompts import load_prompts
 from selfspec.data import (
     load_sharegpt,
     packed_chat_dataset,
@@ -19,10 +22,18 @@ from selfspec.data import (
     self_distill,
     self_distill_rows,
 )
+from selfspec.drafters import Drafter
+from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.lora import add_lora
 from selfspec.model import Transformer
-from selfspec.objectives import Medusa2Objective, MedusaObjective
+from selfspec.objectives import (
+    Eagle3Objective,
+    EagleObjective,
+    Medusa2Objective,
+    MedusaObjective,
+)
+from selfspec.tracking import Tracker
 from selfspec.training import TokenRows, TrainSettings
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
@@ -31,6 +42,8 @@ RESUMABLE_CHANGES = (
     "trainer.eval_every", "trainer.eval_rows", "trainer.save_every", "trainer.keep_checkpoints",
     "train_data.cache_dir", "final_eval", "wandb", "tree", "data", "sampling", "device",
     "dry_run", "num_gpus", "run_dir",
+    # EAGLE: how the report drafts, not what the head learns
+    "eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children",
 )
 
 
@@ -39,6 +52,36 @@ def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
     is refused (see `training.record_run_config`)."""
     loop.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                resume=settings.resume, may_change=RESUMABLE_CHANGES)
+
+
+def run_tracker(cfg: DictConfig, settings: TrainSettings, is_main_process: bool
+                ) -> Tracker | None:
+    """The run's tracker (W&B per cfg.wandb, and metrics.jsonl) on the main process only."""
+    if not is_main_process:
+        return None
+    return Tracker(settings.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
+                   config=OmegaConf.to_container(cfg, resolve=True))
+
+
+def report_due(cfg: DictConfig, settings: TrainSettings, step: int) -> bool:
+    """Whether a training run that stopped at `step` reports on held-out prompts (it finished,
+    and final_eval asks for prompts)."""
+    return step == settings.max_steps and int(cfg.final_eval.num_prompts) > 0
+
+
+def final_eval_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
+    """The first final_eval.num_prompts prompts of cfg.data, as the target's token ids."""
+    prompts = load_prompts(cfg.data, load_tokenizer(target.source))
+    return [p.ids for p in prompts[: int(cfg.final_eval.num_prompts)]]
+
+
+def compare_on_final_eval(cfg: DictConfig, target: Transformer, drafter: Drafter) -> Comparison:
+    """A trained drafter against plain decoding of `target` on the final_eval prompts,
+    final_eval.max_new_tokens each, under cfg.sampling."""
+    prompts = final_eval_prompts(cfg, target)
+    return compare_with_plain(target, drafter, prompts, sampling=sampling_params(cfg.sampling),
+                              max_new_tokens=int(cfg.final_eval.max_new_tokens),
+                              seed=int(cfg.seed))
 
 
 def train_settings(cfg: DictConfig) -> TrainSettings:
@@ -139,3 +182,27 @@ def medusa_objective(
     adapted = add_lora(target, lora_settings(cfg))
     return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
                             adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
+
+
+def eagle_objective(
+    cfg: DictConfig, target: Transformer, head: EagleHead
+) -> EagleObjective | Eagle3Objective:
+    """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
+    next feature and token law with uniform feature noise (drawn from torch's default
+    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test."""
+    e = cfg.eagle
+    if eagle_version(cfg) < 3:
+        return EagleObjective(target, head, feature_weight=float(e.feature_weight),
+                              token_weight=float(e.token_weight),
+                              feature_noise=float(e.feature_noise))
+    return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay))
+
+
+def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) -> None:
+    """EAGLE-3: the draft vocabulary is the eagle.draft_vocab_size most frequent tokens of the
+    training rows (where the loss counts), and the head's LM head starts from the target's
+    rows of it. EAGLE-1 heads score the full vocabulary: nothing to do."""
+    if head.config.version == 3:
+        vocab = draft_vocabulary(train.tokens, head.config.vocab_size,
+                                 head.config.draft_vocab_size, train.loss_mask)
+        head.set_draft_vocab(vocab).init_from_target(target)

@@ -1,6 +1,7 @@
 """Drafters: what proposes the tokens the target verifies."""
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.eagle import EagleDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import NgramDrafter
 from selfspec.drafters.oracle import OracleDrafter
@@ -11,6 +12,7 @@ __all__ = [
     "Draft",
     "DraftContext",
     "Drafter",
+    "EagleDrafter",
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",

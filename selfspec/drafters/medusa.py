@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.ranking import ranked as _ranked
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.tree import Tree
 
@@ -126,25 +127,6 @@ def _root_logits(heads: MedusaHeads, context: DraftContext, depth: int) -> torch
     weight = next(heads.parameters())
     logits = heads(hidden.to(device=weight.device, dtype=weight.dtype))  # [K, V]
     return logits[:depth]
-
-
-def _ranked(logits: torch.Tensor, count: int) -> torch.Tensor:
-    """[depth, count] the `count` most likely token ids per row, most likely first. Equal
-    logits rank by token id, the same rule as logits_to_probs' cut-offs.
-
-    A top-k instead of a sort of the whole vocabulary (which cost a millisecond per step);
-    only a tie across the cut, where top-k may pick any of the tied ids, ranks the full row.
-    """
-    vocab = logits.shape[-1]
-    if count >= vocab:
-        return torch.sort(logits, dim=-1, descending=True, stable=True).indices
-    values, ids = torch.topk(logits, count + 1, dim=-1)  # [depth, count + 1], sorted
-    if (values[:, count - 1] == values[:, count]).any():
-        return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :count]
-    by_id = ids.argsort(dim=-1)  # then a stable sort by value keeps ties in id order
-    ids, values = ids.gather(-1, by_id), values.gather(-1, by_id)
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return ids.gather(-1, order)[:, :count]
 
 
 def _check_target(drafter: str, heads: MedusaHeads, setup: DecodeSetup) -> None:

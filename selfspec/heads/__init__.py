@@ -1,6 +1,8 @@
 """Trainable draft heads (no decoding logic) and their checkpoint I/O."""
 
+from selfspec.heads.eagle import DraftVocab, EagleConfig, EagleHead, draft_vocabulary
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
-__all__ = ["MedusaConfig", "MedusaHeads", "describe_target", "load_head", "save_head"]
+__all__ = ["DraftVocab", "EagleConfig", "EagleHead", "MedusaConfig", "MedusaHeads",
+           "describe_target", "draft_vocabulary", "load_head", "save_head"]

@@ -3,8 +3,9 @@
 A head folder holds `model.safetensors` (the head's own parameters, nothing of the target) and
 `head_config.json`: {"head_type": class name, "config": the config dataclass's fields,
 "target": what the head was trained on (hidden_size, vocab_size, num_layers, source, ...)}.
-`load_head` refuses a head trained for another target, since its features would not match.
-Head classes are built as `cls(config)`.
+`load_head` refuses a head trained for another target, since its features would not match:
+other sizes, another layer count, or target layers (a config's `target_layers`, e.g. EAGLE-3's
+fused streams) the target does not have. Head classes are built as `cls(config)`.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def _check_target(
         for where, value in recorded.items():
             if value is not None and value != ours:
                 mismatches.append(f"{key} {value} ({where}) vs {ours} (this target)")
+    mismatches += _missing_target_layers(config, target)
     if mismatches:
         source = trained_for.get("source") or "an unrecorded model"
         raise ValueError(
@@ -153,3 +155,15 @@ def _check_target(
             f"{'; '.join(dict.fromkeys(mismatches))}. Load the head trained for this target "
             f"({target.source or 'this model'}), or train one for it (e.g. train/medusa.py)"
         )
+
+
+def _missing_target_layers(config: Any, target: Transformer) -> list[str]:
+    """The residual streams a head reads (`config.target_layers`, hidden l = after l layers)
+    that this target does not have, as mismatch lines."""
+    layers = tuple(getattr(config, "target_layers", ()) or ())
+    num_layers = target.config.num_layers
+    missing = [i for i in layers if not 0 <= i <= num_layers]
+    if not missing:
+        return []
+    return [f"target_layers {list(layers)} (head config) need layers {missing}, which a "
+            f"{num_layers}-layer target does not have"]

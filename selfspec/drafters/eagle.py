@@ -1,0 +1,315 @@
+"""EAGLE drafting over an EAGLE-1 or EAGLE-3 head: static trees and chains (EAGLE-1) or a
+dynamic tree per step (EAGLE-2), in one drafter.
+
+The head keeps a KV cache of its own over the committed context: position t holds the pair
+(the target's feature f_t, token t+1). Each step it consumes only the pairs the target's last
+forward committed (`DraftContext.features`, from the verification forward of the accepted
+path: no extra target pass); its output at the last pair predicts the feature after the root.
+A draft node at depth d then reads (its parent's predicted feature, its token) at position
+root + d - 1, attending to the committed context and to its own ancestors; the draft's slots
+are dropped again before the target verifies.
+
+- Static tree (`tree=`: a `Tree` or Medusa-style choices; `Tree.chain(k)` for a chain): node
+  (r1, ..., rd) gets the rd-th candidate of its parent's head output.
+- Dynamic tree (`total_tokens`, `depth`, `top_k`; EAGLE-2): the root's top_k children form
+  the frontier; each further step runs the head on the frontier, scores its top_k children
+  each by cumulative log-probability and keeps the best top_k of them as the next frontier,
+  until the tree is `depth` deep. Every node made is then pooled and the `total_tokens` best
+  by score are kept: a parent never scores below its child and comes first, so the kept set
+  is prefix-closed and in topological order.
+
+Children are chosen deterministically (top-k, q=None) by default, which the shared verifier
+keeps exact at every temperature. `sampled_children=True` draws them instead, without
+replacement from the head's warped law (q passed on), when sampling (greedy always chooses).
+The verifier is exact for sampled children only if how many children a node gets is decided
+before they are drawn: so in that mode a dynamic tree spends its `total_tokens` budget while
+it grows (frontier nodes by score, top_k children each, until the budget runs out) instead of
+pooling and cutting afterwards, which would keep or drop a drawn token by its own probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.ranking import ranked
+from selfspec.heads.eagle import EagleHead
+from selfspec.kv_cache import KVCache
+from selfspec.model import Transformer
+from selfspec.sampling import logits_to_probs, sample
+from selfspec.tree import Tree
+
+
+@dataclass
+class _Node:
+    token: int  # target vocabulary id
+    parent: int  # node index, -1 = the root
+    depth: int  # 1 for the root's children
+    score: float  # cumulative log-probability of its path under the head
+    law: int = -1  # index into _Growth.laws it was drawn from; -1 = chosen deterministically
+
+
+@dataclass
+class _Growth:
+    """One draft in the making: its nodes, the laws sampled children were drawn from, and the
+    head's outputs (predicted feature [h], logits [V]) at the root (-1) and the fed nodes."""
+
+    hidden: dict[int, torch.Tensor]
+    logits: dict[int, torch.Tensor]
+    nodes: list[_Node] = field(default_factory=list)
+    laws: list[torch.Tensor] = field(default_factory=list)
+    slot: dict[int, int] = field(default_factory=dict)  # fed node -> head cache slot
+
+    def add(self, token: int, parent: int, score: float, law: int) -> int:
+        depth = 1 if parent < 0 else self.nodes[parent].depth + 1
+        self.nodes.append(_Node(token, parent, depth, score, law))
+        return len(self.nodes) - 1
+
+    def best(self, candidates: Sequence[int], count: int) -> list[int]:
+        """The `count` best nodes by score, ties by index (parents before children)."""
+        return sorted(candidates, key=lambda i: (-self.nodes[i].score, i))[:count]
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE head over a static tree (`tree`) or an EAGLE-2 dynamic tree
+    (`total_tokens`, `depth`, `top_k`); see the module docstring.
+
+    depth counts tree levels: the deepest node is `depth` tokens after the root, and the head
+    runs `depth` times per step (once over the newly committed pairs, then per level).
+    """
+
+    def __init__(
+        self,
+        head: EagleHead,
+        tree: Tree | Sequence[Sequence[int]] | None = None,
+        *,
+        total_tokens: int | None = None,
+        depth: int | None = None,
+        top_k: int | None = None,
+        sampled_children: bool = False,
+    ) -> None:
+        self.head, self.sampled_children = head, bool(sampled_children)
+        self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
+        if tree is not None:
+            self.tree = _static_tree(head, tree, (total_tokens, depth, top_k))
+            self.max_nodes = self.tree.num_nodes
+            self._fed_max = sum(1 for i in range(self.max_nodes) if self.tree.children_of(i))
+        else:
+            _check_dynamic(head, total_tokens, depth, top_k)
+            self.tree, self.total_tokens, self.depth, self.top_k = None, total_tokens, depth, top_k
+            self.max_nodes = min(total_tokens, top_k + (depth - 1) * top_k**2)
+            self._fed_max = (depth - 1) * top_k
+        self._cache: KVCache | None = None
+        self._committed = 0  # head cache slots holding committed pairs
+
+    def begin(self, setup: DecodeSetup) -> None:
+        check_head_target("EagleDrafter", self.head, setup.target)
+        self._target, self._generator = setup.target, setup.generator
+        self._sampling = setup.sampling
+        self._sampled = self.sampled_children and not setup.sampling.greedy
+        slots, weight = setup.max_length + self._fed_max, self.head.fc.weight
+        cache = self._cache
+        if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
+                or cache.k.dtype != weight.dtype:
+            config = self.head.config
+            self._cache = KVCache(1, 1, config.num_kv_heads, slots, config.head_dim,
+                                  dtype=weight.dtype, device=weight.device)
+        self._cache.reset()
+        self._committed = 0
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Draft:
+        if context.features is None:
+            return Draft.empty()  # no target features yet (one-token prompt, first step)
+        hidden, logits = self._consume(context)
+        growth = _Growth(hidden={-1: hidden}, logits={-1: logits})
+        if self.tree is not None:
+            keep = self._grow_static(growth)
+        else:
+            keep = self._grow_dynamic(growth)
+        self._cache.truncate(self._committed)  # drop the draft's own slots
+        return self._draft(growth, keep)
+
+    # ---- the committed context ----------------------------------------------------------------
+
+    def _consume(self, context: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the pairs the target just committed; returns the head's predicted feature [h]
+        and logits [V] after the root."""
+        features, length = context.features, len(context.tokens)
+        count = len(features.tokens)
+        start = length - 1 - count  # the history position of the first committed row
+        if start != self._committed:
+            raise RuntimeError(
+                f"EagleDrafter: its cache holds {self._committed} positions but the target's "
+                f"features start at position {start}: call begin() before each generation and "
+                f"pass every step's features")
+        weight = self.head.fc.weight
+        tokens = context.tokens[length - count:].to(weight.device)  # [A] tokens t+1
+        feature = self.head.target_feature(features.last_hidden, features.hidden).to(weight)
+        positions = torch.arange(start, start + count, device=weight.device)
+        embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, A, h]
+        out = self.head(embeds, feature[None], positions, self._cache)[0]  # [A, h]
+        self._committed = self._cache.length
+        return out[-1], self.head.target_logits(out[-1], self._target.lm_head)
+
+    # ---- growing a tree ------------------------------------------------------------------------
+
+    def _grow_static(self, growth: _Growth) -> list[int]:
+        """Fill self.tree level by level; returns the nodes made (all kept). A sampled node
+        whose rank its parent's law cannot supply is dropped with its subtree."""
+        tree, made = self.tree, {-1: -1}  # tree node -> growth node
+        for depth in range(1, tree.max_depth + 1):
+            parents = [-1] if depth == 1 else [
+                i for i in range(tree.num_nodes) if len(tree.choices[i]) == depth - 1]
+            for parent in (p for p in parents if p in made and tree.children_of(p)):
+                kids = tree.children_of(parent)
+                ranks = [tree.choices[c][-1] for c in kids]
+                found = self._children(growth, made[parent], max(ranks) + 1)
+                for kid, rank in zip(kids, ranks, strict=True):
+                    if rank < len(found):
+                        made[kid] = growth.add(*_scored(growth, made[parent], found[rank]))
+            level = [made[i] for i in range(tree.num_nodes) if i in made
+                     and len(tree.choices[i]) == depth and tree.children_of(i)]
+            if level and depth < tree.max_depth:
+                self._feed(growth, level)
+        return list(range(len(growth.nodes)))
+
+    def _grow_dynamic(self, growth: _Growth) -> list[int]:
+        """EAGLE-2: grow `depth` levels from a top_k frontier; returns the nodes kept."""
+        frontier = [-1]
+        for depth in range(1, self.depth + 1):
+            if depth > 1:
+                self._feed(growth, frontier)
+            level = []
+            for parent in frontier:
+                count = self.top_k
+                if self._sampled:  # spend the budget now: see the module docstring
+                    count = min(count, self.total_tokens - len(growth.nodes))
+                for child in self._children(growth, parent, count):
+                    level.append(growth.add(*_scored(growth, parent, child)))
+            frontier = growth.best(level, self.top_k)
+            if not frontier:
+                break
+        if self._sampled:
+            return list(range(len(growth.nodes)))
+        return sorted(growth.best(range(len(growth.nodes)), self.total_tokens))
+
+    def _children(self, growth: _Growth, parent: int, count: int
+                  ) -> list[tuple[int, float, int]]:
+        """Up to `count` children of `parent` as (token, log-probability, law index): the
+        head's top tokens (law -1), or tokens drawn without replacement from its warped law."""
+        if count <= 0:
+            return []
+        logits = growth.logits[parent]  # [V]
+        if not self._sampled:
+            ids = ranked(logits[None], count)[0]  # [count]
+            log_probs = torch.log_softmax(logits, dim=-1)[ids]
+            return [(t, lp, -1) for t, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)]
+        law = logits_to_probs(logits, self._sampling)  # [V]
+        growth.laws.append(law)
+        left, drawn = law.clone(), []
+        for _ in range(min(count, int((law > 0).sum()))):
+            drawn.append(sample(left, self._generator))
+            left[drawn[-1]] = 0.0
+        log_probs = law[drawn].log().tolist()
+        return [(t, lp, len(growth.laws) - 1) for t, lp in zip(drawn, log_probs, strict=True)]
+
+    def _feed(self, growth: _Growth, nodes: list[int]) -> None:
+        """Run the head on `nodes` (each reading its parent's predicted feature) in one pass,
+        each attending to the committed context and its own ancestors; keeps their outputs."""
+        weight, past = self.head.fc.weight, self._cache.length
+        picked = [growth.nodes[i] for i in nodes]
+        tokens = torch.tensor([n.token for n in picked], device=weight.device)  # [n]
+        feature = torch.stack([growth.hidden[n.parent] for n in picked])[None]  # [1, n, h]
+        positions = torch.tensor([self._committed - 1 + n.depth for n in picked],
+                                 device=weight.device)
+        embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, n, h]
+        mask = self._tree_mask(growth, nodes, past)
+        out = self.head(embeds, feature, positions, self._cache, mask=mask)[0]  # [n, h]
+        logits = self.head.target_logits(out, self._target.lm_head)  # [n, V]
+        for row, node in enumerate(nodes):
+            growth.slot[node] = past + row
+            growth.hidden[node], growth.logits[node] = out[row], logits[row]
+
+    def _tree_mask(self, growth: _Growth, nodes: list[int], past: int) -> torch.Tensor:
+        """[n, past + n] bool: the committed slots, each node's ancestors' slots, itself."""
+        mask = torch.zeros(len(nodes), past + len(nodes), dtype=torch.bool)
+        mask[:, : self._committed] = True
+        for row, node in enumerate(nodes):
+            mask[row, past + row] = True
+            parent = growth.nodes[node].parent
+            while parent >= 0:
+                mask[row, growth.slot[parent]] = True
+                parent = growth.nodes[parent].parent
+        return mask.to(self.head.fc.weight.device)
+
+    def _draft(self, growth: _Growth, keep: list[int]) -> Draft:
+        """The kept nodes (increasing indices: topological) as a Draft."""
+        index = {node: i for i, node in enumerate(keep)}
+        index[-1] = -1
+        nodes = [growth.nodes[i] for i in keep]
+        device = self.head.fc.weight.device
+        tokens = torch.tensor([n.token for n in nodes], dtype=torch.long, device=device)
+        tree = Tree.from_parents([index[n.parent] for n in nodes])
+        if not self._sampled or not nodes:
+            return Draft(tree, tokens)
+        q = torch.stack([growth.laws[n.law] for n in nodes])  # [N, V]
+        return Draft(tree, tokens, q, without_replacement=True)
+
+
+def _scored(growth: _Growth, parent: int, child: tuple[int, float, int]
+            ) -> tuple[int, int, float, int]:
+    """(token, parent, cumulative score, law) for _Growth.add."""
+    token, log_prob, law = child
+    base = 0.0 if parent < 0 else growth.nodes[parent].score
+    return token, parent, base + log_prob, law
+
+
+# ---- checks (all before any generation) ----------------------------------------------------
+
+
+def check_head_target(who: str, head: EagleHead, target: Transformer) -> None:
+    """Refuse a head trained for another target: sizes, or fused layers it does not have."""
+    ours, theirs = head.config, target.config
+    for key in ("hidden_size", "vocab_size"):
+        if getattr(ours, key) != getattr(theirs, key):
+            raise ValueError(f"{who}: the head has {key} {getattr(ours, key)}, the target "
+                             f"{getattr(theirs, key)}: load a head trained for this target")
+    if (ours.target_hidden_size or theirs.hidden_size) != theirs.hidden_size:
+        raise ValueError(f"{who}: the head fuses target states of width "
+                         f"{ours.target_hidden_size}, the target's are {theirs.hidden_size}")
+    missing = [i for i in ours.target_layers if not 0 <= i <= theirs.num_layers]
+    if missing:
+        raise ValueError(f"{who}: the head fuses target layers {list(ours.target_layers)}, but "
+                         f"the target has {theirs.num_layers} layers (no {missing}): load a "
+                         f"head trained for this target")
+
+
+def _static_tree(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic: tuple) -> Tree:
+    if any(value is not None for value in dynamic):
+        raise ValueError("EagleDrafter: pass either tree (a static tree) or total_tokens, depth "
+                         "and top_k (an EAGLE-2 dynamic tree), not both")
+    tree = tree if isinstance(tree, Tree) else Tree.from_paths(tree)
+    worst, vocab = max((c[-1] for c in tree.choices), default=0), head.config.output_vocab_size
+    if worst >= vocab:
+        raise ValueError(f"EagleDrafter: the tree asks for candidate rank {worst}, but the head "
+                         f"scores only {vocab} tokens; use ranks < {vocab}")
+    return tree
+
+
+def _check_dynamic(head: EagleHead, total_tokens, depth, top_k) -> None:
+    for name, value in (("total_tokens", total_tokens), ("depth", depth), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"EagleDrafter: {name} must be an integer >= 1, got {value!r} "
+                             f"(or pass tree= for a static tree)")
+    if total_tokens < depth:
+        raise ValueError(f"EagleDrafter: total_tokens ({total_tokens}) < depth ({depth}): a "
+                         f"tree {depth} deep needs at least {depth} nodes; raise total_tokens "
+                         f"or lower depth")
+    vocab = head.config.output_vocab_size
+    if top_k > vocab:
+        raise ValueError(f"EagleDrafter: top_k ({top_k}) exceeds the {vocab} tokens the head "
+                         f"scores; pass top_k <= {vocab}")

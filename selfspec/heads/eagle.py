@@ -1,0 +1,361 @@
+"""EAGLE draft heads (Li et al. 2024, 2025): one decoder layer over the target's features.
+
+A head position t reads a pair (token t+1, feature f_t) and outputs the predicted next feature
+f_{t+1}, whose logits give the law of token t+2. Drafting deeper, the head's own output stands
+in for the target's feature (`selfspec.drafters.eagle`).
+
+- EAGLE-1 (`version=1`): the feature is the target's last hidden state after its final norm
+  (what its LM head reads). `fc` (2h -> h, with bias) reads concat(embedding, feature), then one
+  Llama decoder layer without its input RMSNorm; the target's frozen LM head gives the logits.
+- EAGLE-3 (`version=3`): the feature fuses three of the target's residual streams (the inputs
+  of layers 2, L//2 and L-3 by default) through `fc` (3h -> h, no bias). The layer's attention
+  reads concat(input_layernorm(embedding), hidden_norm(feature)) (2h wide); a final norm and
+  the head's own LM head score a reduced draft vocabulary: draft id i is target id i + d2t[i],
+  and t2d [V] marks the target ids the draft vocabulary holds.
+
+The target's embedding (and EAGLE-1's LM head) are used, never owned: parameter names are the
+published checkpoints' (EAGLE-1: fc, layers.0.* without layers.0.input_layernorm; EAGLE-3: fc,
+midlayer.*, norm, lm_head, d2t, t2d). Trainable modules only: no decoding logic here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from selfspec.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    attention_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+VERSIONS = (1, 3)
+
+
+def default_target_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's fused layers for a target of num_layers layers: the inputs of layers 2, L//2
+    and L-3 (hidden l = the residual stream after l layers)."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3 fuses the inputs of layers 2, L//2 and L-3, which a target of "
+                         f"{num_layers} layers lacks; pass target_layers explicitly")
+    return layers
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """version: 1 (EAGLE-1 features) or 3 (fused features, own LM head, draft vocabulary).
+    hidden_size, vocab_size: the target's. The layer's sizes (intermediate_size, num_heads,
+    num_kv_heads, head_dim, RoPE, biases) default to the target's (`for_target`).
+    draft_vocab_size: EAGLE-3's reduced vocabulary (None: EAGLE-1, the full vocabulary).
+    target_hidden_size: the width of each fused target state (None: hidden_size).
+    target_layers: EAGLE-3's fused residual streams of the target (empty for EAGLE-1)."""
+
+    version: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    draft_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    target_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.version not in VERSIONS:
+            raise ValueError(f"EagleConfig: version must be 1 or 3, got {self.version!r}")
+        for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            _check_int(name, getattr(self, name))
+        if self.version == 1 and (self.draft_vocab_size not in (None, self.vocab_size)
+                                  or self.target_layers):
+            raise ValueError("EagleConfig: EAGLE-1 drafts over the full vocabulary from the last "
+                             "hidden state: leave draft_vocab_size and target_layers unset")
+        if self.version == 3:
+            self._check_version_3()
+
+    def _check_version_3(self) -> None:
+        _check_int("draft_vocab_size", self.draft_vocab_size)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"EagleConfig: draft_vocab_size {self.draft_vocab_size} exceeds the "
+                             f"target's vocab_size {self.vocab_size}")
+        if len(self.target_layers) != 3 or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0
+                for i in self.target_layers):
+            raise ValueError(f"EagleConfig: EAGLE-3 fuses three target layers (ids >= 0), got "
+                             f"target_layers={self.target_layers!r}")
+        if self.target_hidden_size is not None:
+            _check_int("target_hidden_size", self.target_hidden_size)
+
+    @classmethod
+    def for_target(
+        cls, target: ModelConfig, version: int = 1, *, draft_vocab_size: int | None = None,
+        target_layers: tuple[int, ...] | None = None,
+    ) -> EagleConfig:
+        """A head sized like one decoder layer of `target`; EAGLE-3 fuses target_layers
+        (default: the inputs of layers 2, L//2 and L-3) over draft_vocab_size tokens."""
+        if version == 3 and target_layers is None:
+            target_layers = default_target_layers(target.num_layers)
+        shared = {f.name: getattr(target, f.name) for f in fields(cls) if hasattr(target, f.name)
+                  and f.name not in ("version", "draft_vocab_size", "target_layers")}
+        return cls(version=version, **shared,
+                   draft_vocab_size=draft_vocab_size if version == 3 else None,
+                   target_hidden_size=target.hidden_size if version == 3 else None,
+                   target_layers=tuple(target_layers or ()))
+
+    @property
+    def output_vocab_size(self) -> int:
+        """How many tokens the head scores: the draft vocabulary (EAGLE-3) or the full one."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the target's feature the head reads: h, or 3 fused states (EAGLE-3)."""
+        width = self.target_hidden_size or self.hidden_size
+        return width * len(self.target_layers) if self.version == 3 else self.hidden_size
+
+    def layer_config(self) -> ModelConfig:
+        """The one-layer Llama config of the head's decoder layer."""
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias, attention_out_bias=self.attention_out_bias,
+            mlp_bias=self.mlp_bias,
+        )
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EagleConfig: {name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """EAGLE-3's draft vocabulary: d2t [draft_vocab] int64 (target id = i + d2t[i]) and t2d [V]
+    bool (whether a target id is in the draft vocabulary)."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft id, increasing."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+
+def draft_vocabulary(
+    tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int,
+    mask: torch.Tensor | None = None,
+) -> DraftVocab:
+    """The draft_vocab_size most frequent token ids of `tokens` (where mask is set), ties and
+    ids never seen filled in by lower id first, listed in increasing id order."""
+    ids = tokens.flatten() if mask is None else tokens.flatten()[mask.flatten().bool()]
+    counts = torch.bincount(ids.cpu(), minlength=vocab_size)[:vocab_size]  # [V]
+    # Stable sort of -count: equal counts keep increasing id order.
+    chosen = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
+    d2t = chosen - torch.arange(draft_vocab_size)  # [draft_vocab]
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    return DraftVocab(d2t.to(tokens.device), t2d.to(tokens.device))
+
+
+class EagleMidLayer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads concat(input_layernorm(embedding),
+    hidden_norm(feature)) (2h); the residual stream is the feature."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, 0, input_size=2 * h)
+        self.mlp = MLP(config)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attn_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(both, cos, sin, attn_mask, cache)  # [B, T, h]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-1 or EAGLE-3 head: `forward(embeds, feature, positions, cache, mask)` -> the
+    predicted next features [B, T, h]; `logits` turns them into token scores."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        layer, h = config.layer_config(), config.hidden_size
+        if config.version == 1:
+            self.fc = nn.Linear(2 * h, h, bias=True)
+            self.layers = nn.ModuleList([DecoderLayer(layer, 0, input_norm=False)])
+        else:
+            self.fc = nn.Linear(config.feature_size, h, bias=False)
+            self.midlayer = EagleMidLayer(layer)
+            self.norm = RMSNorm(h, config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            # Until set from data: the first draft_vocab_size target ids.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+        # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
+        self.inv_freq = rope_inv_freq(layer)  # [D/2]
+
+    # ---- features in, features out ---------------------------------------------------------
+
+    def target_feature(self, last_hidden: torch.Tensor, hidden: tuple[torch.Tensor, ...] = ()
+                       ) -> torch.Tensor:
+        """[..., h] what the head reads for the target's states: EAGLE-1 the normed last hidden
+        state [..., h]; EAGLE-3 fc over the fused streams (`target_layers` order, each [..., h])."""
+        if self.config.version == 1:
+            return last_hidden
+        if len(hidden) != len(self.config.target_layers):
+            raise ValueError(f"EagleHead: EAGLE-3 fuses {len(self.config.target_layers)} target "
+                             f"states (layers {self.config.target_layers}), got {len(hidden)}")
+        return self.fc(torch.cat(hidden, dim=-1))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, h] the embeddings of tokens t+1
+        feature: torch.Tensor,  # [B, T, h] f_t: the target's (target_feature) or the head's own
+        positions: torch.Tensor,  # [T] or [B, T]
+        cache=None,
+        mask: torch.Tensor | None = None,  # [T, T] or [T, past + T] bool, default causal
+    ) -> torch.Tensor:
+        """The predicted next features [B, T, h]; with a cache (KVCache-like, one layer) the
+        new pairs attend to its slots and it advances by T, as `Transformer.forward` does."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, embeds.dtype)
+        past = 0 if cache is None else cache.length
+        attn_mask = attention_mask(mask, embeds.shape[1], past, embeds.device)
+        if self.config.version == 1:
+            x = self.fc(torch.cat([embeds, feature], dim=-1))  # [B, T, h]
+            out = self.layers[0](x, cos, sin, attn_mask, cache)
+        else:
+            out = self.midlayer(embeds, feature, cos, sin, attn_mask, cache)
+        if cache is not None:
+            cache.advance(embeds.shape[1])
+        return out
+
+    # ---- token scores -----------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[..., output_vocab_size] fp32: EAGLE-1 through the target's LM head (pass it),
+        EAGLE-3 through its own norm and LM head over the draft vocabulary."""
+        if self.config.version == 1:
+            if lm_head is None:
+                raise ValueError("EagleHead.logits: EAGLE-1 scores through the target's LM head: "
+                                 "pass lm_head=target.lm_head")
+            return lm_head(hidden).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def target_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None
+                      ) -> torch.Tensor:
+        """[..., vocab_size] fp32 scores over the target's vocabulary (-inf outside EAGLE-3's
+        draft vocabulary)."""
+        logits = self.logits(hidden, lm_head)
+        if self.config.version == 1:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        index = self.draft_vocab.target_ids.expand_as(logits)
+        return full.scatter(-1, index, logits)
+
+    # ---- EAGLE-3: draft vocabulary and a start from the target --------------------------------
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        if self.config.version == 1:
+            raise ValueError("EagleHead: EAGLE-1 heads have no draft vocabulary")
+        return DraftVocab(self.d2t, self.t2d)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, vocab: DraftVocab) -> EagleHead:
+        expected = (self.config.output_vocab_size, self.config.vocab_size)
+        if (len(vocab.d2t), len(vocab.t2d)) != expected or int(vocab.t2d.sum()) != expected[0]:
+            raise ValueError(f"EagleHead.set_draft_vocab: need d2t [{expected[0]}] and t2d "
+                             f"[{expected[1]}] with {expected[0]} ids set")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+        return self
+
+    @torch.no_grad()
+    def init_from_target(self, target: Transformer) -> EagleHead:
+        """EAGLE-3: start the LM head from the target's rows of the draft vocabulary and the
+        final norm from the target's (EAGLE-1 reads the target's own LM head: nothing to do)."""
+        if self.config.version == 3:
+            ids = self.draft_vocab.target_ids.to(target.lm_head.weight.device)
+            self.lm_head.weight.copy_(target.lm_head.weight[ids])
+            self.norm.weight.copy_(target.norm.weight)
+        return self
+
+    # ---- EAGLE-3 training-time test ---------------------------------------------------------
+
+    def unroll(self, embeds: torch.Tensor, feature: torch.Tensor, steps: int
+               ) -> list[torch.Tensor]:
+        """EAGLE-3's training-time test: `steps` passes over a row, step j reading its own step
+        j-1 outputs as features, as drafting j tokens deep does.
+
+        embeds [B, T, h]: the embeddings of tokens 0..T-1; feature [B, T-1, h]: f_t for rows
+        t = 0..T-2. Step j, row t reads token t+1+j (zeros past the end) at position t+j and
+        attends to step 0's rows <= t and to row t of steps 1..j (`ttt_mask`). Returns each
+        step's predicted features [B, T-1, h]; step j row t scores token t+2+j.
+        """
+        rows = feature.shape[1]
+        keys, outputs = _StepKeys(), []
+        for j in range(steps):
+            shifted = embeds[:, 1 + j: 1 + j + rows]  # [B, <= T-1, h]
+            pad = shifted.new_zeros(shifted.shape[0], rows - shifted.shape[1], shifted.shape[2])
+            positions = torch.arange(rows, device=embeds.device) + j
+            feature = self(torch.cat([shifted, pad], dim=1), feature, positions, keys,
+                           mask=ttt_mask(rows, j, embeds.device))
+            outputs.append(feature)
+        return outputs
+
+
+def ttt_mask(rows: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows, (step + 1) * rows] bool: step `step`'s rows attend causally to step 0's rows and
+    to their own row of every later step (themselves included)."""
+    blocks = [torch.ones(rows, rows, dtype=torch.bool, device=device).tril()]
+    blocks += [torch.eye(rows, dtype=torch.bool, device=device)] * step
+    return torch.cat(blocks, dim=1)
+
+
+class _StepKeys:
+    """The training-time test's keys and values, one block of rows per step, grown by
+    concatenation (no in-place writes, so gradients flow through every step). Speaks the
+    write/advance protocol of `selfspec.kv_cache.KVCache` for one layer."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H_kv, T, D] appended; returns all keys and values so far [B, H_kv, S, D]."""
+        self._k = k if self._k is None else torch.cat([self._k, k], dim=2)
+        self._v = v if self._v is None else torch.cat([self._v, v], dim=2)
+        return self._k, self._v
+
+    def advance(self, t: int) -> None:
+        self.length += t

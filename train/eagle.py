@@ -1,0 +1,89 @@
+"""Train an EAGLE head on a frozen target, then measure tau and speedup on held-out prompts.
+
+    python train/eagle.py                                          # tiny target, CPU minutes
+    python train/eagle.py eagle.version=2                          # EAGLE-2 dynamic trees
+    python train/eagle.py eagle.version=3                          # EAGLE-3 head
+    python train/eagle.py model=llama2-70b dry_run=true            # memory plan, no weights
+    torchrun --nproc_per_node 2 train/eagle.py deepspeed=zero2 hydra.run.dir=runs/e1
+    python train/eagle.py trainer.resume=true hydra.run.dir=runs/e1    # continue a run
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from selfspec import build
+from selfspec.cli import hydra_entry_point
+from selfspec.heads.eagle import EagleHead
+from selfspec.heads.io import describe_target, save_head
+from selfspec.plan import head_training_lines
+from selfspec.tracking import Tracker
+from selfspec.training import fit, make_accelerator, state_part
+
+
+@hydra_entry_point("train_eagle")
+def main(cfg: DictConfig) -> None:
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
+    build.set_threads(cfg, "trainer.threads")
+    build.eagle_version(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg)
+    settings = build.train_settings(cfg)  # every setting is checked before any model loads
+    build.check_eagle_settings(cfg)
+    build.device(cfg)
+    build.record_run_config(cfg, settings)
+    target = build.load_target(cfg)
+    tokenizer = build.load_tokenizer(target.source)
+    head, head_config = build.eagle_head(cfg, target)
+    train, heldout = build.training_rows(cfg, tokenizer, target)
+    build.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
+    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    target_info = describe_target(target)
+    objective = build.eagle_objective(cfg, target, head)
+    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    buffers = {name: b.detach().clone() for name, b in head.named_buffers()}  # EAGLE-3 d2t, t2d
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        """The head alone (safetensors + config), in the published checkpoints' names."""
+        trained = EagleHead(head_config)
+        trained.load_state_dict(state_part(state, "head.") | buffers)
+        save_head(folder, trained, head_config, target_info)
+
+    result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
+                 export=export)
+    if tracker is not None:
+        if build.report_due(cfg, settings, result.step):
+            report(cfg, result.checkpoint / "export", result.metrics, tracker)
+        tracker.finish()
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the head, on meta tensors."""
+    print(build.model_plan(cfg).format())
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        head = EagleHead(build.eagle_config(cfg, build.model_config(cfg.model)))
+    print(head_training_lines(head, int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, head_folder: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the trained head over plain decoding of the
+    target, on fresh weights, whatever DeepSpeed did to the trained ones."""
+    target = build.load_target(cfg)
+    head = build.load_eagle(head_folder, target)
+    comparison = build.compare_on_final_eval(cfg, target, build.eagle_drafter(cfg, head))
+    top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
+            if k.startswith("eval/") and k.endswith("top1")}  # held-out, not the last batch
+    version = build.eagle_version(cfg)
+    tracker.log_summary({**comparison.as_dict(), **top1, "head": str(head_folder),
+                         "eagle_version": version})
+    print(f"EAGLE head ({build.EAGLE_VERSIONS[version]}): {head_folder}")
+    print(f"top-1 agreement with the target (held-out): {top1}")
+    print(comparison.describe(cfg.data.name))
+
+
+if __name__ == "__main__":
+    main()
