@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import suite_threads
+from helpers import suite_threads, tiny_llama
+
+from selfspec import Transformer, generate
 
 
 def pytest_configure(config) -> None:
@@ -35,3 +37,17 @@ def quick_build(tmp_path_factory) -> Path:
         build_tiny = importlib.import_module("build_tiny")
         assert build_tiny.main(["--quick", "--out", str(out), "--threads", threads]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    """The seeded random toy target of the drafter tests (modules may define their own)."""
+    return Transformer.from_hf(tiny_llama(0))
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(request, target) -> dict:
+    """Plain greedy continuations of the test module's PROMPTS, NEW_TOKENS long each."""
+    module = request.module
+    return {tuple(p): generate(target, p, max_new_tokens=module.NEW_TOKENS).tokens
+            for p in module.PROMPTS}

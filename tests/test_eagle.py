@@ -62,16 +62,6 @@ def random_head(config: EagleConfig, seed: int, std: float = 0.2) -> EagleHead:
     return head.eval()
 
 
-@pytest.fixture(scope="module")
-def target():
-    return Transformer.from_hf(tiny_llama(0))
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(target):
-    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
-
-
 # ---- heads ------------------------------------------------------------------------------------
 
 

@@ -229,16 +229,6 @@ def test_tree_configs_are_valid_medusa_choices(name, num_nodes):
 
 
 @pytest.fixture(scope="module")
-def target():
-    return Transformer.from_hf(tiny_llama(0))
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(target):
-    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
-
-
-@pytest.fixture(scope="module")
 def fitted_heads(target, plain_greedy):
     """Heads fit for 30 AdamW steps to the target's own greedy continuations of PROMPTS."""
     heads, metrics = fit_medusa_heads(target, plain_greedy)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_medusa_heads, fit_pvalue, tiny_llama
-from test_medusa import NEW_TOKENS, PROMPTS, random_heads
+from test_medusa import NEW_TOKENS, random_heads
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import MedusaProductDrafter
@@ -150,16 +150,6 @@ def test_bad_arguments_are_clear_errors():
 
 
 # ---- lossless greedy, exact sampling --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target():
-    return Transformer.from_hf(tiny_llama(0))
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(target):
-    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ def main(cfg: DictConfig) -> None:
     build.eagle_version(cfg)
     if cfg.dry_run:
         return dry_run(cfg)
-    settings = build.train_settings(cfg)  # every setting is checked before any model loads
-    build.check_eagle_settings(cfg)
-    build.device(cfg)
-    build.record_run_config(cfg, settings)
-    target = build.load_target(cfg)
-    tokenizer = build.load_tokenizer(target.source)
+    settings, target, tokenizer = build.start_training(cfg, build.check_eagle_settings)
     head, head_config = build.eagle_head(cfg, target)
     train, heldout = build.training_rows(cfg, tokenizer, target)
     build.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens

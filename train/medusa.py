@@ -34,12 +34,7 @@ def main(cfg: DictConfig) -> None:
     version = build.medusa_version(cfg)
     if cfg.dry_run:
         return dry_run(cfg, version)
-    settings = build.train_settings(cfg)  # every setting is checked before any model loads
-    build.check_medusa_settings(cfg)
-    build.device(cfg)
-    build.record_run_config(cfg, settings)
-    target = build.load_target(cfg)
-    tokenizer = build.load_tokenizer(target.source)
+    settings, target, tokenizer = build.start_training(cfg, build.check_medusa_settings)
     heads, head_config = build.medusa_heads(cfg, target)
     build.medusa_drafter(cfg.tree, heads)  # a tree the heads cannot fill fails now, not later
     train, heldout = build.training_rows(cfg, tokenizer, target)

@@ -90,6 +90,7 @@ from selfspec.build.training import (  # noqa: F401
     report_due,
     run_tracker,
     self_distill_enabled,
+    start_training,
     train_settings,
     training_rows,
 )

@@ -4,15 +4,17 @@ self-distillation), and the objective that `selfspec.training.fit` trains."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import training as loop
 from selfspec.bench import Comparison, compare_with_plain
-from selfspec.build.common import positive_int, sampling_params
+from selfspec.build.common import device, positive_int, sampling_params
 from selfspec.build.drafters import eagle_version, lora_settings, medusa_version
-from selfspec.build.models import load_tokenizer
+from selfspec.build.models import load_target, load_tokenizer
 from selfspec.build.prompts import load_prompts
 from selfspec.data import (
     load_sharegpt,
@@ -45,6 +47,21 @@ RESUMABLE_CHANGES = (
     # EAGLE: how the report drafts, not what the head learns
     "eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children",
 )
+
+
+def start_training(
+    cfg: DictConfig, check_method_settings: Callable[[DictConfig], Any]
+) -> tuple[TrainSettings, Transformer, Any]:
+    """What every trainer does first: check every setting (the trainer's, the method's via
+    check_method_settings, the device) before any model loads, record the run's config (a
+    resume with other settings is refused), then load the target and its tokenizer.
+    Returns (settings, target, tokenizer)."""
+    settings = train_settings(cfg)
+    check_method_settings(cfg)
+    device(cfg)
+    record_run_config(cfg, settings)
+    target = load_target(cfg)
+    return settings, target, load_tokenizer(target.source)
 
 
 def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
