@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_medusa_heads, fit_pvalue, tiny_llama
-from test_medusa import NEW_TOKENS, random_heads
+from test_medusa import NEW_TOKENS, PROMPTS, random_heads  # noqa: F401 (PROMPTS: plain_greedy)
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import MedusaProductDrafter
