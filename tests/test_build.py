@@ -112,7 +112,7 @@ def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of
     if version == 1:  # the static chain4 tree
         assert drafter.tree.is_chain and drafter.max_nodes == 4
     else:  # the EAGLE-2 defaults for a CPU
-        assert (drafter.total_tokens, drafter.depth, drafter.top_k) == (12, 4, 3)
+        assert (drafter.total_tokens, drafter.depth, drafter.top_k) == (8, 3, 2)
     objective = build.eagle_objective(cfg, target, head)
     assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
     if version == 3:
