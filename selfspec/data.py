@@ -314,7 +314,7 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
                          f"length), got {prompt_tokens}; set train_data.self_distill_prompt_tokens")
     count = len(rows) if count is None else min(count, len(rows))
     picked = rows.select(torch.linspace(0, len(rows) - 1, count).round().long())
-    key = _cache_key("distill", _weights_fingerprint(target), _rows_hash(picked), prompt_tokens)
+    key = _cache_key("distill", weights_fingerprint(target), _rows_hash(picked), prompt_tokens)
     cached = None if cache_dir is None else Path(cache_dir) / f"{key}-distilled.safetensors"
     if cached is not None and cached.is_file():
         return TokenRows(**load_file(str(cached)))
@@ -357,7 +357,7 @@ def _greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> tor
     return torch.cat([prompts, torch.stack(generated, dim=1).cpu()], dim=1)
 
 
-def _weights_fingerprint(target) -> str:
+def weights_fingerprint(target) -> str:
     """What identifies the target's weights: a sum over every parameter (cheap, and any
     retrained or adapted target differs) with the architecture."""
     total = sum(float(p.detach().double().sum()) for p in target.parameters())

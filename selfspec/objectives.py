@@ -39,7 +39,7 @@ class MedusaObjective(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         with torch.no_grad():
             hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
-        return medusa_loss(self.heads(hidden), tokens, loss_mask, decay=self.decay)
+        return medusa_loss(self.heads(hidden), *self.heads.labels(tokens, loss_mask), decay=self.decay)
 
 
 class Medusa2Objective(nn.Module):
@@ -78,7 +78,8 @@ class Medusa2Objective(nn.Module):
         with torch.no_grad(), self.target.disable_adapter():
             teacher = self.target(tokens, positions).logits  # [B, T, V] the unadapted target
         out = self.target(tokens, positions)
-        heads = medusa_loss(self.heads(out.last_hidden), tokens, loss_mask, decay=self.decay)
+        heads = medusa_loss(self.heads(out.last_hidden), *self.heads.labels(tokens, loss_mask),
+                            decay=self.decay)
         kl = kl_to_teacher(out.logits, teacher, loss_mask)
         metrics = heads.metrics | {"medusa/lm_kl": float(kl.detach())}
         return LossOutput(heads.loss + self.lm_weight * kl, metrics)

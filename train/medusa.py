@@ -35,9 +35,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
         return dry_run(cfg, version)
     settings, target, tokenizer = build.start_training(cfg, build.check_medusa_settings)
-    heads, head_config = build.medusa_heads(cfg, target)
-    build.medusa_drafter(cfg.tree, heads)  # a tree the heads cannot fill fails now, not later
+    build.check_medusa_tree(cfg, target)  # a tree the heads cannot fill fails now, not later
     train, heldout = build.training_rows(cfg, tokenizer, target)
+    heads, head_config = build.medusa_heads(cfg, target, train)
     accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
     target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
     objective = build.medusa_objective(cfg, target, heads)

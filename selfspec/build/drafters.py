@@ -17,6 +17,7 @@ from selfspec.build.models import (
     resolve_model_path,
 )
 from selfspec.decode import GenerationSettings
+from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
@@ -30,6 +31,7 @@ from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
 from selfspec.model import ModelConfig, Transformer
+from selfspec.training import TokenRows
 from selfspec.tree import Tree
 
 DRAFTERS = ("small_model", "ngram", "none")
@@ -102,7 +104,8 @@ def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
     return checked_settings(MedusaConfig, "medusa", hidden_size=target_config.hidden_size,
                             vocab_size=target_config.vocab_size,
                             num_heads=int(cfg.medusa.num_heads),
-                            num_layers=int(cfg.medusa.num_layers))
+                            num_layers=int(cfg.medusa.num_layers),
+                            draft_vocab_size=cfg.medusa.get("draft_vocab_size"))
 
 
 def check_medusa_settings(cfg: DictConfig) -> int:
@@ -120,14 +123,28 @@ def check_medusa_settings(cfg: DictConfig) -> int:
     return version
 
 
-def medusa_heads(cfg: DictConfig, target: Transformer) -> tuple[MedusaHeads, MedusaConfig]:
-    """Fresh Medusa heads sized for the target (output layers copied from its LM head)."""
+def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None = None
+                 ) -> tuple[MedusaHeads, MedusaConfig]:
+    """Fresh Medusa heads sized for the target (output layers copied from its LM head); with
+    medusa.draft_vocab_size, over the most frequent tokens of the training rows `train`."""
     config = medusa_config(cfg, target.config)
     torch.manual_seed(int(cfg.seed))
     heads = MedusaHeads(config).to(target.embed_tokens.weight.dtype)
+    if config.draft_vocab_size is not None:
+        if train is None:
+            raise ValueError("medusa.draft_vocab_size: the draft vocabulary is read from the "
+                             "training rows: pass them to build.medusa_heads")
+        heads.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
+                                               config.draft_vocab_size, train.loss_mask))
     if cfg.medusa.init_from_lm_head:
         heads.init_from_lm_head(target.lm_head.weight.detach())
     return heads, config
+
+
+def check_medusa_tree(cfg: DictConfig, target: Transformer) -> None:
+    """Refuse a cfg.tree the configured heads cannot fill, before any weights are built."""
+    with torch.device("meta"):
+        medusa_drafter(cfg.tree, MedusaHeads(medusa_config(cfg, target.config)))
 
 
 def medusa_version(cfg: DictConfig) -> int:

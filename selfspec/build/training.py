@@ -14,7 +14,12 @@ from selfspec import training as loop
 from selfspec.bench import Comparison, compare_with_plain
 from selfspec.build.common import device, positive_int, sampling_params
 from selfspec.build.drafters import eagle_version, lora_settings, medusa_version
-from selfspec.build.models import load_target, load_tokenizer
+from selfspec.build.models import (
+    load_hf_model,
+    load_target,
+    load_tokenizer,
+    resolve_model_path,
+)
 from selfspec.build.prompts import load_prompts
 from selfspec.data import (
     load_sharegpt,
@@ -23,7 +28,9 @@ from selfspec.data import (
     rows_from_dataset,
     self_distill,
     self_distill_rows,
+    weights_fingerprint,
 )
+from selfspec.instructions import cache_name, self_distilled_conversations, stdlib_instructions
 from selfspec.drafters import Drafter
 from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
@@ -147,17 +154,43 @@ def training_rows(
                 conversations, target, tokenizer, seed=int(cfg.seed),
                 max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
             )
-        cut = max(1, len(conversations) // 20)  # every 20th conversation is held out
-        train, heldout = (
-            rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
-            for part in (conversations[cut:], conversations[:cut])
-        )
+        train, heldout = chat_rows(conversations, tokenizer, seq_len)
+    elif source == "instructions":
+        train, heldout = chat_rows(instruction_conversations(cfg, target, tokenizer),
+                                   tokenizer, seq_len)
     else:
-        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib or sharegpt")
+        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib, instructions "
+                         f"or sharegpt")
     cap = cfg.train_data.get("max_rows")
     if cap is not None:
         train = train.select(torch.arange(min(int(cap), len(train))))
     return train, heldout
+
+
+def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int
+              ) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed chat rows; every 20th conversation is held out."""
+    cut = max(1, len(conversations) // 20)
+    return tuple(rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
+                 for part in (conversations[cut:], conversations[:cut]))
+
+
+def instruction_conversations(cfg: DictConfig, target: Transformer | None, tokenizer
+                              ) -> list[list[dict]]:
+    """train_data.num_prompts stdlib-docstring instructions answered by the target itself
+    (always self-distilled: these prompts come without answers), batched through
+    transformers' `generate` on the target's weights and cached in train_data.cache_dir."""
+    if target is None:
+        raise ValueError("train_data.source=instructions needs the target to answer its prompts")
+    prompts = stdlib_instructions(positive_int(cfg, "train_data.num_prompts"))
+    new_tokens = positive_int(cfg, "train_data.self_distill_max_new_tokens")
+    cache_dir = cfg.train_data.get("cache_dir")
+    cache = None if cache_dir is None else os.path.join(
+        cache_dir, cache_name(weights_fingerprint(target), new_tokens))
+    hf_model = load_hf_model(resolve_model_path(cfg.model), "fp32", device(cfg))
+    return self_distilled_conversations(
+        prompts, hf_model, tokenizer, max_new_tokens=new_tokens, cache_file=cache,
+        batch_size=positive_int(cfg, "train_data.self_distill_batch_size"))
 
 
 def self_distill_enabled(cfg: DictConfig) -> bool:

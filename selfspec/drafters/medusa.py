@@ -54,7 +54,7 @@ class MedusaDrafter:
             "the tree asks for",
             worst,
             heads,
-            f"use ranks < {heads.config.vocab_size}",
+            f"use ranks < {heads.config.output_size}",
         )
         self._head_of = self.tree.depth - 1  # [N] which head ranks each node
         self._rank_of = torch.tensor([c[-1] for c in self.tree.choices], dtype=torch.long)  # [N]
@@ -70,8 +70,9 @@ class MedusaDrafter:
         logits = _root_logits(self.heads, context, self.tree.max_depth)  # [depth, V]
         if logits is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
-        ranked = _ranked(logits, self._ranks)  # [depth, ranks] token ids, most likely first
+        ranked = _ranked(logits, self._ranks)  # [depth, ranks] output ids, most likely first
         tokens = ranked[self._head_of.to(ranked.device), self._rank_of.to(ranked.device)]  # [N]
+        tokens = self.heads.target_ids(tokens)
         return Draft(self.tree, tokens.to(context.features.last_hidden.device))
 
 
@@ -110,7 +111,7 @@ class MedusaProductDrafter:
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(1, ranked)  # [depth, k]
         # The tree is built on the CPU: it holds at most max_nodes nodes.
         parents, level, rank = _best_product_paths(log_probs.cpu(), self.max_nodes)
-        tokens = ranked[level.to(ranked.device), rank.to(ranked.device)]  # [N]
+        tokens = self.heads.target_ids(ranked[level.to(ranked.device), rank.to(ranked.device)])
         tree = Tree.from_parents(parents.tolist())
         return Draft(tree, tokens.to(context.features.last_hidden.device))
 
@@ -150,8 +151,8 @@ def _check_depth(drafter: str, subject: str, depth: int, heads: MedusaHeads, fix
 
 
 def _check_rank(drafter: str, subject: str, rank: int, heads: MedusaHeads, fix: str) -> None:
-    """A head ranks vocab_size tokens: rank vocab_size and beyond do not exist."""
-    vocab_size = heads.config.vocab_size
+    """A head ranks output_size tokens (its draft vocabulary's, or all): beyond, none exist."""
+    vocab_size = heads.config.output_size
     if rank >= vocab_size:
         raise ValueError(
             f"{drafter}: {subject} candidate rank {rank}, but the vocabulary has only "
@@ -183,7 +184,7 @@ def _check_product_arguments(heads: MedusaHeads, top_k: int, max_nodes: int, dep
         f"top_k={top_k} asks for",
         top_k - 1,
         heads,
-        f"pass top_k <= {heads.config.vocab_size}",
+        f"pass top_k <= {heads.config.output_size}",
     )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from selfspec.draft_vocab import DraftVocab, draft_vocabulary  # noqa: F401
 from selfspec.model import (
     MLP,
     Attention,
@@ -148,36 +149,6 @@ def _check_int(name: str, value) -> None:
         raise ValueError(f"EagleConfig: {name} must be an integer >= 1, got {value!r}")
 
 
-@dataclass(frozen=True)
-class DraftVocab:
-    """EAGLE-3's draft vocabulary: d2t [draft_vocab] int64 (target id = i + d2t[i]) and t2d [V]
-    bool (whether a target id is in the draft vocabulary)."""
-
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-
-    @property
-    def target_ids(self) -> torch.Tensor:
-        """[draft_vocab] the target id of each draft id, increasing."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
-
-
-def draft_vocabulary(
-    tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int,
-    mask: torch.Tensor | None = None,
-) -> DraftVocab:
-    """The draft_vocab_size most frequent token ids of `tokens` (where mask is set), ties and
-    ids never seen filled in by lower id first, listed in increasing id order."""
-    ids = tokens.flatten() if mask is None else tokens.flatten()[mask.flatten().bool()]
-    counts = torch.bincount(ids.cpu(), minlength=vocab_size)[:vocab_size]  # [V]
-    # Stable sort of -count: equal counts keep increasing id order.
-    chosen = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
-    d2t = chosen - torch.arange(draft_vocab_size)  # [draft_vocab]
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[chosen] = True
-    return DraftVocab(d2t.to(tokens.device), t2d.to(tokens.device))
-
-
 class EagleMidLayer(nn.Module):
     """EAGLE-3's decoder layer: attention reads concat(input_layernorm(embedding),
     hidden_norm(feature)) (2h); the residual stream is the feature."""
@@ -276,9 +247,7 @@ class EagleHead(nn.Module):
         logits = self.logits(hidden, lm_head)
         if self.config.version == 1:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        index = self.draft_vocab.target_ids.expand_as(logits)
-        return full.scatter(-1, index, logits)
+        return self.draft_vocab.scatter(logits)
 
     # ---- EAGLE-3: draft vocabulary and a start from the target --------------------------------
 

@@ -13,16 +13,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.draft_vocab import DraftVocab, default_vocab
+
 
 @dataclass(frozen=True)
 class MedusaConfig:
     """hidden_size, vocab_size: the target's; num_heads: K (head k predicts t + k + 2);
-    num_layers: residual blocks per head."""
+    num_layers: residual blocks per head; draft_vocab_size: the heads score only that many
+    target tokens (`selfspec.draft_vocab`), None = the whole vocabulary."""
 
     hidden_size: int
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         minimum = {"hidden_size": 1, "vocab_size": 1, "num_heads": 1, "num_layers": 0}
@@ -32,6 +36,16 @@ class MedusaConfig:
                 raise ValueError(
                     f"MedusaConfig: {name} must be an integer >= {least}, got {value!r}"
                 )
+        size = self.draft_vocab_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or not 1 <= size <= self.vocab_size):
+            raise ValueError(f"MedusaConfig: draft_vocab_size must be null or an integer in "
+                             f"[1, {self.vocab_size}] (the target's vocab_size), got {size!r}")
+
+    @property
+    def output_size(self) -> int:
+        """How many tokens each head scores."""
+        return self.draft_vocab_size or self.vocab_size
 
 
 class ResBlock(nn.Module):
@@ -54,7 +68,7 @@ class MedusaHead(nn.Module):
         super().__init__()
         # A fresh block per layer: `[ResBlock(h)] * n` would share one block's weights.
         self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_layers))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.output_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -63,12 +77,48 @@ class MedusaHead(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads: `forward(hidden [..., H]) -> logits [..., K, V]`."""
+    """K Medusa heads: `forward(hidden [..., H]) -> logits [..., K, V']`, V' = the draft
+    vocabulary's size when the config has one (then `draft_vocab` maps ids), else V."""
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
         self.config = config
         self.heads = nn.ModuleList(MedusaHead(config) for _ in range(config.num_heads))
+        if config.draft_vocab_size is not None:
+            vocab = default_vocab(config.draft_vocab_size, config.vocab_size)
+            self.register_buffer("d2t", vocab.d2t)
+            self.register_buffer("t2d", vocab.t2d)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        return None if self.config.draft_vocab_size is None else DraftVocab(self.d2t, self.t2d)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, vocab: DraftVocab) -> MedusaHeads:
+        """Score these target tokens (before `init_from_lm_head`, which copies their rows)."""
+        size = self.config.draft_vocab_size
+        if size is None or len(vocab.d2t) != size or len(vocab.t2d) != self.config.vocab_size:
+            raise ValueError(f"MedusaHeads.set_draft_vocab: the heads were built for a draft "
+                             f"vocabulary of {size} of {self.config.vocab_size} tokens, got "
+                             f"{len(vocab.d2t)} of {len(vocab.t2d)}")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+        return self
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the heads' output indices (the same ids without a draft vocab)."""
+        vocab = self.draft_vocab
+        return ids if vocab is None else vocab.target_ids[ids]
+
+    def labels(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+        """(labels, mask) for the loss: target ids as output indices, and tokens outside the
+        draft vocabulary masked out (the heads cannot propose them)."""
+        vocab = self.draft_vocab
+        if vocab is None:
+            return tokens, loss_mask
+        ids, kept = vocab.draft_ids(tokens)
+        return ids, loss_mask.bool() & kept
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[-1] != self.config.hidden_size:
@@ -80,7 +130,8 @@ class MedusaHeads(nn.Module):
 
     @torch.no_grad()
     def init_from_lm_head(self, weight: torch.Tensor) -> MedusaHeads:
-        """Copy the target's LM head weight [V, H] into every head's projection (Medusa-1).
+        """Copy the target's LM head weight [V, H] into every head's projection (Medusa-1);
+        with a draft vocabulary, the rows of its tokens.
 
         Copies, never shares: each head keeps its own storage and trains apart.
         """
@@ -90,6 +141,7 @@ class MedusaHeads(nn.Module):
                 f"MedusaHeads.init_from_lm_head: weight has shape {list(weight.shape)}, expected "
                 f"[vocab_size, hidden_size] = {list(expected)}; pass target.lm_head.weight"
             )
+        rows = weight if self.draft_vocab is None else weight[self.draft_vocab.target_ids]
         for head in self.heads:
-            head.lm_head.weight.copy_(weight)
+            head.lm_head.weight.copy_(rows)
         return self

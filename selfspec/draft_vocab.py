@@ -1,0 +1,70 @@
+"""A reduced draft vocabulary, one mechanism for every drafter that scores tokens itself.
+
+On a small real target the LM head is a fifth of the model (SmolLM2-135M: 28M of 135M
+parameters), so a drafter that scores the whole vocabulary pays a fifth of a target forward
+per drafted token. A draft vocabulary keeps the K target tokens most frequent in the training
+data (EAGLE-3's d2t / t2d, FR-Spec's frequency-ranked subset): the drafter scores only those,
+its law is zero elsewhere, and verification stays exact because the verifier never assumes
+the draft covers the target's support.
+
+Draft id i stands for target id i + d2t[i] (increasing), and t2d [V] marks the target ids the
+draft vocabulary holds: the published EAGLE-3 layout, kept for every drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """d2t [K] int64 (target id = i + d2t[i]) and t2d [V] bool (which target ids are kept)."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """[K] the target id of each draft id, increasing."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def draft_ids(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft ids, kept) for target ids `tokens` [...]: a token outside the draft vocabulary
+        gets draft id 0 and kept False."""
+        kept = self.t2d[tokens]
+        ids = torch.cumsum(self.t2d.long(), dim=0) - 1  # [V] draft id of each kept target id
+        return ids[tokens].clamp(min=0) * kept, kept
+
+    def scatter(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] scores over the target vocabulary from draft scores [..., K], -inf outside
+        the draft vocabulary (probability zero there)."""
+        full = logits.new_full((*logits.shape[:-1], len(self.t2d)), float("-inf"))
+        return full.scatter(-1, self.target_ids.expand_as(logits), logits)
+
+
+def draft_vocabulary(
+    tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int,
+    mask: torch.Tensor | None = None,
+) -> DraftVocab:
+    """The draft_vocab_size most frequent token ids of `tokens` (where mask is set), ties and
+    ids never seen filled in by lower id first, listed in increasing id order."""
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocabulary: the draft vocabulary must hold 1..{vocab_size} "
+                         f"tokens (the target's vocab_size), got {draft_vocab_size}")
+    ids = tokens.flatten() if mask is None else tokens.flatten()[mask.flatten().bool()]
+    counts = torch.bincount(ids.cpu(), minlength=vocab_size)[:vocab_size]  # [V]
+    # Stable sort of -count: equal counts keep increasing id order.
+    chosen = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
+    d2t = chosen - torch.arange(draft_vocab_size)  # [draft_vocab]
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    return DraftVocab(d2t.to(tokens.device), t2d.to(tokens.device))
+
+
+def default_vocab(draft_vocab_size: int, vocab_size: int) -> DraftVocab:
+    """The first draft_vocab_size target ids: the placeholder a head holds until its real
+    vocabulary is set (or loaded with its weights)."""
+    return DraftVocab(torch.zeros(draft_vocab_size, dtype=torch.long),
+                      torch.arange(vocab_size) < draft_vocab_size)
