@@ -152,7 +152,11 @@ def _read_cache(cache_file: str | Path | None) -> dict[str, str]:
 def _append_cache(cache_file: str | Path | None, pairs) -> None:
     if cache_file is None:
         return
-    Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
-    with open(cache_file, "a", encoding="utf-8") as out:
+    path = Path(cache_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cut_short = path.is_file() and not path.read_bytes().endswith(b"\n")
+    with open(path, "a", encoding="utf-8") as out:
+        if cut_short:  # an interrupted write: start a fresh line after it
+            out.write("\n")
         for prompt, answer in pairs:
             out.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")

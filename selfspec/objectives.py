@@ -27,18 +27,44 @@ def freeze(target: Transformer) -> Transformer:
     return target.eval()
 
 
+class FeatureCache:
+    """The frozen target's last hidden states of each training row, computed once and kept:
+    a frozen target gives the same features every epoch, so training over a small data set
+    for many epochs pays the target's forward once per row (EAGLE precomputes its features the
+    same way). Memory: rows x seq_len x hidden values in the target's dtype."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, target: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+        keys = [row.cpu().numpy().tobytes() for row in tokens]
+        missing = sorted({i for i, key in enumerate(keys) if key not in self.rows})
+        if missing:
+            new = tokens[missing]
+            hidden = target(new, torch.arange(new.shape[1], device=new.device)).last_hidden
+            self.rows.update((keys[i], h) for i, h in zip(missing, hidden))
+        return torch.stack([self.rows[key] for key in keys])  # [B, T, H]
+
+
 class MedusaObjective(nn.Module):
     """Medusa-1: heads read the frozen target's last hidden state and learn the tokens after
-    the next one (head k predicts t + k + 2), with per-head weights decay**k."""
+    the next one (head k predicts t + k + 2), with per-head weights decay**k.
+    cache_features: keep each row's features (`FeatureCache`) for runs of many epochs."""
 
-    def __init__(self, target: Transformer, heads: MedusaHeads, decay: float = 0.8):
+    def __init__(self, target: Transformer, heads: MedusaHeads, decay: float = 0.8,
+                 cache_features: bool = False):
         super().__init__()
         self.target, self.heads, self.decay = freeze(target), heads, decay
+        self.features = FeatureCache() if cache_features else None
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        with torch.no_grad():
-            hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
+        if self.features is not None:
+            hidden = self.features(self.target, tokens)
+        else:
+            with torch.no_grad():
+                hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
         return medusa_loss(self.heads(hidden), *self.heads.labels(tokens, loss_mask), decay=self.decay)
 
 

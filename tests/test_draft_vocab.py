@@ -135,3 +135,23 @@ def test_a_vocabulary_of_the_wrong_size_is_refused(target):
     with pytest.raises(ValueError, match="draft vocabulary of 3 of 64 tokens, got 2 of 64"):
         heads.set_draft_vocab(draft_vocabulary(torch.tensor([1, 2]), 64, 2))
     assert isinstance(heads.draft_vocab, DraftVocab)
+
+
+def test_cached_features_give_the_same_loss_and_run_the_target_once_per_row(target):
+    from selfspec.objectives import MedusaObjective
+
+    heads = reduced_heads(target, list(range(0, 64, 2)))
+    rows = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(rows)
+    plain = MedusaObjective(target, heads)(rows, mask)
+    cached = MedusaObjective(target, heads, cache_features=True)
+    calls = []
+    hook = target.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    try:
+        for batch in ([0, 1], [1, 2], [2, 0, 1]):  # rows seen again in later batches
+            out = cached(rows[batch], mask[batch])
+    finally:
+        hook.remove()
+    assert sorted(calls) == [1, 2]  # rows 0 and 1, then row 2: each row's forward once
+    torch.testing.assert_close(out.loss, MedusaObjective(target, heads)(rows[[2, 0, 1]], mask).loss)
+    assert plain.loss.isfinite()

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, build, converted, generate
+from selfspec.instructions import greedy_chat_answers
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.model import ModelConfig, Transformer
 from selfspec.prompts import Prompt, encode_prompts
@@ -110,6 +111,19 @@ def test_greedy_tokens_follow_the_full_forward_and_answer(both_models, chat_ids,
         sequence.append(expected[-1])
     assert list(out.tokens) == expected
     assert "Paris" in tokenizer.decode(out.tokens)  # the weights are the real model's
+
+
+def test_batched_chat_answers_are_each_prompts_own_greedy_answer(both_models, tokenizer):
+    # Training answers come from left-padded batches of transformers' generate: padding must
+    # change no answer, so each equals our own greedy decoding of that prompt alone.
+    ours, hf = both_models
+    prompts = [QUESTION, "Name three colours.", "Write one sentence about the sea, please."]
+    answers = greedy_chat_answers(prompts, hf, tokenizer, max_new_tokens=12)
+    for prompt, answer in zip(prompts, answers):
+        (encoded,) = encode_prompts([Prompt("q", prompt, "test")], tokenizer, 1024, chat=True)
+        out = generate(ours, encoded.ids, max_new_tokens=12, eos_token_id=ours.config.eos_token_ids)
+        assert answer == tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+    assert len(set(answers)) == 3 and "Paris" in answers[0]
 
 
 def test_the_model_config_finds_the_cached_folder(smollm2, monkeypatch):

@@ -227,8 +227,12 @@ def medusa_objective(
 ) -> MedusaObjective | Medusa2Objective:
     """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
     decay = float(cfg.medusa.decay)
+    cache = bool(cfg.medusa.get("cache_features", False))
     if medusa_version(cfg) == 1:
-        return MedusaObjective(target, heads, decay=decay)
+        return MedusaObjective(target, heads, decay=decay, cache_features=cache)
+    if cache:
+        raise ValueError("medusa.cache_features=true needs a frozen target (Medusa-1): "
+                         "Medusa-2 trains the target, whose features change every step")
     adapted = add_lora(target, lora_settings(cfg))
     return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
                             adapter_lr_scale=float(cfg.medusa.lora.lr_scale))

@@ -1,0 +1,79 @@
+"""Chat training prompts made from stdlib docstrings: disjoint from every evaluation prompt,
+deterministic, and answered once (the answer cache resumes an interrupted run)."""
+
+import json
+import re
+
+import pytest
+
+from omegaconf import OmegaConf
+
+from selfspec import build, instructions
+from selfspec.instructions import self_distilled_conversations, stdlib_instructions
+from selfspec.prompts import humaneval_prompts, stdlib_heldout_prompts
+
+WINDOW = 8  # words: a shared passage this long would mean a prompt leaked across
+
+
+def shingles(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z]\w*", text.lower())  # words, not runs of digits
+    return {tuple(words[i : i + WINDOW]) for i in range(len(words) - WINDOW + 1)}
+
+
+def data_config(name: str):
+    return OmegaConf.load(build.CONF_DIR / "data" / f"{name}.yaml")
+
+
+def evaluation_texts() -> list[str]:
+    texts = [p.text for p in humaneval_prompts()] + [p.text for p in stdlib_heldout_prompts(40, 60)]
+    for name in ("mt_bench", "spec_bench"):
+        texts += [p.text for p in build.prompts(data_config(name))]
+    return texts
+
+
+def test_training_prompts_share_no_passage_with_any_evaluation_prompt():
+    training = stdlib_instructions(10_000)  # every documented name
+    assert len(training) > 1000
+    evaluation = set().union(*map(shingles, evaluation_texts()))
+    assert len(evaluation) > 50_000  # the evaluation files were really read
+    leaked = [p for p in training if shingles(p) & evaluation]
+    assert not leaked, leaked[:3]
+
+
+def test_the_check_finds_a_leaked_prompt():
+    question = build.prompts(data_config("mt_bench"))[7].text
+    assert shingles(f"Explain this: {question}") & shingles(question)
+
+
+def test_prompts_are_deterministic_and_a_longer_list_extends_a_shorter_one():
+    short, long = stdlib_instructions(12), stdlib_instructions(40)
+    assert short == long[:12] and len(set(long)) == 40
+    assert len({p.split()[0] for p in long}) >= 4  # the templates take turns
+
+
+def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
+    asked = []
+
+    def answer(prompts, hf_model, tokenizer, max_new_tokens):
+        asked.append(list(prompts))
+        return [f"answer to {p}" for p in prompts]
+
+    monkeypatch.setattr(instructions, "greedy_chat_answers", answer)
+    cache = tmp_path / "answers.jsonl"
+    first = self_distilled_conversations(["a", "b", "c"], None, None, max_new_tokens=4,
+                                         batch_size=2, cache_file=cache)
+    assert asked == [["a", "b"], ["c"]]
+    assert first[2] == [{"role": "user", "content": "c"},
+                        {"role": "assistant", "content": "answer to c"}]
+    with open(cache, "a") as out:
+        out.write('{"prompt": "d", "answ')  # a line cut short by an interruption
+    asked.clear()
+    again = self_distilled_conversations(["a", "b", "c", "d", "e"], None, None,
+                                         max_new_tokens=4, batch_size=2, cache_file=cache)
+    assert asked == [["d", "e"]] and again[:3] == first
+    assert [json.loads(line)["prompt"] for line in cache.read_text().splitlines()[-2:]] == ["d", "e"]
+
+
+def test_a_count_below_one_is_refused():
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        stdlib_instructions(0)
