@@ -301,7 +301,8 @@ def test_a_checkpoint_round_trips(saved, target):
     folder, heads = saved
     meta = json.loads((folder / "head_config.json").read_text())
     assert meta["head_type"] == "MedusaHeads"
-    assert meta["config"] == {"hidden_size": 32, "vocab_size": 64, "num_heads": 3, "num_layers": 2}
+    assert meta["config"] == {"hidden_size": 32, "vocab_size": 64, "num_heads": 3, "num_layers": 2,
+                              "draft_vocab_size": None}
     assert meta["target"]["hidden_size"] == 32 and meta["target"]["num_layers"] == 2
     loaded = load_head(folder, MedusaHeads, MedusaConfig, target=target)
     assert loaded.config == heads.config

@@ -21,6 +21,7 @@ from selfspec.build.drafters import (  # noqa: F401
     build_drafter,
     check_eagle_settings,
     check_medusa_settings,
+    check_medusa_tree,
     drafter_choice,
     eagle_config,
     eagle_drafter,
