@@ -104,8 +104,8 @@ def self_distilled_conversations(
     batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
     for batch in tqdm(batches, desc="self-distill (chat)", initial=len(done) // batch_size):
         answers = greedy_chat_answers(batch, hf_model, tokenizer, max_new_tokens)
-        done.update(zip(batch, answers))
-        _append_cache(cache_file, zip(batch, answers))
+        done.update(zip(batch, answers, strict=True))
+        _append_cache(cache_file, zip(batch, answers, strict=True))
     return [[{"role": "user", "content": p}, {"role": "assistant", "content": done[p]}]
             for p in prompts]
 

@@ -43,7 +43,7 @@ class FeatureCache:
         if missing:
             new = tokens[missing]
             hidden = target(new, torch.arange(new.shape[1], device=new.device)).last_hidden
-            self.rows.update((keys[i], h) for i, h in zip(missing, hidden))
+            self.rows.update((keys[i], h) for i, h in zip(missing, hidden, strict=True))
         return torch.stack([self.rows[key] for key in keys])  # [B, T, H]
 
 
@@ -65,7 +65,8 @@ class MedusaObjective(nn.Module):
         else:
             with torch.no_grad():
                 hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
-        return medusa_loss(self.heads(hidden), *self.heads.labels(tokens, loss_mask), decay=self.decay)
+        labels, mask = self.heads.labels(tokens, loss_mask)
+        return medusa_loss(self.heads(hidden), labels, mask, decay=self.decay)
 
 
 class Medusa2Objective(nn.Module):

@@ -37,7 +37,8 @@ def test_draft_ids_and_scores_map_back_exactly():
 
 @pytest.mark.parametrize("size", [0, 65, True])
 def test_impossible_draft_vocabulary_sizes_are_refused(size):
-    with pytest.raises(ValueError, match=r"draft_vocab_size must be null or an integer in \[1, 64\]"):
+    expected = r"draft_vocab_size must be null or an integer in \[1, 64\]"
+    with pytest.raises(ValueError, match=expected):
         MedusaConfig(hidden_size=8, vocab_size=64, draft_vocab_size=size)
     if not isinstance(size, bool):
         with pytest.raises(ValueError, match="must hold 1..64 tokens"):

@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-
 from omegaconf import OmegaConf
 
 from selfspec import build, instructions
@@ -71,7 +70,8 @@ def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch
     again = self_distilled_conversations(["a", "b", "c", "d", "e"], None, None,
                                          max_new_tokens=4, batch_size=2, cache_file=cache)
     assert asked == [["d", "e"]] and again[:3] == first
-    assert [json.loads(line)["prompt"] for line in cache.read_text().splitlines()[-2:]] == ["d", "e"]
+    lines = cache.read_text().splitlines()
+    assert [json.loads(line)["prompt"] for line in lines[-2:]] == ["d", "e"]
 
 
 def test_a_count_below_one_is_refused():

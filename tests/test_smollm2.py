@@ -16,8 +16,8 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, build, converted, generate
-from selfspec.instructions import greedy_chat_answers
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.instructions import greedy_chat_answers
 from selfspec.model import ModelConfig, Transformer
 from selfspec.prompts import Prompt, encode_prompts
 
@@ -119,7 +119,7 @@ def test_batched_chat_answers_are_each_prompts_own_greedy_answer(both_models, to
     ours, hf = both_models
     prompts = [QUESTION, "Name three colours.", "Write one sentence about the sea, please."]
     answers = greedy_chat_answers(prompts, hf, tokenizer, max_new_tokens=12)
-    for prompt, answer in zip(prompts, answers):
+    for prompt, answer in zip(prompts, answers, strict=True):
         (encoded,) = encode_prompts([Prompt("q", prompt, "test")], tokenizer, 1024, chat=True)
         out = generate(ours, encoded.ids, max_new_tokens=12, eos_token_id=ours.config.eos_token_ids)
         assert answer == tokenizer.decode(out.tokens, skip_special_tokens=True).strip()

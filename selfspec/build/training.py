@@ -30,10 +30,10 @@ from selfspec.data import (
     self_distill_rows,
     weights_fingerprint,
 )
-from selfspec.instructions import cache_name, self_distilled_conversations, stdlib_instructions
 from selfspec.drafters import Drafter
 from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
+from selfspec.instructions import cache_name, self_distilled_conversations, stdlib_instructions
 from selfspec.lora import add_lora
 from selfspec.model import Transformer
 from selfspec.objectives import (
