@@ -43,7 +43,9 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
         f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=8",
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
         "trainer.eval_every=4", f"trainer.threads={suite_threads()}", "final_eval.num_prompts=2",
-        "final_eval.max_new_tokens=12", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        "final_eval.max_new_tokens=12", "medusa.draft_vocab_size=256",
+        "medusa.cache_features=true",
+        f"hydra.run.dir={run_dir}", cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tau" in done.stdout and "speedup" in done.stdout
@@ -54,7 +56,9 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     target = Transformer.from_pretrained(quick_build / "target")
     heads = load_head(run_dir / "checkpoints/step_0000008/export", MedusaHeads, MedusaConfig,
                       target=target)
-    assert heads.config.num_heads == 4
+    assert heads.config.num_heads == 4 and heads.config.draft_vocab_size == 256
+    assert heads.heads[0].lm_head.weight.shape == (256, target.config.hidden_size)
+    assert heads.draft_vocab.t2d.sum() == 256 and heads.d2t.abs().sum() > 0  # not the default
 
 
 def test_train_medusa_dry_run_plans_a_70b_target_without_weights(tmp_path):

@@ -43,10 +43,12 @@ def main(cfg: DictConfig) -> None:
     objective = build.medusa_objective(cfg, target, heads)
     tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
 
+    buffers = {name: b.detach().clone() for name, b in heads.named_buffers()}  # d2t, t2d
+
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
         """Heads alone (safetensors + config); Medusa-2 adds its adapter in peft's format."""
         trained = MedusaHeads(head_config)
-        trained.load_state_dict(state_part(state, "heads."))
+        trained.load_state_dict(state_part(state, "heads.") | buffers)
         save_head(folder, trained, head_config, target_info)
         if version == 2:
             save_adapter(objective.target, folder / ADAPTER_DIR, state_part(state, "target."))
