@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN, GENERATE, SWEEP, LOSSLESS = ("train/medusa.py", "eval/generate.py", "eval/sweep.py",
                                     "eval/lossless.py")
 EAGLE = "train/eagle.py"
+EARLY_EXIT = "train/early_exit.py"
 HELDOUT = "scripts/heldout_loss.py"
 NO_SUCH_GPU = "device=cuda:99"
 NO_SUCH_GPU_SAYS = r"CUDA is not available|CUDA device\(s\)"  # a CPU machine | a GPU machine
@@ -64,6 +65,14 @@ BAD_INPUTS = [
     (EAGLE, ["tree=top_k_products"], r"eagle.version=1 drafts a static tree"),
     (EAGLE, ["eagle.feature_noise=-1"], r"eagle.feature_noise must be >= 0"),
     (EAGLE, ["eagle.version=3", "eagle.ttt_steps=0"], r"eagle.ttt_steps must be an integer >= 1"),
+    (EARLY_EXIT, ["early_exit.exit_layers=[0]"],
+     r"exit layer E must be an integer in \[1, 8\) .*got 0 for this 8-layer target"),
+    (EARLY_EXIT, ["early_exit.exit_layers=[2,8]"], r"E must be an integer in \[1, 8\).* got 8"),
+    (EARLY_EXIT, ["early_exit.confidence_threshold=1.5"],
+     r"confidence_threshold must lie in \(0, 1\)"),
+    (EARLY_EXIT, ["early_exit.num_draft_tokens=0"],
+     r"early_exit.num_draft_tokens must be an integer >= 1"),
+    (EARLY_EXIT, ["early_exit.hard_weight=-1"], r"early_exit.hard_weight must be >= 0"),
     (TRAIN, ["model=gpt5"], r"Could not find 'model/gpt5'"),
     (TRAIN, ["model=local"], r"model.path: not set"),
     (TRAIN, ["model=llama2-70b"], r"meta-llama/Llama-2-70b-hf.* is not available on this"),
@@ -85,6 +94,14 @@ BAD_INPUTS = [
     (SWEEP, ["threads=0"], r"threads must be an integer >= 1, got 0"),
     (SWEEP, ["model.draft.path=/nonexistent"], r"model.draft.path=/nonexistent: no config"),
     (SWEEP, ["methods=[medusa]", "medusa_heads=/nonexistent/export"], r"no head_config.json"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exit_layers=[9]"],
+     r"exit layer E must be an integer in \[1, 8\)"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.confidence_threshold=[0.6,0]"],
+     r"confidence_threshold must lie in \(0, 1\)"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits=/nonexistent/export"],
+     r"early_exit.exits=/nonexistent/export/E2: no head_config.json"),
+    (LOSSLESS, ["methods=[early_exit]", "early_exit.exit_layers=[0]"],
+     r"exit layer E must be an integer in \[1, 8\)"),
     (LOSSLESS, ["methods=[warp]"], r"unknown method\(s\) \['warp'\]"),
     (LOSSLESS, ["num_prompts=0"], r"the number of prompts must be >= 1"),
     (LOSSLESS, ["max_new_tokens=0"], r"max_new_tokens must be an integer >= 1, got 0"),
@@ -123,7 +140,7 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
 def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple:
     """Run an entry point in this process as `python script args...` would; returns (exit
     status, stdout, stderr). Hydra entry points write into run_dir."""
-    if script in (TRAIN, EAGLE, SWEEP):
+    if script in (TRAIN, EAGLE, EARLY_EXIT, SWEEP):
         args = [*args, "wandb.enabled=false"]
     if not script.startswith("scripts/"):
         args = [*args, f"hydra.run.dir={run_dir}"]
