@@ -171,7 +171,8 @@ class EarlyExitObjective(nn.Module):
                              f"got exit layers {layers}")
         if not hard_weight >= 0:
             raise ValueError(f"EarlyExitObjective: hard_weight must be >= 0, got {hard_weight}")
-        self.target, self.heads, self.hard_weight = freeze(target), nn.ModuleList(heads), hard_weight
+        self.target, self.heads = freeze(target), nn.ModuleList(heads)
+        self.hard_weight = hard_weight
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         layers = tuple(head.exit_layer for head in self.heads)

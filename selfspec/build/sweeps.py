@@ -261,10 +261,11 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
 def build_method(models: SweepModels, name: str, k: int) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
     the same target by the same library. An early_exit/E/kind/stop row drafts up to k tokens
-    with that exit, stopping below that confidence threshold. Medusa at k drafts at most k deep (a static tree's
-    nodes of depth <= k; top-k products over k heads); Medusa-2 heads draft for, and are
-    compared with plain decoding of, their LoRA-adapted target ("plain_adapted"). EAGLE at k
-    drafts an EAGLE-2 dynamic tree k deep (whatever version the head is)."""
+    with that exit, stopping below that confidence threshold. Medusa at k drafts at most k
+    deep (a static tree's nodes of depth <= k; top-k products over k heads); Medusa-2 heads
+    draft for, and are compared with plain decoding of, their LoRA-adapted target
+    ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
+    the head is)."""
     if name.startswith("early_exit/"):
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
