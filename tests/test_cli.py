@@ -82,6 +82,7 @@ BAD_INPUTS = [
     (GENERATE, ["sampling.top_k=-2"], r"sampling.top_k must be an integer >= 0"),
     (GENERATE, ["drafter=eagle9"], r"unknown drafter 'eagle9'"),
     (GENERATE, ["num_draft_tokens=0"], r"num_draft_tokens must be an integer >= 1"),
+    (GENERATE, ["confidence_threshold=1"], r"confidence_threshold must lie in \(0, 1\)"),
     (GENERATE, [NO_SUCH_GPU], NO_SUCH_GPU_SAYS),
     (GENERATE, ["data=mt_bench", "data.path=/nonexistent/q.jsonl"],
      r"mt_bench question file not found: /nonexistent/q.jsonl"),

@@ -57,6 +57,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
     if kind == "small_model":
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
+    check_confidence_threshold("drafter=small_model", cfg.get("confidence_threshold"))
     return kind, k
 
 
@@ -69,7 +70,8 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
         return NgramDrafter(num_draft_tokens=k)
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
-    return SmallModelDrafter(draft, num_draft_tokens=k)
+    return SmallModelDrafter(draft, num_draft_tokens=k,
+                             confidence_threshold=cfg.get("confidence_threshold"))
 
 
 def tree_depth(cfg_tree: DictConfig) -> int | None:
