@@ -101,6 +101,10 @@ BAD_INPUTS = [
      r"confidence_threshold must lie in \(0, 1\)"),
     (SWEEP, ["methods=[early_exit]", "early_exit.exits=/nonexistent/export"],
      r"early_exit.exits=/nonexistent/export/E2: no head_config.json"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits={exits_other_target}",
+             "early_exit.exit_layers=[2]"], r"E2 was trained for another target .*hidden_size 32"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits={exits_other_e}",
+             "early_exit.exit_layers=[3]"], r"exits at layer E=2, not E=3"),
     (LOSSLESS, ["methods=[early_exit]", "early_exit.exit_layers=[0]"],
      r"exit layer E must be an integer in \[1, 8\)"),
     (LOSSLESS, ["methods=[warp]"], r"unknown method\(s\) \['warp'\]"),
@@ -135,7 +139,26 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
         (no_tokenizer / name).unlink(missing_ok=True)
     (root / "chat.json").write_text("def not_json(): pass\n")
     return {"toy": str(toy), "no_heads": str(config.parent), "cut_short": str(weights.parent),
-            "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json")}
+            "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json"),
+            **exit_exports(root)}
+
+
+def exit_exports(root: Path) -> dict[str, str]:
+    """Early-exit exports the tiny target must refuse: one trained for a 32-wide target, one
+    whose E3 folder holds an exit at layer 2."""
+    from selfspec.heads import ExitConfig, ExitHead, save_head
+    from selfspec.model import ModelConfig
+
+    tiny = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=8,
+                       num_heads=8, num_kv_heads=4, head_dim=32)
+    narrow = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=8,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    for name, config, folder in (("exits_other_target", narrow, "E2"),
+                                 ("exits_other_e", tiny, "E3")):
+        head = ExitHead(ExitConfig.for_target(config, 2, "norm"))
+        info = {"hidden_size": config.hidden_size, "vocab_size": 4096, "num_layers": 8}
+        save_head(root / name / folder, head, head.config, info)
+    return {name: str(root / name) for name in ("exits_other_target", "exits_other_e")}
 
 
 def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple:

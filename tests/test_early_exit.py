@@ -267,6 +267,21 @@ def test_a_small_draft_model_stops_below_its_confidence_threshold(target, plain_
     assert lengths == {None: 5, 0.999: 1}
 
 
+def test_sampling_through_a_small_draft_model_with_the_stop_follows_the_target_law():
+    hf = tiny_llama(3, vocab=8, layers=2, hidden=16, std=0.5)
+    target, draft = Transformer.from_hf(hf), Transformer.from_hf(first_layers(hf, 1))
+    drafter = SmallModelDrafter(draft, 3, confidence_threshold=0.5)
+    prompt, g = [2, 3, 4, 2, 3, 4, 2, 3], torch.Generator().manual_seed(0)
+    counts, short = Counter(), 0
+    for _ in range(N_SAMPLES):
+        out = generate(target, prompt, drafter=drafter, sampling=T1, max_new_tokens=2,
+                       generator=g)
+        counts[tuple(out.tokens)] += 1
+        short += out.stats.drafted < 3 * out.stats.steps
+    assert short > N_SAMPLES / 10  # the stop really fired
+    assert fit_pvalue(counts, exact_two_token_law(target, prompt, T1), N_SAMPLES) > P_VALUE_FLOOR
+
+
 # ---- errors before any generation, checkpoints ------------------------------------------------
 
 
