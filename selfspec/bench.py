@@ -31,7 +31,8 @@ from selfspec.peers import Decoder, OurDecoder
 from selfspec.sampling import SamplingParams
 
 # Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
-METHODS = ("small_model", "ngram", "medusa", "eagle", "hf_assisted", "hf_prompt_lookup")
+METHODS = ("small_model", "ngram", "medusa", "eagle", "early_exit", "hf_assisted",
+           "hf_prompt_lookup")
 # Our method whose Hugging Face peer does the same thing (for the ours-over-HF ratio).
 HF_PEERS = {"hf_assisted": "small_model", "hf_prompt_lookup": "ngram"}
 
@@ -150,7 +151,8 @@ class SweepGrid:
     medusa_depth: int | None = None
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        # A method may name a variant after a slash (early_exit/E4/norm/stop0.6).
+        unknown = [m for m in self.methods if m.split("/")[0] not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown method(s) {unknown or '(none given)'}: choose from "
                              f"{', '.join(METHODS)} (e.g. methods=[small_model,ngram])")

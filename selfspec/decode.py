@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.base import (
+    DecodeSetup,
+    Draft,
+    DraftContext,
+    Drafter,
+    EarlyLayers,
+    TargetFeatures,
+)
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
@@ -74,7 +81,7 @@ def generate(
     max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
     cache = target.new_cache(max_slots=max_length)
     if drafter is not None:
-        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length))
+        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache))
     layers = drafter.target_layers if drafter is not None else ()
     stop_ids = _stop_ids(eos_token_id)
     stats, history = GenerationStats(), prompt.tolist()
@@ -112,7 +119,11 @@ def _step(
     tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])[None]
     positions = base + tree.positions_with_root.to(device)
     mask = tree.mask_with_root.to(device)  # [N+1, N+1]
-    out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
+    if draft.early is None:
+        out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
+    else:
+        out = _resume_after_early_layers(target, tokens, positions, cache, mask, layers,
+                                         draft.early)
     p = logits_to_probs(out.logits[0], sampling)  # [N+1, V]
     if tree.num_nodes == 0:  # plain decoding: nothing to verify
         token = torch.tensor([sample(p[0], generator)], device=device)
@@ -127,6 +138,48 @@ def _step(
     rows = torch.cat([root_row, acceptance.path.to(device) + 1])  # [1 + accepted]
     cache.commit(base + rows)
     return acceptance, _features(out, tokens[0, rows], rows)
+
+
+def _resume_after_early_layers(
+    target: Transformer,
+    tokens: torch.Tensor,  # [1, N+1]
+    positions: torch.Tensor,  # [N+1]
+    cache,
+    mask: torch.Tensor,  # [N+1, N+1]
+    layers: tuple[int, ...],
+    early: EarlyLayers,
+) -> ModelOutput:
+    """The verification forward of a draft that already ran layers [0, E) over its first n
+    rows (K/V in the cache, residual streams in early.hidden): layers [0, E) over the other
+    rows only, then layers [E, L) over every row. Same logits as a full forward."""
+    exit_layer, base = early.exit_layer, cache.length
+    n = _check_early_layers(target, tokens.shape[1], layers, early)
+    hidden = early.hidden[None].to(target.embed_tokens.weight)  # [1, n, H]
+    if n < tokens.shape[1]:
+        cache.advance(n)  # the drafted rows' early K/V are already in their slots
+        past_cols = torch.ones(tokens.shape[1] - n, base, dtype=torch.bool, device=mask.device)
+        rest = target(tokens[:, n:], positions[n:], cache,
+                      mask=torch.cat([past_cols, mask[n:]], dim=1), exit_layer=exit_layer,
+                      return_hidden=(exit_layer,), with_logits=False)
+        hidden = torch.cat([hidden, rest.hidden[0]], dim=1)  # [1, N+1, H]
+        cache.truncate(base)
+    return target(tokens, positions, cache, mask=mask, return_hidden=layers,
+                  start_layer=exit_layer, hidden_in=hidden)
+
+
+def _check_early_layers(
+    target: Transformer, rows: int, layers: tuple[int, ...], early: EarlyLayers
+) -> int:
+    """The number of rows whose early layers ran, or a clear error for an inconsistent draft."""
+    n, exit_layer = early.hidden.shape[0], early.exit_layer
+    if not 1 <= exit_layer < target.config.num_layers or not 1 <= n <= rows:
+        raise ValueError(
+            f"a draft's early layers must be [0, E) with 1 <= E < {target.config.num_layers} "
+            f"over 1..{rows} rows, got E={exit_layer} over {n} rows")
+    if any(layer < exit_layer for layer in layers):
+        raise ValueError(f"the drafter asks for target layers {list(layers)} below the layer "
+                         f"{exit_layer} its verification starts at")
+    return n
 
 
 def _prefill(

@@ -178,6 +178,56 @@ def eagle3_loss(
     return LossOutput(total, metrics)
 
 
+def exit_loss(
+    exit_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    hard_weight: float = 0.0,
+) -> LossOutput:
+    """An early exit's loss: soft cross-entropy to the target's final law (Kangaroo), plus
+    hard_weight x cross-entropy to the tokens themselves.
+
+    exit_logits, target_logits: [B, T, V]; position t predicts token t + 1, so it counts when
+    loss_mask[:, t + 1] is set (None: every position but the last). tokens [B, T]: needed
+    when hard_weight > 0. Metrics: the soft term, the KL to the target (the soft term less the
+    target's entropy: 0 for a perfect exit) and top-1, the share of counted positions where
+    both argmaxes agree (greedy drafting's acceptance, token by token).
+    """
+    _check_exit_inputs(exit_logits, target_logits, tokens, loss_mask, hard_weight)
+    exit_rows, teacher = exit_logits[:, :-1], target_logits[:, :-1]  # [B, T-1, V]
+    rows = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+    rows = rows if loss_mask is None else loss_mask[:, 1:].bool()
+    soft = soft_cross_entropy(exit_rows, teacher)  # [B, T-1]
+    entropy = soft_cross_entropy(teacher, teacher)
+    soft_loss = _masked_mean(soft, rows)
+    metrics = {"soft_loss": float(soft_loss.detach()),
+               "kl": float(_masked_mean(soft - entropy, rows).detach()),
+               "top1": _agreement(exit_rows, teacher, rows)}
+    if hard_weight == 0:
+        return LossOutput(soft_loss, metrics)
+    hard, _ = _masked_cross_entropy(exit_rows, tokens[:, 1:], rows)
+    metrics["hard_loss"] = float(hard.detach())
+    return LossOutput(soft_loss + hard_weight * hard, metrics)
+
+
+def _check_exit_inputs(
+    exit_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor | None,
+    loss_mask: torch.Tensor | None, hard_weight: float,
+) -> None:
+    if exit_logits.dim() != 3 or exit_logits.shape != target_logits.shape:
+        raise ValueError(f"exit_loss: exit_logits and target_logits must both be [B, T, V], got "
+                         f"{list(exit_logits.shape)} and {list(target_logits.shape)}")
+    for name, value in (("loss_mask", loss_mask), ("tokens", tokens)):
+        if value is not None and value.shape != exit_logits.shape[:2]:
+            raise ValueError(f"exit_loss: {name} must be [B, T] = {list(exit_logits.shape[:2])}, "
+                             f"got {list(value.shape)}")
+    if not hard_weight >= 0:
+        raise ValueError(f"exit_loss: hard_weight must be >= 0, got {hard_weight}")
+    if hard_weight > 0 and tokens is None:
+        raise ValueError("exit_loss: hard_weight > 0 needs the tokens (hard labels)")
+
+
 def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """[...] -sum softmax(teacher) * log_softmax(logits) over the last dimension (fp32)."""
     teacher = torch.softmax(teacher_logits.float(), dim=-1)

@@ -212,11 +212,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 @dataclass
 class ModelOutput:
     """logits [B, T, V] fp32; hidden: residual streams in `return_hidden` order, each
-    [B, T, hidden]; last_hidden [B, T, hidden]: the normed state the LM head consumes."""
+    [B, T, hidden]; last_hidden [B, T, hidden]: the normed state the LM head consumes
+    (logits and last_hidden are None for a forward run with with_logits=False)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: tuple[torch.Tensor, ...]
-    last_hidden: torch.Tensor
+    last_hidden: torch.Tensor | None
 
 
 class RMSNorm(nn.Module):
@@ -403,6 +404,7 @@ class Transformer(nn.Module):
         return_hidden: tuple[int, ...] = (),
         start_layer: int = 0,
         hidden_in: torch.Tensor | None = None,
+        with_logits: bool = True,
     ) -> ModelOutput:
         """Run layers [start_layer, exit_layer) over T new tokens.
 
@@ -418,6 +420,9 @@ class Transformer(nn.Module):
         return_hidden: layer indices l; hidden l is the residual stream after l layers
             (0 = embeddings, num_layers = last layer's output, before the final norm).
         start_layer, hidden_in: resume with hidden_in [B, T, hidden] entering start_layer.
+        with_logits: False skips the final norm and LM head (a caller that only needs the
+            residual streams, e.g. the early layers of an early-exit draft); logits and
+            last_hidden are then None.
         """
         end = self._check_forward_args(
             tokens, positions, exit_layer, return_hidden, start_layer, hidden_in
@@ -434,9 +439,12 @@ class Transformer(nn.Module):
                     saved[i + 1] = h
         if cache is not None:
             cache.advance(tokens.shape[1])
+        hidden = tuple(saved[i] for i in return_hidden)
+        if not with_logits:
+            return ModelOutput(None, hidden, None)
         last_hidden = self.norm(h)  # [B, T, hidden]
         logits = self.lm_head(last_hidden).float()  # [B, T, V]
-        return ModelOutput(logits, tuple(saved[i] for i in return_hidden), last_hidden)
+        return ModelOutput(logits, hidden, last_hidden)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.inv_freq.device != positions.device:

@@ -8,14 +8,23 @@ target (`selfspec.lora`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from selfspec.heads.eagle import EagleHead
+from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.losses import LossOutput, eagle3_loss, eagle_loss, kl_to_teacher, medusa_loss
+from selfspec.losses import (
+    LossOutput,
+    eagle3_loss,
+    eagle_loss,
+    exit_loss,
+    kl_to_teacher,
+    medusa_loss,
+)
 from selfspec.model import ModelOutput, Transformer
 
 if TYPE_CHECKING:
@@ -173,6 +182,37 @@ class Eagle3Objective(nn.Module):
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
         logits = [self.head.logits(h) for h in hidden]  # steps x [B, T-1, Vd]
         return eagle3_loss(logits, out.logits, self.head.t2d, loss_mask, decay=self.decay)
+
+
+class EarlyExitObjective(nn.Module):
+    """Early exits at several layers E of the frozen target, trained together from one target
+    forward (so that a sweep can pick E): each exit reads the residual stream after its layer
+    and learns the target's final law (`exit_loss`: soft cross-entropy, plus hard_weight x
+    cross-entropy to the tokens). The loss is the mean over exits; metrics are per exit,
+    `exit/E{E}_*`."""
+
+    def __init__(self, target: Transformer, heads: Sequence[ExitHead], hard_weight: float = 0.0):
+        super().__init__()
+        layers = [head.exit_layer for head in heads]
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"EarlyExitObjective: give one exit per layer E (at least one), "
+                             f"got exit layers {layers}")
+        if not hard_weight >= 0:
+            raise ValueError(f"EarlyExitObjective: hard_weight must be >= 0, got {hard_weight}")
+        self.target, self.heads = freeze(target), nn.ModuleList(heads)
+        self.hard_weight = hard_weight
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        layers = tuple(head.exit_layer for head in self.heads)
+        out, _ = _frozen_target(self.target, tokens, layers)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        total, metrics = out.logits.new_zeros(()), {}
+        for head, hidden in zip(self.heads, out.hidden, strict=True):
+            logits = head.logits(hidden, positions, self.target)  # [B, T, V]
+            part = exit_loss(logits, out.logits, tokens, loss_mask, self.hard_weight)
+            total = total + part.loss / len(self.heads)
+            metrics |= {f"exit/E{head.exit_layer}_{k}": v for k, v in part.metrics.items()}
+        return LossOutput(total, metrics)
 
 
 def _frozen_target(

@@ -8,6 +8,7 @@ sampling setting, since acceptance and speed differ between greedy and sampled d
 from __future__ import annotations
 
 import statistics
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,10 @@ def _finish(fig: Figure, panels: dict[str, Any], line_plot: bool = True) -> Figu
     return fig
 
 
-def _color(method: str) -> str | None:
-    return COLORS.get(method)
+def _color(method: str) -> str:
+    """The method's own color; a method without one (e.g. an early_exit/E4/norm/stop0.6 row)
+    gets one of matplotlib's ten cycle colors, the same in every figure."""
+    return COLORS.get(method) or f"C{zlib.crc32(method.encode()) % 10}"
 
 
 

@@ -312,3 +312,22 @@ def test_drafter_errors_say_what_to_do(cfg_of, small_folder):
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         build.load_target(cfg_of(f"model.path={small_folder}", "model.dtype=fp8",
                                  *SMALL_OVERRIDES))
+
+
+def test_early_exit_configs_build_exits_drafters_and_sweep_rows(cfg_of):
+    cfg = cfg_of("early_exit.exit_layers=[1]", "run_dir=/tmp/unused", config="train_early_exit")
+    assert build.check_early_exit_settings(cfg) == (1,)
+    target = Transformer.from_hf(tiny_llama(0))
+    (head,) = build.early_exit_heads(cfg, target)
+    assert head.config.kind == "adapter" and head.exit_layer == 1
+    drafter = build.early_exit_drafter(cfg, head)
+    assert (drafter.max_nodes, drafter.confidence_threshold) == (6, 0.6)
+    from selfspec.build.sweeps import early_exit_variants
+
+    sweep = cfg_of("methods=[early_exit]", config="sweep")
+    assert early_exit_variants(sweep) == tuple(
+        f"early_exit/E{e}/norm/{stop}" for e in (2, 4, 6) for stop in ("nostop", "stop0.6"))
+    adapters = cfg_of("early_exit.exits=/some/export", "early_exit.exit_layers=3",
+                      "early_exit.confidence_threshold=0.5", config="lossless")
+    assert early_exit_variants(adapters) == ("early_exit/E3/norm/stop0.5",
+                                             "early_exit/E3/adapter/stop0.5")

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN, GENERATE, SWEEP, LOSSLESS = ("train/medusa.py", "eval/generate.py", "eval/sweep.py",
                                     "eval/lossless.py")
 EAGLE = "train/eagle.py"
+EARLY_EXIT = "train/early_exit.py"
 HELDOUT = "scripts/heldout_loss.py"
 NO_SUCH_GPU = "device=cuda:99"
 NO_SUCH_GPU_SAYS = r"CUDA is not available|CUDA device\(s\)"  # a CPU machine | a GPU machine
@@ -64,6 +65,14 @@ BAD_INPUTS = [
     (EAGLE, ["tree=top_k_products"], r"eagle.version=1 drafts a static tree"),
     (EAGLE, ["eagle.feature_noise=-1"], r"eagle.feature_noise must be >= 0"),
     (EAGLE, ["eagle.version=3", "eagle.ttt_steps=0"], r"eagle.ttt_steps must be an integer >= 1"),
+    (EARLY_EXIT, ["early_exit.exit_layers=[0]"],
+     r"exit layer E must be an integer in \[1, 8\) .*got 0 for this 8-layer target"),
+    (EARLY_EXIT, ["early_exit.exit_layers=[2,8]"], r"E must be an integer in \[1, 8\).* got 8"),
+    (EARLY_EXIT, ["early_exit.confidence_threshold=1.5"],
+     r"confidence_threshold must lie in \(0, 1\)"),
+    (EARLY_EXIT, ["early_exit.num_draft_tokens=0"],
+     r"early_exit.num_draft_tokens must be an integer >= 1"),
+    (EARLY_EXIT, ["early_exit.hard_weight=-1"], r"early_exit.hard_weight must be >= 0"),
     (TRAIN, ["model=gpt5"], r"Could not find 'model/gpt5'"),
     (TRAIN, ["model=local"], r"model.path: not set"),
     (TRAIN, ["model=llama2-70b"], r"meta-llama/Llama-2-70b-hf.* is not available on this"),
@@ -73,6 +82,7 @@ BAD_INPUTS = [
     (GENERATE, ["sampling.top_k=-2"], r"sampling.top_k must be an integer >= 0"),
     (GENERATE, ["drafter=eagle9"], r"unknown drafter 'eagle9'"),
     (GENERATE, ["num_draft_tokens=0"], r"num_draft_tokens must be an integer >= 1"),
+    (GENERATE, ["confidence_threshold=1"], r"confidence_threshold must lie in \(0, 1\)"),
     (GENERATE, [NO_SUCH_GPU], NO_SUCH_GPU_SAYS),
     (GENERATE, ["data=mt_bench", "data.path=/nonexistent/q.jsonl"],
      r"mt_bench question file not found: /nonexistent/q.jsonl"),
@@ -85,6 +95,18 @@ BAD_INPUTS = [
     (SWEEP, ["threads=0"], r"threads must be an integer >= 1, got 0"),
     (SWEEP, ["model.draft.path=/nonexistent"], r"model.draft.path=/nonexistent: no config"),
     (SWEEP, ["methods=[medusa]", "medusa_heads=/nonexistent/export"], r"no head_config.json"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exit_layers=[9]"],
+     r"exit layer E must be an integer in \[1, 8\)"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.confidence_threshold=[0.6,0]"],
+     r"confidence_threshold must lie in \(0, 1\)"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits=/nonexistent/export"],
+     r"early_exit.exits=/nonexistent/export/E2: no head_config.json"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits={exits_other_target}",
+             "early_exit.exit_layers=[2]"], r"E2 was trained for another target .*hidden_size 32"),
+    (SWEEP, ["methods=[early_exit]", "early_exit.exits={exits_other_e}",
+             "early_exit.exit_layers=[3]"], r"exits at layer E=2, not E=3"),
+    (LOSSLESS, ["methods=[early_exit]", "early_exit.exit_layers=[0]"],
+     r"exit layer E must be an integer in \[1, 8\)"),
     (LOSSLESS, ["methods=[warp]"], r"unknown method\(s\) \['warp'\]"),
     (LOSSLESS, ["num_prompts=0"], r"the number of prompts must be >= 1"),
     (LOSSLESS, ["max_new_tokens=0"], r"max_new_tokens must be an integer >= 1, got 0"),
@@ -117,13 +139,32 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
         (no_tokenizer / name).unlink(missing_ok=True)
     (root / "chat.json").write_text("def not_json(): pass\n")
     return {"toy": str(toy), "no_heads": str(config.parent), "cut_short": str(weights.parent),
-            "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json")}
+            "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json"),
+            **exit_exports(root)}
+
+
+def exit_exports(root: Path) -> dict[str, str]:
+    """Early-exit exports the tiny target must refuse: one trained for a 32-wide target, one
+    whose E3 folder holds an exit at layer 2."""
+    from selfspec.heads import ExitConfig, ExitHead, save_head
+    from selfspec.model import ModelConfig
+
+    tiny = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=8,
+                       num_heads=8, num_kv_heads=4, head_dim=32)
+    narrow = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=8,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    for name, config, folder in (("exits_other_target", narrow, "E2"),
+                                 ("exits_other_e", tiny, "E3")):
+        head = ExitHead(ExitConfig.for_target(config, 2, "norm"))
+        info = {"hidden_size": config.hidden_size, "vocab_size": 4096, "num_layers": 8}
+        save_head(root / name / folder, head, head.config, info)
+    return {name: str(root / name) for name in ("exits_other_target", "exits_other_e")}
 
 
 def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple:
     """Run an entry point in this process as `python script args...` would; returns (exit
     status, stdout, stderr). Hydra entry points write into run_dir."""
-    if script in (TRAIN, EAGLE, SWEEP):
+    if script in (TRAIN, EAGLE, EARLY_EXIT, SWEEP):
         args = [*args, "wandb.enabled=false"]
     if not script.startswith("scripts/"):
         args = [*args, f"hydra.run.dir={run_dir}"]

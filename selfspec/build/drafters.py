@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import checked_settings, device, sampling_params
+from selfspec.build.common import as_list, checked_settings, device, sampling_params
 from selfspec.build.models import (
     draft_model_config,
     load_model,
@@ -21,12 +21,15 @@ from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
+    EarlyExitDrafter,
     MedusaDrafter,
     MedusaProductDrafter,
     NgramDrafter,
     SmallModelDrafter,
 )
+from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
@@ -56,6 +59,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
     if kind == "small_model":
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
+    check_confidence_threshold("drafter=small_model", cfg.get("confidence_threshold"))
     return kind, k
 
 
@@ -68,7 +72,8 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
         return NgramDrafter(num_draft_tokens=k)
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
-    return SmallModelDrafter(draft, num_draft_tokens=k)
+    return SmallModelDrafter(draft, num_draft_tokens=k,
+                             confidence_threshold=cfg.get("confidence_threshold"))
 
 
 def tree_depth(cfg_tree: DictConfig) -> int | None:
@@ -251,3 +256,76 @@ def eagle_head(cfg: DictConfig, target: Transformer) -> tuple[EagleHead, EagleCo
 def load_eagle(folder: str | Path, target: Transformer) -> EagleHead:
     """The head of a train/eagle.py export (refused when trained for another target)."""
     return load_head(folder, EagleHead, EagleConfig, target=target)
+
+
+# ---- early exit ---------------------------------------------------------------------------
+
+
+def early_exit_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
+    """cfg.early_exit.exit_layers (one E or a list), each in [1, num_layers), no repeats."""
+    values = tuple(as_list(cfg.early_exit.exit_layers))
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"early_exit.exit_layers must list distinct layers E, got "
+                         f"{list(values)}: e.g. early_exit.exit_layers=[2,4,6]")
+    for value in values:
+        try:
+            check_exit_layer(value, num_layers)
+        except ValueError as error:
+            raise ValueError(f"early_exit.exit_layers: {error} for this {num_layers}-layer "
+                             f"target") from None
+    return values
+
+
+def early_exit_thresholds(cfg: DictConfig) -> tuple[float | None, ...]:
+    """cfg.early_exit.confidence_threshold: null (no stop), a number in (0, 1), or a list of
+    them (a sweep axis)."""
+    raw = cfg.early_exit.get("confidence_threshold")
+    values = (None,) if raw is None else tuple(as_list(raw))
+    return tuple(check_confidence_threshold("early_exit", v) for v in values)
+
+
+def check_early_exit_settings(cfg: DictConfig) -> tuple[int, ...]:
+    """Every cfg.early_exit setting of train/early_exit.py checked from the config alone
+    (no weights); returns the exit layers."""
+    layers = early_exit_layers(cfg, model_config(cfg.model).num_layers)
+    early_exit_thresholds(cfg)
+    k = cfg.early_exit.num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"early_exit.num_draft_tokens must be an integer >= 1, got {k!r}")
+    if not float(cfg.early_exit.hard_weight) >= 0:
+        raise ValueError(f"early_exit.hard_weight must be >= 0, got {cfg.early_exit.hard_weight}")
+    return layers
+
+
+def early_exit_heads(cfg: DictConfig, target: Transformer) -> list[ExitHead]:
+    """Fresh adapter exits, one per early_exit.exit_layers, each starting as the norm exit."""
+    torch.manual_seed(int(cfg.seed))
+    dtype = target.embed_tokens.weight.dtype
+    return [ExitHead(ExitConfig.for_target(target.config, e)).to(dtype).init_from_target(target)
+            for e in early_exit_layers(cfg, target.config.num_layers)]
+
+
+def norm_exit(target: Transformer, exit_layer: int) -> ExitHead:
+    """The untrained baseline exit at layer E: the target's final norm and LM head."""
+    return ExitHead(ExitConfig.for_target(target.config, exit_layer, "norm"))
+
+
+def load_early_exit(folder: str | Path, target: Transformer,
+                    exit_layer: int | None = None) -> ExitHead:
+    """An exit head of a train/early_exit.py export (refused when trained for another target,
+    or, with exit_layer, for another E)."""
+    head = load_head(folder, ExitHead, ExitConfig, target=target)
+    if exit_layer is not None and head.exit_layer != exit_layer:
+        raise ValueError(f"{folder}: the exit head exits at layer E={head.exit_layer}, not "
+                         f"E={exit_layer}; load the export of E={exit_layer} "
+                         f"(<run>/checkpoints/step_N/export/E{exit_layer})")
+    return head
+
+
+def early_exit_drafter(cfg: DictConfig, head: ExitHead, k: int | None = None,
+                       threshold: float | None = None) -> EarlyExitDrafter:
+    """train/early_exit.py's drafter: up to early_exit.num_draft_tokens (or k) tokens, stopping
+    below the (first) early_exit.confidence_threshold unless one is given."""
+    k = int(cfg.early_exit.num_draft_tokens) if k is None else k
+    threshold = early_exit_thresholds(cfg)[0] if threshold is None else threshold
+    return EarlyExitDrafter(head, k, threshold)

@@ -12,19 +12,36 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
-from selfspec.build.drafters import load_eagle, load_medusa, medusa_drafter, tree_depth
+from selfspec.build.drafters import (
+    early_exit_layers,
+    early_exit_thresholds,
+    load_eagle,
+    load_early_exit,
+    load_medusa,
+    medusa_drafter,
+    norm_exit,
+    tree_depth,
+)
 from selfspec.build.models import (
     draft_model_config,
     load_hf_model,
     load_model,
     load_target,
+    model_config,
     random_models,
     resolve_model_path,
 )
 from selfspec.build.prompts import sweep_prompt_texts
 from selfspec.costs import FloorSettings
-from selfspec.drafters import Drafter, EagleDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters import (
+    Drafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+)
 from selfspec.heads.eagle import EagleHead
+from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
 from selfspec.peers import HFDecoder, OurDecoder
@@ -64,6 +81,7 @@ class SweepModels:
     tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
     eagle_head: EagleHead | None = None
     eagle: DictConfig | None = None  # EAGLE-2 tree settings: total_tokens, top_k, ...
+    exits: dict | None = None  # early exits by (E, kind): the norm exits and trained adapters
     hf_target: Any = None
     hf_draft: Any = None
 
@@ -79,6 +97,8 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     check_sweep_weights(cfg, methods)
+    if "early_exit" in methods:
+        methods = _expand(methods, "early_exit", early_exit_variants(cfg))
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
@@ -90,9 +110,10 @@ def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
     small_model and ngram, plus medusa when cfg.medusa_heads is set and eagle when
     cfg.eagle_head is."""
     raw, heads, eagle = cfg.get("methods"), cfg.get("medusa_heads"), cfg.get("eagle_head")
+    exits = cfg.get("early_exit", {}).get("exits")
     if raw is None:
         return DEFAULT_SWEEP_METHODS + (("medusa",) if heads else ()) + (
-            ("eagle",) if eagle else ())
+            ("eagle",) if eagle else ()) + (("early_exit",) if exits else ())
     methods = tuple(dict.fromkeys(str(m) for m in as_list(raw)))
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -132,19 +153,55 @@ def named_samplings(names) -> tuple[tuple[str, SamplingParams], ...]:
 
 
 def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
-    """Every folder the methods need exists (nothing is loaded): target, draft, Medusa heads."""
+    """Every folder the methods need exists (nothing is loaded): target, draft, Medusa and
+    EAGLE heads, early exits (one E{E} folder per exit layer)."""
     resolve_model_path(cfg.model)
     if set(methods) & set(_NEEDS_DRAFT_MODEL):
         resolve_model_path(draft_model_config(cfg), "model.draft")
     for method, key in (("medusa", "medusa_heads"), ("eagle", "eagle_head")):
         if method not in methods:
             continue
-        folder = Path(str(cfg[key])).expanduser()
-        if not (folder / "head_config.json").is_file():
-            raise FileNotFoundError(
-                f"{key}={folder}: no head_config.json there; point it at an export folder "
-                f"of train/{method}.py, e.g. outputs/{method}/<run>/checkpoints/step_0000200/"
-                f"export")
+        _check_head_folder(Path(str(cfg[key])).expanduser(), key, method)
+    exits = cfg.get("early_exit", {}).get("exits") if "early_exit" in methods else None
+    if exits:
+        for e in early_exit_layers(cfg, model_config(cfg.model).num_layers):
+            _check_head_folder(Path(str(exits)).expanduser() / f"E{e}", "early_exit.exits",
+                               "early_exit")
+
+
+def _check_head_folder(folder: Path, key: str, method: str) -> None:
+    if not (folder / "head_config.json").is_file():
+        raise FileNotFoundError(
+            f"{key}={folder}: no head_config.json there; point it at an export folder "
+            f"of train/{method}.py, e.g. outputs/{method}/<run>/checkpoints/step_0000200/"
+            f"export")
+
+
+# ---- early exit: E, kind and confidence stop as axes ------------------------------------------
+
+EARLY_EXIT_NO_STOP = "nostop"
+
+
+def early_exit_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """The early-exit rows' names, early_exit/E{E}/{kind}/stop{threshold} (or nostop): every
+    early_exit.exit_layers x the norm exit (and the trained adapter when early_exit.exits names
+    a train/early_exit.py export) x every early_exit.confidence_threshold."""
+    layers = early_exit_layers(cfg, model_config(cfg.model).num_layers)
+    kinds = ("norm", "adapter") if cfg.early_exit.get("exits") else ("norm",)
+    stops = [EARLY_EXIT_NO_STOP if t is None else f"stop{t:g}"
+             for t in early_exit_thresholds(cfg)]
+    return tuple(f"early_exit/E{e}/{kind}/{stop}" for e in layers for kind in kinds
+                 for stop in stops)
+
+
+def _parse_early_exit(name: str) -> tuple[int, str, float | None]:
+    """(E, kind, threshold) of an early_exit variant name."""
+    _, layer, kind, stop = name.split("/")
+    return int(layer[1:]), kind, None if stop == EARLY_EXIT_NO_STOP else float(stop[4:])
+
+
+def _expand(methods: tuple[str, ...], name: str, variants: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(v for m in methods for v in (variants if m == name else (m,)))
 
 
 def check_eagle_tree(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
@@ -191,6 +248,8 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     if "eagle" in methods:
         models.eagle_head = load_eagle(str(cfg.eagle_head), models.target)
         models.eagle = cfg.eagle
+    if any(m.startswith("early_exit") for m in methods):
+        models.exits = _early_exits(cfg, models.target)
     if set(methods) & set(_HF_METHODS):
         models.hf_target = load_hf_model(resolve_model_path(cfg.model), dtype, on)
     if "hf_assisted" in methods:
@@ -201,10 +260,18 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
 
 def build_method(models: SweepModels, name: str, k: int) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
-    the same target by the same library. Medusa at k drafts at most k deep (a static tree's
-    nodes of depth <= k; top-k products over k heads); Medusa-2 heads draft for, and are
-    compared with plain decoding of, their LoRA-adapted target ("plain_adapted"). EAGLE at k
-    drafts an EAGLE-2 dynamic tree k deep (whatever version the head is)."""
+    the same target by the same library. An early_exit/E/kind/stop row drafts up to k tokens
+    with that exit, stopping below that confidence threshold. Medusa at k drafts at most k
+    deep (a static tree's nodes of depth <= k; top-k products over k heads); Medusa-2 heads
+    draft for, and are compared with plain decoding of, their LoRA-adapted target
+    ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
+    the head is)."""
+    if name.startswith("early_exit/"):
+        exit_layer, kind, threshold = _parse_early_exit(name)
+        head = _require(models.exits, name).get((exit_layer, kind))
+        drafter = EarlyExitDrafter(_require(head, name), k, threshold)
+        return Method(name, k, OurDecoder(models.target, drafter), OurDecoder(models.target),
+                      "plain", k)
     if name in ("small_model", "ngram", "medusa", "eagle"):
         drafter, nodes = _our_drafter(models, name, k)
         target, baseline = models.target, "plain"
@@ -233,6 +300,18 @@ def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
     heads = _require(models.medusa_heads, name)
     drafter = medusa_drafter(_require(models.tree, name), heads, max_depth=k)
     return drafter, drafter.max_nodes
+
+
+def _early_exits(cfg: DictConfig, target: Transformer) -> dict[tuple[int, str], ExitHead]:
+    """{(E, kind): exit}: the norm exit at every early_exit.exit_layers, and the adapters of
+    the early_exit.exits export (each refused for another target or another E)."""
+    exits = {}
+    for e in early_exit_layers(cfg, target.config.num_layers):
+        exits[(e, "norm")] = norm_exit(target, e)
+        if cfg.early_exit.get("exits"):
+            folder = Path(str(cfg.early_exit.exits)).expanduser() / f"E{e}"
+            exits[(e, "adapter")] = load_early_exit(folder, target, exit_layer=e)
+    return exits
 
 
 def _require(value, method: str):

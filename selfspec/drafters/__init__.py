@@ -1,7 +1,15 @@
 """Drafters: what proposes the tokens the target verifies."""
 
-from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.base import (
+    DecodeSetup,
+    Draft,
+    DraftContext,
+    Drafter,
+    EarlyLayers,
+    TargetFeatures,
+)
 from selfspec.drafters.eagle import EagleDrafter
+from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import NgramDrafter
 from selfspec.drafters.oracle import OracleDrafter
@@ -13,6 +21,8 @@ __all__ = [
     "DraftContext",
     "Drafter",
     "EagleDrafter",
+    "EarlyExitDrafter",
+    "EarlyLayers",
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",

@@ -17,28 +17,46 @@ from selfspec.sampling import SamplingParams
 from selfspec.tree import Tree
 
 if TYPE_CHECKING:
+    from selfspec.kv_cache import KVCache
     from selfspec.model import Transformer
+
+
+@dataclass(frozen=True)
+class EarlyLayers:
+    """What a draft already ran of the target itself (early-exit drafting): the target's
+    layers [0, exit_layer) over the first n rows of the verification forward (the root, then
+    draft nodes 0..n-2, in order). Their K/V sit in the target's cache at slots
+    [length, length + n), length being the cache's length when `propose` returned; hidden
+    [n, hidden_size] are their residual streams entering layer exit_layer. Verification then
+    runs layers [0, exit_layer) over the remaining rows only and layers
+    [exit_layer, num_layers) over every row (`selfspec.decode`)."""
+
+    exit_layer: int
+    hidden: torch.Tensor
 
 
 @dataclass(frozen=True)
 class Draft:
     """tree: the draft's shape; tokens [N]: node i's token; q [N, V] | None: the law each
     token was drawn from (None = chosen deterministically); without_replacement: siblings
-    were sampled without replacement (see `selfspec.verify.verify_tree`)."""
+    were sampled without replacement (see `selfspec.verify.verify_tree`); early: the target
+    layers the draft already ran over its first rows (None: verification runs every layer)."""
 
     tree: Tree
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     without_replacement: bool = False
+    early: EarlyLayers | None = None
 
     @classmethod
     def empty(cls) -> Draft:
         return cls(Tree.chain(0), torch.empty(0, dtype=torch.long))
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor | list[int], q: torch.Tensor | None = None) -> Draft:
+    def chain(cls, tokens: torch.Tensor | list[int], q: torch.Tensor | None = None,
+              early: EarlyLayers | None = None) -> Draft:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        return cls(Tree.chain(len(tokens)), tokens, q)
+        return cls(Tree.chain(len(tokens)), tokens, q, early=early)
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,8 @@ class DecodeSetup:
     """What a drafter learns when a generation begins.
 
     max_length: the most tokens (prompt + generated + one draft) the generation can reach.
+    target_cache: the target's own KV cache, for a drafter that runs the target's early
+    layers itself (its draft's K/V there are then reused by verification: `EarlyLayers`).
     """
 
     target: Transformer
@@ -53,6 +73,7 @@ class DecodeSetup:
     sampling: SamplingParams
     generator: torch.Generator | None
     max_length: int
+    target_cache: KVCache | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs, sample
 
@@ -21,15 +22,22 @@ class SmallModelDrafter:
     `logits_to_probs` as the target) and that distribution is passed on as q; when greedy,
     drafts are the argmax and q is None. The cache is rolled back to the longest prefix it
     shares with the committed tokens before each draft.
+
+    confidence_threshold: stop a draft early after the first token whose top-1 probability
+    under the draft model is below it (`selfspec.drafters.confidence`); None drafts
+    num_draft_tokens every step.
     """
 
     target_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: Transformer, num_draft_tokens: int = 4):
+    def __init__(self, model: Transformer, num_draft_tokens: int = 4,
+                 confidence_threshold: float | None = None):
         if num_draft_tokens < 1:
             raise ValueError(
                 f"SmallModelDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}"
             )
+        self.confidence_threshold = check_confidence_threshold("SmallModelDrafter",
+                                                               confidence_threshold)
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.max_nodes = num_draft_tokens
@@ -60,6 +68,8 @@ class SmallModelDrafter:
             tokens.append(token)
             rows.append(probs)
             pending = [token]
+            if below_confidence(logits, self.confidence_threshold):
+                break
         q = None if self.sampling.greedy else torch.stack(rows)  # [k, V] on the draft's device
         return Draft.chain(torch.tensor(tokens, device=self._device), q)
 

@@ -1,0 +1,132 @@
+"""Early-exit self-speculation (LayerSkip-style drafting, Kangaroo's adapter and stop): the
+target drafts with its own first E layers and an exit head (`selfspec.heads.early_exit`).
+
+Each draft step runs the target's layers [0, E) over one token in the target's own cache
+(the root first, then each drafted token but the last), keeps its layer-E state and turns it
+into the next token's law through the exit. The early layers' K/V stay in the target's cache:
+the draft hands its layer-E states on (`Draft.early`), and verification
+(`selfspec.decode`) runs layers [0, E) only for the last draft token and layers [E, L) over
+every row. The cache is then committed to the accepted prefix like any other draft's, so a
+rejection rolls back everything at once.
+
+The adapter exit keeps its own one-layer K/V cache over the committed context. Its entries
+for the rows a draft fed are exactly the committed rows' (same layer-E states), so after
+verification only the committed rows the draft did not feed (the last draft token when all
+were accepted) are fed, from the verification forward's layer-E states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
+from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
+from selfspec.heads.early_exit import ExitHead, check_exit_target
+from selfspec.kv_cache import KVCache
+from selfspec.sampling import logits_to_probs, sample
+
+
+class EarlyExitDrafter:
+    """Drafts up to num_draft_tokens tokens with the target's layers [0, E) and `head`
+    (E = head.exit_layer), stopping early after a token whose top-1 probability under the exit
+    is below confidence_threshold (None: never). Greedy drafts take the exit's argmax (q
+    None); sampled drafts draw from its warped law, passed on as q."""
+
+    def __init__(self, head: ExitHead, num_draft_tokens: int = 4,
+                 confidence_threshold: float | None = None) -> None:
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) \
+                or num_draft_tokens < 1:
+            raise ValueError(f"EarlyExitDrafter: num_draft_tokens must be an integer >= 1, "
+                             f"got {num_draft_tokens!r}")
+        self.head, self.num_draft_tokens = head, num_draft_tokens
+        self.confidence_threshold = check_confidence_threshold("EarlyExitDrafter",
+                                                               confidence_threshold)
+        self.max_nodes = num_draft_tokens
+        self.exit_layer = head.exit_layer
+        # The adapter reads the committed rows' layer-E states; the norm exit needs nothing.
+        self.target_layers: tuple[int, ...] = (
+            (self.exit_layer,) if head.config.kind == "adapter" else ())
+        self._own_cache: KVCache | None = None
+        self._committed = 0  # adapter cache slots holding committed rows
+        self._drafted = 0  # rows the last draft fed into the adapter cache after them
+
+    def begin(self, setup: DecodeSetup) -> None:
+        check_exit_target("EarlyExitDrafter", self.head, setup.target)
+        if setup.target_cache is None:
+            raise ValueError("EarlyExitDrafter drafts in the target's own cache: the decode "
+                             "loop must pass DecodeSetup.target_cache")
+        self._target, self._cache = setup.target, setup.target_cache
+        self._sampling, self._generator = setup.sampling, setup.generator
+        self._committed = self._drafted = 0
+        if self.head.config.kind == "adapter":
+            self._reset_own_cache(setup.max_length)
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> Draft:
+        self._consume(context)
+        base, token = self._cache.length, int(context.tokens[-1])
+        tokens, laws, states = [], [], []
+        for step in range(self.num_draft_tokens):
+            state = self._early_layers(token, base + step)  # [1, 1, H]
+            states.append(state[0, 0])
+            logits = self.head.logits(state, self._positions(base + step), self._target,
+                                      self._own_cache)[0, -1]  # [V]
+            probs = logits_to_probs(logits, self._sampling)
+            token = sample(probs, self._generator)
+            tokens.append(token)
+            laws.append(probs)
+            if below_confidence(logits, self.confidence_threshold):
+                break
+        # The last token's early layers have not run: its state is not handed on.
+        self._cache.truncate(base)  # verification reuses the drafted slots' early K/V
+        self._drafted = len(tokens)
+        q = None if self._sampling.greedy else torch.stack(laws)  # [n, V]
+        early = EarlyLayers(self.exit_layer, torch.stack(states))  # [n, H]
+        device = self._target.embed_tokens.weight.device
+        return Draft.chain(torch.tensor(tokens, device=device), q, early)
+
+    def _early_layers(self, token: int, position: int) -> torch.Tensor:
+        """The residual stream after layer E of `token` at `position` [1, 1, H]; writes its
+        early layers' K/V in the target's cache (one slot)."""
+        device = self._target.embed_tokens.weight.device
+        ids = torch.tensor([[token]], device=device)
+        out = self._target(ids, self._positions(position), self._cache,
+                           exit_layer=self.exit_layer, return_hidden=(self.exit_layer,),
+                           with_logits=False)
+        return out.hidden[0]
+
+    def _positions(self, position: int) -> torch.Tensor:
+        return torch.tensor([position], device=self._target.embed_tokens.weight.device)
+
+    # ---- the adapter's own cache --------------------------------------------------------------
+
+    def _reset_own_cache(self, max_length: int) -> None:
+        config, weight = self.head.config, self._target.embed_tokens.weight
+        cache = self._own_cache
+        if cache is None or cache.max_slots < max_length or cache.k.device != weight.device \
+                or cache.k.dtype != weight.dtype:
+            self._own_cache = KVCache(1, 1, config.num_kv_heads, max_length, config.head_dim,
+                                      dtype=weight.dtype, device=weight.device)
+        self._own_cache.reset()
+
+    def _consume(self, context: DraftContext) -> None:
+        """Bring the adapter cache to the committed context: keep the entries the last draft
+        fed for rows that were accepted, feed the committed rows it did not."""
+        if self._own_cache is None or self.head.config.kind != "adapter":
+            return
+        count = 0 if context.features is None else len(context.features.tokens)
+        start = len(context.tokens) - 1 - count  # history position of the first committed row
+        if start != self._committed:
+            raise RuntimeError(
+                f"EarlyExitDrafter: its adapter cache holds {self._committed} positions but the "
+                f"target's features start at position {start}: call begin() before each "
+                f"generation and pass every step's features")
+        reused = min(count, self._drafted)
+        self._own_cache.truncate(self._committed + reused)
+        if reused < count:
+            hidden = context.features.hidden[0][reused:][None]  # [1, count - reused, H]
+            positions = torch.arange(start + reused, start + count, device=hidden.device)
+            self.head(hidden.to(self._target.embed_tokens.weight), positions, self._own_cache,
+                      target_norm=self._target.norm)
+        self._committed = self._own_cache.length
+        self._drafted = 0

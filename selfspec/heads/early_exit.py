@@ -1,0 +1,166 @@
+"""Early exits from a frozen target's layer E (LayerSkip-style drafting; Kangaroo's adapter).
+
+An exit turns the residual stream after the target's first E layers into next-token logits
+through the target's own LM head (used, never owned):
+
+- `norm`: the target's final RMSNorm and LM head on layer E as they are. Nothing to train:
+  the honest baseline every trained exit must beat.
+- `adapter` (Kangaroo): RMSNorm, one attention layer with its own K/V cache over the
+  committed context, a residual, RMSNorm, then the target's LM head; no MLP. It starts as the
+  `norm` exit (zero attention output, the target's final norm weights: `init_from_target`)
+  and learns the target's final law by soft cross-entropy (`selfspec.losses.exit_loss`).
+
+A head records its exit layer: a head for one E never drafts from another (the drafter and
+`build.load_early_exit` refuse it). Trainable modules only: no decoding logic here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from selfspec.model import (
+    Attention,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    attention_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+EXIT_KINDS = ("norm", "adapter")
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """kind: `norm` or `adapter`; exit_layer: E, the number of target layers the exit reads
+    after (1 <= E < the target's layer count, checked by `for_target` and the drafter);
+    the rest are the target's sizes (the adapter's attention is shaped like the target's)."""
+
+    kind: str
+    exit_layer: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXIT_KINDS:
+            raise ValueError(f"ExitConfig: kind must be one of {', '.join(EXIT_KINDS)} "
+                             f"(norm: the target's final norm on layer E; adapter: Kangaroo's "
+                             f"trained adapter), got {self.kind!r}")
+        check_exit_layer(self.exit_layer, None)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, exit_layer: int, kind: str = "adapter"
+                   ) -> ExitConfig:
+        """An exit after `exit_layer` layers of `target`, sized like it."""
+        check_exit_layer(exit_layer, target.num_layers)
+        return cls(kind=kind, exit_layer=exit_layer, hidden_size=target.hidden_size,
+                   vocab_size=target.vocab_size, num_heads=target.num_heads,
+                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   rope_scaling=target.rope_scaling,
+                   max_position_embeddings=target.max_position_embeddings,
+                   attention_bias=target.attention_bias,
+                   attention_out_bias=target.attention_out_bias)
+
+    def layer_config(self) -> ModelConfig:
+        """The adapter attention's shape as a ModelConfig (one layer, no MLP used)."""
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=1,
+            num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias, attention_out_bias=self.attention_out_bias)
+
+
+def check_exit_layer(exit_layer, num_layers: int | None) -> None:
+    """E must be an integer in [1, num_layers): at least one layer drafts, at least one is
+    left for verification to start at."""
+    upper = "num_layers" if num_layers is None else str(num_layers)
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 1 \
+            or (num_layers is not None and exit_layer >= num_layers):
+        raise ValueError(f"exit layer E must be an integer in [1, {upper}) (E=0 drafts with no "
+                         f"layer, E={upper} leaves none to verify with), got {exit_layer!r}")
+
+
+class ExitHead(nn.Module):
+    """`forward(hidden, positions, cache)`: the normed state the target's LM head reads, from
+    the residual stream after layer E; `logits(...)` adds the LM head. The adapter's K/V
+    cache (KVCache-like, one layer) holds the committed context's entries."""
+
+    def __init__(self, config: ExitConfig) -> None:
+        super().__init__()
+        self.config = config
+        if config.kind == "adapter":
+            layer = config.layer_config()
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.self_attn = Attention(layer, layer_idx=0)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.inv_freq = rope_inv_freq(layer)  # [D/2]
+
+    @property
+    def exit_layer(self) -> int:
+        return self.config.exit_layer
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, T, H] the residual stream after layer E
+        positions: torch.Tensor,  # [T]
+        cache=None,
+        *,
+        target_norm: nn.Module,
+    ) -> torch.Tensor:
+        """[B, T, H] what the LM head reads. The norm exit applies target_norm; the adapter
+        its own layers (writing and advancing `cache` when given)."""
+        if self.config.kind == "norm":
+            return target_norm(hidden)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        past = 0 if cache is None else cache.length
+        attn_mask = attention_mask(None, hidden.shape[1], past, hidden.device)
+        out = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_mask, cache)
+        if cache is not None:
+            cache.advance(hidden.shape[1])
+        return self.norm(out)
+
+    def logits(self, hidden: torch.Tensor, positions: torch.Tensor, target: Transformer,
+               cache=None) -> torch.Tensor:
+        """[B, T, V] fp32 exit logits through the target's LM head."""
+        normed = self(hidden, positions, cache, target_norm=target.norm)
+        return target.lm_head(normed.to(target.lm_head.weight.dtype)).float()
+
+    def init_from_target(self, target: Transformer) -> ExitHead:
+        """Start the adapter as the norm exit: zero attention output, the target's final norm
+        weights (so training can only improve on the baseline's starting point)."""
+        if self.config.kind == "adapter":
+            with torch.no_grad():
+                self.self_attn.o_proj.weight.zero_()
+                self.norm.weight.copy_(target.norm.weight)
+        return self
+
+
+def check_exit_target(who: str, head: ExitHead, target: Transformer) -> None:
+    """Refuse an exit for another target (sizes) or an E the target cannot exit at."""
+    ours, theirs = head.config, target.config
+    for key in ("hidden_size", "vocab_size"):
+        if getattr(ours, key) != getattr(theirs, key):
+            raise ValueError(f"{who}: the exit head has {key} {getattr(ours, key)}, the target "
+                             f"{getattr(theirs, key)}: load an exit head trained for this target")
+    try:
+        check_exit_layer(ours.exit_layer, theirs.num_layers)
+    except ValueError as error:
+        raise ValueError(f"{who}: {error} for this {theirs.num_layers}-layer target") from None

@@ -1,0 +1,69 @@
+"""`python train/early_exit.py` end to end on a toy 3-layer target (two exit layers in one run),
+and its dry run for a 70B target."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import tiny_llama
+from test_train_medusa import sharegpt_file
+
+from selfspec.build import load_early_exit
+from selfspec.model import Transformer
+from selfspec.tracking import read_metrics
+
+ENTRY = Path(__file__).resolve().parents[1] / "train" / "early_exit.py"
+
+
+def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def three_layer_target(quick_build: Path, folder: Path) -> Path:
+    """A random 3-layer Llama with the toy tokenizer (the toy target has one layer: no E)."""
+    vocab = json.loads((quick_build / "target" / "config.json").read_text())["vocab_size"]
+    model = tiny_llama(0, vocab=vocab, layers=3)
+    model.config.max_position_embeddings = 2048  # room for HumanEval prompts
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (quick_build / "target" / name).is_file():
+            shutil.copy(quick_build / "target" / name, folder / name)
+    return folder
+
+
+def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_build):
+    model = three_layer_target(quick_build, tmp_path / "model")
+    done = run_entry(
+        "model=local", f"model.path={model}", "train_data.source=sharegpt",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
+        "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
+        "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]",
+        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("E=1 norm", "E=1 adapter", "E=2 norm", "E=2 adapter"):
+        assert line in done.stdout
+    assert "tau" in done.stdout and "speedup" in done.stdout and "draft time share" in done.stdout
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for e in (1, 2):
+        for kind in ("norm", "adapter"):
+            assert summary[f"E{e}/{kind}/lossless"] is True and summary[f"E{e}/{kind}/tau"] >= 1
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [2, 4]
+    assert any("eval/exit/E2_kl" in r for r in read_metrics(run_dir))
+    target = Transformer.from_pretrained(model)
+    export = run_dir / "checkpoints/step_0000004/export"
+    assert load_early_exit(export / "E2", target, exit_layer=2).config.kind == "adapter"
+
+
+def test_train_early_exit_dry_run_plans_a_70b_target_without_weights(tmp_path):
+    done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # per exit: two norms (2 x 8192), q and o (8192 x 8192), k and v (8192 x 1024); 3 exits
+    assert "ExitHead adapters at E=[2, 4, 6]): 453,033,984 parameters" in done.stdout
