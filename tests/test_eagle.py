@@ -448,7 +448,7 @@ N_SAMPLES = 1000
 
 
 T1, TOP_P = SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)
-DYNAMIC = {"total_tokens": 6, "depth": 3, "top_k": 2}
+DYNAMIC = {"total_tokens": 6, "depth": 3, "top_k": 2, "sampled_children": False}
 # A budget of 3 nodes for up to 2 + 4 + 4 drawn: keeping the best-scored drawn tokens instead
 # (pool and cut, as with chosen children) fails this test at p ~ 1e-9.
 SAMPLED = {"total_tokens": 3, "depth": 3, "top_k": 2, "sampled_children": True}
