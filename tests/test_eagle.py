@@ -4,15 +4,12 @@ checkpoints."""
 
 import json
 import math
-from collections import Counter
 
 import pytest
 import torch
 from helpers import (
-    P_VALUE_FLOOR,
-    exact_two_token_law,
+    assert_drafted_sampling_is_exact,
     fit_eagle_head,
-    fit_pvalue,
     tiny_llama,
 )
 
@@ -463,16 +460,7 @@ def test_sampling_through_eagle_follows_the_target_law(params, kwargs):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
     drafter = EagleDrafter(head, **kwargs)
-    prompt, g = [2, 3, 4, 2, 3, 4, 2, 3], torch.Generator().manual_seed(0)
-    counts, two_from_one_step = Counter(), 0
-    for _ in range(N_SAMPLES):
-        out = generate(target, prompt, drafter=drafter, sampling=params, max_new_tokens=2,
-                       generator=g)
-        counts[tuple(out.tokens)] += 1
-        two_from_one_step += out.stats.steps == 1
-    assert two_from_one_step > N_SAMPLES / 10  # the head's tokens were really in play
-    law = exact_two_token_law(target, prompt, params)
-    assert fit_pvalue(counts, law, N_SAMPLES) > P_VALUE_FLOOR
+    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
 
 
 def test_sampled_children_come_with_their_laws(target):

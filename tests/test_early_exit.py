@@ -7,7 +7,14 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, exact_two_token_law, first_layers, fit_pvalue, tiny_llama
+from helpers import (
+    P_VALUE_FLOOR,
+    assert_drafted_sampling_is_exact,
+    exact_two_token_law,
+    first_layers,
+    fit_pvalue,
+    tiny_llama,
+)
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.decode import _resume_after_early_layers
@@ -240,16 +247,7 @@ T1, TOP_P = SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)
 def test_sampling_through_an_early_exit_follows_the_target_law(params, kind, threshold):
     target = Transformer.from_hf(tiny_llama(3, vocab=8, layers=2, hidden=16, std=0.5))
     drafter = EarlyExitDrafter(random_exit(target, 1, kind, seed=4, std=0.1), 2, threshold)
-    prompt, g = [2, 3, 4, 2, 3, 4, 2, 3], torch.Generator().manual_seed(0)
-    counts, two_from_one_step = Counter(), 0
-    for _ in range(N_SAMPLES):
-        out = generate(target, prompt, drafter=drafter, sampling=params, max_new_tokens=2,
-                       generator=g)
-        counts[tuple(out.tokens)] += 1
-        two_from_one_step += out.stats.steps == 1
-    assert two_from_one_step > N_SAMPLES / 10  # the exit's tokens were really in play
-    law = exact_two_token_law(target, prompt, params)
-    assert fit_pvalue(counts, law, N_SAMPLES) > P_VALUE_FLOOR
+    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
 
 
 # ---- the confidence stop on a small draft model -----------------------------------------------

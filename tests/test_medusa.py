@@ -2,17 +2,14 @@
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from helpers import (
-    P_VALUE_FLOOR,
-    exact_two_token_law,
+    assert_drafted_sampling_is_exact,
     fit_medusa_heads,
-    fit_pvalue,
     tiny_llama,
 )
 
@@ -274,17 +271,7 @@ def test_sampling_through_medusa_follows_the_target_law(params):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     heads = random_heads(MedusaConfig(hidden_size=16, vocab_size=SMALL_VOCAB, num_heads=2), 4)
     drafter = MedusaDrafter(heads, SAMPLING_TREE)
-    prompt, g = [2, 3, 4, 2, 3, 4, 2, 3], torch.Generator().manual_seed(0)
-    counts, two_from_one_step = Counter(), 0
-    for _ in range(N_SAMPLES):
-        out = generate(
-            target, prompt, drafter=drafter, sampling=params, max_new_tokens=2, generator=g
-        )
-        counts[tuple(out.tokens)] += 1
-        two_from_one_step += out.stats.steps == 1
-    assert two_from_one_step > N_SAMPLES / 10  # the heads' tokens were really in play
-    law = exact_two_token_law(target, prompt, params)
-    assert fit_pvalue(counts, law, N_SAMPLES) > P_VALUE_FLOOR
+    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

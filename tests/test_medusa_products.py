@@ -2,11 +2,14 @@
 exact sampling, argument errors."""
 
 import itertools
-from collections import Counter
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, exact_two_token_law, fit_medusa_heads, fit_pvalue, tiny_llama
+from helpers import (
+    assert_drafted_sampling_is_exact,
+    fit_medusa_heads,
+    tiny_llama,
+)
 from test_medusa import NEW_TOKENS, PROMPTS, random_heads  # noqa: F401 (PROMPTS: plain_greedy)
 
 from selfspec import SamplingParams, Transformer, generate
@@ -191,14 +194,4 @@ def test_sampling_through_top_k_products_follows_the_target_law():
     target = Transformer.from_hf(tiny_llama(3, vocab=vocab, layers=1, hidden=16, std=0.5))
     heads = random_heads(MedusaConfig(hidden_size=16, vocab_size=vocab, num_heads=2), 4)
     drafter = MedusaProductDrafter(heads, top_k=3, max_nodes=6)
-    prompt, g = [2, 3, 4, 2, 3, 4, 2, 3], torch.Generator().manual_seed(0)
-    counts, two_from_one_step = Counter(), 0
-    for _ in range(n_samples):
-        out = generate(
-            target, prompt, drafter=drafter, sampling=params, max_new_tokens=2, generator=g
-        )
-        counts[tuple(out.tokens)] += 1
-        two_from_one_step += out.stats.steps == 1
-    assert two_from_one_step > n_samples / 10  # the heads' tokens were really in play
-    law = exact_two_token_law(target, prompt, params)
-    assert fit_pvalue(counts, law, n_samples) > P_VALUE_FLOOR
+    assert_drafted_sampling_is_exact(target, drafter, params, n_samples)
