@@ -38,6 +38,7 @@ import torch
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.ranking import ranked
 from selfspec.heads.eagle import EagleHead
+from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs, sample
@@ -275,10 +276,7 @@ def _scored(growth: _Growth, parent: int, child: tuple[int, float, int]
 def check_head_target(who: str, head: EagleHead, target: Transformer) -> None:
     """Refuse a head trained for another target: sizes, or fused layers it does not have."""
     ours, theirs = head.config, target.config
-    for key in ("hidden_size", "vocab_size"):
-        if getattr(ours, key) != getattr(theirs, key):
-            raise ValueError(f"{who}: the head has {key} {getattr(ours, key)}, the target "
-                             f"{getattr(theirs, key)}: load a head trained for this target")
+    check_sizes(who, "the head has", ours, target, "load a head trained for this target")
     if (ours.target_hidden_size or theirs.hidden_size) != theirs.hidden_size:
         raise ValueError(f"{who}: the head fuses target states of width "
                          f"{ours.target_hidden_size}, the target's are {theirs.hidden_size}")

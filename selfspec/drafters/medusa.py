@@ -23,6 +23,7 @@ import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.ranking import ranked as _ranked
+from selfspec.heads.io import check_sizes
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.tree import Tree
 
@@ -131,13 +132,8 @@ def _root_logits(heads: MedusaHeads, context: DraftContext, depth: int) -> torch
 
 
 def _check_target(drafter: str, heads: MedusaHeads, setup: DecodeSetup) -> None:
-    target, ours = setup.target.config, heads.config
-    for key in ("hidden_size", "vocab_size"):
-        if getattr(target, key) != getattr(ours, key):
-            raise ValueError(
-                f"{drafter}: the heads have {key} {getattr(ours, key)}, the target "
-                f"{getattr(target, key)}: load heads trained for this target"
-            )
+    check_sizes(drafter, "the heads have", heads.config, setup.target,
+                "load heads trained for this target")
 
 
 def _check_depth(drafter: str, subject: str, depth: int, heads: MedusaHeads, fix: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.heads.io import check_sizes
 from selfspec.model import (
     Attention,
     ModelConfig,
@@ -156,10 +157,8 @@ class ExitHead(nn.Module):
 def check_exit_target(who: str, head: ExitHead, target: Transformer) -> None:
     """Refuse an exit for another target (sizes) or an E the target cannot exit at."""
     ours, theirs = head.config, target.config
-    for key in ("hidden_size", "vocab_size"):
-        if getattr(ours, key) != getattr(theirs, key):
-            raise ValueError(f"{who}: the exit head has {key} {getattr(ours, key)}, the target "
-                             f"{getattr(theirs, key)}: load an exit head trained for this target")
+    check_sizes(who, "the exit head has", ours, target,
+                "load an exit head trained for this target")
     try:
         check_exit_layer(ours.exit_layer, theirs.num_layers)
     except ValueError as error:

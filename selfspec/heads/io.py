@@ -134,6 +134,15 @@ def _build_config(config_cls: type, fields: dict[str, Any], folder: Path) -> Any
         ) from error
 
 
+def check_sizes(who: str, subject: str, config: Any, target: Transformer, fix: str) -> None:
+    """Refuse, before generating, a head whose hidden_size or vocab_size is not the target's;
+    subject: e.g. "the heads have", fix: what to do instead."""
+    for key in _CONFIG_KEYS:
+        ours, theirs = getattr(config, key), getattr(target.config, key)
+        if ours != theirs:
+            raise ValueError(f"{who}: {subject} {key} {ours}, the target {theirs}: {fix}")
+
+
 def _check_target(
     folder: Path, trained_for: dict[str, Any], config: Any, target: Transformer
 ) -> None:
