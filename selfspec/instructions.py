@@ -18,9 +18,10 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from selfspec.data import read_source, stdlib_files, stdlib_root
 
@@ -91,17 +92,20 @@ def _instruction(item: Documented, index: int) -> str:
 
 
 def self_distilled_conversations(
-    prompts: list[str], hf_model, tokenizer, *, max_new_tokens: int, batch_size: int,
-    cache_file: str | Path | None,
+    prompts: list[str], load_model: Callable[[], Any], tokenizer, *, max_new_tokens: int,
+    batch_size: int, cache_file: str | Path | None,
 ) -> list[list[dict]]:
     """[user, assistant] conversations whose assistant turn is the model's greedy answer to
     the user turn through its chat template. Batches already in cache_file are read back; new
-    ones are appended as they finish (an interrupted run loses at most one batch)."""
+    ones are appended as they finish (an interrupted run loses at most one batch).
+    load_model: returns the `transformers` model that answers, called only if some prompt has
+    no cached answer yet."""
     from tqdm.auto import tqdm
 
     done = _read_cache(cache_file)
     todo = [p for p in prompts if p not in done]
     batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+    hf_model = load_model() if batches else None
     for batch in tqdm(batches, desc="self-distill (chat)", initial=len(done) // batch_size):
         answers = greedy_chat_answers(batch, hf_model, tokenizer, max_new_tokens)
         done.update(zip(batch, answers, strict=True))

@@ -57,9 +57,15 @@ def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch
         asked.append(list(prompts))
         return [f"answer to {p}" for p in prompts]
 
+    loads = []
+
+    def load():
+        loads.append(1)
+        return "model"
+
     monkeypatch.setattr(instructions, "greedy_chat_answers", answer)
     cache = tmp_path / "answers.jsonl"
-    first = self_distilled_conversations(["a", "b", "c"], None, None, max_new_tokens=4,
+    first = self_distilled_conversations(["a", "b", "c"], load, None, max_new_tokens=4,
                                          batch_size=2, cache_file=cache)
     assert asked == [["a", "b"], ["c"]]
     assert first[2] == [{"role": "user", "content": "c"},
@@ -67,9 +73,13 @@ def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch
     with open(cache, "a") as out:
         out.write('{"prompt": "d", "answ')  # a line cut short by an interruption
     asked.clear()
-    again = self_distilled_conversations(["a", "b", "c", "d", "e"], None, None,
+    again = self_distilled_conversations(["a", "b", "c", "d", "e"], load, None,
                                          max_new_tokens=4, batch_size=2, cache_file=cache)
     assert asked == [["d", "e"]] and again[:3] == first
+    assert len(loads) == 2
+    self_distilled_conversations(["e", "a"], load, None, max_new_tokens=4, batch_size=2,
+                                 cache_file=cache)
+    assert len(loads) == 2  # every answer cached: the model is never loaded
     lines = cache.read_text().splitlines()
     assert [json.loads(line)["prompt"] for line in lines[-2:]] == ["d", "e"]
 

@@ -189,9 +189,11 @@ def instruction_conversations(cfg: DictConfig, target: Transformer | None, token
     cache_dir = cfg.train_data.get("cache_dir")
     cache = None if cache_dir is None else os.path.join(
         cache_dir, cache_name(weights_fingerprint(target), new_tokens))
-    hf_model = load_hf_model(resolve_model_path(cfg.model), "fp32", device(cfg))
+    def answering_model():  # the target's own weights, in transformers for batched generate
+        return load_hf_model(resolve_model_path(cfg.model), cfg.model.dtype, device(cfg))
+
     return self_distilled_conversations(
-        prompts, hf_model, tokenizer, max_new_tokens=new_tokens, cache_file=cache,
+        prompts, answering_model, tokenizer, max_new_tokens=new_tokens, cache_file=cache,
         batch_size=positive_int(cfg, "train_data.self_distill_batch_size"))
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from selfspec.draft_vocab import DraftVocab, draft_vocabulary  # noqa: F401
+from selfspec.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
 from selfspec.model import (
     MLP,
     Attention,
@@ -185,9 +185,9 @@ class EagleHead(nn.Module):
             self.midlayer = EagleMidLayer(layer)
             self.norm = RMSNorm(h, config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-            # Until set from data: the first draft_vocab_size target ids.
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
+            vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
+            self.register_buffer("d2t", vocab.d2t)
+            self.register_buffer("t2d", vocab.t2d)
         # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
         self.inv_freq = rope_inv_freq(layer)  # [D/2]
 
