@@ -75,7 +75,8 @@ class MedusaObjective(nn.Module):
             with torch.no_grad():
                 hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
         labels, mask = self.heads.labels(tokens, loss_mask)
-        return medusa_loss(self.heads(hidden), labels, mask, decay=self.decay)
+        logits = self.heads(hidden, self.target.lm_head)
+        return medusa_loss(logits, labels, mask, decay=self.decay)
 
 
 class Medusa2Objective(nn.Module):
@@ -114,8 +115,8 @@ class Medusa2Objective(nn.Module):
         with torch.no_grad(), self.target.disable_adapter():
             teacher = self.target(tokens, positions).logits  # [B, T, V] the unadapted target
         out = self.target(tokens, positions)
-        heads = medusa_loss(self.heads(out.last_hidden), *self.heads.labels(tokens, loss_mask),
-                            decay=self.decay)
+        logits = self.heads(out.last_hidden, self.target.get_base_model().lm_head)
+        heads = medusa_loss(logits, *self.heads.labels(tokens, loss_mask), decay=self.decay)
         kl = kl_to_teacher(out.logits, teacher, loss_mask)
         metrics = heads.metrics | {"medusa/lm_kl": float(kl.detach())}
         return LossOutput(heads.loss + self.lm_weight * kl, metrics)

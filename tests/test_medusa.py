@@ -259,6 +259,34 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
     assert sum(taus) / len(taus) > 2.0, taus
 
 
+# ---- heads sharing the target's LM head -----------------------------------------------------
+
+
+def test_shared_lm_head_heads_score_like_own_heads_holding_a_copy_of_it(target):
+    own = random_heads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=3, num_layers=2), 7)
+    own.init_from_lm_head(target.lm_head.weight.detach())
+    shared = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=3, num_layers=2,
+                                      shared_lm_head=True))
+    state = {k: v for k, v in own.state_dict().items() if "lm_head" not in k}
+    assert set(state) == set(shared.state_dict())  # no projection weights of their own
+    shared.load_state_dict(state)
+    hidden = torch.randn(5, 32)
+    torch.testing.assert_close(shared(hidden, target.lm_head), own(hidden), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="share the target's LM head: pass lm_head"):
+        shared(hidden)
+
+
+@pytest.mark.parametrize("tree", ["chain4", "medusa_small"])
+def test_greedy_is_lossless_with_shared_lm_head_heads(target, plain_greedy, tree):
+    config = MedusaConfig(hidden_size=32, vocab_size=64, num_heads=4, shared_lm_head=True)
+    greedy_with_medusa(target, random_heads(config, seed=3), tree_choices(tree), plain_greedy)
+
+
+def test_a_shared_lm_head_with_a_draft_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="shared LM head is the target's.*draft_vocab_size"):
+        MedusaConfig(hidden_size=8, vocab_size=16, draft_vocab_size=4, shared_lm_head=True)
+
+
 # ---- drafter: exact sampling ----------------------------------------------------------------
 
 SMALL_VOCAB = 8
@@ -289,7 +317,7 @@ def test_a_checkpoint_round_trips(saved, target):
     meta = json.loads((folder / "head_config.json").read_text())
     assert meta["head_type"] == "MedusaHeads"
     assert meta["config"] == {"hidden_size": 32, "vocab_size": 64, "num_heads": 3, "num_layers": 2,
-                              "draft_vocab_size": None}
+                              "draft_vocab_size": None, "shared_lm_head": False}
     assert meta["target"]["hidden_size"] == 32 and meta["target"]["num_layers"] == 2
     loaded = load_head(folder, MedusaHeads, MedusaConfig, target=target)
     assert loaded.config == heads.config

@@ -110,7 +110,8 @@ def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
                             vocab_size=target_config.vocab_size,
                             num_heads=int(cfg.medusa.num_heads),
                             num_layers=int(cfg.medusa.num_layers),
-                            draft_vocab_size=cfg.medusa.get("draft_vocab_size"))
+                            draft_vocab_size=cfg.medusa.get("draft_vocab_size"),
+                            shared_lm_head=cfg.medusa.get("shared_lm_head", False))
 
 
 def check_medusa_settings(cfg: DictConfig) -> int:
@@ -198,12 +199,14 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig) -> EagleConfig:
     """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
     eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3)."""
     e, version = cfg.eagle, eagle_version(cfg)
-    layers = e.get("target_layers")
+    layers, fc_bias = e.get("target_layers"), e.get("fc_bias")
+    if fc_bias is not None and not isinstance(fc_bias, bool):
+        raise ValueError(f"eagle.fc_bias must be null, true or false, got {fc_bias!r}")
     try:
         if version < 3:
-            return EagleConfig.for_target(target_config, 1)
+            return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
         return EagleConfig.for_target(
-            target_config, 3, draft_vocab_size=e.draft_vocab_size,
+            target_config, 3, draft_vocab_size=e.draft_vocab_size, fc_bias=fc_bias,
             target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)))
     except ValueError as exc:
         raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None

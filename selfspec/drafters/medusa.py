@@ -39,6 +39,7 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, tree: Tree | Sequence[Sequence[int]]):
         self.heads = heads
+        self._lm_head = None  # the target's, set by begin (heads that share it read it)
         self.tree = tree if isinstance(tree, Tree) else Tree.from_paths(tree)
         self.max_nodes = self.tree.num_nodes
         _check_depth(
@@ -63,12 +64,13 @@ class MedusaDrafter:
 
     def begin(self, setup: DecodeSetup) -> None:
         _check_target("MedusaDrafter", self.heads, setup)
+        self._lm_head = setup.target.lm_head
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
         if self.tree.num_nodes == 0:
             return Draft.empty()
-        logits = _root_logits(self.heads, context, self.tree.max_depth)  # [depth, V]
+        logits = _root_logits(self.heads, self._lm_head, context, self.tree.max_depth)  # [depth, V]
         if logits is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
         ranked = _ranked(logits, self._ranks)  # [depth, ranks] output ids, most likely first
@@ -98,14 +100,16 @@ class MedusaProductDrafter:
         depth = heads.config.num_heads if depth is None else depth
         _check_product_arguments(heads, top_k, max_nodes, depth)
         self.heads, self.top_k, self.depth = heads, top_k, depth
+        self._lm_head = None  # the target's, set by begin (heads that share it read it)
         self.max_nodes = min(max_nodes, sum(top_k**d for d in range(1, depth + 1)))
 
     def begin(self, setup: DecodeSetup) -> None:
         _check_target("MedusaProductDrafter", self.heads, setup)
+        self._lm_head = setup.target.lm_head
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
-        logits = _root_logits(self.heads, context, self.depth)  # [depth, V]
+        logits = _root_logits(self.heads, self._lm_head, context, self.depth)  # [depth, V]
         if logits is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
         ranked = _ranked(logits, self.top_k)  # [depth, k] token ids, most likely first
@@ -120,14 +124,17 @@ class MedusaProductDrafter:
 # ---- shared by both modes -------------------------------------------------------------------
 
 
-def _root_logits(heads: MedusaHeads, context: DraftContext, depth: int) -> torch.Tensor | None:
+def _root_logits(heads: MedusaHeads, lm_head: torch.nn.Module | None, context: DraftContext,
+                 depth: int) -> torch.Tensor | None:
     """[depth, V] logits of heads 0..depth-1 at the state that produced the root, or None
-    before the target's first forward (no hidden state yet)."""
+    before the target's first forward (no hidden state yet). lm_head: the target's (used by
+    heads that share it)."""
     if context.features is None:
         return None
     hidden = context.features.last_hidden[-1]  # [H] the state that produced the root
-    weight = next(heads.parameters())
-    logits = heads(hidden.to(device=weight.device, dtype=weight.dtype))  # [K, V]
+    weight = next(heads.parameters(), None)
+    weight = lm_head.weight if weight is None else weight
+    logits = heads(hidden.to(device=weight.device, dtype=weight.dtype), lm_head)  # [K, V]
     return logits[:depth]
 
 

@@ -5,8 +5,9 @@ f_{t+1}, whose logits give the law of token t+2. Drafting deeper, the head's own
 in for the target's feature (`selfspec.drafters.eagle`).
 
 - EAGLE-1 (`version=1`): the feature is the target's last hidden state after its final norm
-  (what its LM head reads). `fc` (2h -> h, with bias) reads concat(embedding, feature), then one
-  Llama decoder layer without its input RMSNorm; the target's frozen LM head gives the logits.
+  (what its LM head reads). `fc` (2h -> h, with a bias unless fc_bias=False) reads
+  concat(embedding, feature), then one Llama decoder layer without its input RMSNorm; the
+  target's frozen LM head gives the logits.
 - EAGLE-3 (`version=3`): the feature fuses three of the target's residual streams (the inputs
   of layers 2, L//2 and L-3 by default) through `fc` (3h -> h, no bias). The layer's attention
   reads concat(input_layernorm(embedding), hidden_norm(feature)) (2h wide); a final norm and
@@ -58,7 +59,9 @@ class EagleConfig:
     num_kv_heads, head_dim, RoPE, biases) default to the target's (`for_target`).
     draft_vocab_size: EAGLE-3's reduced vocabulary (None: EAGLE-1, the full vocabulary).
     target_hidden_size: the width of each fused target state (None: hidden_size).
-    target_layers: EAGLE-3's fused residual streams of the target (empty for EAGLE-1)."""
+    target_layers: EAGLE-3's fused residual streams of the target (empty for EAGLE-1).
+    fc_bias: whether `fc` has a bias; None = the published default (EAGLE-1 yes, EAGLE-3 no).
+    vLLM builds EAGLE-1's fc without one: train with fc_bias=False to serve a head there."""
 
     version: int
     hidden_size: int
@@ -77,6 +80,7 @@ class EagleConfig:
     attention_bias: bool = False
     attention_out_bias: bool = False
     mlp_bias: bool = False
+    fc_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if self.version not in VERSIONS:
@@ -107,7 +111,7 @@ class EagleConfig:
     @classmethod
     def for_target(
         cls, target: ModelConfig, version: int = 1, *, draft_vocab_size: int | None = None,
-        target_layers: tuple[int, ...] | None = None,
+        target_layers: tuple[int, ...] | None = None, fc_bias: bool | None = None,
     ) -> EagleConfig:
         """A head sized like one decoder layer of `target`; EAGLE-3 fuses target_layers
         (default: the inputs of layers 2, L//2 and L-3) over draft_vocab_size tokens."""
@@ -118,7 +122,11 @@ class EagleConfig:
         return cls(version=version, **shared,
                    draft_vocab_size=draft_vocab_size if version == 3 else None,
                    target_hidden_size=target.hidden_size if version == 3 else None,
-                   target_layers=tuple(target_layers or ()))
+                   target_layers=tuple(target_layers or ()), fc_bias=fc_bias)
+
+    @property
+    def has_fc_bias(self) -> bool:
+        return self.version == 1 if self.fc_bias is None else bool(self.fc_bias)
 
     @property
     def output_vocab_size(self) -> int:
@@ -178,10 +186,10 @@ class EagleHead(nn.Module):
         self.config = config
         layer, h = config.layer_config(), config.hidden_size
         if config.version == 1:
-            self.fc = nn.Linear(2 * h, h, bias=True)
+            self.fc = nn.Linear(2 * h, h, bias=config.has_fc_bias)
             self.layers = nn.ModuleList([DecoderLayer(layer, 0, input_norm=False)])
         else:
-            self.fc = nn.Linear(config.feature_size, h, bias=False)
+            self.fc = nn.Linear(config.feature_size, h, bias=config.has_fc_bias)
             self.midlayer = EagleMidLayer(layer)
             self.norm = RMSNorm(h, config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)

@@ -2,7 +2,9 @@
 
 Head k reads the target's normed final hidden state at position t and predicts the token at
 t + k + 2 (the target's own LM head predicts t + 1). Each head is `num_layers` residual blocks
-followed by its own vocabulary projection. Trainable modules only: decoding lives in
+followed by a vocabulary projection: its own (Medusa-1's released heads), or the target's frozen
+LM head shared by all heads (`shared_lm_head`, as the later Medusa releases do), computed for
+every head in one matmul. Trainable modules only: decoding lives in
 `selfspec.drafters.medusa`, the loss in `selfspec.losses`.
 """
 
@@ -20,13 +22,15 @@ from selfspec.draft_vocab import DraftVocab, default_vocab
 class MedusaConfig:
     """hidden_size, vocab_size: the target's; num_heads: K (head k predicts t + k + 2);
     num_layers: residual blocks per head; draft_vocab_size: the heads score only that many
-    target tokens (`selfspec.draft_vocab`), None = the whole vocabulary."""
+    target tokens (`selfspec.draft_vocab`), None = the whole vocabulary; shared_lm_head: the
+    heads end in the target's LM head (pass it to `forward`) instead of their own."""
 
     hidden_size: int
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1
     draft_vocab_size: int | None = None
+    shared_lm_head: bool = False
 
     def __post_init__(self) -> None:
         minimum = {"hidden_size": 1, "vocab_size": 1, "num_heads": 1, "num_layers": 0}
@@ -41,6 +45,13 @@ class MedusaConfig:
                                  or not 1 <= size <= self.vocab_size):
             raise ValueError(f"MedusaConfig: draft_vocab_size must be null or an integer in "
                              f"[1, {self.vocab_size}] (the target's vocab_size), got {size!r}")
+        if not isinstance(self.shared_lm_head, bool):
+            raise ValueError(f"MedusaConfig: shared_lm_head must be true or false, got "
+                             f"{self.shared_lm_head!r}")
+        if self.shared_lm_head and size is not None:
+            raise ValueError("MedusaConfig: a shared LM head is the target's, which scores the "
+                             "whole vocabulary: set draft_vocab_size to null or give the heads "
+                             "their own LM heads (shared_lm_head=false)")
 
     @property
     def output_size(self) -> int:
@@ -62,18 +73,24 @@ class ResBlock(nn.Module):
 
 
 class MedusaHead(nn.Module):
-    """One head: its own residual blocks, then its own [V, H] projection."""
+    """One head: its own residual blocks, then its own [V, H] projection (none when the heads
+    share the target's LM head)."""
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
         # A fresh block per layer: `[ResBlock(h)] * n` would share one block's weights.
         self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_layers))
-        self.lm_head = nn.Linear(config.hidden_size, config.output_size, bias=False)
+        self.lm_head = (None if config.shared_lm_head else
+                        nn.Linear(config.hidden_size, config.output_size, bias=False))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] the state this head's projection reads."""
         for block in self.blocks:
             hidden = block(hidden)
-        return self.lm_head(hidden)  # [..., V]
+        return hidden
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.features(hidden))  # [..., V]
 
 
 class MedusaHeads(nn.Module):
@@ -120,20 +137,28 @@ class MedusaHeads(nn.Module):
         ids, kept = vocab.draft_ids(tokens)
         return ids, loss_mask.bool() & kept
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[..., K, V'] logits; lm_head: the target's, which shared-LM-head heads need."""
         if hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"MedusaHeads: hidden states have size {hidden.shape[-1]}, the heads expect "
                 f"{self.config.hidden_size}: pass the target's last_hidden [..., hidden]"
             )
-        return torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, V]
+        if not self.config.shared_lm_head:
+            return torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, V]
+        if lm_head is None:
+            raise ValueError("MedusaHeads: these heads share the target's LM head: pass "
+                             "lm_head=target.lm_head")
+        states = torch.stack([head.features(hidden) for head in self.heads], dim=-2)
+        return lm_head(states)  # [..., K, V]: one matmul for all heads
 
     @torch.no_grad()
     def init_from_lm_head(self, weight: torch.Tensor) -> MedusaHeads:
         """Copy the target's LM head weight [V, H] into every head's projection (Medusa-1);
         with a draft vocabulary, the rows of its tokens.
 
-        Copies, never shares: each head keeps its own storage and trains apart.
+        Copies, never shares: each head keeps its own storage and trains apart. Heads that share
+        the target's LM head have nothing to copy.
         """
         expected = (self.config.vocab_size, self.config.hidden_size)
         if tuple(weight.shape) != expected:
@@ -141,6 +166,8 @@ class MedusaHeads(nn.Module):
                 f"MedusaHeads.init_from_lm_head: weight has shape {list(weight.shape)}, expected "
                 f"[vocab_size, hidden_size] = {list(expected)}; pass target.lm_head.weight"
             )
+        if self.config.shared_lm_head:
+            return self
         rows = weight if self.draft_vocab is None else weight[self.draft_vocab.target_ids]
         for head in self.heads:
             head.lm_head.weight.copy_(rows)
