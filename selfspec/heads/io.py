@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
 from selfspec.model import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -27,6 +30,7 @@ _TARGET_KEYS = ("hidden_size", "vocab_size", "num_layers")  # recorded; must mat
 _CONFIG_KEYS = ("hidden_size", "vocab_size")  # head config fields that must match too
 
 HeadT = TypeVar("HeadT", bound=nn.Module)
+log = logging.getLogger(__name__)
 
 
 def describe_target(target: Transformer) -> dict[str, Any]:
@@ -73,35 +77,108 @@ def save_head(
 
 
 def load_head(
-    folder: str | Path, cls: type[HeadT], config_cls: type, *, target: Transformer
+    folder: str | Path, cls: type[HeadT] | None = None, config_cls: type | None = None, *,
+    target: Transformer, allow_other_base: bool = False,
 ) -> HeadT:
-    """Load a head saved by `save_head`, on the target's device and dtype.
+    """Load a head on the target's device and dtype: one saved by `save_head`, or one in a
+    published layout (Medusa's reference or vLLM folders, EAGLE-1, EAGLE-3:
+    `selfspec.heads.published`), whose layout is logged and kept in `module.loaded_from`.
 
-    Refuses (ValueError) a checkpoint of another head type or one trained for a target with
-    another hidden size, vocab size or layer count; a missing folder or file is a
-    FileNotFoundError.
+    cls, config_cls: the head class expected (None: whatever the folder holds). Refuses
+    (ValueError) a head of another class, or one trained for a target with another hidden
+    size, vocab size or layer count, or (allow_other_base=False) whose recorded base model
+    name is not the target's; a missing folder or file is a FileNotFoundError.
     """
     folder = Path(folder)
-    meta = _read_meta(folder)
-    if meta.get("head_type") != cls.__name__:
-        raise ValueError(
-            f"load_head: {folder} holds a {meta.get('head_type')!r} head, not {cls.__name__!r}; "
-            f"load it with its own class or pick a {cls.__name__} checkpoint"
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"head checkpoint folder not found: {folder}; pass the folder save_head wrote"
         )
+    if not (folder / CONFIG_FILE).is_file() and is_published(folder):
+        return _load_published(folder, cls, target, allow_other_base)
+    meta = _read_meta(folder)
+    cls, config_cls = _head_class(meta.get("head_type"), cls, config_cls, folder)
     config = _build_config(config_cls, meta.get("config", {}), folder)
     _check_target(folder, meta.get("target", {}), config, target)
-    with torch.device("meta"):  # no random init of weights that are about to be replaced
-        module = cls(config)
     weight = target.embed_tokens.weight
     state = load_file(str(folder / WEIGHTS_FILE), device=str(weight.device))
-    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
-    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if missing or unexpected or left:
-        raise ValueError(
-            f"load_head: {folder / WEIGHTS_FILE} does not match {cls.__name__}({config}): "
-            f"missing {sorted(set(missing) | set(left))[:8]}, unexpected {unexpected[:8]}"
-        )
+    module = adopt(cls, config, state, cls.__name__)
+    module.loaded_from = f"{folder}: a selfspec {cls.__name__} checkpoint"
     return module.to(device=weight.device, dtype=weight.dtype)
+
+
+def read_head(folder: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """A head as stored (CPU, its own dtype), with no target at hand (for exporting it), and
+    what the folder records: {"layout", "base_model", "target" (selfspec checkpoints)}."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file() and folder.is_dir() and is_published(folder):
+        found = read_published(folder)
+        return found.module, {"layout": found.layout, "base_model": found.base_model}
+    meta = _read_meta(folder)
+    cls, config_cls = _head_class(meta.get("head_type"), None, None, folder)
+    config = _build_config(config_cls, meta.get("config", {}), folder)
+    module = adopt(cls, config, load_file(str(folder / WEIGHTS_FILE)), cls.__name__)
+    recorded = meta.get("target", {})
+    return module, {"layout": "selfspec", "base_model": recorded.get("source"),
+                    "target": recorded}
+
+
+def _load_published(folder: Path, cls: type | None, target: Transformer,
+                    allow_other_base: bool) -> nn.Module:
+    found = read_published(folder, target.config, target.lm_head.weight)
+    if cls is not None and not isinstance(found.module, cls):
+        raise ValueError(f"load_head: {folder} holds a {LAYOUTS[found.layout]} head, not "
+                         f"{cls.__name__}; load it where a {type(found.module).__name__} goes")
+    sizes = {key: getattr(found.config, key) for key in _CONFIG_KEYS}
+    _check_target(folder, sizes, found.config, target)
+    if not allow_other_base:
+        _check_base_name(folder, found.base_model, target)
+    log.info(found.describe(folder))
+    weight = target.embed_tokens.weight
+    module = found.module.to(device=weight.device, dtype=weight.dtype)
+    module.loaded_from = found.describe(folder)
+    return module
+
+
+def _head_class(head_type: str | None, cls: type | None, config_cls: type | None,
+                folder: Path) -> tuple[type, type]:
+    """The head class and its config class: the caller's, which must be the checkpoint's."""
+    known = _head_classes()
+    if cls is not None and head_type != cls.__name__:
+        raise ValueError(
+            f"load_head: {folder} holds a {head_type!r} head, not {cls.__name__!r}; "
+            f"load it with its own class or pick a {cls.__name__} checkpoint"
+        )
+    if head_type not in known:
+        raise ValueError(f"load_head: {folder / CONFIG_FILE} names head_type {head_type!r}; "
+                         f"selfspec has {', '.join(known)}")
+    head, config = known[head_type]
+    return cls or head, config_cls or config
+
+
+def _head_classes() -> dict[str, tuple[type, type]]:
+    from selfspec.heads.early_exit import ExitConfig, ExitHead
+
+    return {"MedusaHeads": (MedusaHeads, MedusaConfig), "EagleHead": (EagleHead, EagleConfig),
+            "ExitHead": (ExitHead, ExitConfig)}
+
+
+def _check_base_name(folder: Path, base_model: str | None, target: Transformer) -> None:
+    """Refuse a head whose recorded base model is not the target (names compared by their
+    last path component, lower case, one a prefix of the other: `vicuna-7b-v1.3` matches a
+    local folder `vicuna-7b-v1.3`)."""
+    if not base_model or not target.source:
+        return
+    ours, theirs = _model_name(target.source), _model_name(base_model)
+    if not (ours.startswith(theirs) or theirs.startswith(ours)):
+        raise ValueError(
+            f"load_head: {folder} was trained for {base_model!r}, and the target is "
+            f"{target.source!r}: load the head of this target, or, if both name the same model, "
+            f"pass allow_other_base=True")
+
+
+def _model_name(name: str) -> str:
+    return Path(str(name).rstrip("/")).name.lower()
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""Write trained (or published) heads in the folder layout a serving engine loads.
+
+    python scripts/export_heads.py runs/medusa/checkpoints/step_0000200/export --to vllm out/
+    python scripts/export_heads.py HEAD_FOLDER --to vllm|sglang|medusa|eagle OUT
+
+HEAD_FOLDER: a selfspec head export or a published Medusa / EAGLE folder. The launch command
+is printed and saved as OUT/SERVING.md. A Medusa-2 export's adapter is merged into its target,
+written to OUT/target with transformers' save_pretrained (the model the engine must serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from selfspec.cli import exit_on_user_error
+from selfspec.heads.export import ENGINES, export_head, export_merged_target
+from selfspec.heads.io import read_head
+from selfspec.lora import ADAPTER_DIR
+from selfspec.model import Transformer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("head_folder", type=Path)
+    parser.add_argument("--to", required=True, choices=ENGINES)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--target", type=Path, default=None,
+                        help="the target's model folder (default: the one the head records); "
+                             "needed for heads sharing its LM head and for Medusa-2 adapters")
+    parser.add_argument("--base-model", default=None,
+                        help="the target's name in the launch command (default: --target)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="of the written weights (default: as stored)")
+    args = parser.parse_args(argv)
+    head, info = read_head(args.head_folder)
+    recorded = info.get("target", {})
+    target_folder = args.target or (Path(recorded["source"]) if recorded.get("source") else None)
+    base = args.base_model or (str(target_folder) if target_folder else info["base_model"])
+    adapter = args.head_folder / ADAPTER_DIR
+    if adapter.is_dir():
+        if target_folder is None or not target_folder.is_dir():
+            raise FileNotFoundError(f"{args.head_folder} is a Medusa-2 export: its adapter must "
+                                    f"be merged into its target: pass --target MODEL_FOLDER")
+        base = str(export_merged_target(target_folder, adapter, args.out / "target"))
+        print(f"the target with the Medusa-2 adapter merged: {base}")
+    exported = export_head(
+        head, args.to, args.out, base_model=base,
+        target_layers_count=recorded.get("num_layers"),
+        target_lm_head=_target_lm_head(head, target_folder),
+        dtype=DTYPES[args.dtype] if args.dtype else None)
+    print(f"wrote {exported.folder} for {args.to}; launch with:\n  {exported.command}")
+    for note in exported.notes:
+        print(f"  - {note}")
+
+
+def _target_lm_head(head, target_folder: Path | None) -> torch.Tensor | None:
+    """The target's LM head, read only for heads that share it."""
+    if not getattr(getattr(head, "config", None), "shared_lm_head", False):
+        return None
+    if target_folder is None:
+        raise FileNotFoundError("these heads share the target's LM head, which the export "
+                                "writes: pass --target MODEL_FOLDER")
+    return Transformer.from_pretrained(target_folder).lm_head.weight.detach()
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main, sys.argv[1:])

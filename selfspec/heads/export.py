@@ -1,0 +1,264 @@
+"""Write a head in the folder layout a serving engine or the reference code loads, with the
+launch command (`scripts/export_heads.py`; the layouts are `selfspec.heads.published`).
+
+| head | vllm | sglang | medusa (reference) | eagle (reference) |
+|---|---|---|---|---|
+| Medusa | yes: top-1 chains | no | yes | no |
+| EAGLE-1 | fc without bias | yes | no | yes |
+| EAGLE-3 | yes | yes | no | default fused layers only |
+
+What an engine cannot serve is refused with the reason and the fix, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from selfspec.heads.eagle import EagleHead, default_target_layers
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.published import (
+    medusa_blocks_are_shared,
+    medusa_reference_state,
+    medusa_vllm_state,
+)
+
+ENGINES = ("vllm", "sglang", "medusa", "eagle")
+SERVING_FILE = "SERVING.md"
+BASE_PLACEHOLDER = "<base-model>"
+
+
+class ExportRefused(ValueError):
+    """The engine cannot serve this head as it is; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What was written: the folder, the launch command and what the engine does with it."""
+
+    folder: Path
+    command: str
+    notes: tuple[str, ...]
+
+
+def export_head(
+    head: nn.Module, to: str, out: str | Path, *, base_model: str | None = None,
+    target_layers_count: int | None = None, target_lm_head: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> Exported:
+    """Write `head` for engine `to` into `out` (config.json, weights, SERVING.md).
+
+    base_model: the target's name or folder (the launch command's model; Medusa's reference
+    config records it); target_layers_count: the target's layer count (EAGLE-3 to the
+    reference code, which fuses its default layers); target_lm_head: the target's LM head
+    weight (Medusa heads sharing it, for vLLM); dtype: of the written weights (None: as is).
+    """
+    if to not in ENGINES:
+        raise ExportRefused(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
+    if isinstance(head, MedusaHeads):
+        config, state, files, command, notes = _medusa(head, to, base_model, target_lm_head)
+    elif isinstance(head, EagleHead):
+        config, state, files, command, notes = _eagle(head, to, base_model, target_layers_count)
+    else:
+        raise ExportRefused(f"no engine loads a {type(head).__name__} from a head folder: vLLM "
+                            f"and SGLang serve Medusa and EAGLE heads (early exits run in "
+                            f"selfspec only)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+             .detach().cpu().contiguous() for k, v in state.items()}
+    floating = next(v.dtype for v in state.values() if v.is_floating_point())
+    config = config | {"torch_dtype": str(floating).removeprefix("torch.")}
+    _write_weights(out / files, state)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    exported = Exported(out, command.replace("{OUT}", str(out)), tuple(notes))
+    (out / SERVING_FILE).write_text(serving_text(head, to, exported))
+    return exported
+
+
+def serving_text(head: nn.Module, to: str, exported: Exported) -> str:
+    kind = type(head).__name__ if not isinstance(head, EagleHead) else \
+        f"EAGLE-{head.config.version}"
+    lines = [f"# Serving this {kind} head with {to}", "", "```bash", exported.command, "```", ""]
+    lines += [f"- {note}" for note in exported.notes]
+    return "\n".join(lines) + "\n"
+
+
+# ---- Medusa ----------------------------------------------------------------------------------
+
+
+def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
+            target_lm_head: torch.Tensor | None):
+    c = heads.config
+    base = base_model or BASE_PLACEHOLDER
+    if to in ("sglang", "eagle"):
+        raise ExportRefused(f"{'SGLang' if to == 'sglang' else 'the EAGLE code'} serves EAGLE "
+                            f"heads, not Medusa heads: export with --to vllm or --to medusa")
+    if to == "medusa":
+        if heads.draft_vocab is not None:
+            raise ExportRefused("the reference Medusa code scores the whole vocabulary and has no "
+                                "draft vocabulary (d2t): export with --to vllm (token_map), or "
+                                "train with medusa.draft_vocab_size=null")
+        if c.num_layers > 1 and not medusa_blocks_are_shared(heads):
+            raise ExportRefused(f"the reference Medusa code applies one ResBlock "
+                                f"{c.num_layers} times per head; these heads have "
+                                f"{c.num_layers} different blocks: export with --to vllm, "
+                                f"whose heads stack distinct blocks")
+        config = {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers,
+                  "base_model_name_or_path": base, "hidden_size": c.hidden_size,
+                  "vocab_size": c.vocab_size}
+        notes = [f"{c.num_heads} heads x {c.num_layers} ResBlock; the reference code decodes "
+                 f"with its Medusa trees (medusa_choices)"]
+        if c.shared_lm_head:  # the legacy trainer's layout: no LM heads, the target's is used
+            config["version"] = "2"
+            notes.append("the heads use the target's LM head (config version 2, as the legacy "
+                         "trainer saves them)")
+            files = "medusa_lm_head.safetensors"
+        else:
+            files = "medusa_lm_head.pt"
+        command = f"python -m medusa.inference.cli --model {{OUT}}  # base: {base}"
+        return config, medusa_reference_state(heads), files, command, notes
+    state = medusa_vllm_state(heads, target_lm_head)
+    vocab = heads.config.output_size
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"],
+              "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+              "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+              "truncated_vocab_size": vocab, "medusa_fc_bias": True,
+              "original_lm_head": c.shared_lm_head}
+    notes = ["vLLM proposes top-1 chains only: the heads are served as a chain of their top-1 "
+             "tokens, not as a Medusa tree",
+             f"num_speculative_tokens may not exceed the {c.num_heads} heads the folder holds"]
+    if heads.draft_vocab is not None:
+        notes.append(f"the heads score {vocab} of {c.vocab_size} tokens (token_map)")
+    spec = {"method": "medusa", "model": "{OUT}", "num_speculative_tokens": c.num_heads}
+    return config, state, "model.safetensors", _vllm(base, spec), notes
+
+
+# ---- EAGLE -----------------------------------------------------------------------------------
+
+
+def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count: int | None):
+    c = head.config
+    base = base_model or BASE_PLACEHOLDER
+    if to == "medusa":
+        raise ExportRefused("an EAGLE head is not a Medusa head: export with --to vllm, sglang "
+                            "or eagle")
+    _check_llama_layer(c)
+    state = {k: v for k, v in head.state_dict().items()}
+    llama = c.layer_config().to_hf()
+    rope = dict(c.rope_scaling or {})
+    config = llama | {"num_hidden_layers": 1, "rope_theta": c.rope_theta,
+                      "rope_scaling": rope or None, "attention_bias": c.attention_bias}
+    fc_bias = state.get("fc.bias")
+    has_bias = fc_bias is not None and bool(fc_bias.any())
+    notes = []
+    if c.version == 1:
+        config["architectures"] = ["LlamaForCausalLMEagle" if to == "sglang"
+                                   else "LlamaForCausalLM"]
+        if to == "eagle":
+            config["bias"] = fc_bias is not None  # the reference reads `bias` as fc's
+        else:  # vLLM and SGLang read `bias` as the attention's
+            config["bias"] = c.attention_bias
+        if to == "vllm":
+            if has_bias:
+                raise ExportRefused("vLLM builds EAGLE-1's fc without a bias and would drop this "
+                                    "head's (non-zero) fc.bias: train a head without it "
+                                    "(train/eagle.py eagle.fc_bias=false), or serve this one "
+                                    "with --to sglang")
+            state.pop("fc.bias", None)
+        if to == "sglang" and fc_bias is None:
+            state["fc.bias"] = torch.zeros_like(state["fc.weight"][:, 0])
+            notes.append("SGLang's EAGLE fc always has a bias: a zero one is written")
+    else:
+        if fc_bias is not None:
+            raise ExportRefused("EAGLE-3's fc has no bias in the reference code, vLLM or SGLang: "
+                                "train the head with eagle.fc_bias=null")
+        layers = list(c.target_layers)
+        config |= {"architectures": ["LlamaForCausalLMEagle3"],
+                   "draft_vocab_size": c.draft_vocab_size,
+                   "target_hidden_size": c.target_hidden_size or c.hidden_size}
+        if to == "vllm":
+            config["eagle_aux_hidden_state_layer_ids"] = layers  # the input of each layer
+        elif to == "sglang":
+            if 0 in layers:
+                raise ExportRefused("SGLang numbers a fused layer by the layer whose output it "
+                                    "is, so it cannot name the embeddings (layer input 0): "
+                                    "train with target_layers >= 1 or serve with --to vllm")
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+        elif target_layers_count is None or \
+                tuple(layers) != default_target_layers(target_layers_count):
+            raise ExportRefused(f"the reference EAGLE-3 code fuses the default layers (2, L//2, "
+                                f"L-3) of its target; this head fuses {layers}"
+                                f"{'' if target_layers_count else ' of a target of unknown depth'}"
+                                f": export with --to vllm or --to sglang, which read the ids")
+        notes.append(f"fused target layers {layers} (selfspec's numbering: the input of layer "
+                     f"l); a draft vocabulary of {c.draft_vocab_size} tokens (d2t, t2d)")
+    method = "eagle" if c.version == 1 else "eagle3"
+    if to == "vllm":
+        command = _vllm(base, {"method": method, "model": "{OUT}", "num_speculative_tokens": 5})
+    elif to == "sglang":
+        command = (f"python -m sglang.launch_server --model-path {shlex.quote(base)} "
+                   f"--speculative-algorithm {method.upper()} --speculative-draft-model-path "
+                   f"{{OUT}} --speculative-num-steps 3 --speculative-eagle-topk 4 "
+                   f"--speculative-num-draft-tokens 16")
+    else:
+        command = (f"python -c \"from eagle.model.ea_model import EaModel; EaModel.from_pretrained("
+                   f"base_model_path='{base}', ea_model_path='{{OUT}}', total_token=-1)\"")
+    return config, state, "model.safetensors", command, notes
+
+
+def _check_llama_layer(c) -> None:
+    """The engines build the head's layer from a Llama config: head_dim = hidden / heads, one
+    attention_bias for q, k, v and o."""
+    if c.head_dim * c.num_heads != c.hidden_size:
+        raise ExportRefused(f"the EAGLE code and engines compute head_dim as hidden / heads "
+                            f"({c.hidden_size} / {c.num_heads}); this head's is {c.head_dim}")
+    if c.attention_bias != c.attention_out_bias:
+        raise ExportRefused("a Llama config has one attention_bias for q, k, v and o; this head "
+                            "has a bias on q, k, v only (Qwen2 style), which the engines' Llama "
+                            "EAGLE heads do not build")
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def _vllm(base: str, spec: dict) -> str:
+    return (f"vllm serve {shlex.quote(base)} --speculative-config "
+            f"'{json.dumps(spec)}'")
+
+
+def _write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
+    if path.suffix == ".pt":
+        torch.save(state, path)
+    else:  # safetensors keeps no shared storage: one copy per name
+        save_file({k: v.clone() for k, v in state.items()}, str(path))
+
+
+def export_merged_target(target_folder: str | Path, adapter: str | Path, out: str | Path) -> Path:
+    """A Medusa-2 export's target: `target_folder` with the LoRA adapter merged, written by
+    transformers' save_pretrained (with the target's tokenizer) so any engine loads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfspec.lora import merge_adapter
+    from selfspec.model import Transformer
+
+    merged = merge_adapter(Transformer.from_pretrained(target_folder), adapter)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32)
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v
+             for k, v in merged.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("inv_freq") and k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"the merged target does not fit {type(hf).__name__}: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    out = Path(out)
+    hf.save_pretrained(out)
+    if any(Path(target_folder).glob("tokenizer*")):
+        AutoTokenizer.from_pretrained(str(target_folder)).save_pretrained(out)
+    return out

@@ -1,0 +1,329 @@
+"""The published head layouts, read into selfspec's head classes (and written back by
+`selfspec.heads.export`): one place that knows each format's names, shapes and config keys.
+
+- Medusa, reference (FasterDecoding): `medusa_lm_head.pt` or `.safetensors` + config.json
+  (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`). Head i is one ResBlock
+  applied num_layers times (one module, so the keys `{i}.{j}.linear.*` repeat one tensor), then
+  its LM head `{i}.{num_layers}.weight`; the legacy trainer's heads (config "version": "2")
+  have no LM head and use the target's. The head count comes from the weights.
+- Medusa, vLLM: config `model_type: medusa`; `blocks.{i}.layers.{j}.weight|bias`,
+  `lm_heads.{i}.weight` (one, `lm_heads.0`, with `original_lm_head`), `token_map` for a
+  truncated vocabulary.
+- EAGLE-1/2: a one-layer Llama config.json; `fc.weight` [h, 2h] (+ `fc.bias`), `layers.0.*`
+  without `layers.0.input_layernorm`, maybe a copy of `embed_tokens` (the target's is used).
+- EAGLE-3: `fc.weight` [h, 3h], `midlayer.*` (or `layers.0.*`), `norm`, `lm_head` [draft, h],
+  `d2t`, `t2d`; the fused layers in `eagle_aux_hidden_state_layer_ids` (vLLM, top level, the
+  input of that layer: ours) or `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang, one
+  less than ours), else the default (2, L//2, L-3) of the target.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from selfspec.heads.eagle import EagleConfig, EagleHead, default_target_layers
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.model import ModelConfig
+
+MEDUSA_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+LAYOUTS = {"medusa": "Medusa (reference layout)", "medusa-vllm": "Medusa (vLLM layout)",
+           "eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
+
+
+@dataclass
+class PublishedHead:
+    """A head read from a published layout: the selfspec module (CPU, stored dtype) and what
+    the folder says of itself."""
+
+    layout: str  # a key of LAYOUTS
+    module: nn.Module
+    config: Any  # MedusaConfig | EagleConfig
+    base_model: str | None  # the recorded base model name, when the folder has one
+    dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self, folder: Path) -> str:
+        extra = f" ({'; '.join(self.notes)})" if self.notes else ""
+        return f"{folder}: found a {LAYOUTS[self.layout]} head{extra}"
+
+
+def is_published(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in (*MEDUSA_FILES, "config.json"))
+
+
+def read_published(folder: Path, target: ModelConfig | None = None,
+                   target_lm_head: torch.Tensor | None = None) -> PublishedHead:
+    """Read the head in `folder`, recognising its layout. target: the target's architecture
+    (EAGLE-3 heads without fused layer ids use its default triple; Medusa heads without an LM
+    head score its vocabulary); target_lm_head: its LM head weight (a vLLM Medusa head with
+    `original_lm_head` holding exactly it is read as heads sharing the target's LM head)."""
+    config = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    if any((folder / name).is_file() for name in MEDUSA_FILES):
+        return _read_reference_medusa(folder, config, target)
+    if config.get("model_type") == "medusa":
+        return _read_vllm_medusa(folder, config, target_lm_head)
+    state = _read_weights(folder, WEIGHT_FILES)
+    if "fc.weight" in state:
+        return _read_eagle(folder, config, state, target and target.num_layers)
+    raise ValueError(
+        f"load_head: no head checkpoint recognised in {folder}: expected head_config.json "
+        f"(selfspec), medusa_lm_head.pt/.safetensors (Medusa), a config.json with model_type "
+        f"medusa (vLLM Medusa), or config.json + model.safetensors/pytorch_model.bin holding "
+        f"fc.weight (EAGLE-1/EAGLE-3)")
+
+
+# ---- Medusa ----------------------------------------------------------------------------------
+
+
+def medusa_reference_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    """The reference layout's tensors: each head's one ResBlock under every `{i}.{j}` (the
+    reference applies one module num_layers times), then `{i}.{num_layers}.weight`."""
+    n = heads.config.num_layers
+    state = {}
+    for i, head in enumerate(heads.heads):
+        for j in range(n):
+            for name in ("weight", "bias"):
+                state[f"{i}.{j}.linear.{name}"] = getattr(head.blocks[0].linear, name).detach()
+        if head.lm_head is not None:
+            state[f"{i}.{n}.weight"] = head.lm_head.weight.detach()
+    return state
+
+
+def medusa_blocks_are_shared(heads: MedusaHeads) -> bool:
+    """Whether every head's blocks are equal (what the reference layout can express)."""
+    return all(torch.equal(block.linear.weight, head.blocks[0].linear.weight)
+               and torch.equal(block.linear.bias, head.blocks[0].linear.bias)
+               for head in heads.heads for block in head.blocks)
+
+
+def medusa_vllm_state(heads: MedusaHeads, target_lm_head: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """vLLM's layout: blocks.{i}.layers.{j}, lm_heads.{i} (lm_heads.0 = the target's LM head for
+    heads sharing it, served with `original_lm_head`), token_map for a draft vocabulary."""
+    state = {}
+    for i, head in enumerate(heads.heads):
+        for j, block in enumerate(head.blocks):
+            state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight.detach()
+            state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias.detach()
+        if head.lm_head is not None:
+            state[f"lm_heads.{i}.weight"] = head.lm_head.weight.detach()
+    if heads.config.shared_lm_head:
+        if target_lm_head is None:
+            raise ValueError("these heads share the target's LM head, which vLLM reads from the "
+                             "head folder (lm_heads.0 with original_lm_head): pass the target")
+        state["lm_heads.0.weight"] = target_lm_head.detach()
+    if heads.draft_vocab is not None:
+        state["token_map"] = heads.draft_vocab.target_ids.detach()
+    return state
+
+
+def _read_reference_medusa(folder: Path, config: dict, target: ModelConfig | None
+                           ) -> PublishedHead:
+    state = _read_weights(folder, MEDUSA_FILES)
+    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    keys = [re.fullmatch(r"(\d+)\.(\d+)\.(linear\.)?(weight|bias)", k) for k in state]
+    if not all(keys):
+        bad = [k for k, m in zip(state, keys, strict=True) if not m][:5]
+        raise ValueError(f"load_head: {folder} is not a Medusa checkpoint: unexpected keys {bad} "
+                         f"(expected {{head}}.{{layer}}.linear.weight|bias and the LM heads)")
+    num_heads = 1 + max(int(m[1]) for m in keys)
+    blocks = {int(m[2]) for m in keys if m[3]}
+    num_layers = int(config.get("medusa_num_layers", len(blocks)))
+    notes = []
+    stated = config.get("medusa_num_heads")
+    if stated is not None and stated != num_heads:
+        message = (f"config.json says medusa_num_heads={stated}, the weights hold {num_heads} "
+                   f"heads: using {num_heads}")
+        warnings.warn(f"{folder}: {message}", stacklevel=3)
+        notes.append(message)
+    shared = f"0.{num_layers}.weight" not in state  # the legacy trainer's heads: no LM head
+    first = state["0.0.linear.weight"] if num_layers else state["0.0.weight"]
+    vocab = config.get("vocab_size") or (target and target.vocab_size) if shared else \
+        state[f"0.{num_layers}.weight"].shape[0]
+    if vocab is None:
+        raise ValueError(f"load_head: the Medusa heads in {folder} have no LM head (they use "
+                         f"the target's): load them with their target")
+    ours = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            # Keys of a shared ResBlock may be saved once: every layer is then that block.
+            src = j if f"{i}.{j}.linear.weight" in state else 0
+            for name in ("weight", "bias"):
+                ours[f"heads.{i}.blocks.{j}.linear.{name}"] = state[f"{i}.{src}.linear.{name}"]
+        if not shared:
+            ours[f"heads.{i}.lm_head.weight"] = state[f"{i}.{num_layers}.weight"]
+    hidden = first.shape[1]
+    notes.append(f"{num_heads} heads x {num_layers} ResBlock"
+                 f"{', the target LM head' if shared else ''}")
+    return PublishedHead("medusa", *_medusa_module(ours, hidden, vocab, num_heads, num_layers,
+                                                   shared, None),
+                         config.get("base_model_name_or_path"), first.dtype, notes)
+
+
+def _read_vllm_medusa(folder: Path, config: dict, target_lm_head: torch.Tensor | None
+                      ) -> PublishedHead:
+    state = _read_weights(folder, WEIGHT_FILES)
+    num_heads, num_layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
+    token_map = state.get("token_map")
+    lm = {i: state[f"lm_heads.{i}.weight"] for i in range(num_heads)
+          if f"lm_heads.{i}.weight" in state}
+    shared = bool(config.get("original_lm_head")) and target_lm_head is not None and \
+        torch.equal(lm[0].to(target_lm_head), target_lm_head)
+    ours = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            ours[f"heads.{i}.blocks.{j}.linear.weight"] = state[f"blocks.{i}.layers.{j}.weight"]
+            bias = state.get(f"blocks.{i}.layers.{j}.bias")
+            ours[f"heads.{i}.blocks.{j}.linear.bias"] = (
+                torch.zeros_like(ours[f"heads.{i}.blocks.{j}.linear.weight"][:, 0])
+                if bias is None else bias)
+        if not shared:  # original_lm_head: one LM head for all (copied: exact)
+            ours[f"heads.{i}.lm_head.weight"] = lm[i if not config.get("original_lm_head") else 0]
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    notes = [f"{num_heads} heads x {num_layers} ResBlock"]
+    if token_map is not None:
+        order = torch.argsort(token_map)  # our draft ids list target ids in increasing order
+        token_map = token_map[order]
+        for i in range(num_heads):
+            ours[f"heads.{i}.lm_head.weight"] = ours[f"heads.{i}.lm_head.weight"][order]
+        notes.append(f"a draft vocabulary of {len(token_map)} tokens")
+    return PublishedHead("medusa-vllm", *_medusa_module(ours, hidden, vocab, num_heads,
+                                                        num_layers, shared, token_map),
+                         config.get("base_model_name_or_path"), ours[next(iter(ours))].dtype,
+                         notes)
+
+
+def _medusa_module(state: dict, hidden: int, vocab: int, num_heads: int, num_layers: int,
+                   shared: bool, token_map: torch.Tensor | None
+                   ) -> tuple[MedusaHeads, MedusaConfig]:
+    config = MedusaConfig(hidden_size=hidden, vocab_size=int(vocab), num_heads=num_heads,
+                          num_layers=num_layers, shared_lm_head=shared,
+                          draft_vocab_size=None if token_map is None else len(token_map))
+    if token_map is not None:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[token_map] = True
+        state |= {"d2t": token_map - torch.arange(len(token_map)), "t2d": t2d}
+    return adopt(MedusaHeads, config, state, "Medusa"), config
+
+
+# ---- EAGLE -----------------------------------------------------------------------------------
+
+
+def eagle_layer_config(config: dict) -> ModelConfig:
+    """The head layer's architecture from a published one-layer Llama config.json; head_dim is
+    hidden / heads, as the reference computes it."""
+    hf = {"model_type": "llama", **config, "num_hidden_layers": 1}
+    hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+    return ModelConfig.from_hf(hf)
+
+
+def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int | None
+                ) -> PublishedHead:
+    if not config:
+        raise ValueError(f"load_head: {folder} holds EAGLE weights but no config.json (the "
+                         f"head's one-layer Llama config)")
+    state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}  # the target's
+    if config.get("bias") is False and "fc.bias" in state and not state["fc.bias"].any():
+        del state["fc.bias"]  # SGLang's zero fc bias on a bias-free head: dropping it is exact
+    state = {re.sub(r"^layers\.0\.", "midlayer.", k) if "d2t" in state else k: v
+             for k, v in state.items()}
+    layer = eagle_layer_config(config)
+    h, in_features = state["fc.weight"].shape
+    version = 1 if in_features == 2 * h else 3
+    prefix = "layers.0" if version == 1 else "midlayer"
+    has = {name: f"{prefix}.{name}" in state for name in
+           ("self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.gate_proj.bias")}
+    shared = {f.name: getattr(layer, f.name) for f in fields(EagleConfig)
+              if hasattr(layer, f.name) and f.name not in ("version", "draft_vocab_size",
+                                                          "target_layers", "fc_bias")}
+    shared |= {"attention_bias": has["self_attn.q_proj.bias"],
+               "attention_out_bias": has["self_attn.o_proj.bias"],
+               "mlp_bias": has["mlp.gate_proj.bias"]}
+    notes = []
+    if version == 1:
+        eagle = EagleConfig(version=1, fc_bias="fc.bias" in state, **shared)
+    else:
+        layers = _fused_layers(config, target_num_layers, folder)
+        eagle = EagleConfig(version=3, draft_vocab_size=int(state["lm_head.weight"].shape[0]),
+                            target_layers=layers, fc_bias="fc.bias" in state,
+                            **(shared | {"target_hidden_size": in_features // 3}))
+        notes.append(f"fused target layers {list(layers)}, a draft vocabulary of "
+                     f"{eagle.draft_vocab_size} tokens")
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+    module = adopt(EagleHead, eagle, state, "EAGLE")
+    return PublishedHead("eagle" if version == 1 else "eagle3", module, eagle,
+                         config.get("base_model_name_or_path"), state["fc.weight"].dtype, notes)
+
+
+def _fused_layers(config: dict, target_num_layers: int | None, folder: Path) -> tuple[int, ...]:
+    """EAGLE-3's fused layers in our numbering (the input of layer l), from whichever engine's
+    key the config holds, else the target's default."""
+    vllm = config.get("eagle_aux_hidden_state_layer_ids")
+    sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    found = {tuple(vllm) if vllm else None, tuple(i + 1 for i in sglang) if sglang else None}
+    found.discard(None)
+    if len(found) > 1:
+        raise ValueError(f"load_head: {folder}/config.json gives two different fused layer lists "
+                         f"(eagle_aux_hidden_state_layer_ids {vllm}, and eagle_config's {sglang}, "
+                         f"which counts one less): keep one")
+    if found:
+        return found.pop()
+    if target_num_layers is None:
+        raise ValueError(f"load_head: {folder} does not name its fused layers: load it with the "
+                         f"target, whose default layers (2, L//2, L-3) it uses")
+    layers = default_target_layers(target_num_layers)
+    if len(set(layers)) < 3:
+        raise ValueError(f"load_head: the default EAGLE-3 layers (2, L//2, L-3) of a "
+                         f"{target_num_layers}-layer target are {list(layers)}, not three distinct "
+                         f"layers; this head needs a deeper target or explicit layer ids in "
+                         f"config.json (eagle_aux_hidden_state_layer_ids)")
+    return layers
+
+
+# ---- shared ----------------------------------------------------------------------------------
+
+
+def adopt(cls: type, config: Any, state: dict[str, torch.Tensor], what: str) -> nn.Module:
+    """cls(config) built on the meta device, adopting `state` (no copy); refuses a state that
+    does not fill it exactly."""
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        module = cls(config)
+    expected = {name: t.shape for name, t in module.state_dict().items()}
+    wrong = [f"{k} {list(v.shape)} (expected {list(expected[k])})" for k, v in state.items()
+             if k in expected and v.shape != expected[k]]
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if missing or unexpected or left or wrong:
+        raise ValueError(
+            f"load_head: the {what} weights do not match {cls.__name__}({config}): missing "
+            f"{sorted(set(missing) | set(left))[:8]}, unexpected {unexpected[:8]}, shapes "
+            f"{wrong[:4]}")
+    return module
+
+
+def _read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    for name in names:
+        path = folder / name
+        if path.is_file():
+            if path.suffix == ".safetensors":
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"load_head: {folder} has none of {', '.join(names)}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"load_head: {path} is not valid JSON ({exc})") from None
