@@ -22,6 +22,7 @@ TRAIN, GENERATE, SWEEP, LOSSLESS = ("train/medusa.py", "eval/generate.py", "eval
 EAGLE = "train/eagle.py"
 EARLY_EXIT = "train/early_exit.py"
 HELDOUT = "scripts/heldout_loss.py"
+EXPORT = "scripts/export_heads.py"
 NO_SUCH_GPU = "device=cuda:99"
 NO_SUCH_GPU_SAYS = r"CUDA is not available|CUDA device\(s\)"  # a CPU machine | a GPU machine
 
@@ -112,6 +113,14 @@ BAD_INPUTS = [
     (LOSSLESS, ["max_new_tokens=0"], r"max_new_tokens must be an integer >= 1, got 0"),
     (LOSSLESS, ["device=banana"], r"device=banana: not a device name"),
     (HELDOUT, ["/nonexistent/model"], r"/nonexistent/model has no config.json"),
+    (EXPORT, ["/nonexistent/head", "--to", "vllm", "{out}"],
+     r"head checkpoint folder not found: /nonexistent/head"),
+    (EXPORT, ["{eagle_biased}", "--to", "vllm", "{out}"],
+     r"vLLM builds EAGLE-1's fc without a bias .*eagle.fc_bias=false.*--to sglang"),
+    (EXPORT, ["{medusa_heads}", "--to", "sglang", "{out}"],
+     r"SGLang serves EAGLE heads, not Medusa heads: export with --to vllm"),
+    (EXPORT, ["{medusa_shared}", "--to", "vllm", "{out}"],
+     r"share the target's LM head, which the export writes: pass --target"),
 ]
 
 
@@ -140,7 +149,7 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
     (root / "chat.json").write_text("def not_json(): pass\n")
     return {"toy": str(toy), "no_heads": str(config.parent), "cut_short": str(weights.parent),
             "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json"),
-            **exit_exports(root)}
+            "out": str(root / "export_out"), **exit_exports(root), **head_exports(root)}
 
 
 def exit_exports(root: Path) -> dict[str, str]:
@@ -159,6 +168,26 @@ def exit_exports(root: Path) -> dict[str, str]:
         info = {"hidden_size": config.hidden_size, "vocab_size": 4096, "num_layers": 8}
         save_head(root / name / folder, head, head.config, info)
     return {name: str(root / name) for name in ("exits_other_target", "exits_other_e")}
+
+
+def head_exports(root: Path) -> dict[str, str]:
+    """Heads an engine export must refuse: an EAGLE-1 head with a trained fc bias (for vLLM),
+    Medusa heads (for SGLang), heads sharing an LM head with no target recorded."""
+    from selfspec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
+    from selfspec.model import ModelConfig
+
+    narrow = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    eagle = EagleHead(EagleConfig.for_target(narrow, 1))
+    torch.nn.init.normal_(eagle.fc.bias)
+    info = {"hidden_size": 32, "vocab_size": 64, "num_layers": 4}
+    heads = {"eagle_biased": eagle,
+             "medusa_heads": MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64)),
+             "medusa_shared": MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64,
+                                                       shared_lm_head=True))}
+    for name, head in heads.items():
+        save_head(root / name, head, head.config, info)
+    return {name: str(root / name) for name in heads}
 
 
 def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple:

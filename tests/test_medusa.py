@@ -282,6 +282,18 @@ def test_greedy_is_lossless_with_shared_lm_head_heads(target, plain_greedy, tree
     greedy_with_medusa(target, random_heads(config, seed=3), tree_choices(tree), plain_greedy)
 
 
+def test_shared_lm_head_heads_train_their_blocks_and_leave_the_target_frozen(target):
+    from selfspec.objectives import MedusaObjective
+
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=2,
+                                     shared_lm_head=True))
+    objective = MedusaObjective(target, heads)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    objective(tokens, torch.ones_like(tokens)).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
+    assert target.lm_head.weight.grad is None and not target.lm_head.weight.requires_grad
+
+
 def test_a_shared_lm_head_with_a_draft_vocabulary_is_refused():
     with pytest.raises(ValueError, match="shared LM head is the target's.*draft_vocab_size"):
         MedusaConfig(hidden_size=8, vocab_size=16, draft_vocab_size=4, shared_lm_head=True)

@@ -350,3 +350,48 @@ def test_vllm_reads_the_exported_medusa_config(tmp_path):
     export_head(heads, "vllm", tmp_path / "vllm")
     config = VllmMedusaConfig.from_pretrained(str(tmp_path / "vllm"))
     assert (config.num_heads, config.vocab_size, config.hidden_size) == (3, V, H)
+
+
+# ---- scripts/export_heads.py ---------------------------------------------------------------
+
+
+def run_export(args: list[str], capsys) -> str:
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "export_heads.py"
+    argv, sys.argv = sys.argv, [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return capsys.readouterr().out
+
+
+def test_the_script_exports_a_medusa2_export_with_its_merged_target(tmp_path, quick_build,
+                                                                    capsys):
+    from selfspec.heads import describe_target, save_head
+    from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, merge_adapter, save_adapter
+
+    folder = quick_build / "target"
+    toy = Transformer.from_pretrained(folder)
+    heads = trained_like_medusa(MedusaConfig(hidden_size=toy.config.hidden_size,
+                                             vocab_size=toy.config.vocab_size, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(toy))
+    adapted = add_lora(Transformer.from_pretrained(folder), LoraSettings(rank=2, alpha=4))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained adapter: the merged target differs
+    save_adapter(adapted, export / ADAPTER_DIR)
+    out = run_export([str(export), "--to", "vllm", str(tmp_path / "out")], capsys)
+    assert f"vllm serve {tmp_path / 'out' / 'target'}" in out and '"method": "medusa"' in out
+    assert (tmp_path / "out" / "SERVING.md").read_text().count("vllm serve") == 1
+    served = Transformer.from_pretrained(tmp_path / "out" / "target")
+    merged = merge_adapter(Transformer.from_pretrained(folder), export / ADAPTER_DIR)
+    assert not torch.equal(served.layers[0].self_attn.q_proj.weight,
+                           toy.layers[0].self_attn.q_proj.weight)
+    same_state(served.state_dict(), merged.state_dict())
+    loaded = load_head(tmp_path / "out", target=served)
+    same_state(loaded.state_dict(), heads.state_dict())
