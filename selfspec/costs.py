@@ -151,7 +151,8 @@ class FloorSettings:
 def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
     """The decode loop's floor and ceiling on this machine: plain tokens/s of selfspec and of
     Hugging Face `generate` on the same weights, c(N), and the oracle drafter's speedup at
-    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing)."""
+    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing), with the
+    time split of its steps (synchronized at every phase boundary on a GPU)."""
     from selfspec.bench import BenchSettings, compare_with_plain, run_passes
     from selfspec.drafters.oracle import OracleDrafter
     from selfspec.peers import HFDecoder, OurDecoder
@@ -168,11 +169,13 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
     oracle = []
     for k in settings.draft_lengths:
         row = compare_with_plain(target, OracleDrafter(k), prompts,
-                                 max_new_tokens=settings.new_tokens, seed=settings.seed)
+                                 max_new_tokens=settings.new_tokens, seed=settings.seed,
+                                 split_time=True)
         bound = profile.bound(row.tau, k)
         oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
                        "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
-                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless})
+                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless,
+                       "time_split": row.time_split})
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

@@ -115,7 +115,8 @@ def acceptance_by_position(rows: Sequence[Row]) -> Figure:
 
 def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
     """Measured speedup against the bound tau / (c(N + 1) + draft cost), a point per row,
-    coloured by method, with y = x: how much of what acceptance allows the loop delivers."""
+    coloured by method and labelled with its draft length, with y = x: how much of what
+    acceptance allows the loop delivers."""
     fig, panels = _panels(rows, "Measured speedup vs the bound tau / (c(N+1) + draft cost)")
     for sampling, ax in panels.items():
         points = [r for line in _lines(rows, sampling).values() for r in line
@@ -124,6 +125,9 @@ def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
             mine = [r for r in points if r["method"] == method]
             ax.scatter([r["bound"] for r in mine], [r["speedup"] for r in mine], s=22,
                        color=_color(method), label=method)
+            for r in mine:
+                ax.annotate(f"k={r['draft_length']}", (r["bound"], r["speedup"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
         top = max([1.0, *(max(r["bound"], r["speedup"]) for r in points)]) * 1.1
         ax.plot([0, top], [0, top], color="black", linestyle="--", linewidth=1, label="y = x")
         ax.set(xlabel="bound (x)", ylabel="measured speedup (x)", xlim=(0, top), ylim=(0, top))
