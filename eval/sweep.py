@@ -65,7 +65,7 @@ def run(cfg: DictConfig) -> None:
     write_results(rows, cfg.run_dir, {
         "machine": machine, "settings": asdict(settings), "shared_baseline": plan.shared_baseline,
         "prompt_ids": [p.prompt.id for p in prompts], "config": config,
-        "cost_profile": profile and profile.as_dict(),
+        "cost_profile": profile.as_dict() if profile else None,
     })
     figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir)
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})

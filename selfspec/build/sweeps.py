@@ -96,7 +96,8 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     mode = str(cfg.get("baseline", "interleaved"))
     if mode not in BASELINE_MODES:
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
-    split_time(cfg), _flag(cfg, "cost_profile")  # checked now, used after loading
+    split_time(cfg)  # these two are checked now and used after loading
+    _flag(cfg, "cost_profile")
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     check_sweep_weights(cfg, methods)
     if "early_exit" in methods:
