@@ -18,7 +18,7 @@ from selfspec import build
 from selfspec.cli import hydra_entry_point
 from selfspec.costs import measure_floor
 from selfspec.plots import plot_cost_profile
-from selfspec.results import machine_facts
+from selfspec.results import machine_facts, split_percent
 
 
 @hydra_entry_point("bench_decode")
@@ -45,9 +45,11 @@ def report(figures: dict) -> str:
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "
              f"{profile['one_token_ms']:.2f} ms",
              "c(N): " + ", ".join(f"{n}: {c:.2f}" for n, c in profile["c"].items()),
-             "oracle  k   tau  speedup  bound  efficiency  lossless"]
+             "oracle  k   tau  speedup  bound  efficiency  lossless  time % "
+             "pre/draft/fwd/probs/verify/commit/other"]
     lines += [f"       {r['k']:>2}  {r['tau']:.2f}  {r['speedup']:>6.2f}x  {r['bound']:.2f}x  "
-              f"{r['efficiency']:>9.2f}  {r['lossless']}" for r in figures["oracle"]]
+              f"{r['efficiency']:>9.2f}  {str(r['lossless']):<8}  "
+              f"{split_percent(r['time_split'])}" for r in figures["oracle"]]
     return "\n".join(lines)
 
 

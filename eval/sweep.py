@@ -7,7 +7,8 @@ against plain decoding of the same target in the same process, on the same promp
     python eval/sweep.py -m methods=ngram,small_model num_draft_tokens=2,4   # a folder per job
 
 Writes to the run folder: results.json, results.csv, *.png plots, metrics.jsonl, summary.json
-and a W&B run (offline unless logged in).
+and a W&B run (offline unless logged in). results.json holds the cost profile c(N) of the
+target, measured once after the rows, from which each row's bound and efficiency come.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
-from selfspec.bench import run_sweep
+from selfspec.bench import add_bounds, run_sweep
 from selfspec.cli import hydra_entry_point
 from selfspec.peers import quiet_transformers
 from selfspec.plots import plot_sweep
-from selfspec.results import best_rows, format_table, log_sweep, machine_facts, write_results
+from selfspec.results import (
+    best_rows,
+    describe_profile,
+    format_table,
+    log_sweep,
+    machine_facts,
+    write_results,
+)
 from selfspec.tracking import Tracker
 
 
@@ -44,20 +52,27 @@ def run(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
                       name=Path(cfg.run_dir).name, config=config)
+    split = build.split_time(cfg)
     rows = run_sweep(
-        plan.grid.points(), lambda name, k: build.build_method(models, name, k),
+        plan.grid.points(), lambda name, k: build.build_method(models, name, k, split),
         [p.ids for p in prompts], settings, shared_baseline=plan.shared_baseline,
         device=cfg.device, progress=bool(cfg.progress),
     )
+    profile = build.sweep_cost_profile(cfg, models.target, [p.ids for p in prompts], rows)
+    if profile is not None:
+        rows = add_bounds(rows, profile)
     machine = machine_facts()
     write_results(rows, cfg.run_dir, {
         "machine": machine, "settings": asdict(settings), "shared_baseline": plan.shared_baseline,
         "prompt_ids": [p.prompt.id for p in prompts], "config": config,
+        "cost_profile": profile.as_dict() if profile else None,
     })
     figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir)
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
     tracker.finish()
     print(format_table(rows))
+    if profile is not None:
+        print(describe_profile(profile))
     print(f"results, plots and W&B run in {Path(cfg.run_dir).resolve()}")
 
 

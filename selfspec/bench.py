@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
+from selfspec.costs import CostProfile
 from selfspec.decode import GenerationResult
 from selfspec.drafters.base import Drafter
 from selfspec.memory import PeakMemory
-from selfspec.metrics import GenerationStats
+from selfspec.metrics import GenerationStats, describe_split
 from selfspec.model import Transformer
 from selfspec.peers import Decoder, OurDecoder
 from selfspec.sampling import SamplingParams
@@ -183,7 +184,13 @@ class SweepRow:
     repeats (min/max beside them); speedup = median tokens/s over the baseline's, measured in
     the same run (speedup_min/max: the per-repeat ratios); lossless: greedy outputs equal the
     baseline's (None when sampling); draft_time_share: None where not measured;
-    ours_over_hf: on hf_* rows, our peer method's tokens/s over this row's."""
+    ours_over_hf: on hf_* rows, our peer method's tokens/s over this row's.
+
+    nodes_per_step: mean draft nodes a step proposed, nodes_histogram[n]: the steps that
+    proposed n (Hugging Face rows: the prefill counts as a step of 0); draft_ms_per_step: None
+    where the draft time is not measured; time_split: `GenerationStats.time_split` (None where
+    not measured, e.g. Hugging Face's generate). draft_cost, bound, efficiency: see
+    `add_bounds` (None without a cost profile)."""
 
     method: str
     draft_length: int
@@ -216,6 +223,13 @@ class SweepRow:
     baseline_repeated_4gram_share: float
     lossless: bool | None
     ours_over_hf: float | None = None
+    nodes_per_step: float = 0.0
+    nodes_histogram: list[int] = field(default_factory=list)
+    draft_ms_per_step: float | None = None
+    time_split: dict[str, dict[str, float]] | None = None
+    draft_cost: float | None = None
+    bound: float | None = None
+    efficiency: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -272,7 +286,11 @@ def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakM
         peak_memory_mb=memory.peak_mb, memory_measure=memory.kind,
         repeated_4gram_share=repeated_ngram_share(ours.outputs, 4),
         baseline_repeated_4gram_share=repeated_ngram_share(base.outputs, 4),
-        lossless=lossless,
+        lossless=lossless, nodes_per_step=stats.nodes_per_step,
+        nodes_histogram=list(stats.nodes_histogram),
+        draft_ms_per_step=(1000 * stats.draft_time_s / stats.steps
+                           if method.decoder.measures_draft_time and stats.steps else None),
+        time_split=stats.time_split,
     )
 
 
@@ -318,6 +336,26 @@ def add_peer_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:
     return out
 
 
+def add_bounds(rows: Sequence[SweepRow], profile: CostProfile) -> list[SweepRow]:
+    """Every row's bound and efficiency from a cost profile of its target (ARCHITECTURE.md,
+    rule 9): bound = tau / (c(N + 1) + draft cost), c(N + 1) being its mean over the row's
+    steps (N: each step's draft nodes, from nodes_histogram), the draft cost = draft time per
+    step in one-token forwards of the profile (0 where the draft time is not measured: the
+    bound is then an upper one); efficiency = speedup / bound. A row without drafts has bound
+    1 / (1 + its draft cost). The hf_* rows use c(N) of our forward. A row with a step beyond
+    the profile's lengths keeps None."""
+    one_token_ms = 1000 * profile.seconds[1]
+    out = []
+    for r in rows:
+        if not r.nodes_histogram or len(r.nodes_histogram) > max(profile.seconds):
+            out.append(r)
+            continue
+        cost = None if r.draft_ms_per_step is None else r.draft_ms_per_step / one_token_ms
+        bound = profile.bound(r.tau, r.nodes_histogram, cost or 0.0)
+        out.append(replace(r, draft_cost=cost, bound=bound, efficiency=r.speedup / bound))
+    return out
+
+
 # ---- one drafter against plain decoding (train/medusa.py's final report) -------------------
 
 
@@ -336,17 +374,19 @@ class Comparison:
     lossless: bool | None
     prompts: int
     new_tokens: int
+    time_split: dict[str, dict[str, float]] | None = None  # the drafter's, GenerationStats'
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self, prompt_set: str) -> str:
-        """One line: tau, speedup, both speeds, draft time share, losslessness, repetition."""
+        """One line: tau, speedup, both speeds, draft time share, losslessness, repetition,
+        and where the drafter's time went."""
         return (f"tau {self.tau:.2f}, speedup x{self.speedup:.2f} over plain decoding "
                 f"({self.tokens_per_s:.1f} vs {self.plain_tokens_per_s:.1f} tokens/s) on "
                 f"{self.prompts} {prompt_set} prompts, draft time share "
                 f"{self.draft_time_share:.2f}, lossless={self.lossless}, repeated 4-grams "
-                f"{self.repeated_4gram_share:.2f}")
+                f"{self.repeated_4gram_share:.2f}; time: {describe_split(self.time_split)}")
 
 
 def compare_with_plain(
@@ -357,11 +397,14 @@ def compare_with_plain(
     sampling: SamplingParams = SamplingParams(),
     max_new_tokens: int = 64,
     seed: int = 0,
+    split_time: bool | None = None,
 ) -> Comparison:
-    """Generate every prompt with plain decoding and with the drafter, interleaved."""
+    """Generate every prompt with plain decoding and with the drafter, interleaved.
+    split_time: as `generate`'s, for both (True: the time split on any device)."""
     if not prompts:
         raise ValueError("compare_with_plain: no prompts to measure on")
-    method = Method("drafter", drafter.max_nodes, OurDecoder(target, drafter), OurDecoder(target))
+    ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
+    method = Method("drafter", drafter.max_nodes, ours, plain)
     point = GridPoint("drafter", drafter.max_nodes, "custom", sampling)
     settings = BenchSettings(max_new_tokens=max_new_tokens, seed=seed)
     row, _ = measure_row(method, point, prompts, settings, device=target.embed_tokens.weight.device)
@@ -370,7 +413,7 @@ def compare_with_plain(
         plain_tokens_per_s=row.baseline_tokens_per_s, speedup=row.speedup,
         draft_time_share=row.draft_time_share or 0.0,
         repeated_4gram_share=row.repeated_4gram_share, lossless=row.lossless,
-        prompts=row.prompts, new_tokens=row.new_tokens,
+        prompts=row.prompts, new_tokens=row.new_tokens, time_split=row.time_split,
     )
 
 

@@ -20,6 +20,18 @@ from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
 
 DEFAULT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+PROFILE_MAX_TOKENS = 64  # covering_lengths' cap
+
+
+def covering_lengths(tokens: int, cap: int = PROFILE_MAX_TOKENS) -> tuple[int, ...]:
+    """Forward lengths to profile so that c is measured, or taken at a near length above, for
+    every forward of up to `tokens` tokens (at most `cap`): every length up to 16, then
+    DEFAULT_LENGTHS up to the first one that reaches `tokens`."""
+    tokens = max(1, min(int(tokens), cap, DEFAULT_LENGTHS[-1]))
+    if tokens <= 16:
+        return tuple(range(1, tokens + 1))
+    reach = next(n for n in DEFAULT_LENGTHS if n >= tokens)
+    return (*range(1, 17), *(n for n in DEFAULT_LENGTHS if 16 < n <= reach))
 
 
 @dataclass(frozen=True)
@@ -31,8 +43,9 @@ class CostProfile:
     device: str
     dtype: str
 
-    def c(self, n: int) -> float:
-        """c(n) = seconds(n) / seconds(1); between measured lengths, the next one above."""
+    def c(self, n: float) -> float:
+        """c(n) = seconds(n) / seconds(1); between measured lengths (or at a fractional n, a
+        mean), the next one above."""
         if n < 1:
             raise ValueError(f"CostProfile.c: n must be >= 1, got {n}")
         above = [m for m in sorted(self.seconds) if m >= n]
@@ -40,10 +53,19 @@ class CostProfile:
             raise ValueError(f"CostProfile.c: measured up to N={max(self.seconds)}, not {n}")
         return self.seconds[above[0]] / self.seconds[1]
 
-    def bound(self, tau: float, nodes: int, draft_cost: float = 0.0) -> float:
+    def bound(self, tau: float, nodes: int | Sequence[int], draft_cost: float = 0.0) -> float:
         """The speedup tau allows when a step verifies `nodes` draft nodes (a forward over
-        nodes + 1 tokens) and drafting costs `draft_cost` one-token forwards."""
-        return tau / (self.c(nodes + 1) + draft_cost)
+        nodes + 1 tokens) and drafting costs `draft_cost` one-token forwards. Steps of several
+        sizes: nodes[n] = the steps that verified n draft nodes (`GenerationStats.
+        nodes_histogram`), and the forward costs the mean of c(n + 1) over those steps."""
+        if isinstance(nodes, int):
+            return tau / (self.c(nodes + 1) + draft_cost)
+        steps = sum(nodes)
+        if steps < 1 or min(nodes) < 0:
+            raise ValueError(f"CostProfile.bound: nodes must count steps by draft size, got "
+                             f"{list(nodes)}")
+        forward = sum(count * self.c(n + 1) for n, count in enumerate(nodes) if count) / steps
+        return tau / (forward + draft_cost)
 
     def as_dict(self) -> dict:
         return {"cache_length": self.cache_length, "device": self.device, "dtype": self.dtype,
@@ -129,7 +151,8 @@ class FloorSettings:
 def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
     """The decode loop's floor and ceiling on this machine: plain tokens/s of selfspec and of
     Hugging Face `generate` on the same weights, c(N), and the oracle drafter's speedup at
-    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing)."""
+    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing), with the
+    time split of its steps (synchronized at every phase boundary on a GPU)."""
     from selfspec.bench import BenchSettings, compare_with_plain, run_passes
     from selfspec.drafters.oracle import OracleDrafter
     from selfspec.peers import HFDecoder, OurDecoder
@@ -146,11 +169,13 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
     oracle = []
     for k in settings.draft_lengths:
         row = compare_with_plain(target, OracleDrafter(k), prompts,
-                                 max_new_tokens=settings.new_tokens, seed=settings.seed)
+                                 max_new_tokens=settings.new_tokens, seed=settings.seed,
+                                 split_time=True)
         bound = profile.bound(row.tau, k)
         oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
                        "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
-                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless})
+                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless,
+                       "time_split": row.time_split})
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

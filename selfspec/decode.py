@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.devices import synchronize
 from selfspec.drafters.base import (
     DecodeSetup,
     Draft,
@@ -62,6 +63,7 @@ def generate(
     max_new_tokens: int = 128,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    split_time: bool | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` ([L] ids, batch of one).
 
@@ -73,6 +75,10 @@ def generate(
     `torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)`; one on
     another device is refused (ValueError). An unseeded sampling run makes one there from a
     fresh seed.
+
+    split_time: time every phase of every step into stats (`GenerationStats.time_split`).
+    None: only where it is free, on the CPU; True: on any device, synchronizing it at every
+    phase boundary; False: never (drafting time is measured in every case).
     """
     prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
     check_generator(generator, prompt.device, "generate")
@@ -85,20 +91,24 @@ def generate(
     layers = drafter.target_layers if drafter is not None else ()
     stop_ids = _stop_ids(eos_token_id)
     stats, history = GenerationStats(), prompt.tolist()
-    start = time.perf_counter()
+    clock = _PhaseClock(stats, prompt.device, split_time)
+    start = clock.last
     features = _prefill(target, prompt[:-1], cache, layers) if len(prompt) > 1 else None
     stats.target_forwards += len(prompt) > 1
+    clock.lap("prefill")
     new: list[int] = []
     while len(new) < max_new_tokens and not (new and new[-1] in stop_ids):
-        tick = time.perf_counter()
         context = DraftContext(torch.tensor(history, device=prompt.device), features)
         draft = _checked(drafter.propose(context), drafter) if drafter else Draft.empty()
-        stats.draft_time_s += time.perf_counter() - tick
-        acceptance, features = _step(target, history[-1], draft, cache, layers, sampling, generator)
+        clock.lap("draft")
+        acceptance, features = _step(target, history[-1], draft, cache, layers, sampling,
+                                     generator, clock)
         stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted)
         emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(new))
         new += emitted
         history += emitted
+        clock.lap("commit")
+        stats.split_steps += clock.split
     stats.wall_time_s = time.perf_counter() - start
     stats.new_tokens = len(new)
     return GenerationResult(new, stats)
@@ -112,6 +122,7 @@ def _step(
     layers: tuple[int, ...],
     sampling: SamplingParams,
     generator: torch.Generator | None,
+    clock: _PhaseClock,
 ) -> tuple[Acceptance, TargetFeatures]:
     """One verification forward over [root, draft...], exact verification, cache commit."""
     tree, base = draft.tree, cache.length
@@ -124,7 +135,9 @@ def _step(
     else:
         out = _resume_after_early_layers(target, tokens, positions, cache, mask, layers,
                                          draft.early)
+    clock.lap("forward")
     p = logits_to_probs(out.logits[0], sampling)  # [N+1, V]
+    clock.lap("probs")
     if tree.num_nodes == 0:  # plain decoding: nothing to verify
         token = torch.tensor([sample(p[0], generator)], device=device)
         acceptance = Acceptance(token, 0, torch.empty(0, dtype=torch.long, device=device))
@@ -134,10 +147,37 @@ def _step(
             tree, draft.tokens, q, p, generator=generator,
             without_replacement=draft.without_replacement,
         )
+    clock.lap("verify")
     root_row = torch.zeros(1, dtype=torch.long, device=device)
     rows = torch.cat([root_row, acceptance.path.to(device) + 1])  # [1 + accepted]
     cache.commit(base + rows)
     return acceptance, _features(out, tokens[0, rows], rows)
+
+
+class _PhaseClock:
+    """Adds the time since the previous lap to a phase's counter in stats.
+
+    On the CPU a timer read at a phase boundary is exact, so every phase is timed for free.
+    CUDA (and MPS) run kernels asynchronously: a boundary means something only after a device
+    synchronize, and a synchronize per phase would slow the default path. So there the phases
+    are timed only when the caller asks (split_time=True: benchmarks, sweeps), synchronizing at
+    each boundary; otherwise only the draft is timed, as a host-side figure."""
+
+    def __init__(self, stats: GenerationStats, device: torch.device, split: bool | None):
+        self.stats, self.device = stats, device
+        self.split = device.type == "cpu" if split is None else bool(split)
+        if self.split:
+            synchronize(device)  # work queued before generation is not the prefill's
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.split:
+            synchronize(self.device)
+        now = time.perf_counter()
+        if self.split or phase == "draft":
+            name = f"{phase}_time_s"
+            setattr(self.stats, name, getattr(self.stats, name) + now - self.last)
+        self.last = now
 
 
 def _resume_after_early_layers(

@@ -38,8 +38,10 @@ def _check_cuda(device: torch.device, setting: str) -> None:
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work, so a timer read afterwards covers it (CUDA runs
-    asynchronously; the CPU needs nothing)."""
+    """Wait for the device's queued work, so a timer read afterwards covers it (CUDA and MPS
+    run asynchronously; the CPU needs nothing)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

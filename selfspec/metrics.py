@@ -1,8 +1,18 @@
-"""What a generation measures: acceptance, mean accepted length tau, speed."""
+"""What a generation measures: acceptance, mean accepted length tau, speed, and where the
+time of a step goes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The timed phases of a generation, in loop order: the prefill (once per generation), then per
+# step the draft, the verification forward (building its inputs included), turning its logits
+# into probabilities, verification (plain decoding: sampling the token), and the commit (the
+# cache commit, the target features for the drafter, reading the tokens back, stop checks).
+PHASES = ("prefill", "draft", "forward", "probs", "verify", "commit")
+# What no phase covers: setup before the prefill (the cache, drafter.begin) and whatever a
+# caller's timer adds around generate.
+OTHER = "other"
 
 
 @dataclass
@@ -20,10 +30,17 @@ class GenerationStats:
     drafted: int = 0  # draft nodes proposed
     accepted: int = 0  # draft tokens accepted
     accept_histogram: list[int] = field(default_factory=list)  # steps by tokens accepted
+    nodes_histogram: list[int] = field(default_factory=list)  # steps by draft nodes verified
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
-    draft_time_s: float = 0.0
+    draft_time_s: float = 0.0  # measured even when the other phases are not (see decode.py)
+    prefill_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    probs_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    commit_time_s: float = 0.0
+    split_steps: int = 0  # steps whose every phase was timed (generate's split_time)
 
     def record_step(self, draft_nodes: int, draft_depth: int, num_accepted: int) -> None:
         self.steps += 1
@@ -31,6 +48,7 @@ class GenerationStats:
         self.drafted += draft_nodes
         self.accepted += num_accepted
         _bump(self.accept_histogram, num_accepted)
+        _bump(self.nodes_histogram, draft_nodes)
         for depth in range(draft_depth):
             _bump(self.position_drafted, depth)
             _bump(self.position_accepted, depth, by=int(depth < num_accepted))
@@ -38,9 +56,10 @@ class GenerationStats:
     def merge(self, other: GenerationStats) -> None:
         """Add another generation's counters to these (a pass over many prompts)."""
         for name in ("new_tokens", "steps", "target_forwards", "drafted", "accepted",
-                     "wall_time_s", "draft_time_s"):
+                     "wall_time_s", "split_steps", *(f"{p}_time_s" for p in PHASES)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("accept_histogram", "position_drafted", "position_accepted"):
+        for name in ("accept_histogram", "nodes_histogram", "position_drafted",
+                     "position_accepted"):
             counts, more = getattr(self, name), getattr(other, name)
             counts.extend([0] * (len(more) - len(counts)))
             for i, value in enumerate(more):
@@ -66,6 +85,24 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
 
+    @property
+    def nodes_per_step(self) -> float:
+        """Mean draft nodes a step proposed (a step's verification forward feeds one more)."""
+        return self.drafted / self.steps if self.steps else 0.0
+
+    @property
+    def time_split(self) -> dict[str, dict[str, float]] | None:
+        """{phase: {"s_per_step": seconds per verification step, "share": of wall time}} for
+        every phase in PHASES and OTHER, the wall time left over by the timed phases (never
+        forced to zero). The prefill has its own bucket, spread over the steps like the rest.
+        None unless every step was timed phase by phase (see generate's split_time)."""
+        if not self.steps or self.split_steps != self.steps or self.wall_time_s <= 0:
+            return None
+        seconds = {phase: getattr(self, f"{phase}_time_s") for phase in PHASES}
+        seconds[OTHER] = self.wall_time_s - sum(seconds.values())
+        return {phase: {"s_per_step": s / self.steps, "share": s / self.wall_time_s}
+                for phase, s in seconds.items()}
+
     def as_dict(self) -> dict:
         """Counters and derived figures, for JSON records."""
         return {
@@ -74,7 +111,15 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
             "tokens_per_s": self.tokens_per_s,
+            "time_split": self.time_split,
         }
+
+
+def describe_split(split: dict[str, dict[str, float]] | None) -> str:
+    """A time split as one short line: each phase's share of the wall time in percent."""
+    if split is None:
+        return "split not measured"
+    return " ".join(f"{phase} {100 * split[phase]['share']:.0f}%" for phase in (*PHASES, OTHER))
 
 
 def _bump(counts: list[int], index: int, by: int = 1) -> None:

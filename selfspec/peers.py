@@ -38,11 +38,13 @@ class Decoder(Protocol):
 
 @dataclass
 class OurDecoder:
-    """selfspec's decode loop: plain decoding when drafter is None."""
+    """selfspec's decode loop: plain decoding when drafter is None. split_time: as
+    `generate`'s (None: the per-phase time split where it is free, on the CPU)."""
 
     target: Transformer
     drafter: Drafter | None = None
     measures_draft_time: bool = True
+    split_time: bool | None = None
 
     def __call__(
         self, prompt: Sequence[int], sampling: SamplingParams, max_new_tokens: int, seed: int,
@@ -53,7 +55,7 @@ class OurDecoder:
         start = time.perf_counter()
         result = generate(self.target, list(prompt), drafter=self.drafter, sampling=sampling,
                           max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
-                          generator=generator)
+                          generator=generator, split_time=self.split_time)
         synchronize(device)
         result.stats.wall_time_s = time.perf_counter() - start  # timed like every decoder
         return result

@@ -23,7 +23,8 @@ COLORS = {"small_model": "tab:blue", "ngram": "tab:orange", "medusa": "tab:green
 
 
 def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
-    """Every sweep figure as a PNG in folder; returns {name: path}."""
+    """Every sweep figure as a PNG in folder; returns {name: path}. speedup_vs_bound only when
+    some row has a bound (the sweep measured a cost profile)."""
     if not rows:
         raise ValueError("plot_sweep: no rows to plot (the sweep measured nothing)")
     folder = Path(folder)
@@ -34,6 +35,8 @@ def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
         "speedup_at_best_draft_length": speedup_at_best_draft_length,
         "acceptance_by_position": acceptance_by_position,
     }
+    if any(r.get("bound") is not None for r in rows):
+        makers["speedup_vs_bound"] = speedup_vs_bound
     paths = {}
     for name, make in makers.items():
         paths[name] = folder / f"{name}.png"
@@ -108,6 +111,28 @@ def acceptance_by_position(rows: Sequence[Row]) -> Figure:
                         label=f"{method} (k={line[-1]['draft_length']})")
         ax.set(xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
     return _finish(fig, panels)
+
+
+def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
+    """Measured speedup against the bound tau / (c(N + 1) + draft cost), a point per row,
+    coloured by method and labelled with its draft length, with y = x: how much of what
+    acceptance allows the loop delivers."""
+    fig, panels = _panels(rows, "Measured speedup vs the bound tau / (c(N+1) + draft cost)")
+    for sampling, ax in panels.items():
+        points = [r for line in _lines(rows, sampling).values() for r in line
+                  if r.get("bound") is not None]
+        for method in dict.fromkeys(r["method"] for r in points):
+            mine = [r for r in points if r["method"] == method]
+            ax.scatter([r["bound"] for r in mine], [r["speedup"] for r in mine], s=22,
+                       color=_color(method), label=method)
+            for r in mine:
+                ax.annotate(f"k={r['draft_length']}", (r["bound"], r["speedup"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+        top = max([1.0, *(max(r["bound"], r["speedup"]) for r in points)]) * 1.1
+        ax.plot([0, top], [0, top], color="black", linestyle="--", linewidth=1, label="y = x")
+        ax.set(xlabel="bound (x)", ylabel="measured speedup (x)", xlim=(0, top), ylim=(0, top))
+        ax.legend(fontsize=7)
+    return fig
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from selfspec.bench import COLUMNS, SweepRow
+from selfspec.costs import CostProfile
+from selfspec.metrics import OTHER, PHASES
 from selfspec.tracking import Tracker
 
 
@@ -56,23 +58,45 @@ def write_results(
 
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Rows with list cells turned into JSON text (for CSV files and W&B tables)."""
+    """Rows with list and dict cells turned into JSON text (for CSV files and W&B tables)."""
     for record in records:
-        yield {k: json.dumps(v) if isinstance(v, list) else v for k, v in record.items()}
+        yield {k: json.dumps(v) if isinstance(v, list | dict) else v for k, v in record.items()}
 
 
 def format_table(rows: Sequence[SweepRow]) -> str:
-    """A plain-text summary, one line per row, for the terminal."""
+    """A plain-text summary, one line per row, for the terminal: the figures, the bound and
+    efficiency (blank without a cost profile), and the time split in percent of wall time."""
+    split_head = "/".join(("pre", "draft", "fwd", "probs", "verify", "commit", "other"))
     head = (f"{'method':<17}{'k':>3} {'sampling':<8}{'tau':>6}{'acc':>6}{'tok/s':>9}"
-            f"{'speedup':>9}{'rep4':>6}  lossless")
+            f"{'speedup':>9}{'bound':>8}{'eff':>6}{'rep4':>6}  {'lossless':<9}"
+            f"time % {split_head}")
     lines = [head]
     for r in rows:
+        bound = "" if r.bound is None else f"{r.bound:.2f}x"
+        efficiency = "" if r.efficiency is None else f"{r.efficiency:.2f}"
         lines.append(
             f"{r.method:<17}{r.draft_length:>3} {r.sampling:<8}{r.tau:>6.2f}"
-            f"{r.acceptance_rate:>6.2f}{r.tokens_per_s:>9.1f}{r.speedup:>8.2f}x"
-            f"{r.repeated_4gram_share:>6.2f}  {'' if r.lossless is None else r.lossless}"
+            f"{r.acceptance_rate:>6.2f}{r.tokens_per_s:>9.1f}{r.speedup:>8.2f}x{bound:>8}"
+            f"{efficiency:>6}{r.repeated_4gram_share:>6.2f}  "
+            f"{'' if r.lossless is None else str(r.lossless):<9}{split_percent(r.time_split)}"
         )
     return "\n".join(lines)
+
+
+def describe_profile(profile: CostProfile) -> str:
+    """The cost profile as one line: the one-token forward and c(N) at every measured N."""
+    c = profile.as_dict()["c"]
+    return (f"cost profile ({profile.device}, {profile.dtype}, cache length "
+            f"{profile.cache_length}): one-token forward {1000 * profile.seconds[1]:.2f} ms; "
+            "c(N) " + ", ".join(f"{n}: {v:.2f}" for n, v in c.items()))
+
+
+def split_percent(split: Mapping[str, Mapping[str, float]] | None) -> str:
+    """A time split's shares of wall time in percent, "2/30/51/3/5/8/1" in PHASES order then
+    other; "-" where the split was not measured."""
+    if split is None:
+        return "-"
+    return "/".join(f"{100 * split[phase]['share']:.0f}" for phase in (*PHASES, OTHER))
 
 
 def log_sweep(tracker: Tracker, rows: Sequence[SweepRow], figures: Mapping[str, Path],
@@ -97,5 +121,6 @@ def best_rows(rows: Sequence[SweepRow]) -> dict[str, dict[str, Any]]:
         key = f"{row.method}/{row.sampling}"
         if key not in best or row.speedup > best[key].speedup:
             best[key] = row
-    keep = ("draft_length", "speedup", "tau", "tokens_per_s", "repeated_4gram_share", "lossless")
+    keep = ("draft_length", "speedup", "tau", "tokens_per_s", "bound", "efficiency",
+            "repeated_4gram_share", "lossless")
     return {key: {k: getattr(r, k) for k in keep} for key, r in best.items()}

@@ -9,7 +9,14 @@ from helpers import tiny_llama
 from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, build, generate
-from selfspec.costs import CostProfile, FloorSettings, measure_cost_profile, measure_floor
+from selfspec.bench import compare_with_plain
+from selfspec.costs import (
+    CostProfile,
+    FloorSettings,
+    covering_lengths,
+    measure_cost_profile,
+    measure_floor,
+)
 from selfspec.drafters import OracleDrafter
 from selfspec.model import Transformer
 
@@ -28,6 +35,26 @@ def test_c_is_relative_to_one_token_and_takes_the_next_measured_length():
     assert profile.as_dict()["c"][8] == pytest.approx(3.0)
     with pytest.raises(ValueError, match="measured up to N=8, not 9"):
         profile.c(9)
+
+
+def test_the_bound_of_steps_of_several_sizes_takes_the_mean_forward_cost():
+    profile = CostProfile({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030}, 200, "cpu", "float32")
+    # 2 steps without a draft (c(1) = 1), 1 of one node (c(2) = 1.2), 1 of three (c(4) = 1.6)
+    assert profile.bound(2.0, [2, 1, 0, 1], draft_cost=0.1) == pytest.approx(
+        2.0 / ((2 * 1.0 + 1.2 + 1.6) / 4 + 0.1))
+    assert profile.bound(2.5, [0, 0, 0, 7]) == pytest.approx(profile.bound(2.5, 3))
+    assert profile.bound(1.0, [5]) == 1.0  # plain decoding
+    with pytest.raises(ValueError, match="count steps by draft size"):
+        profile.bound(1.0, [])
+
+
+@pytest.mark.parametrize("tokens, lengths", [
+    (1, (1,)), (5, (1, 2, 3, 4, 5)), (16, tuple(range(1, 17))),
+    (20, (*range(1, 17), 24)), (64, (*range(1, 17), 24, 32, 48, 64)),
+    (300, (*range(1, 17), 24, 32, 48, 64)),  # capped at 64 tokens
+])
+def test_covering_lengths_reach_every_forward_a_sweep_verifies(tokens, lengths):
+    assert covering_lengths(tokens) == lengths
 
 
 def test_the_profile_times_every_length_and_leaves_the_target_as_it_was(target):
@@ -50,6 +77,14 @@ def test_the_oracle_is_accepted_in_full_and_lossless(target, k):
     assert oracle.stats.accepted == oracle.stats.drafted  # every proposed token is kept
     # each step yields k + 1 tokens until the last, which may be cut by max_new_tokens
     assert oracle.stats.steps == -(-20 // (k + 1))
+
+
+def test_a_training_report_line_says_where_the_drafters_time_went(target):
+    comparison = compare_with_plain(target, OracleDrafter(2), [[3, 17, 5, 9]], max_new_tokens=8)
+    assert comparison.lossless is True
+    assert comparison.time_split["verify"]["share"] >= 0
+    line = comparison.describe("toy")
+    assert "; time: prefill " in line and " forward " in line and " other " in line
 
 
 def test_the_oracle_refuses_sampling_and_bad_lengths(target):
@@ -96,5 +131,6 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
         assert row["lossless"] is True and row["tau"] > 1
         assert row["bound"] == pytest.approx(
             row["tau"] / figures["cost_profile"]["c"][2 if row["k"] == 1 else 4])
+        assert 0 < row["time_split"]["forward"]["share"] < 1  # the oracle's steps, split
     with pytest.raises(ValueError, match="cost_lengths must reach max"):
         FloorSettings(draft_lengths=(8,), cost_lengths=(1, 4))

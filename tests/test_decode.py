@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import P_VALUE_FLOOR, exact_two_token_law, first_layers, fit_pvalue, tiny_llama
 
-from selfspec import SamplingParams, Transformer, Tree, generate
+from selfspec import SamplingParams, Transformer, Tree, decode, generate
 from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
+from selfspec.metrics import OTHER, PHASES, GenerationStats
 
 PROMPTS = [
     torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -122,6 +123,55 @@ def test_stats_count_what_happened(target, draft_model):
     assert stats.new_tokens == 30 <= stats.accepted + stats.steps
     assert stats.acceptance_by_position[0] >= stats.acceptance_by_position[-1]
     assert 0 < stats.draft_time_s < stats.wall_time_s
+
+
+def test_every_step_is_split_into_phases_that_the_wall_time_holds(target, draft_model):
+    out = generate(target, PROMPTS[2], drafter=SmallModelDrafter(draft_model, 3), max_new_tokens=30)
+    stats, split = out.stats, out.stats.time_split
+    assert stats.split_steps == stats.steps > 1  # on the CPU the split is always recorded
+    assert list(split) == [*PHASES, OTHER]
+    timed = {phase: getattr(stats, f"{phase}_time_s") for phase in PHASES}
+    assert all(seconds > 0 for seconds in timed.values()), timed
+    assert sum(timed.values()) <= stats.wall_time_s
+    # what no phase covers is the wall time left over, not a figure forced to add up
+    assert split[OTHER]["s_per_step"] * stats.steps == pytest.approx(
+        stats.wall_time_s - sum(timed.values()), abs=1e-12)
+    assert 0 <= split[OTHER]["share"] < 0.5  # inside generate only the last loop check is left
+    assert sum(p["share"] for p in split.values()) == pytest.approx(1.0)
+    for phase, seconds in timed.items():
+        assert split[phase]["s_per_step"] == pytest.approx(seconds / stats.steps)
+
+
+def test_the_split_can_be_turned_off_and_never_changes_the_tokens(target, draft_model,
+                                                                  plain_greedy):
+    prompt = PROMPTS[2]
+    drafter = SmallModelDrafter(draft_model, 3)
+    off = generate(target, prompt, drafter=drafter, max_new_tokens=24, split_time=False)
+    on = generate(target, prompt, drafter=drafter, max_new_tokens=24, split_time=True)
+    assert off.tokens == on.tokens == plain_greedy[tuple(prompt)]
+    assert off.stats.time_split is None and off.stats.split_steps == 0
+    assert off.stats.forward_time_s == off.stats.commit_time_s == 0.0
+    assert off.stats.draft_time_s > 0  # the draft is timed in any case
+    plain = generate(target, prompt, max_new_tokens=24)  # plain decoding is split too
+    assert plain.tokens == plain_greedy[tuple(prompt)]
+    assert plain.stats.time_split is not None and plain.stats.drafted == 0
+
+
+def test_a_gpu_synchronizes_at_phase_boundaries_only_when_asked(monkeypatch):
+    """No GPU needed: the clock of a CUDA generation, with synchronize recorded."""
+    calls = []
+    monkeypatch.setattr(decode, "synchronize", calls.append)
+    cuda = torch.device("cuda")
+    fast = decode._PhaseClock(GenerationStats(), cuda, None)  # generate's default
+    for phase in ("prefill", "draft", "forward", "probs", "verify", "commit"):
+        fast.lap(phase)
+    assert not fast.split and calls == []
+    assert fast.stats.draft_time_s >= 0 and fast.stats.forward_time_s == 0.0
+    split = decode._PhaseClock(GenerationStats(), cuda, True)
+    for phase in ("prefill", "draft", "forward"):
+        split.lap(phase)
+    assert calls == [cuda] * 4  # once on starting, once per boundary
+    assert decode._PhaseClock(GenerationStats(), torch.device("cpu"), None).split
 
 
 # ---- sampling exactness end to end --------------------------------------------------------

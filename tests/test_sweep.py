@@ -26,6 +26,7 @@ from selfspec.bench import (
     GridPoint,
     Method,
     SweepGrid,
+    SweepRow,
     greedy_outputs,
     lossless_mismatches,
     measure_row,
@@ -40,14 +41,15 @@ from selfspec.heads import (
     save_head,
 )
 from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
-from selfspec.metrics import GenerationStats
+from selfspec.metrics import OTHER, PHASES, GenerationStats
 from selfspec.model import Transformer
 from selfspec.peers import OurDecoder
+from selfspec.results import format_table, split_percent
 from selfspec.sampling import SamplingParams
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
 PLOTS = ("acceptance_vs_draft_length", "tokens_per_s_vs_draft_length",
-         "speedup_at_best_draft_length", "acceptance_by_position")
+         "speedup_at_best_draft_length", "acceptance_by_position", "speedup_vs_bound")
 
 
 def load_entry(name: str):
@@ -152,6 +154,41 @@ def test_results_json_has_every_grid_row(sweep_dir):
     assert len(results["prompt_ids"]) == 2
 
 
+def saved_bound(row: dict, profile: dict) -> float:
+    """A row's bound recomputed from results.json alone: tau / (the mean over its steps of
+    c(N + 1), c taken at the next measured length, + its draft time in one-token forwards)."""
+    c = {int(n): value for n, value in profile["c"].items()}
+    steps = sum(row["nodes_histogram"])
+    forward = sum(count * c[min(m for m in c if m >= n + 1)]
+                  for n, count in enumerate(row["nodes_histogram"])) / steps
+    draft = (row["draft_ms_per_step"] or 0.0) / profile["one_token_ms"]
+    return row["tau"] / (forward + draft)
+
+
+def test_rows_carry_the_time_split_the_bound_and_the_efficiency(sweep_dir):
+    results = json.loads((sweep_dir / "results.json").read_text())
+    profile = results["cost_profile"]
+    assert profile["device"] == "cpu" and profile["one_token_ms"] > 0
+    prompts_and_half = profile["cache_length"]  # mean prompt length + half of 8 new tokens
+    assert prompts_and_half > 4
+    assert max(map(int, profile["c"])) >= 3  # k = 2: forwards of 3 tokens
+    for row in results["rows"]:
+        split = row["time_split"]
+        assert set(split) == {*PHASES, OTHER}
+        assert all(p["s_per_step"] >= 0 and p["share"] >= 0 for p in split.values()), split
+        assert sum(p["share"] for p in split.values()) == pytest.approx(1.0)
+        assert split["draft"]["share"] == pytest.approx(row["draft_time_share"])
+        assert sum(row["nodes_histogram"]) > 0
+        assert row["nodes_per_step"] <= row["draft_length"]
+        assert row["draft_cost"] == pytest.approx(row["draft_ms_per_step"]
+                                                  / profile["one_token_ms"])
+        assert row["bound"] == pytest.approx(saved_bound(row, profile))
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["bound"])
+    table = format_table([SweepRow(**r) for r in results["rows"]])
+    assert "bound" in table and "pre/draft/fwd/probs/verify/commit/other" in table
+    assert split_percent(results["rows"][0]["time_split"]) in table
+
+
 def test_results_csv_has_the_columns_and_a_line_per_row(sweep_dir):
     with (sweep_dir / "results.csv").open() as f:
         reader = csv.DictReader(f)
@@ -208,6 +245,13 @@ def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, head
                                                     / row["tokens_per_s"])
     assert rows["hf_assisted", 2]["draft_time_share"] > 0
     assert rows["hf_prompt_lookup", 2]["draft_time_share"] is None  # not measurable
+    profile = json.loads((tmp_path / "results.json").read_text())["cost_profile"]
+    assert max(map(int, profile["c"])) >= 11  # medusa_small's 10 nodes of depth <= 2, + 1
+    for row in rows.values():
+        assert (row["time_split"] is None) == row["method"].startswith("hf_")
+        assert row["bound"] == pytest.approx(saved_bound(row, profile))
+    lookup = rows["hf_prompt_lookup", 2]
+    assert lookup["draft_cost"] is None and lookup["bound"] > 0  # a draft that costs nothing
 
 
 def test_shared_baseline_measures_plain_once_per_sampling(quick_build):
@@ -232,13 +276,18 @@ def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
         [sys.executable, str(EVAL / "sweep.py"), "-m", *toy(quick_build), "methods=ngram",
          "num_draft_tokens=1,2", "samplings=[greedy]", "bench.num_prompts=1",
          "bench.max_new_tokens=4", "wandb.enabled=false", f"threads={suite_threads()}",
-         f"hydra.sweep.dir={tmp_path}"],
+         "cost_profile=false", f"hydra.sweep.dir={tmp_path}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for job, k in (("0", 1), ("1", 2)):
-        (row,) = json.loads((tmp_path / job / "results.json").read_text())["rows"]
+        results = json.loads((tmp_path / job / "results.json").read_text())
+        (row,) = results["rows"]
         assert (row["method"], row["draft_length"]) == ("ngram", k)
+        # cost_profile=false: no profile, no bound, no speedup-vs-bound plot; the split stays
+        assert results["cost_profile"] is None and row["bound"] is row["efficiency"] is None
+        assert not (tmp_path / job / "speedup_vs_bound.png").exists()
+        assert row["time_split"]["forward"]["share"] > 0
 
 
 # ---- eval/lossless.py ---------------------------------------------------------------------
@@ -393,6 +442,8 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["data=mt_bench", "data.path=/nonexistent/questions.jsonl"], "file not found"),
         (["data=mt_bench", "data.path={empty}"], "holds no questions"),
         (["baseline=sometimes"], "unknown baseline mode"),
+        (["split_time=sometimes"], "split_time must be true, false or null"),
+        (["cost_profile=2"], "cost_profile must be true or false"),
     ],
 )
 def test_bad_input_is_refused_before_any_model_loads(

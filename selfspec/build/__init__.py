@@ -82,6 +82,8 @@ from selfspec.build.sweeps import (  # noqa: F401
     medusa_depth,
     named_samplings,
     plan_sweep,
+    split_time,
+    sweep_cost_profile,
     sweep_methods,
     timing_models,
 )

@@ -4,13 +4,14 @@ load, the models it needs, loaded once, and each grid point's decoders."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid
+from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid, SweepRow
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.build.drafters import (
     early_exit_layers,
@@ -32,7 +33,7 @@ from selfspec.build.models import (
     resolve_model_path,
 )
 from selfspec.build.prompts import sweep_prompt_texts
-from selfspec.costs import FloorSettings
+from selfspec.costs import CostProfile, FloorSettings, covering_lengths, measure_cost_profile
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
@@ -95,6 +96,8 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     mode = str(cfg.get("baseline", "interleaved"))
     if mode not in BASELINE_MODES:
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
+    split_time(cfg)  # these two are checked now and used after loading
+    _flag(cfg, "cost_profile")
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     check_sweep_weights(cfg, methods)
     if "early_exit" in methods:
@@ -258,26 +261,27 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     return models
 
 
-def build_method(models: SweepModels, name: str, k: int) -> Method:
+def build_method(models: SweepModels, name: str, k: int, split_time: bool | None = None) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
     the same target by the same library. An early_exit/E/kind/stop row drafts up to k tokens
     with that exit, stopping below that confidence threshold. Medusa at k drafts at most k
     deep (a static tree's nodes of depth <= k; top-k products over k heads); Medusa-2 heads
     draft for, and are compared with plain decoding of, their LoRA-adapted target
     ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
-    the head is)."""
+    the head is). split_time: our decoders' (`generate`'s), drafted and plain alike."""
     if name.startswith("early_exit/"):
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
         drafter = EarlyExitDrafter(_require(head, name), k, threshold)
-        return Method(name, k, OurDecoder(models.target, drafter), OurDecoder(models.target),
-                      "plain", k)
+        ours, plain = (OurDecoder(models.target, d, split_time=split_time) for d in (drafter, None))
+        return Method(name, k, ours, plain, "plain", k)
     if name in ("small_model", "ngram", "medusa", "eagle"):
         drafter, nodes = _our_drafter(models, name, k)
         target, baseline = models.target, "plain"
         if name == "medusa" and models.medusa_target is not None:
             target, baseline = models.medusa_target, "plain_adapted"
-        return Method(name, k, OurDecoder(target, drafter), OurDecoder(target), baseline, nodes)
+        ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
+        return Method(name, k, ours, plain, baseline, nodes)
     if name not in _HF_METHODS:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
     _require(models.hf_target, name)
@@ -318,6 +322,39 @@ def _require(value, method: str):
     if value is None:
         raise ValueError(f"build_method: {method} needs weights that were not loaded; pass "
                          f"{method} to load_sweep_models")
+    return value
+
+
+def split_time(cfg: DictConfig) -> bool | None:
+    """cfg.split_time (true, false or null), see `generate`: true times every phase of every
+    step on any device, synchronizing CUDA at each phase boundary."""
+    value = cfg.get("split_time", True)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"split_time must be true, false or null, got {value!r}")
+    return value
+
+
+def sweep_cost_profile(
+    cfg: DictConfig, target: Transformer, prompts: Sequence[Sequence[int]],
+    rows: Sequence[SweepRow],
+) -> CostProfile | None:
+    """c(N) of the target, measured once in the sweep's process (None when cfg.cost_profile
+    is false): over a cache as long as the sweep's steps see on average (the mean prompt
+    length + half of bench.max_new_tokens), at every forward length its rows verify (draft
+    nodes + 1, up to costs.PROFILE_MAX_TOKENS)."""
+    if not _flag(cfg, "cost_profile"):
+        return None
+    mean_prompt = sum(len(p) for p in prompts) / len(prompts)
+    cache_length = round(mean_prompt + int(cfg.bench.max_new_tokens) / 2)
+    tokens = max(max(r.draft_nodes or r.draft_length, len(r.nodes_histogram) - 1) + 1
+                 for r in rows)
+    return measure_cost_profile(target, covering_lengths(tokens), cache_length=cache_length)
+
+
+def _flag(cfg: DictConfig, key: str) -> bool:
+    value = cfg.get(key, True)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
     return value
 
 
