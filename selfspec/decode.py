@@ -27,7 +27,7 @@ from selfspec.drafters.base import (
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
-from selfspec.verify import Acceptance, verify_tree
+from selfspec.verify import Acceptance, verify_greedy, verify_trusted
 
 
 @dataclass(frozen=True)
@@ -128,30 +128,44 @@ def _step(
     tree, base = draft.tree, cache.length
     device = cache.k.device
     tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])[None]
-    positions = base + tree.positions_with_root.to(device)
-    mask = tree.mask_with_root.to(device)  # [N+1, N+1]
+    offsets, mask = tree.verification_inputs(device)  # [N+1], [N+1, N+1]
+    positions = base + offsets
     if draft.early is None:
         out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
     else:
         out = _resume_after_early_layers(target, tokens, positions, cache, mask, layers,
                                          draft.early)
     clock.lap("forward")
-    p = logits_to_probs(out.logits[0], sampling)  # [N+1, V]
-    clock.lap("probs")
-    if tree.num_nodes == 0:  # plain decoding: nothing to verify
-        token = torch.tensor([sample(p[0], generator)], device=device)
-        acceptance = Acceptance(token, 0, torch.empty(0, dtype=torch.long, device=device))
-    else:
-        q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
-        acceptance = verify_tree(
-            tree, draft.tokens, q, p, generator=generator,
-            without_replacement=draft.without_replacement,
-        )
+    acceptance = _verify_step(out.logits[0], draft, sampling, generator, clock)
     clock.lap("verify")
-    root_row = torch.zeros(1, dtype=torch.long, device=device)
-    rows = torch.cat([root_row, acceptance.path.to(device) + 1])  # [1 + accepted]
+    rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=device)
     cache.commit(base + rows)
     return acceptance, _features(out, tokens[0, rows], rows)
+
+
+def _verify_step(
+    logits: torch.Tensor,  # [N+1, V]
+    draft: Draft,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    clock: _PhaseClock,
+) -> Acceptance:
+    """What the step keeps. Greedy: the argmax rows, read back once, decide (the one-hot
+    probabilities they stand for are never built); otherwise the target's law from
+    `logits_to_probs` and recursive rejection sampling. Drafts and laws built by this loop
+    are well-formed, so the public verifier's input checks are not repeated every step."""
+    if sampling.greedy:
+        target_tokens = logits.float().argmax(dim=-1).tolist()  # the one device read
+        clock.lap("probs")
+        return verify_greedy(draft.tree, draft.tokens.tolist(), target_tokens)
+    p = logits_to_probs(logits, sampling)  # [N+1, V]
+    clock.lap("probs")
+    if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
+        token = torch.tensor([sample(p[0], generator)])
+        return Acceptance(token, 0, torch.empty(0, dtype=torch.long))
+    q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
+    return verify_trusted(draft.tree, draft.tokens.to(p.device), q, p, generator,
+                          draft.without_replacement)
 
 
 class _PhaseClock:

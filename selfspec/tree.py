@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -42,9 +42,13 @@ class Tree:
         """A tree from each node's parent index (-1 = root); nodes must be topologically ordered.
 
         Children keep index order, and a child's candidate rank is its position among its
-        siblings.
+        siblings. Trees are immutable, so a dynamic drafter's recurring shapes come from a
+        cache with their masks already built.
         """
-        parents = tuple(int(p) for p in parents)
+        return _tree_from_parents(cls, tuple(int(p) for p in parents))
+
+    @classmethod
+    def _build_from_parents(cls, parents: tuple[int, ...]) -> Tree:
         for i, parent in enumerate(parents):
             if not -1 <= parent < i:
                 raise ValueError(
@@ -171,3 +175,17 @@ class Tree:
     def positions_with_root(self) -> torch.Tensor:
         """[N+1] position offsets from the root: 0 for the root, depth for each node."""
         return torch.cat([torch.zeros(1, dtype=torch.long), self.depth])
+
+    def verification_inputs(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions_with_root, mask_with_root) on `device`, copied there once per device
+        rather than every step."""
+        on_device = self.__dict__.setdefault("_on_device", {})
+        key = str(device)
+        if key not in on_device:
+            on_device[key] = (self.positions_with_root.to(device), self.mask_with_root.to(device))
+        return on_device[key]
+
+
+@lru_cache(maxsize=512)
+def _tree_from_parents(cls: type[Tree], parents: tuple[int, ...]) -> Tree:
+    return cls._build_from_parents(parents)

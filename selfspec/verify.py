@@ -14,6 +14,7 @@ that device too. The returned tensors are on p's device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -89,6 +90,42 @@ def verify_tree(
     return _verify(tree, tokens, q, p, generator, without_replacement, tokens_name="tokens")
 
 
+def verify_greedy(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int]) -> Acceptance:
+    """Greedy verification from the target's argmax alone: `verify_tree` with one-hot target
+    rows, without building them.
+
+    tokens: [N] node i's token; target_tokens: [N+1] the target's argmax after the root (0)
+    and after node i (i+1), lowest index on ties as in `logits_to_probs`. A child is accepted
+    iff its token is its parent's argmax; the last token is the argmax where the walk stops.
+    Plain lists: the decode loop reads the argmax row back once per step and walks the tree
+    on the host, with no per-node device reads. Trusted input (the loop builds it).
+    """
+    node, path = -1, []
+    while True:
+        want = target_tokens[node + 1]
+        child = next((c for c in tree.children_of(node) if tokens[c] == want), None)
+        if child is None:
+            break
+        node = child
+        path.append(child)
+    return Acceptance(tokens=torch.tensor([*(tokens[i] for i in path), want]),
+                      num_accepted=len(path), path=torch.tensor(path, dtype=torch.long))
+
+
+def verify_trusted(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    without_replacement: bool = False,
+) -> Acceptance:
+    """`verify_tree` without its input checks, for the decode loop, whose drafts and
+    probabilities are well-formed by construction: the checks read every probability row
+    (float64 sums, minima, q at every token) on every step. Call `verify_tree` anywhere else."""
+    return _accept_tree(tree, tokens, q, p, generator, without_replacement)
+
+
 @lru_cache(maxsize=64)
 def _chain(k: int) -> Tree:
     return Tree.chain(k)
@@ -106,6 +143,18 @@ def _verify(
     if isinstance(p, torch.Tensor):  # a setup error: refused before the values are read
         check_generator(generator, p.device, "verify")
     _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
+    return _accept_tree(tree, tokens, q, p, generator, without_replacement)
+
+
+def _accept_tree(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    without_replacement: bool,
+) -> Acceptance:
+    """Recursive rejection sampling over the tree, on checked inputs."""
     token_list = tokens.tolist()
     node, path = -1, []
     residual = p[0]  # [V] the law the next emitted token must follow
