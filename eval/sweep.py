@@ -21,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec import build
 from selfspec.bench import add_bounds, run_sweep
 from selfspec.cli import hydra_entry_point
+from selfspec.costs import PROFILE_MAX_TOKENS
 from selfspec.peers import quiet_transformers
 from selfspec.plots import plot_sweep
 from selfspec.results import (
     best_rows,
+    describe_auto,
     describe_profile,
     format_table,
     log_sweep,
@@ -52,25 +54,34 @@ def run(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
                       name=Path(cfg.run_dir).name, config=config)
-    split = build.split_time(cfg)
+    split, ids = build.split_time(cfg), [p.ids for p in prompts]
+    profile = chooser = None
+    if plan.grid.auto:  # auto rows predict from c(N): measured first, over every length
+        profile = build.sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
+        calibration = build.encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
+        chooser = build.size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
         plan.grid.points(), lambda name, k: build.build_method(models, name, k, split),
-        [p.ids for p in prompts], settings, shared_baseline=plan.shared_baseline,
-        device=cfg.device, progress=bool(cfg.progress),
+        ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
+        progress=bool(cfg.progress), choose_length=chooser,
     )
-    profile = build.sweep_cost_profile(cfg, models.target, [p.ids for p in prompts], rows)
+    if profile is None:
+        profile = build.sweep_cost_profile(cfg, models.target, ids, build.longest_forward(rows))
     if profile is not None:
         rows = add_bounds(rows, profile)
     machine = machine_facts()
     write_results(rows, cfg.run_dir, {
         "machine": machine, "settings": asdict(settings), "shared_baseline": plan.shared_baseline,
         "prompt_ids": [p.prompt.id for p in prompts], "config": config,
+        "calibration_prompt_ids": [p.id for p in plan.calibration],
         "cost_profile": profile.as_dict() if profile else None,
     })
     figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir)
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
     tracker.finish()
     print(format_table(rows))
+    if plan.grid.auto:
+        print(describe_auto(rows))
     if profile is not None:
         print(describe_profile(profile))
     print(f"results, plots and W&B run in {Path(cfg.run_dir).resolve()}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from selfspec.metrics import GenerationStats, describe_split
 from selfspec.model import Transformer
 from selfspec.peers import Decoder, OurDecoder
 from selfspec.sampling import SamplingParams
+
+if TYPE_CHECKING:  # autosize measures through this module
+    from selfspec.autosize import SizeChoice
 
 # Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
 METHODS = ("small_model", "ngram", "medusa", "eagle", "early_exit", "hf_assisted",
@@ -131,10 +134,15 @@ def run_passes(
 
 @dataclass(frozen=True)
 class GridPoint:
+    """auto: the draft length is chosen when the point's turn comes, among `candidates` (the
+    method's fixed lengths), by `selfspec.autosize.choose_size` on calibration prompts."""
+
     method: str
     draft_length: int
     sampling_name: str
     sampling: SamplingParams
+    auto: bool = False
+    candidates: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,12 +152,15 @@ class SweepGrid:
     medusa_depth: the depth of the Medusa tree. Medusa at draft length k uses the tree's
     nodes of depth <= k, so lengths beyond the depth would repeat the full tree: they are
     folded into one row at the tree's depth.
+    auto: after each of our methods' fixed rows, a row at the length chosen among them
+    (`num_draft_tokens=[1,2,4,auto]`); the Hugging Face peers have no auto row.
     """
 
     methods: tuple[str, ...]
     draft_lengths: tuple[int, ...]
     samplings: tuple[tuple[str, SamplingParams], ...]
     medusa_depth: int | None = None
+    auto: bool = False
 
     def __post_init__(self) -> None:
         # A method may name a variant after a slash (early_exit/E4/norm/stop0.6).
@@ -172,10 +183,15 @@ class SweepGrid:
         return sorted(set(self.draft_lengths))
 
     def points(self) -> list[GridPoint]:
-        return [GridPoint(method, k, name, sampling)
-                for name, sampling in self.samplings
-                for method in dict.fromkeys(self.methods)
-                for k in self.lengths_of(method)]
+        points = []
+        for name, sampling in self.samplings:
+            for method in dict.fromkeys(self.methods):
+                lengths = self.lengths_of(method)
+                points += [GridPoint(method, k, name, sampling) for k in lengths]
+                if self.auto and method not in HF_PEERS:
+                    points.append(GridPoint(method, max(lengths), name, sampling, True,
+                                            tuple(lengths)))
+        return points
 
 
 @dataclass(frozen=True)
@@ -190,7 +206,9 @@ class SweepRow:
     proposed n (Hugging Face rows: the prefill counts as a step of 0); draft_ms_per_step: None
     where the draft time is not measured; time_split: `GenerationStats.time_split` (None where
     not measured, e.g. Hugging Face's generate). draft_cost, bound, efficiency: see
-    `add_bounds` (None without a cost profile)."""
+    `add_bounds` (None without a cost profile). auto_choice: on a `<method>/auto` row, the
+    candidates' calibration estimates (`SizeChoice.as_dict`); auto_vs_best: its speedup over
+    the best fixed row of the method at that sampling (see `add_auto_ratios`)."""
 
     method: str
     draft_length: int
@@ -230,6 +248,8 @@ class SweepRow:
     draft_cost: float | None = None
     bound: float | None = None
     efficiency: float | None = None
+    auto_choice: dict | None = None
+    auto_vs_best: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -303,26 +323,57 @@ def run_sweep(
     shared_baseline: bool = False,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    choose_length: Callable[[GridPoint], SizeChoice] | None = None,
 ) -> list[SweepRow]:
     """Measure every grid point in this process, in order, with a progress bar.
 
     make_method(name, k) builds a point's decoders when its turn comes (and they are dropped
     after it, with any draft caches). shared_baseline: measure each baseline once per sampling
     setting instead of beside every row (half the time, less robust to machine drift).
+    choose_length(point): an auto point's draft length among point.candidates (calibrated on
+    prompts other than these); its row is named `<method>/auto`.
     """
     from tqdm.auto import tqdm
 
     rows, shared = [], {}
     bar = tqdm(points, desc="sweep", unit="config", disable=not progress)
     for point in bar:
-        bar.set_postfix_str(f"{point.method} k={point.draft_length} {point.sampling_name}")
-        method = make_method(point.method, point.draft_length)
+        bar.set_postfix_str(f"{point.method} k={'auto' if point.auto else point.draft_length} "
+                            f"{point.sampling_name}")
+        choice = _choose(choose_length, point) if point.auto else None
+        method = make_method(point.method, choice.size if choice else point.draft_length)
         key = (method.baseline_name, point.sampling_name)
         row, base = measure_row(method, point, prompts, settings, shared.get(key), device)
         if shared_baseline:
             shared[key] = base
+        if choice:
+            row = replace(row, method=f"{point.method}/auto", auto_choice=choice.as_dict())
         rows.append(row)
-    return add_peer_ratios(rows)
+    return add_auto_ratios(add_peer_ratios(rows))
+
+
+def _choose(choose_length: Callable[[GridPoint], SizeChoice] | None,
+            point: GridPoint) -> SizeChoice:
+    if choose_length is None:
+        raise ValueError(f"run_sweep: {point.method} asks for an auto draft length but no "
+                         f"choose_length was given")
+    return choose_length(point)
+
+
+def add_auto_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:
+    """Set auto_vs_best on every `<method>/auto` row: its measured speedup over that of the
+    best fixed row of the same method and sampling (1.0: auto found the best one)."""
+    best: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if r.auto_choice is None:
+            key = (r.method, r.sampling)
+            best[key] = max(best.get(key, 0.0), r.speedup)
+    out = []
+    for r in rows:
+        fixed = best.get((r.method.removesuffix("/auto"), r.sampling))
+        ratio = r.speedup / fixed if r.auto_choice is not None and fixed else None
+        out.append(replace(r, auto_vs_best=ratio))
+    return out
 
 
 def add_peer_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:

@@ -83,6 +83,26 @@ def format_table(rows: Sequence[SweepRow]) -> str:
     return "\n".join(lines)
 
 
+def describe_auto(rows: Sequence[SweepRow]) -> str:
+    """A line per auto row: the length chosen, its predicted and measured speedup, and how
+    it fares against the best fixed length (measured on the same, evaluated, prompts)."""
+    lines = []
+    for r in rows:
+        if r.auto_choice is None:
+            continue
+        chosen = next(e for e in r.auto_choice["estimates"] if e["size"] == r.draft_length)
+        fixed = [x for x in rows if x.method == r.method.removesuffix("/auto")
+                 and x.sampling == r.sampling and x.auto_choice is None]
+        best = max(fixed, key=lambda x: x.speedup, default=None)
+        versus = "" if best is None or r.auto_vs_best is None else (
+            f"; best fixed k={best.draft_length} {best.speedup:.2f}x, auto / best "
+            f"{r.auto_vs_best:.2f}")
+        lines.append(f"{r.method} {r.sampling}: k={r.draft_length} chosen on "
+                     f"{r.auto_choice['calibration_prompts']} calibration prompts, predicted "
+                     f"{chosen['predicted_speedup']:.2f}x, measured {r.speedup:.2f}x{versus}")
+    return "\n".join(lines)
+
+
 def describe_profile(profile: CostProfile) -> str:
     """The cost profile as one line: the one-token forward and c(N) at every measured N."""
     c = profile.as_dict()["c"]

@@ -270,6 +270,13 @@ def test_grid_folds_medusa_lengths_beyond_its_tree():
         ("ngram", 2), ("ngram", 4), ("ngram", 6), ("medusa", 2), ("medusa", 4)]
 
 
+def test_auto_points_follow_each_of_our_methods_with_its_fixed_lengths():
+    grid = SweepGrid(("ngram", "hf_prompt_lookup", "medusa"), (2, 4, 6),
+                     (("greedy", SamplingParams()),), 4, auto=True)
+    auto = [(p.method, p.candidates) for p in grid.points() if p.auto]
+    assert auto == [("ngram", (2, 4, 6)), ("medusa", (2, 4))]  # no auto row for HF's peers
+
+
 def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
     env = {**os.environ, "WANDB_MODE": "offline"}
     done = subprocess.run(
@@ -444,6 +451,10 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["baseline=sometimes"], "unknown baseline mode"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
         (["cost_profile=2"], "cost_profile must be true or false"),
+        (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
+        (["num_draft_tokens=[2,auto]", "cost_profile=false"], "predicts speedups from the cost"),
+        (["num_draft_tokens=[2,auto]", "data.num_prompts=4", "bench.num_prompts=4"],
+         "auto draft lengths need auto.calibration_prompts >= 1 prompts after the 4 evaluated"),
     ],
 )
 def test_bad_input_is_refused_before_any_model_loads(

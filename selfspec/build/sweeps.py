@@ -4,14 +4,15 @@ load, the models it needs, loaded once, and each grid point's decoders."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.bench import METHODS, BenchSettings, Method, SweepGrid, SweepRow
+from selfspec.autosize import SizeChoice, choose_size
+from selfspec.bench import METHODS, BenchSettings, GridPoint, Method, SweepGrid, SweepRow
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.build.drafters import (
     early_exit_layers,
@@ -69,6 +70,7 @@ class SweepPlan:
     grid: SweepGrid
     prompts: list[Prompt]
     shared_baseline: bool = False
+    calibration: list[Prompt] = field(default_factory=list)  # auto rows' (see calibration_texts)
 
 
 @dataclass
@@ -97,7 +99,9 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     if mode not in BASELINE_MODES:
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
     split_time(cfg)  # these two are checked now and used after loading
-    _flag(cfg, "cost_profile")
+    if not _flag(cfg, "cost_profile") and wants_auto(cfg):
+        raise ValueError("num_draft_tokens=auto predicts speedups from the cost profile: set "
+                         "cost_profile=true, or drop auto")
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     check_sweep_weights(cfg, methods)
     if "early_exit" in methods:
@@ -105,7 +109,9 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
-    return SweepPlan(SweepGrid(methods, lengths, samplings, depth), texts, mode == "shared")
+    # The lossless check (greedy_only) needs no auto rows: they repeat a fixed length.
+    grid = SweepGrid(methods, lengths, samplings, depth, auto=wants_auto(cfg) and not greedy_only)
+    return SweepPlan(grid, texts, mode == "shared", calibration_texts(cfg, num_prompts, grid))
 
 
 def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
@@ -132,12 +138,41 @@ def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
 
 
 def draft_lengths(cfg: DictConfig) -> tuple[int, ...]:
-    values = as_list(cfg.num_draft_tokens)
+    """The fixed draft lengths of num_draft_tokens (`auto` beside them: see wants_auto)."""
+    values = [v for v in as_list(cfg.num_draft_tokens) if v != AUTO]
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad or not values:
-        raise ValueError(f"num_draft_tokens must be integers >= 1, got {values}: e.g. "
-                         f"num_draft_tokens=[2,4,8] (or num_draft_tokens=4)")
+        raise ValueError(f"num_draft_tokens must be integers >= 1 (and optionally auto), got "
+                         f"{as_list(cfg.num_draft_tokens)}: e.g. num_draft_tokens=[2,4,8] or "
+                         f"num_draft_tokens=[1,2,3,4,auto] (auto chooses among the others)")
     return tuple(int(v) for v in values)
+
+
+AUTO = "auto"
+
+
+def wants_auto(cfg: DictConfig) -> bool:
+    """num_draft_tokens holds `auto`: a row per method at the length chosen among the others
+    by calibration (`selfspec.autosize`); for Medusa and EAGLE the length is the tree's
+    depth, so auto picks among trees of different sizes and shapes."""
+    return AUTO in as_list(cfg.num_draft_tokens)
+
+
+def calibration_texts(cfg: DictConfig, num_prompts: int, grid: SweepGrid) -> list[Prompt]:
+    """The auto rows' calibration prompts: the auto.calibration_prompts prompts of the data
+    set that follow the evaluated ones, so a size is never chosen on the prompts it is
+    measured on. None needed without auto rows."""
+    if not grid.auto:
+        return []
+    count = int(cfg.get("auto", {}).get("calibration_prompts", 4))
+    evaluated = min(int(num_prompts), int(cfg.data.num_prompts))
+    texts = sweep_prompt_texts(cfg.data, evaluated + count)[evaluated:]
+    if count < 1 or len(texts) < count:
+        raise ValueError(f"auto draft lengths need auto.calibration_prompts >= 1 prompts after "
+                         f"the {evaluated} evaluated ones; {cfg.data.name} has {len(texts)} "
+                         f"more (raise data.num_prompts, or lower bench.num_prompts or "
+                         f"auto.calibration_prompts)")
+    return texts
 
 
 def named_samplings(names) -> tuple[tuple[str, SamplingParams], ...]:
@@ -269,19 +304,11 @@ def build_method(models: SweepModels, name: str, k: int, split_time: bool | None
     draft for, and are compared with plain decoding of, their LoRA-adapted target
     ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
     the head is). split_time: our decoders' (`generate`'s), drafted and plain alike."""
-    if name.startswith("early_exit/"):
-        exit_layer, kind, threshold = _parse_early_exit(name)
-        head = _require(models.exits, name).get((exit_layer, kind))
-        drafter = EarlyExitDrafter(_require(head, name), k, threshold)
-        ours, plain = (OurDecoder(models.target, d, split_time=split_time) for d in (drafter, None))
-        return Method(name, k, ours, plain, "plain", k)
-    if name in ("small_model", "ngram", "medusa", "eagle"):
-        drafter, nodes = _our_drafter(models, name, k)
-        target, baseline = models.target, "plain"
-        if name == "medusa" and models.medusa_target is not None:
-            target, baseline = models.medusa_target, "plain_adapted"
+    if name.startswith("early_exit/") or name in _OUR_METHODS:
+        drafter = our_drafter(models, name, k)
+        target, baseline = verified_target(models, name)
         ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
-        return Method(name, k, ours, plain, baseline, nodes)
+        return Method(name, k, ours, plain, baseline, drafter.max_nodes)
     if name not in _HF_METHODS:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
     _require(models.hf_target, name)
@@ -291,19 +318,51 @@ def build_method(models: SweepModels, name: str, k: int, split_time: bool | None
     return Method(name, k, decoder, HFDecoder(models.hf_target), "hf_plain", k)
 
 
-def _our_drafter(models: SweepModels, name: str, k: int) -> tuple[Drafter, int]:
+_OUR_METHODS = ("small_model", "ngram", "medusa", "eagle")
+
+
+def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
+    """Our method `name` (an early_exit/E/kind/stop variant too) at draft length k."""
+    if name.startswith("early_exit/"):
+        exit_layer, kind, threshold = _parse_early_exit(name)
+        head = _require(models.exits, name).get((exit_layer, kind))
+        return EarlyExitDrafter(_require(head, name), k, threshold)
     if name == "ngram":
-        return NgramDrafter(num_draft_tokens=k), k
+        return NgramDrafter(num_draft_tokens=k)
     if name == "small_model":
-        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k), k
+        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k)
     if name == "eagle":
         e = _require(models.eagle, name)
-        drafter = EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,
-                               depth=k, top_k=e.top_k, sampled_children=e.sampled_children)
-        return drafter, drafter.max_nodes
-    heads = _require(models.medusa_heads, name)
-    drafter = medusa_drafter(_require(models.tree, name), heads, max_depth=k)
-    return drafter, drafter.max_nodes
+        return EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,
+                            depth=k, top_k=e.top_k, sampled_children=e.sampled_children)
+    return medusa_drafter(_require(models.tree, name), _require(models.medusa_heads, name),
+                          max_depth=k)
+
+
+def verified_target(models: SweepModels, name: str) -> tuple[Transformer, str]:
+    """The target a method's drafts are verified on, and its baseline's name: Medusa-2
+    heads' LoRA-adapted target, else the target."""
+    if name == "medusa" and models.medusa_target is not None:
+        return models.medusa_target, "plain_adapted"
+    return models.target, "plain"
+
+
+def size_chooser(
+    models: SweepModels, calibration: Sequence[Sequence[int]], profile: CostProfile,
+    settings: BenchSettings,
+) -> Callable[[GridPoint], SizeChoice]:
+    """An auto point's draft length: each candidate length drafts the calibration prompts,
+    and the one whose tau, draft sizes and draft time predict the highest speedup under the
+    profile wins (`selfspec.autosize.choose_size`)."""
+
+    def choose(point: GridPoint) -> SizeChoice:
+        target, _ = verified_target(models, point.method)
+        candidates = {k: our_drafter(models, point.method, k) for k in point.candidates}
+        return choose_size(target, candidates, calibration, profile, sampling=point.sampling,
+                           max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                           stop_ids=settings.stop_ids)
+
+    return choose
 
 
 def _early_exits(cfg: DictConfig, target: Transformer) -> dict[tuple[int, str], ExitHead]:
@@ -335,20 +394,24 @@ def split_time(cfg: DictConfig) -> bool | None:
 
 
 def sweep_cost_profile(
-    cfg: DictConfig, target: Transformer, prompts: Sequence[Sequence[int]],
-    rows: Sequence[SweepRow],
+    cfg: DictConfig, target: Transformer, prompts: Sequence[Sequence[int]], longest: int,
 ) -> CostProfile | None:
     """c(N) of the target, measured once in the sweep's process (None when cfg.cost_profile
     is false): over a cache as long as the sweep's steps see on average (the mean prompt
-    length + half of bench.max_new_tokens), at every forward length its rows verify (draft
-    nodes + 1, up to costs.PROFILE_MAX_TOKENS)."""
+    length + half of bench.max_new_tokens), at every forward length up to `longest` (capped
+    at costs.PROFILE_MAX_TOKENS): `longest_forward(rows)` after the rows, or the cap before
+    them when auto rows need it."""
     if not _flag(cfg, "cost_profile"):
         return None
     mean_prompt = sum(len(p) for p in prompts) / len(prompts)
     cache_length = round(mean_prompt + int(cfg.bench.max_new_tokens) / 2)
-    tokens = max(max(r.draft_nodes or r.draft_length, len(r.nodes_histogram) - 1) + 1
-                 for r in rows)
-    return measure_cost_profile(target, covering_lengths(tokens), cache_length=cache_length)
+    return measure_cost_profile(target, covering_lengths(longest), cache_length=cache_length)
+
+
+def longest_forward(rows: Sequence[SweepRow]) -> int:
+    """The most tokens a verification forward of the rows fed: draft nodes + 1."""
+    return max(max(r.draft_nodes or r.draft_length, len(r.nodes_histogram) - 1) + 1
+               for r in rows)
 
 
 def _flag(cfg: DictConfig, key: str) -> bool:

@@ -1,0 +1,76 @@
+"""Auto draft sizes: the candidate whose calibration predicts the highest speedup under the
+cost profile wins; sweeps add a `<method>/auto` row chosen on prompts they do not measure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_sweep import cfg_of, load_entry, toy  # noqa: F401  (cfg_of is a fixture)
+
+from selfspec.autosize import choose_size
+from selfspec.costs import CostProfile
+from selfspec.drafters import NgramDrafter
+from selfspec.drafters.oracle import OracleDrafter
+
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 3, 9, 11]]
+
+
+def profile(c) -> CostProfile:
+    """A made-up profile: a one-token forward of 1 s (so drafting costs ~0) and c(n)."""
+    return CostProfile({n: float(c(n)) for n in range(1, 17)}, 100, "cpu", "float32")
+
+
+def oracles() -> dict[int, OracleDrafter]:
+    return {k: OracleDrafter(k) for k in (1, 2, 4, 8)}
+
+
+def test_every_accepted_draft_and_a_flat_cost_choose_the_longest(target):
+    choice = choose_size(target, oracles(), PROMPTS, profile(lambda n: 1.0), max_new_tokens=24)
+    assert choice.size == 8
+    assert [e.size for e in choice.estimates] == [1, 2, 4, 8]
+    taus = [e.tau for e in choice.estimates]
+    assert taus == sorted(taus) and taus[0] == pytest.approx(2.0)  # the oracle is always right
+    assert choice.predicted_speedup == max(e.predicted_speedup for e in choice.estimates)
+
+
+def test_a_forward_that_grows_with_its_length_chooses_the_shortest(target):
+    choice = choose_size(target, oracles(), PROMPTS, profile(lambda n: n * n), max_new_tokens=24)
+    assert choice.size == 1  # tau k + 1 over c(k + 1) = (k + 1)^2: shorter is faster
+
+
+def test_the_estimate_is_the_profile_bound_of_the_calibration(target):
+    costs = profile(lambda n: 1 + n / 4)
+    choice = choose_size(target, oracles(), PROMPTS, costs, max_new_tokens=24)
+    for e in choice.estimates:
+        assert 0 <= e.draft_cost < 0.01  # lookups, against a made-up forward of 1 s
+        # Steps verify 1..size nodes (fewer at the end of a generation): c(2)..c(size + 1).
+        assert e.predicted_speedup <= e.tau / (costs.c(2) + e.draft_cost) + 1e-9
+        assert e.predicted_speedup >= e.tau / (costs.c(e.size + 1) + e.draft_cost) - 1e-9
+
+
+def test_candidates_beyond_the_profile_are_refused(target):
+    with pytest.raises(ValueError, match=r"candidates \[16\] draft more nodes"):
+        choose_size(target, {2: NgramDrafter(2), 16: NgramDrafter(16)}, PROMPTS,
+                    profile(lambda n: 1.0))
+    with pytest.raises(ValueError, match="at least one candidate"):
+        choose_size(target, {}, PROMPTS, profile(lambda n: 1.0))
+
+
+def test_a_sweep_adds_an_auto_row_chosen_on_other_prompts(tmp_path, quick_build,
+                                                          cfg_of):  # noqa: F811
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[ngram]", "num_draft_tokens=[1,3,auto]",
+                 "samplings=[greedy]", "bench.num_prompts=2", "bench.max_new_tokens=8",
+                 "auto.calibration_prompts=2", "wandb.enabled=false", f"run_dir={tmp_path}")
+    load_entry("sweep").run(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in results["rows"] if r["method"] == "ngram/auto"}
+    fixed = [r for r in results["rows"] if r["method"] == "ngram"]
+    auto = rows["ngram/auto"]
+    assert [e["size"] for e in auto["auto_choice"]["estimates"]] == [1, 3]
+    assert auto["draft_length"] == auto["auto_choice"]["size"] in (1, 3)
+    assert auto["auto_vs_best"] == pytest.approx(
+        auto["speedup"] / max(r["speedup"] for r in fixed))
+    assert auto["lossless"] is True and auto["bound"] is not None
+    calibration, evaluated = results["calibration_prompt_ids"], results["prompt_ids"]
+    assert len(calibration) == 2 and not set(calibration) & set(evaluated)
