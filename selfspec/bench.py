@@ -205,10 +205,11 @@ class SweepRow:
     nodes_per_step: mean draft nodes a step proposed, nodes_histogram[n]: the steps that
     proposed n (Hugging Face rows: the prefill counts as a step of 0); draft_ms_per_step: None
     where the draft time is not measured; time_split: `GenerationStats.time_split` (None where
-    not measured, e.g. Hugging Face's generate). draft_cost, bound, efficiency: see
-    `add_bounds` (None without a cost profile). auto_choice: on a `<method>/auto` row, the
-    candidates' calibration estimates (`SizeChoice.as_dict`); auto_vs_best: its speedup over
-    the best fixed row of the method at that sampling (see `add_auto_ratios`)."""
+    not measured, e.g. Hugging Face's generate), baseline_time_split: the baseline's.
+    draft_cost, bound, efficiency: see `add_bounds` (None without a cost profile).
+    auto_choice: on a `<method>/auto` row, the candidates' calibration estimates
+    (`SizeChoice.as_dict`); auto_vs_best: its speedup over the best fixed row of the method
+    at that sampling (see `add_auto_ratios`)."""
 
     method: str
     draft_length: int
@@ -245,6 +246,7 @@ class SweepRow:
     nodes_histogram: list[int] = field(default_factory=list)
     draft_ms_per_step: float | None = None
     time_split: dict[str, dict[str, float]] | None = None
+    baseline_time_split: dict[str, dict[str, float]] | None = None
     draft_cost: float | None = None
     bound: float | None = None
     efficiency: float | None = None
@@ -310,7 +312,7 @@ def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakM
         nodes_histogram=list(stats.nodes_histogram),
         draft_ms_per_step=(1000 * stats.draft_time_s / stats.steps
                            if method.decoder.measures_draft_time and stats.steps else None),
-        time_split=stats.time_split,
+        time_split=stats.time_split, baseline_time_split=base.stats.time_split,
     )
 
 

@@ -43,9 +43,12 @@ class SmallModelDrafter:
         self.max_nodes = num_draft_tokens
         self._cache = None
         self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
+        self._checked_target: Transformer | None = None  # the vocabularies agree for it
 
     def begin(self, setup: DecodeSetup) -> None:
-        check_same_vocabulary(setup.target, self.model)
+        if setup.target is not self._checked_target:  # reading tokenizer.json takes ~20 ms
+            check_same_vocabulary(setup.target, self.model)
+            self._checked_target = setup.target
         # A draft sharing the tokenizer may pad its embedding table less (Qwen2.5 0.5B vs 7B):
         # the target's extra ids get probability 0 under the draft.
         self._padding = setup.target.config.vocab_size - self.model.config.vocab_size
