@@ -161,8 +161,8 @@ def _verify_step(
     p = logits_to_probs(logits, sampling)  # [N+1, V]
     clock.lap("probs")
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
-        token = torch.tensor([sample(p[0], generator)])
-        return Acceptance(token, 0, torch.empty(0, dtype=torch.long))
+        token = torch.tensor([sample(p[0], generator)], device=p.device)
+        return Acceptance(token, 0, torch.empty(0, dtype=torch.long, device=p.device))
     q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
     return verify_trusted(draft.tree, draft.tokens.to(p.device), q, p, generator,
                           draft.without_replacement)

@@ -98,7 +98,8 @@ def verify_greedy(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int
     and after node i (i+1), lowest index on ties as in `logits_to_probs`. A child is accepted
     iff its token is its parent's argmax; the last token is the argmax where the walk stops.
     Plain lists: the decode loop reads the argmax row back once per step and walks the tree
-    on the host, with no per-node device reads. Trusted input (the loop builds it).
+    on the host, with no per-node device reads. Trusted input (the loop builds it). The
+    result lives on the CPU, where its inputs are (lists).
     """
     node, path = -1, []
     while True:
@@ -122,39 +123,8 @@ def verify_trusted(
 ) -> Acceptance:
     """`verify_tree` without its input checks, for the decode loop, whose drafts and
     probabilities are well-formed by construction: the checks read every probability row
-    (float64 sums, minima, q at every token) on every step. Call `verify_tree` anywhere else."""
-    return _accept_tree(tree, tokens, q, p, generator, without_replacement)
-
-
-@lru_cache(maxsize=64)
-def _chain(k: int) -> Tree:
-    return Tree.chain(k)
-
-
-def _verify(
-    tree: Tree,
-    tokens: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    generator: torch.Generator | None,
-    without_replacement: bool,
-    tokens_name: str,
-) -> Acceptance:
-    if isinstance(p, torch.Tensor):  # a setup error: refused before the values are read
-        check_generator(generator, p.device, "verify")
-    _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
-    return _accept_tree(tree, tokens, q, p, generator, without_replacement)
-
-
-def _accept_tree(
-    tree: Tree,
-    tokens: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    generator: torch.Generator | None,
-    without_replacement: bool,
-) -> Acceptance:
-    """Recursive rejection sampling over the tree, on checked inputs."""
+    (float64 sums, minima, q at every token) on every step. Call `verify_tree` anywhere else.
+    Recursive rejection sampling over the tree."""
     token_list = tokens.tolist()
     node, path = -1, []
     residual = p[0]  # [V] the law the next emitted token must follow
@@ -178,6 +148,28 @@ def _accept_tree(
         num_accepted=len(path),
         path=torch.tensor(path, dtype=torch.long, device=p.device),
     )
+
+
+@lru_cache(maxsize=64)
+def _chain(k: int) -> Tree:
+    return Tree.chain(k)
+
+
+def _verify(
+    tree: Tree,
+    tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    without_replacement: bool,
+    tokens_name: str,
+) -> Acceptance:
+    if isinstance(p, torch.Tensor):  # a setup error: refused before the values are read
+        check_generator(generator, p.device, "verify")
+    _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
+    return verify_trusted(tree, tokens, q, p, generator, without_replacement)
+
+
 
 
 def _proposal(
