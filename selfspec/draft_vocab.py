@@ -14,8 +14,12 @@ draft vocabulary holds: the published EAGLE-3 layout, kept for every drafter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+COUNTS_FILE = "token_counts.safetensors"  # beside a draft model: its training data's counts
 
 
 @dataclass(frozen=True)
@@ -44,23 +48,42 @@ class DraftVocab:
         return full.scatter(-1, self.target_ids.expand_as(logits), logits)
 
 
+def token_counts(tokens: torch.Tensor, vocab_size: int,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[V] int64: how often each token id occurs in `tokens` (where mask is set)."""
+    ids = tokens.flatten() if mask is None else tokens.flatten()[mask.flatten().bool()]
+    return torch.bincount(ids.cpu(), minlength=vocab_size)[:vocab_size]
+
+
 def draft_vocabulary(
     tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int,
     mask: torch.Tensor | None = None,
 ) -> DraftVocab:
     """The draft_vocab_size most frequent token ids of `tokens` (where mask is set), ties and
     ids never seen filled in by lower id first, listed in increasing id order."""
+    vocab = most_frequent(token_counts(tokens, vocab_size, mask), draft_vocab_size)
+    return DraftVocab(vocab.d2t.to(tokens.device), vocab.t2d.to(tokens.device))
+
+
+def most_frequent(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
+    """The draft vocabulary of the draft_vocab_size ids with the highest counts [V] (ties:
+    lower id first), listed in increasing id order."""
+    vocab_size = len(counts)
     if not 1 <= draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocabulary: the draft vocabulary must hold 1..{vocab_size} "
-                         f"tokens (the target's vocab_size), got {draft_vocab_size}")
-    ids = tokens.flatten() if mask is None else tokens.flatten()[mask.flatten().bool()]
-    counts = torch.bincount(ids.cpu(), minlength=vocab_size)[:vocab_size]  # [V]
+        raise ValueError(f"draft vocabulary: it must hold 1..{vocab_size} tokens (the target's "
+                         f"vocab_size), got {draft_vocab_size}")
     # Stable sort of -count: equal counts keep increasing id order.
     chosen = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
     d2t = chosen - torch.arange(draft_vocab_size)  # [draft_vocab]
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[chosen] = True
-    return DraftVocab(d2t.to(tokens.device), t2d.to(tokens.device))
+    return DraftVocab(d2t, t2d)
+
+
+def check_vocab_covers(vocab: DraftVocab, vocab_size: int) -> None:
+    if len(vocab.t2d) != vocab_size:
+        raise ValueError(f"the draft vocabulary maps into {len(vocab.t2d)} token ids, the "
+                         f"target has {vocab_size}: it was built for another vocabulary")
 
 
 def default_vocab(draft_vocab_size: int, vocab_size: int) -> DraftVocab:
@@ -68,3 +91,19 @@ def default_vocab(draft_vocab_size: int, vocab_size: int) -> DraftVocab:
     vocabulary is set (or loaded with its weights)."""
     return DraftVocab(torch.zeros(draft_vocab_size, dtype=torch.long),
                       torch.arange(vocab_size) < draft_vocab_size)
+
+
+def save_token_counts(folder: str | Path, counts: torch.Tensor) -> None:
+    """Keep a model's training-data token counts beside it, so that any draft vocabulary size
+    can be chosen later (`draft_vocab=K`) without training again."""
+    save_file({"token_counts": counts.cpu().long()}, str(Path(folder) / COUNTS_FILE))
+
+
+def load_draft_vocab(folder: str | Path, draft_vocab_size: int) -> DraftVocab:
+    """The draft_vocab_size most frequent ids in the counts saved beside a model."""
+    path = Path(folder) / COUNTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a draft vocabulary needs the draft model's "
+                                f"training-data token counts (train/draft.py writes them); "
+                                f"drop draft_vocab to score the whole vocabulary")
+    return most_frequent(load_file(str(path))["token_counts"], draft_vocab_size)

@@ -18,13 +18,14 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -253,6 +254,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# CPU products over at most this many rows run as W @ x.T (see `Linear`).
+FEW_ROWS_ON_CPU = 128
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, on the CPU in float32, computes a product over few rows (a decode step, a
+    draft, a verification) as (W @ x.T).T: for 2-128 rows MKL's x @ W.T streams the weight at up
+    to a third of the speed of one row, which made a 4-token verification cost 1.5 one-token
+    forwards; W @ x.T keeps it near one (scripts/bench_linear.py measures both)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if not _few_rows_on_cpu(x, rows):
+            return super().forward(x)
+        out = (self.weight @ x.reshape(rows, self.in_features).t()).t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= FEW_ROWS_ON_CPU
+
+
 class Attention(nn.Module):
     """input_size: the width of what q, k and v read (default hidden_size; EAGLE-3's head reads
     its feature and embedding side by side, 2 x hidden)."""
@@ -264,10 +289,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         bias, width = config.attention_bias, input_size or config.hidden_size
-        self.q_proj = nn.Linear(width, q_dim, bias=bias)
-        self.k_proj = nn.Linear(width, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(width, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        self.q_proj = Linear(width, q_dim, bias=bias)
+        self.k_proj = Linear(width, kv_dim, bias=bias)
+        self.v_proj = Linear(width, kv_dim, bias=bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -299,9 +324,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -384,7 +409,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
@@ -523,6 +548,36 @@ class Transformer(nn.Module):
         model.source = str(folder)
         return model
 
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write a Hugging Face folder (config.json + model.safetensors, HF names) that
+        `from_pretrained` and transformers' `AutoModelForCausalLM` both load."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {_hf_key(name): tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
+                 for name, tensor in self.state_dict().items()
+                 if not (self.config.tie_word_embeddings and name == "lm_head.weight")}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                        "qwen2": "Qwen2ForCausalLM"}[self.config.model_type]
+        config = self.config.to_hf() | {"architectures": [architecture],
+                                        "dtype": str(dtype or self.embed_tokens.weight.dtype)
+                                        .removeprefix("torch.")}
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return folder
+
+    def first_layers(self, num_layers: int) -> Transformer:
+        """A copy of this model cut after its first num_layers layers, keeping the embedding,
+        final norm and LM head: the starting point of a draft model (LayerSkip's early exit
+        made a separate model)."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"first_layers: num_layers must be in 1..{self.config.num_layers} "
+                             f"(the model's layers), got {num_layers}")
+        config = replace(self.config, num_layers=num_layers)
+        state = {name: tensor for name, tensor in self.state_dict().items()
+                 if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
+        return self._from_tensors(config, ((_hf_key(k), v.clone()) for k, v in state.items()),
+                                  self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+
     @classmethod
     def from_hf(
         cls,
@@ -566,6 +621,11 @@ class Transformer(nn.Module):
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
         return model
+
+
+def _hf_key(name: str) -> str:
+    """The Hugging Face name of one of our parameters."""
+    return name if name == "lm_head.weight" else f"model.{name}"
 
 
 def _our_key(name: str, tied: bool) -> str | None:

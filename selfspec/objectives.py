@@ -216,6 +216,33 @@ class EarlyExitObjective(nn.Module):
         return LossOutput(total, metrics)
 
 
+class DraftModelObjective(nn.Module):
+    """A separate draft model distilled on the frozen target's law (`exit_loss`: soft
+    cross-entropy, plus hard_weight x cross-entropy to the tokens). Only the draft's
+    parameters that require grad train (a draft cut from the target keeps its embedding and
+    LM head frozen). cache_features: the target's last hidden states are computed once per
+    row and its LM head re-applied, not its layers (see FeatureCache)."""
+
+    def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
+                 cache_features: bool = False):
+        super().__init__()
+        if not hard_weight >= 0:
+            raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
+        self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
+        self.features = FeatureCache() if cache_features else None
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        with torch.no_grad():
+            if self.features is None:
+                teacher = self.target(tokens, positions).logits
+            else:
+                teacher = self.target.lm_head(self.features(self.target, tokens)).float()
+        logits = self.draft(tokens, positions).logits
+        part = exit_loss(logits, teacher, tokens, loss_mask, self.hard_weight)
+        return LossOutput(part.loss, {f"draft/{k}": v for k, v in part.metrics.items()})
+
+
 def _frozen_target(
     target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...]
 ) -> tuple[ModelOutput, torch.Tensor]:

@@ -332,3 +332,38 @@ def early_exit_drafter(cfg: DictConfig, head: ExitHead, k: int | None = None,
     k = int(cfg.early_exit.num_draft_tokens) if k is None else k
     threshold = early_exit_thresholds(cfg)[0] if threshold is None else threshold
     return EarlyExitDrafter(head, k, threshold)
+
+
+# ---- draft models cut from the target (train/draft.py) ----------------------------------------
+
+
+def check_draft_model_settings(cfg: DictConfig) -> int:
+    """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
+    weights); returns the draft's layer count."""
+    d, target_layers = cfg.draft_model, model_config(cfg.model).num_layers
+    for key in ("num_layers", "num_draft_tokens"):
+        if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:
+            raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
+    if d.num_layers >= target_layers:
+        raise ValueError(f"draft_model.num_layers={d.num_layers}: a draft must be shallower than "
+                         f"the target ({target_layers} layers)")
+    if not float(d.hard_weight) >= 0:
+        raise ValueError(f"draft_model.hard_weight must be >= 0, got {d.hard_weight}")
+    size = d.get("draft_vocab")
+    if size is not None and not (isinstance(size, int) and 1 <= size <= model_config(
+            cfg.model).vocab_size):
+        raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
+    return int(d.num_layers)
+
+
+def draft_from_target(cfg: DictConfig, target: Transformer) -> Transformer:
+    """A fresh draft: the target's first draft_model.num_layers layers, its final norm and LM
+    head (copies), the embedding and LM head frozen unless draft_model.train_embeddings."""
+    return freeze_draft_embeddings(cfg, target.first_layers(int(cfg.draft_model.num_layers)))
+
+
+def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
+    if not cfg.draft_model.get("train_embeddings", False):
+        draft.embed_tokens.requires_grad_(False)
+        draft.lm_head.requires_grad_(False)
+    return draft

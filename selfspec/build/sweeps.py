@@ -35,6 +35,7 @@ from selfspec.build.models import (
 )
 from selfspec.build.prompts import sweep_prompt_texts
 from selfspec.costs import CostProfile, FloorSettings, covering_lengths, measure_cost_profile
+from selfspec.draft_vocab import load_draft_vocab
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
@@ -106,6 +107,8 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     check_sweep_weights(cfg, methods)
     if "early_exit" in methods:
         methods = _expand(methods, "early_exit", early_exit_variants(cfg))
+    if "small_model" in methods:
+        methods = _expand(methods, "small_model", small_model_variants(cfg))
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
@@ -238,6 +241,17 @@ def _parse_early_exit(name: str) -> tuple[int, str, float | None]:
     return int(layer[1:]), kind, None if stop == EARLY_EXIT_NO_STOP else float(stop[4:])
 
 
+def small_model_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """The draft model's rows: small_model (the whole vocabulary) and small_model/V{K} for
+    each K in small_model.draft_vocab (its K most frequent training tokens; null = whole)."""
+    sizes = as_list(cfg.get("small_model", {}).get("draft_vocab")) or [None]
+    for k in sizes:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"small_model.draft_vocab: give token counts >= 1 (or null for the "
+                             f"whole vocabulary), got {k!r}")
+    return tuple("small_model" if k is None else f"small_model/V{k}" for k in sizes)
+
+
 def _expand(methods: tuple[str, ...], name: str, variants: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(v for m in methods for v in (variants if m == name else (m,)))
 
@@ -277,7 +291,7 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     transformers copies of the same folders in the same dtype."""
     dtype, on = cfg.model.dtype, device(cfg)
     models = SweepModels(load_target(cfg))
-    if "small_model" in methods:
+    if any(m.split("/")[0] == "small_model" for m in methods):
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
     if "medusa" in methods:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
@@ -304,7 +318,7 @@ def build_method(models: SweepModels, name: str, k: int, split_time: bool | None
     draft for, and are compared with plain decoding of, their LoRA-adapted target
     ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
     the head is). split_time: our decoders' (`generate`'s), drafted and plain alike."""
-    if name.startswith("early_exit/") or name in _OUR_METHODS:
+    if name.split("/")[0] in _OUR_METHODS:
         drafter = our_drafter(models, name, k)
         target, baseline = verified_target(models, name)
         ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
@@ -318,19 +332,23 @@ def build_method(models: SweepModels, name: str, k: int, split_time: bool | None
     return Method(name, k, decoder, HFDecoder(models.hf_target), "hf_plain", k)
 
 
-_OUR_METHODS = ("small_model", "ngram", "medusa", "eagle")
+_OUR_METHODS = ("small_model", "ngram", "medusa", "eagle", "early_exit")
 
 
 def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
-    """Our method `name` (an early_exit/E/kind/stop variant too) at draft length k."""
+    """Our method `name` (an early_exit/E/kind/stop or small_model/V{K} variant too) at
+    draft length k."""
     if name.startswith("early_exit/"):
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
         return EarlyExitDrafter(_require(head, name), k, threshold)
     if name == "ngram":
         return NgramDrafter(num_draft_tokens=k)
-    if name == "small_model":
-        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k)
+    if name.split("/")[0] == "small_model":
+        draft = _require(models.draft, name)
+        vocab = (None if name == "small_model" else
+                 load_draft_vocab(draft.source, int(name.removeprefix("small_model/V"))))
+        return SmallModelDrafter(draft, num_draft_tokens=k, draft_vocab=vocab)
     if name == "eagle":
         e = _require(models.eagle, name)
         return EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.model import Transformer
@@ -26,12 +27,15 @@ class SmallModelDrafter:
     confidence_threshold: stop a draft early after the first token whose top-1 probability
     under the draft model is below it (`selfspec.drafters.confidence`); None drafts
     num_draft_tokens every step.
+
+    draft_vocab: score only these target ids (`selfspec.draft_vocab`): the LM head's K rows
+    instead of all V, and q is zero elsewhere, which verification handles exactly.
     """
 
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, num_draft_tokens: int = 4,
-                 confidence_threshold: float | None = None):
+                 confidence_threshold: float | None = None, draft_vocab: DraftVocab | None = None):
         if num_draft_tokens < 1:
             raise ValueError(
                 f"SmallModelDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}"
@@ -39,6 +43,10 @@ class SmallModelDrafter:
         self.confidence_threshold = check_confidence_threshold("SmallModelDrafter",
                                                                confidence_threshold)
         self.model = model
+        self.draft_vocab = draft_vocab
+        # The LM head's rows of the draft vocabulary, gathered once.
+        self._head_rows = (None if draft_vocab is None else
+                           model.lm_head.weight[draft_vocab.target_ids].detach().contiguous())
         self.num_draft_tokens = num_draft_tokens
         self.max_nodes = num_draft_tokens
         self._cache = None
@@ -52,6 +60,9 @@ class SmallModelDrafter:
         # A draft sharing the tokenizer may pad its embedding table less (Qwen2.5 0.5B vs 7B):
         # the target's extra ids get probability 0 under the draft.
         self._padding = setup.target.config.vocab_size - self.model.config.vocab_size
+        if self.draft_vocab is not None:
+            check_vocab_covers(self.draft_vocab, setup.target.config.vocab_size)
+            self._padding = 0  # the draft vocabulary's scores are spread over the target's ids
         self.sampling, self.generator = setup.sampling, setup.generator
         if self._cache is None or self._cache.max_slots < setup.max_length:
             self._cache = self.model.new_cache(max_slots=setup.max_length)
@@ -90,7 +101,8 @@ class SmallModelDrafter:
         return n
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
-        """Run the draft model over new tokens; returns logits [1, T, V]."""
+        """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
+        vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
         start = self._cache.length
         if max(tokens) >= self.model.config.vocab_size:
             raise ValueError(
@@ -100,7 +112,12 @@ class SmallModelDrafter:
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=self._device)  # [T]
         self._fed.extend(tokens)
-        return self.model(ids, positions, self._cache).logits
+        if self.draft_vocab is None:
+            return self.model(ids, positions, self._cache).logits
+        out = self.model(ids, positions, self._cache, with_logits=False,
+                         return_hidden=(self.model.config.num_layers,))
+        scores = F.linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
+        return self.draft_vocab.scatter(scores.float())
 
 
 def check_same_vocabulary(target: Transformer, draft: Transformer) -> None:

@@ -1,0 +1,96 @@
+"""Train a small draft model for a target: the target's embedding and first layers, its final
+norm and LM head, distilled on the frozen target's law; then measure tau and speedup over
+plain decoding on held-out prompts. The export is a Hugging Face model folder (the target's
+tokenizer beside it), so `model.draft.path=` takes it for selfspec's small_model drafter and
+for transformers' assisted generation alike.
+
+    python train/draft.py                                          # tiny target, CPU minutes
+    python train/draft.py draft_model.num_layers=3 draft_model.draft_vocab=2048
+    python train/draft.py model=llama2-70b dry_run=true            # memory plan, no weights
+    torchrun --nproc_per_node 2 train/draft.py deepspeed=zero2 hydra.run.dir=runs/d1
+    python train/draft.py trainer.resume=true hydra.run.dir=runs/d1     # continue a run
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from selfspec import build
+from selfspec.cli import hydra_entry_point
+from selfspec.draft_vocab import load_draft_vocab, save_token_counts, token_counts
+from selfspec.drafters import SmallModelDrafter
+from selfspec.model import Transformer
+from selfspec.objectives import DraftModelObjective
+from selfspec.plan import trainable_line
+from selfspec.tracking import Tracker
+from selfspec.training import fit, make_accelerator, state_part
+
+
+@hydra_entry_point("train_draft")
+def main(cfg: DictConfig) -> None:
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
+    build.set_threads(cfg, "trainer.threads")
+    if cfg.dry_run:
+        return dry_run(cfg)
+    settings, target, tokenizer = build.start_training(cfg, build.check_draft_model_settings)
+    train, heldout = build.training_rows(cfg, tokenizer, target)
+    draft = build.draft_from_target(cfg, target)
+    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
+                                    bool(cfg.draft_model.cache_features))
+    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        """The draft as a Hugging Face folder, the target's tokenizer and the training data's
+        token counts (any draft vocabulary size is chosen from them later)."""
+        trained = build.draft_from_target(cfg, target)
+        trained.load_state_dict(state_part(state, "draft."), strict=False)
+        trained.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        save_token_counts(folder, counts)
+
+    result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
+                 export=export)
+    if tracker is not None:
+        if build.report_due(cfg, settings, result.step):
+            report(cfg, result.checkpoint / "export", result.metrics, tracker)
+        tracker.finish()
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the draft, on meta tensors."""
+    print(build.model_plan(cfg).format())
+    config = build.model_config(cfg.model)
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        draft = Transformer(config).first_layers(build.check_draft_model_settings(cfg))
+    build.freeze_draft_embeddings(cfg, draft)
+    count = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    print(trainable_line(f"trainable draft (the target's first {draft.config.num_layers} "
+                         f"layers and final norm)", count, int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the exported draft over plain decoding of the
+    target, on fresh weights, whatever DeepSpeed did to the trained ones."""
+    target = build.load_target(cfg)
+    draft = Transformer.from_pretrained(export, dtype=target.embed_tokens.weight.dtype,
+                                        device=target.embed_tokens.weight.device)
+    size = cfg.draft_model.draft_vocab
+    vocab = None if size is None else load_draft_vocab(export, int(size))
+    drafter = SmallModelDrafter(draft, int(cfg.draft_model.num_draft_tokens), draft_vocab=vocab)
+    comparison = build.compare_on_final_eval(cfg, target, drafter)
+    top1 = metrics.get("eval/draft/top1")
+    tracker.log_summary({**comparison.as_dict(), "draft": str(export),
+                         "heldout_top1": None if top1 is None else round(top1, 3)})
+    print(f"draft model: {export} (draft vocabulary: {size or 'whole'})")
+    print(f"held-out top-1 agreement with the target: {top1}")
+    print(comparison.describe(cfg.data.name))
+
+
+if __name__ == "__main__":
+    main()
