@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from selfspec.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
@@ -220,27 +222,47 @@ class DraftModelObjective(nn.Module):
     """A separate draft model distilled on the frozen target's law (`exit_loss`: soft
     cross-entropy, plus hard_weight x cross-entropy to the tokens). Only the draft's
     parameters that require grad train (a draft cut from the target keeps its embedding and
-    LM head frozen). cache_features: the target's last hidden states are computed once per
-    row and its LM head re-applied, not its layers (see FeatureCache)."""
+    LM head frozen).
+
+    draft_vocab: both laws restricted to those ids (EAGLE-3's loss), the draft scoring only
+    them, as it will when drafting; on a small real target the full LM head and its softmax
+    are most of a training step. cache_features: the target's last hidden states are computed
+    once per row and its LM head re-applied, not its layers (see FeatureCache)."""
 
     def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
-                 cache_features: bool = False):
+                 cache_features: bool = False, draft_vocab: DraftVocab | None = None):
         super().__init__()
         if not hard_weight >= 0:
             raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
+        if hard_weight and draft_vocab is not None:
+            raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
+                             "supported (tokens outside it have no label); set one of them")
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
         self.features = FeatureCache() if cache_features else None
+        ids = None if draft_vocab is None else draft_vocab.target_ids
+        self.register_buffer("vocab_ids", ids, persistent=False)
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         with torch.no_grad():
             if self.features is None:
-                teacher = self.target(tokens, positions).logits
+                hidden = self.target(tokens, positions, with_logits=False,
+                                     return_hidden=(self.target.config.num_layers,)).hidden[0]
+                hidden = self.target.norm(hidden)
             else:
-                teacher = self.target.lm_head(self.features(self.target, tokens)).float()
-        logits = self.draft(tokens, positions).logits
+                hidden = self.features(self.target, tokens)
+            teacher = self._scores(self.target, hidden)
+        out = self.draft(tokens, positions, with_logits=False,
+                         return_hidden=(self.draft.config.num_layers,))
+        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))
         part = exit_loss(logits, teacher, tokens, loss_mask, self.hard_weight)
         return LossOutput(part.loss, {f"draft/{k}": v for k, v in part.metrics.items()})
+
+    def _scores(self, model: Transformer, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, T, K] over the draft vocabulary) of final-norm states."""
+        weight = model.lm_head.weight
+        weight = weight if self.vocab_ids is None else weight[self.vocab_ids]
+        return F.linear(normed, weight).float()
 
 
 def _frozen_target(

@@ -21,7 +21,12 @@ from omegaconf import DictConfig
 
 from selfspec import build
 from selfspec.cli import hydra_entry_point
-from selfspec.draft_vocab import load_draft_vocab, save_token_counts, token_counts
+from selfspec.draft_vocab import (
+    load_draft_vocab,
+    most_frequent,
+    save_token_counts,
+    token_counts,
+)
 from selfspec.drafters import SmallModelDrafter
 from selfspec.model import Transformer
 from selfspec.objectives import DraftModelObjective
@@ -40,10 +45,12 @@ def main(cfg: DictConfig) -> None:
     train, heldout = build.training_rows(cfg, tokenizer, target)
     draft = build.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
-    objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
-                                    bool(cfg.draft_model.cache_features))
-    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
+    size = cfg.draft_model.draft_vocab
+    objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
+                                    bool(cfg.draft_model.cache_features),
+                                    None if size is None else most_frequent(counts, int(size)))
+    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
         """The draft as a Hugging Face folder, the target's tokenizer and the training data's

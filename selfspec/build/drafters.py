@@ -340,18 +340,17 @@ def early_exit_drafter(cfg: DictConfig, head: ExitHead, k: int | None = None,
 def check_draft_model_settings(cfg: DictConfig) -> int:
     """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
     weights); returns the draft's layer count."""
-    d, target_layers = cfg.draft_model, model_config(cfg.model).num_layers
+    d, target = cfg.draft_model, model_config(cfg.model)
     for key in ("num_layers", "num_draft_tokens"):
         if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:
             raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
-    if d.num_layers >= target_layers:
+    if d.num_layers >= target.num_layers:
         raise ValueError(f"draft_model.num_layers={d.num_layers}: a draft must be shallower than "
-                         f"the target ({target_layers} layers)")
+                         f"the target ({target.num_layers} layers)")
     if not float(d.hard_weight) >= 0:
         raise ValueError(f"draft_model.hard_weight must be >= 0, got {d.hard_weight}")
     size = d.get("draft_vocab")
-    if size is not None and not (isinstance(size, int) and 1 <= size <= model_config(
-            cfg.model).vocab_size):
+    if size is not None and not (isinstance(size, int) and 1 <= size <= target.vocab_size):
         raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
     return int(d.num_layers)
 
