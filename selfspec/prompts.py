@@ -69,6 +69,18 @@ def spec_bench_prompts(path: str | Path) -> list[Prompt]:
     return question_file_prompts(path, "Spec-Bench")
 
 
+def by_category_in_turns(prompts: Sequence[Prompt], per_category: int) -> list[Prompt]:
+    """The first per_category prompts of each category, taken in turns (the first of every
+    category in file order, then the second, ...): any leading slice is balanced."""
+    if per_category < 1:
+        raise ValueError(f"data.per_category must be >= 1 (or null for the file's order), "
+                         f"got {per_category}")
+    groups: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.category, []).append(prompt)
+    return [group[i] for i in range(per_category) for group in groups.values() if i < len(group)]
+
+
 def question_file_prompts(path: str | Path, source: str = "question") -> list[Prompt]:
     """First turns of a JSON-lines question file; a clear error for a missing or empty file."""
     path = Path(path)

@@ -10,6 +10,7 @@ import pytest
 from selfspec.data import stdlib_files, stdlib_root
 from selfspec.prompts import (
     Prompt,
+    by_category_in_turns,
     encode_prompts,
     humaneval_prompts,
     mt_bench_prompts,
@@ -50,6 +51,21 @@ def test_spec_bench_first_turns_with_ids():
     prompts = spec_bench_prompts(SHIPPED / "spec_bench_question.jsonl")
     assert len(prompts) == 480 and len({p.id for p in prompts}) == 480
     assert len({p.category for p in prompts}) > 1 and all(p.text for p in prompts)
+
+
+def test_per_category_takes_every_category_in_turns():
+    prompts = spec_bench_prompts(SHIPPED / "spec_bench_question.jsonl")
+    categories = list(dict.fromkeys(p.category for p in prompts))  # 13, in file order
+    balanced = by_category_in_turns(prompts, 2)
+    assert len(balanced) == 2 * len(categories)
+    assert [p.category for p in balanced] == categories * 2
+    firsts = {p.category: p for p in reversed(prompts)}  # each category's first question
+    assert balanced[: len(categories)] == [firsts[c] for c in categories]
+    assert len({p.id for p in balanced}) == len(balanced)
+    toy = [Prompt(str(i), "q", c) for i, c in enumerate("aab")]
+    assert [p.id for p in by_category_in_turns(toy, 5)] == ["0", "2", "1"]  # b has only one
+    with pytest.raises(ValueError, match="data.per_category must be >= 1"):
+        by_category_in_turns(prompts, 0)
 
 
 def test_missing_question_file_names_the_path(tmp_path):

@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from selfspec.bench import (
     measure_row,
 )
 from selfspec.decode import GenerationResult
+from selfspec.draft_vocab import save_token_counts
 from selfspec.heads import (
     EagleConfig,
     EagleHead,
@@ -449,6 +451,7 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["data=mt_bench", "data.path=/nonexistent/questions.jsonl"], "file not found"),
         (["data=mt_bench", "data.path={empty}"], "holds no questions"),
         (["baseline=sometimes"], "unknown baseline mode"),
+        (["small_model.draft_vocab=[null,0]"], "small_model.draft_vocab: give token counts >= 1"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
         (["cost_profile=2"], "cost_profile must be true or false"),
         (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
@@ -477,6 +480,30 @@ def test_bad_input_is_refused_before_any_model_loads(
         entry.run(cfg)
     assert message in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_small_model_rows_over_draft_vocabularies_are_lossless(tmp_path, quick_build, cfg_of):
+    """small_model.draft_vocab adds a small_model/V{K} row per size, chosen from the token
+    counts saved beside the draft model."""
+    draft = tmp_path / "draft"
+    shutil.copytree(quick_build / "draft", draft)
+    vocab = json.loads((draft / "config.json").read_text())["vocab_size"]
+    save_token_counts(draft, torch.arange(vocab).flip(0))  # low ids most frequent
+    cfg = cfg_of("sweep", *toy(quick_build), f"model.draft.path={draft}",
+                 "methods=[small_model]", "small_model.draft_vocab=[null,40]",
+                 "num_draft_tokens=[2]", "samplings=[greedy]", "bench.num_prompts=2",
+                 "bench.max_new_tokens=8", "cost_profile=false", f"run_dir={tmp_path / 'run'}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        load_entry("sweep").run(cfg)
+    rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"small_model", "small_model/V40"}
+    assert all(r["lossless"] is True for r in rows)
+    shutil.rmtree(draft)
+    (draft / "config.json").parent.mkdir()
+    shutil.copytree(quick_build / "draft", draft, dirs_exist_ok=True)  # no counts now
+    with pytest.raises(FileNotFoundError, match="token_counts.safetensors not found"):
+        load_entry("sweep").run(cfg)
 
 
 def test_a_missing_draft_model_is_refused_before_loading(tmp_path, quick_build, cfg_of):

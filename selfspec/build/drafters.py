@@ -17,7 +17,7 @@ from selfspec.build.models import (
     resolve_model_path,
 )
 from selfspec.decode import GenerationSettings
-from selfspec.draft_vocab import draft_vocabulary
+from selfspec.draft_vocab import draft_vocabulary, load_draft_vocab
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
@@ -72,7 +72,9 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
         return NgramDrafter(num_draft_tokens=k)
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
-    return SmallModelDrafter(draft, num_draft_tokens=k,
+    size = cfg.get("draft_vocab")
+    vocab = None if size is None else load_draft_vocab(draft.source, int(size))
+    return SmallModelDrafter(draft, num_draft_tokens=k, draft_vocab=vocab,
                              confidence_threshold=cfg.get("confidence_threshold"))
 
 

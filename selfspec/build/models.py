@@ -205,7 +205,8 @@ def draft_model_config(
     if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
         raise ValueError(
             f"model {cfg.model.name!r} has no standard small draft model: set "
-            f"model.draft.path=/local/folder (a model with the target's tokenizer) or "
+            f"model.draft.path=/local/folder (a model with the target's tokenizer; "
+            f"train/draft.py cuts and trains one) or "
             f"{otherwise}"
         )
     return draft_cfg

@@ -12,6 +12,7 @@ from selfspec.model import Transformer
 from selfspec.prompts import (
     EncodedPrompt,
     Prompt,
+    by_category_in_turns,
     encode_prompts,
     humaneval_prompts,
     mt_bench_prompts,
@@ -56,6 +57,8 @@ def prompts(cfg_data: DictConfig) -> list[Prompt]:
         raise ValueError(
             f"unknown prompt set {name!r}: choose humaneval, stdlib_heldout, mt_bench or spec_bench"
         )
+    if cfg_data.get("per_category") is not None:
+        found = by_category_in_turns(found, int(cfg_data.per_category))
     return found[:n]
 
 
