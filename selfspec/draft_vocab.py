@@ -29,6 +29,9 @@ class DraftVocab:
     d2t: torch.Tensor
     t2d: torch.Tensor
 
+    def to(self, device: torch.device | str) -> DraftVocab:
+        return DraftVocab(self.d2t.to(device), self.t2d.to(device))
+
     @property
     def target_ids(self) -> torch.Tensor:
         """[K] the target id of each draft id, increasing."""

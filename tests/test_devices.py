@@ -15,6 +15,7 @@ from helpers import first_layers, fit_medusa_heads, tiny_llama
 from torch.nn.attention import SDPBackend
 
 from selfspec import SamplingParams, Transformer, generate
+from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import (
     DecodeSetup,
     MedusaDrafter,
@@ -34,7 +35,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
-DRAFTERS = ["none", "small_model", "ngram", "medusa", "medusa_products"]
+DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "medusa", "medusa_products"]
 MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
@@ -80,6 +81,9 @@ def make_drafter(hf_target, fitted_heads, device):
     makers = {
         "none": lambda: None,
         "small_model": lambda: SmallModelDrafter(draft_model, 3),
+        # A draft vocabulary built on the CPU, as a sweep loads it: the drafter moves it.
+        "small_model_vocab": lambda: SmallModelDrafter(
+            draft_model, 3, draft_vocab=draft_vocabulary(torch.arange(48), 64, 48)),
         "ngram": lambda: NgramDrafter(4),
         "medusa": lambda: MedusaDrafter(heads, MEDUSA_CHOICES),
         "medusa_products": lambda: MedusaProductDrafter(heads, top_k=2, max_nodes=6),

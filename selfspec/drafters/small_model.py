@@ -43,10 +43,12 @@ class SmallModelDrafter:
         self.confidence_threshold = check_confidence_threshold("SmallModelDrafter",
                                                                confidence_threshold)
         self.model = model
-        self.draft_vocab = draft_vocab
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(
+            model.lm_head.weight.device)
         # The LM head's rows of the draft vocabulary, gathered once.
         self._head_rows = (None if draft_vocab is None else
-                           model.lm_head.weight[draft_vocab.target_ids].detach().contiguous())
+                           model.lm_head.weight[self.draft_vocab.target_ids].detach()
+                           .contiguous())
         self.num_draft_tokens = num_draft_tokens
         self.max_nodes = num_draft_tokens
         self._cache = None
