@@ -278,6 +278,16 @@ def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= FEW_ROWS_ON_CPU
 
 
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor, or a copy of it where torch's allocator puts buffers (64-byte aligned) when
+    it lies elsewhere, as tensors read from a safetensors file do. MKL's few-row products (see
+    `Linear`) sum in an order that depends on the weight's alignment: without this, a model
+    loaded from a file and a fresh copy of it would differ in the last bits."""
+    if tensor.device.type != "cpu" or tensor.data_ptr() % 64 == 0:
+        return tensor
+    return tensor.clone()
+
+
 class Attention(nn.Module):
     """input_size: the width of what q, k and v read (default hidden_size; EAGLE-3's head reads
     its feature and embedding side by side, 2 x hidden)."""
@@ -610,7 +620,7 @@ class Transformer(nn.Module):
         for name, tensor in tensors:
             key = _our_key(name, config.tie_word_embeddings)
             if key is not None:
-                state[key] = tensor.to(device=device, dtype=dtype)
+                state[key] = aligned(tensor.to(device=device, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             missing = [key for key in missing if key != "lm_head.weight"]

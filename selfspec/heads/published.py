@@ -32,7 +32,7 @@ from torch import nn
 
 from selfspec.heads.eagle import EagleConfig, EagleHead, default_target_layers
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.model import ModelConfig
+from selfspec.model import ModelConfig, aligned
 
 MEDUSA_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -299,6 +299,7 @@ def adopt(cls: type, config: Any, state: dict[str, torch.Tensor], what: str) -> 
     does not fill it exactly."""
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         module = cls(config)
+    state = {name: aligned(tensor) for name, tensor in state.items()}
     expected = {name: t.shape for name, t in module.state_dict().items()}
     wrong = [f"{k} {list(v.shape)} (expected {list(expected[k])})" for k, v in state.items()
              if k in expected and v.shape != expected[k]]
