@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 from scipy.stats import chi2
@@ -221,3 +224,11 @@ def assert_same_adam_training(
     assert sum(moved.values()) <= MAX_MOVED_SHARE * total, (
         f"{sum(moved.values())} of {total} elements differ by more than {FLOAT_NOISE:g} "
         f"(at most {MAX_MOVED_SHARE:.0%} may), most in: {most}")
+
+
+def run_trainer(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python train/<name>.py overrides...` in a subprocess, W&B offline."""
+    entry = Path(__file__).resolve().parents[1] / "train" / f"{name}.py"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, str(entry), *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)

@@ -2,14 +2,11 @@
 train/draft.py), saved as Hugging Face folders, drafting over a reduced vocabulary."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
-from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, tiny_llama
+from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, run_trainer, tiny_llama
 from test_train_early_exit import three_layer_target
 from test_train_medusa import sharegpt_file
 
@@ -28,7 +25,6 @@ from selfspec.sampling import SamplingParams
 
 PROMPTS = [[2, 3, 4, 5], [9, 8, 7, 6, 5], [11, 12]]
 NEW_TOKENS = 24
-ENTRY = Path(__file__).resolve().parents[1] / "train" / "draft.py"
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +157,7 @@ def test_a_negative_hard_weight_is_refused(target):
 # ---- train/draft.py --------------------------------------------------------------------------
 
 
-def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+run_entry = partial(run_trainer, "draft")
 
 
 def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, quick_build):

@@ -2,25 +2,17 @@
 for a 70B target."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import torch
+from helpers import run_trainer
 from test_train_medusa import sharegpt_file
 
 from selfspec.heads import EagleConfig, EagleHead, load_head
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 
-ENTRY = Path(__file__).resolve().parents[1] / "train" / "eagle.py"
-
-
-def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+run_entry = partial(run_trainer, "eagle")
 
 
 def toy_run(quick_build, tmp_path, *extra: str) -> list[str]:

@@ -2,26 +2,18 @@
 and its dry run for a 70B target."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
-from helpers import tiny_llama
+from helpers import run_trainer, tiny_llama
 from test_train_medusa import sharegpt_file
 
 from selfspec.build import load_early_exit
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 
-ENTRY = Path(__file__).resolve().parents[1] / "train" / "early_exit.py"
-
-
-def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+run_entry = partial(run_trainer, "early_exit")
 
 
 def three_layer_target(quick_build: Path, folder: Path) -> Path:

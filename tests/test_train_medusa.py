@@ -1,25 +1,17 @@
 """`python train/medusa.py` end to end on a toy target, and its dry run for a 70B target."""
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
-from helpers import suite_threads
+from helpers import run_trainer, suite_threads
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.lora import merge_adapter
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 
-ENTRY = Path(__file__).resolve().parents[1] / "train" / "medusa.py"
-
-
-def run_entry(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ENTRY), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+run_entry = partial(run_trainer, "medusa")
 
 
 def sharegpt_file(folder: Path) -> Path:

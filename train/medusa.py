@@ -55,10 +55,7 @@ def main(cfg: DictConfig) -> None:
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
-    if tracker is not None:
-        if build.report_due(cfg, settings, result.step):
-            report(cfg, result.checkpoint / "export", result.metrics, tracker)
-        tracker.finish()
+    build.report_and_finish(cfg, settings, result, tracker, report)
 
 
 def dry_run(cfg: DictConfig, version: int) -> None:

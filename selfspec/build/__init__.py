@@ -102,6 +102,7 @@ from selfspec.build.training import (  # noqa: F401
     final_eval_prompts,
     medusa_objective,
     record_run_config,
+    report_and_finish,
     report_due,
     run_tracker,
     self_distill_enabled,

@@ -35,7 +35,7 @@ from selfspec.build.models import (
 )
 from selfspec.build.prompts import sweep_prompt_texts
 from selfspec.costs import CostProfile, FloorSettings, covering_lengths, measure_cost_profile
-from selfspec.draft_vocab import load_draft_vocab
+from selfspec.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.drafters import (
     Drafter,
     EagleDrafter,
@@ -80,6 +80,7 @@ class SweepModels:
 
     target: Transformer
     draft: Transformer | None = None
+    draft_vocabs: dict[int, DraftVocab] = field(default_factory=dict)  # small_model/V{K} rows
     medusa_heads: MedusaHeads | None = None
     medusa_target: Transformer | None = None  # Medusa-2: the LoRA-adapted target they verify on
     tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
@@ -252,6 +253,11 @@ def small_model_variants(cfg: DictConfig) -> tuple[str, ...]:
     return tuple("small_model" if k is None else f"small_model/V{k}" for k in sizes)
 
 
+def _draft_vocab_size(name: str) -> int | None:
+    """K of a small_model/V{K} row; None for any other name."""
+    return int(name.removeprefix("small_model/V")) if name.startswith("small_model/V") else None
+
+
 def _expand(methods: tuple[str, ...], name: str, variants: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(v for m in methods for v in (variants if m == name else (m,)))
 
@@ -293,6 +299,8 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     models = SweepModels(load_target(cfg))
     if any(m.split("/")[0] == "small_model" for m in methods):
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
+        models.draft_vocabs = {k: load_draft_vocab(models.draft.source, k)
+                               for k in map(_draft_vocab_size, methods) if k is not None}
     if "medusa" in methods:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
@@ -345,10 +353,10 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
     if name == "ngram":
         return NgramDrafter(num_draft_tokens=k)
     if name.split("/")[0] == "small_model":
-        draft = _require(models.draft, name)
-        vocab = (None if name == "small_model" else
-                 load_draft_vocab(draft.source, int(name.removeprefix("small_model/V"))))
-        return SmallModelDrafter(draft, num_draft_tokens=k, draft_vocab=vocab)
+        size = _draft_vocab_size(name)
+        vocab = None if size is None else _require(models.draft_vocabs.get(size), name)
+        return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k,
+                                 draft_vocab=vocab)
     if name == "eagle":
         e = _require(models.eagle, name)
         return EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,

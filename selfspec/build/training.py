@@ -43,7 +43,7 @@ from selfspec.objectives import (
     MedusaObjective,
 )
 from selfspec.tracking import Tracker
-from selfspec.training import TokenRows, TrainSettings
+from selfspec.training import FitResult, TokenRows, TrainSettings
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
 RESUMABLE_CHANGES = (
@@ -93,6 +93,18 @@ def report_due(cfg: DictConfig, settings: TrainSettings, step: int) -> bool:
     """Whether a training run that stopped at `step` reports on held-out prompts (it finished,
     and final_eval asks for prompts)."""
     return step == settings.max_steps and int(cfg.final_eval.num_prompts) > 0
+
+
+def report_and_finish(cfg: DictConfig, settings: TrainSettings, result: FitResult,
+                      tracker: Tracker | None, report: Callable[..., None]) -> None:
+    """Every trainer's last act: on the main process (the one with a tracker), a run that
+    finished reports on held-out prompts (report(cfg, export folder, metrics, tracker)), then
+    the tracker closes."""
+    if tracker is None:
+        return
+    if report_due(cfg, settings, result.step):
+        report(cfg, result.checkpoint / "export", result.metrics, tracker)
+    tracker.finish()
 
 
 def final_eval_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
