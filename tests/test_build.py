@@ -144,6 +144,21 @@ def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_pa
         build.distilled_corpus(cfg, None, rows, rows)
 
 
+def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of, tmp_path):
+    cfg = cfg_of("trainer.max_steps=5", "trainer.micro_batch_size=2", "trainer.eval_rows=2",
+                 "train_data.self_distill_prompt_tokens=4", "train_data.self_distill_rows=3",
+                 f"train_data.cache_dir={tmp_path}", "run_dir=/tmp/unused", config="train_eagle")
+    assert cfg.trainer.max_steps == 5  # the eagle_quick preset's 600 steps overridden
+    target = Transformer.from_hf(tiny_llama(0))
+    tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))
+    train, _ = build.distilled_corpus(cfg, target, rows, rows)
+    assert len(train) == 3  # not the 10 rows the run draws
+    cfg.train_data.self_distill_rows = 0
+    with pytest.raises(ValueError, match="self_distill_rows"):
+        build.training_rows(cfg, None, target)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_model_config_matches_published_parameter_count(cfg_of, name):
     cfg = cfg_of(f"model={name}")

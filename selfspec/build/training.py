@@ -149,8 +149,9 @@ def training_rows(
     train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
     each corpus row after its first tokens (stdlib) first."""
     source, seq_len = cfg.train_data.source, positive_int(cfg, "trainer.seq_len", 2)
-    if cfg.train_data.get("max_rows") is not None:
-        positive_int(cfg, "train_data.max_rows")
+    for key in ("max_rows", "self_distill_rows"):
+        if cfg.train_data.get(key) is not None:
+            positive_int(cfg, f"train_data.{key}")
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
         train, heldout = (
@@ -224,17 +225,18 @@ def distilled_corpus(
     cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows
 ) -> tuple[TokenRows, TokenRows]:
     """The stdlib rows continued by the target itself: as many training rows as the run will
-    draw (steps x global batch, or train_data.max_rows if fewer) and the held-out rows that
-    evaluation reads."""
+    draw (steps x global batch, or train_data.max_rows or self_distill_rows if fewer: the run
+    then goes over them for several epochs) and the held-out rows that evaluation reads."""
     if target is None:
         raise ValueError("train_data.self_distill needs the target to generate with")
     t = cfg.trainer
     drawn = (int(t.max_steps) * int(t.micro_batch_size) * int(t.grad_accum)
              * int(os.environ.get("WORLD_SIZE", "1")))
-    cap = cfg.train_data.get("max_rows")
+    caps = (cfg.train_data.get(key) for key in ("max_rows", "self_distill_rows"))
+    count = min([drawn, *(int(cap) for cap in caps if cap is not None)])
     options = {"prompt_tokens": int(cfg.train_data.self_distill_prompt_tokens),
                "cache_dir": cfg.train_data.get("cache_dir")}
-    return (self_distill_rows(train, target, count=min(drawn, int(cap or drawn)), **options),
+    return (self_distill_rows(train, target, count=count, **options),
             self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
 
 
