@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 
@@ -23,6 +22,7 @@ from selfspec import build
 from selfspec.cli import exit_on_user_error
 from selfspec.decode import generate
 from selfspec.drafters import EagleDrafter
+from selfspec.metrics import GenerationStats
 from selfspec.tree import Tree
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -49,13 +49,9 @@ def measure(head_folder: str, shapes: list[str], num_prompts: int, new_tokens: i
     prompts = build.final_eval_prompts(cfg, target)
     rows = []
     for shape in tqdm(shapes, desc="shapes"):
-        drafter, stats = drafter_for(head, shape), None
+        drafter, stats = drafter_for(head, shape), GenerationStats()
         for prompt in prompts:
-            one = generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens).stats
-            if stats is None:
-                stats = one
-            else:
-                stats.merge(one)
+            stats.merge(generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens).stats)
         rows.append({"shape": shape, "tau": stats.tau,
                      "accepted_share_by_depth": stats.acceptance_by_position})
     return {"head": str(head_folder), "prompts": num_prompts, "new_tokens": new_tokens,
@@ -70,7 +66,6 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
-    torch.manual_seed(0)
     figures = measure(args.head, args.shapes, args.prompts, args.new_tokens)
     for row in figures["rows"]:
         depths = ", ".join(f"{share:.2f}" for share in row["accepted_share_by_depth"])
