@@ -1,11 +1,14 @@
-"""Chat training prompts made offline from the standard library's docstrings, and their
-answers written by the target itself.
+"""Chat training prompts made offline (from the standard library's docstrings, and from task
+templates crossed with everyday topics), and their answers written by the target itself.
 
 Instruction-tuned targets need chat rows to train drafters on, and no chat data can be
 downloaded here. The training side of the stdlib split (`selfspec.data`) documents thousands
 of functions and classes in plain English; each documented name becomes one user turn (explain
-it, show an example, summarise its documentation, ...). None of them comes from an evaluation
-file (MT-bench, Spec-Bench, HumanEval or the held-out stdlib files), which a test checks.
+it, show an example, summarise its documentation, ...). Docstring questions are all of one
+register, so general prompts (write, advise, role-play, explain a topic) join them: the
+answers a drafter meets on MT-bench are of that kind. No prompt shares a passage with an
+evaluation file (MT-bench, Spec-Bench, HumanEval or the held-out stdlib files), which a test
+checks.
 
 The answers are the target's own (self-distillation: drafters learn what they will be asked to
 predict), generated in left-padded batches by transformers' `generate` on the same weights,
@@ -39,6 +42,56 @@ TEMPLATES = (
 MAX_DOC_CHARS = 600
 
 
+# General chat prompts: task templates in the spirit of MT-bench's categories (writing,
+# roleplay, reasoning, math, coding, extraction, STEM, humanities), written for this project,
+# crossed with everyday topics. A chat target answers them in the register it answers MT-bench
+# in, which docstring questions alone do not cover.
+GENERAL_TEMPLATES = (
+    "Write a short blog post about {topic} for readers who know nothing about it.",
+    "Give me five practical tips related to {topic}, with one sentence on each.",
+    "Compose a friendly email to a colleague suggesting a team activity around {topic}.",
+    "Pretend you are a tour guide who loves {topic}. Greet a group of visitors and tell them "
+    "what they will see today.",
+    "Explain {topic} to a ten-year-old in a few short paragraphs.",
+    "What are the main advantages and disadvantages of {topic}? Answer in a short list.",
+    "Write a four-line poem about {topic}.",
+    "Describe the history of {topic} in about one hundred words.",
+    "Imagine you are interviewing an expert on {topic}. Write three questions and their "
+    "answers.",
+    "Summarize the most common misconceptions about {topic} and correct each of them.",
+    "Write a Python function that could help someone who works with {topic}, and explain it.",
+    "A friend says {topic} is overrated. Write a polite reply that argues the other side.",
+    "Create a one-day plan for a student who wants to learn about {topic}.",
+    "Write the opening paragraph of a short story in which {topic} plays a central role.",
+    "How has {topic} changed over the last fifty years, and what might come next?",
+    "List the key terms a beginner should know about {topic}, with a short definition each.",
+)
+TOPICS = (
+    "urban gardening", "electric cars", "the water cycle", "chess openings", "remote work",
+    "volcanoes", "jazz music", "recycling plastics", "the Roman Empire", "healthy breakfasts",
+    "public libraries", "solar panels", "honey bees", "learning a second language",
+    "marathon training", "the printing press", "ocean currents", "board games", "coffee brewing",
+    "space telescopes", "mountain hiking", "personal budgeting", "photosynthesis",
+    "ancient Egyptian pyramids", "video game design", "bicycle commuting", "sleep hygiene",
+    "the human immune system", "renaissance painting", "small business marketing",
+    "climate adaptation in cities", "birdwatching", "the stock market", "baking sourdough bread",
+    "machine translation", "antibiotics", "public speaking", "earthquakes", "classical ballet",
+    "composting", "the history of the internet", "desert ecosystems", "time management",
+    "wind turbines", "folk tales", "rainforests", "job interviews", "the Moon landing",
+    "vaccines", "minimalist living", "coral reefs", "open source software", "road trips",
+    "the French Revolution", "smartphone addiction", "volunteering", "glaciers",
+    "the Olympic Games", "home cooking on a budget", "nuclear energy", "pottery",
+    "the Silk Road", "online privacy", "dinosaurs", "yoga", "railways", "the periodic table",
+    "street food", "memory techniques", "black holes", "community theatre", "fermentation",
+    "the Industrial Revolution", "houseplants", "cybersecurity", "migratory birds",
+    "photography for beginners", "tea ceremonies", "3D printing", "rivers and dams",
+    "first aid", "mythology", "electric guitars", "wildfires", "typography", "friendship",
+    "museums", "quantum computers", "beekeeping", "sailing", "the Great Wall of China",
+    "sustainable fashion", "mental health at work", "comets", "origami", "public transport",
+    "spices", "robotics competitions", "the Amazon river", "podcasting", "endangered species",
+)
+
+
 @dataclass(frozen=True)
 class Documented:
     """One public function or class of the stdlib with its docstring."""
@@ -60,6 +113,19 @@ def stdlib_instructions(count: int) -> list[str]:
     random.Random(0).shuffle(found)
     return [_instruction(item, i) for i, item in enumerate(found[:count])]
 
+
+
+def general_instructions(count: int) -> list[str]:
+    """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(TOPICS)),
+    deterministic: every (template, topic) pair in a fixed shuffled order, so that templates
+    and topics both vary along the list; a longer list extends a shorter one."""
+    import random
+
+    if count < 0:
+        raise ValueError(f"general_instructions: count must be >= 0, got {count}")
+    pairs = [(t, topic) for t in GENERAL_TEMPLATES for topic in TOPICS]
+    random.Random(0).shuffle(pairs)
+    return [template.format(topic=topic) for template, topic in pairs[:count]]
 
 def documented_names() -> Iterator[Documented]:
     """Public top-level functions and classes with a docstring of at least 8 words, from the
@@ -106,7 +172,8 @@ def self_distilled_conversations(
     todo = [p for p in prompts if p not in done]
     batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
     hf_model = load_model() if batches else None
-    for batch in tqdm(batches, desc="self-distill (chat)", initial=len(done) // batch_size):
+    cached = len(prompts) - len(todo)
+    for batch in tqdm(batches, desc=f"self-distill (chat, {cached} answers cached)"):
         answers = greedy_chat_answers(batch, hf_model, tokenizer, max_new_tokens)
         done.update(zip(batch, answers, strict=True))
         _append_cache(cache_file, zip(batch, answers, strict=True))

@@ -27,7 +27,7 @@ from selfspec.losses import (
     kl_to_teacher,
     medusa_loss,
 )
-from selfspec.model import ModelOutput, Transformer
+from selfspec.model import Transformer
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -39,23 +39,34 @@ def freeze(target: Transformer) -> Transformer:
 
 
 class FeatureCache:
-    """The frozen target's last hidden states of each training row, computed once and kept:
-    a frozen target gives the same features every epoch, so training over a small data set
-    for many epochs pays the target's forward once per row (EAGLE precomputes its features the
-    same way). Memory: rows x seq_len x hidden values in the target's dtype."""
+    """The frozen target's last hidden states of each training row (and the residual streams
+    `layers`, for EAGLE-3), computed once and kept: a frozen target gives the same features
+    every epoch, so training over a small data set for many epochs pays the target's forward
+    once per row (EAGLE precomputes its features the same way). Memory: rows x seq_len x
+    hidden x (1 + len(layers)) values in the target's dtype."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: tuple[int, ...] = ()) -> None:
+        self.layers = tuple(layers)
         self.rows: dict[bytes, torch.Tensor] = {}
 
-    @torch.no_grad()
     def __call__(self, target: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+        return self.states(target, tokens)[0]  # [B, T, H]
+
+    @torch.no_grad()
+    def states(self, target: Transformer, tokens: torch.Tensor
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(last hidden [B, T, H], the streams `layers`, each [B, T, H]) of rows tokens [B, T]."""
         keys = [row.cpu().numpy().tobytes() for row in tokens]
         missing = sorted({i for i, key in enumerate(keys) if key not in self.rows})
         if missing:
             new = tokens[missing]
-            hidden = target(new, torch.arange(new.shape[1], device=new.device)).last_hidden
-            self.rows.update((keys[i], h) for i, h in zip(missing, hidden, strict=True))
-        return torch.stack([self.rows[key] for key in keys])  # [B, T, H]
+            out = target(new, torch.arange(new.shape[1], device=new.device),
+                         return_hidden=self.layers)
+            joined = torch.cat([out.last_hidden, *out.hidden], dim=-1)  # [b, T, H x (1 + n)]
+            self.rows.update((keys[i], h) for i, h in zip(missing, joined, strict=True))
+        joined = torch.stack([self.rows[key] for key in keys])
+        last, *streams = joined.split(target.config.hidden_size, dim=-1)
+        return last, tuple(streams)
 
 
 class MedusaObjective(nn.Module):
@@ -133,11 +144,13 @@ class EagleObjective(nn.Module):
     feature_noise: during training the input features get uniform noise in
     [-feature_noise, feature_noise] (the head learns to read its own imperfect features), drawn
     from `generator` (None: torch's default generator, which `fit` seeds and checkpoints).
+    cache_features: keep each row's last hidden states (`FeatureCache`; the noise is drawn
+    afresh every step).
     """
 
     def __init__(self, target: Transformer, head: EagleHead, feature_weight: float = 1.0,
                  token_weight: float = 0.1, feature_noise: float = 0.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, cache_features: bool = False):
         super().__init__()
         if head.config.version != 1:
             raise ValueError("EagleObjective trains EAGLE-1 heads; use Eagle3Objective for EAGLE-3")
@@ -146,16 +159,17 @@ class EagleObjective(nn.Module):
         self.target, self.head = freeze(target), head
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.feature_noise, self.generator = feature_noise, generator
+        self.features = FeatureCache() if cache_features else None
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        out, embeds = _frozen_target(self.target, tokens, ())
-        feature = self._noisy(out.last_hidden[:, :-1])  # [B, T-1, H] f_t for t <= T-2
+        last, _, target_logits, embeds = _target_states(self.target, tokens, (), self.features)
+        feature = self._noisy(last[:, :-1])  # [B, T-1, H] f_t for t <= T-2
         positions = torch.arange(tokens.shape[1] - 1, device=tokens.device)
         predicted = self.head(embeds[:, 1:], feature, positions)  # [B, T-1, H] f_{t+1}
         logits = self.head.logits(predicted, self.target.lm_head)  # [B, T-1, V]
         valid = torch.cat([loss_mask[:, 2:].bool(), loss_mask.new_zeros(
             loss_mask.shape[0], 1, dtype=torch.bool)], dim=1)  # [B, T-1]: token t+2 counts
-        return eagle_loss(predicted, logits, out.last_hidden[:, 1:], out.logits[:, 1:], valid,
+        return eagle_loss(predicted, logits, last[:, 1:], target_logits[:, 1:], valid,
                           self.feature_weight, self.token_weight)
 
     def _noisy(self, feature: torch.Tensor) -> torch.Tensor:
@@ -169,22 +183,26 @@ class EagleObjective(nn.Module):
 class Eagle3Objective(nn.Module):
     """EAGLE-3: the head fuses the frozen target's layers `head.config.target_layers` and is
     trained by the training-time test (`EagleHead.unroll`, `steps` steps, step j weighing
-    decay**j) against the target's law restricted to the head's draft vocabulary."""
+    decay**j) against the target's law restricted to the head's draft vocabulary.
+    cache_features: keep each row's fused streams and last hidden state (`FeatureCache`)."""
 
-    def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8):
+    def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
+                 cache_features: bool = False):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"Eagle3Objective: steps must be an integer >= 1, got {steps!r}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
+        self.features = FeatureCache(head.config.target_layers) if cache_features else None
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        out, embeds = _frozen_target(self.target, tokens, self.head.config.target_layers)
-        feature = self.head.target_feature(out.last_hidden, out.hidden)[:, :-1]  # [B, T-1, H]
+        last, streams, target_logits, embeds = _target_states(
+            self.target, tokens, self.head.config.target_layers, self.features)
+        feature = self.head.target_feature(last, streams)[:, :-1]  # [B, T-1, H]
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
         logits = [self.head.logits(h) for h in hidden]  # steps x [B, T-1, Vd]
-        return eagle3_loss(logits, out.logits, self.head.t2d, loss_mask, decay=self.decay)
+        return eagle3_loss(logits, target_logits, self.head.t2d, loss_mask, decay=self.decay)
 
 
 class EarlyExitObjective(nn.Module):
@@ -207,12 +225,12 @@ class EarlyExitObjective(nn.Module):
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         layers = tuple(head.exit_layer for head in self.heads)
-        out, _ = _frozen_target(self.target, tokens, layers)
+        _, streams, target_logits, _ = _target_states(self.target, tokens, layers, None)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        total, metrics = out.logits.new_zeros(()), {}
-        for head, hidden in zip(self.heads, out.hidden, strict=True):
+        total, metrics = target_logits.new_zeros(()), {}
+        for head, hidden in zip(self.heads, streams, strict=True):
             logits = head.logits(hidden, positions, self.target)  # [B, T, V]
-            part = exit_loss(logits, out.logits, tokens, loss_mask, self.hard_weight)
+            part = exit_loss(logits, target_logits, tokens, loss_mask, self.hard_weight)
             total = total + part.loss / len(self.heads)
             metrics |= {f"exit/E{head.exit_layer}_{k}": v for k, v in part.metrics.items()}
         return LossOutput(total, metrics)
@@ -265,11 +283,20 @@ class DraftModelObjective(nn.Module):
         return F.linear(normed, weight).float()
 
 
-def _frozen_target(
-    target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...]
-) -> tuple[ModelOutput, torch.Tensor]:
-    """The frozen target's forward over tokens [B, T] (the residual streams `layers` too) and
-    its embeddings of them [B, T, H], without gradients."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
+def _target_states(
+    target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...],
+    cache: FeatureCache | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """What EAGLE heads learn from, without gradients: the frozen target's last hidden states
+    [B, T, H], its residual streams `layers` (each [B, T, H]), its logits [B, T, V] fp32 and
+    its embeddings of tokens [B, T, H]. With a cache (built for the same layers) the target's
+    layers run once per row and only its LM head is re-applied."""
     with torch.no_grad():
-        return target(tokens, positions, return_hidden=layers), target.embed_tokens(tokens)
+        if cache is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            out = target(tokens, positions, return_hidden=layers)
+            last, streams, logits = out.last_hidden, out.hidden, out.logits
+        else:
+            last, streams = cache.states(target, tokens)
+            logits = target.lm_head(last).float()  # what the forward computes from last
+        return last, streams, logits, target.embed_tokens(tokens)

@@ -257,6 +257,29 @@ def test_the_training_time_test_equals_drafting_step_by_step(target):
     assert float(loss.loss) == pytest.approx(total, rel=1e-4)
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_cached_target_states_give_the_same_loss_and_run_the_target_once(target, version):
+    head = random_head(head_config(target, version), seed=3).init_from_target(target)
+    tokens = torch.randint(2, 64, (3, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(tokens)
+    make = EagleObjective if version == 1 else Eagle3Objective
+    plain, cached = (make(target, head, cache_features=c).eval() for c in (False, True))
+    forwards = []
+    hook = target.layers[0].register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with torch.no_grad():
+            expected = plain(tokens, mask)
+            runs = len(forwards)
+            first, second = cached(tokens, mask), cached(tokens[[2, 0]], mask[[2, 0]])
+    finally:
+        hook.remove()
+    assert runs == 1 and len(forwards) == 2  # the cache ran the target once, for all rows
+    torch.testing.assert_close(first.loss, expected.loss)
+    with torch.no_grad():
+        reordered = plain(tokens[[2, 0]], mask[[2, 0]])
+    torch.testing.assert_close(second.loss, reordered.loss)
+
+
 def test_eagle3_loss_skips_rows_whose_target_token_is_not_a_draft_token():
     target_logits = torch.zeros(1, 5, 6)
     target_logits[0, :, 5] = 9.0  # the target's argmax is id 5 everywhere

@@ -1,5 +1,6 @@
-"""Chat training prompts made from stdlib docstrings: disjoint from every evaluation prompt,
-deterministic, and answered once (the answer cache resumes an interrupted run)."""
+"""Chat training prompts made from stdlib docstrings and from general task templates:
+disjoint from every evaluation prompt, deterministic, and answered once (the answer cache
+resumes an interrupted run)."""
 
 import json
 import re
@@ -8,7 +9,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from selfspec import build, instructions
-from selfspec.instructions import self_distilled_conversations, stdlib_instructions
+from selfspec.instructions import (
+    GENERAL_TEMPLATES,
+    TOPICS,
+    general_instructions,
+    self_distilled_conversations,
+    stdlib_instructions,
+)
 from selfspec.prompts import humaneval_prompts, stdlib_heldout_prompts
 
 WINDOW = 8  # words: a shared passage this long would mean a prompt leaked across
@@ -33,6 +40,7 @@ def evaluation_texts() -> list[str]:
 def test_training_prompts_share_no_passage_with_any_evaluation_prompt():
     training = stdlib_instructions(10_000)  # every documented name
     assert len(training) > 1000
+    training += general_instructions(10_000)  # every template with every topic
     evaluation = set().union(*map(shingles, evaluation_texts()))
     assert len(evaluation) > 50_000  # the evaluation files were really read
     leaked = [p for p in training if shingles(p) & evaluation]
@@ -48,6 +56,17 @@ def test_prompts_are_deterministic_and_a_longer_list_extends_a_shorter_one():
     short, long = stdlib_instructions(12), stdlib_instructions(40)
     assert short == long[:12] and len(set(long)) == 40
     assert len({p.split()[0] for p in long}) >= 4  # the templates take turns
+
+
+def test_general_prompts_cross_every_template_with_every_topic_in_a_fixed_mixed_order():
+    every = general_instructions(10_000)
+    assert len(every) == len(set(every)) == len(GENERAL_TEMPLATES) * len(TOPICS)
+    assert general_instructions(30) == every[:30] and general_instructions(0) == []
+    first = every[:len(GENERAL_TEMPLATES)]  # both vary from the start of the list
+    assert len({next(t for t in TOPICS if t in p) for p in first}) > len(first) // 2
+    assert len({p.split()[0] for p in first}) > 4
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        general_instructions(-1)
 
 
 def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch):

@@ -33,7 +33,12 @@ from selfspec.data import (
 from selfspec.drafters import Drafter
 from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.instructions import cache_name, self_distilled_conversations, stdlib_instructions
+from selfspec.instructions import (
+    cache_name,
+    general_instructions,
+    self_distilled_conversations,
+    stdlib_instructions,
+)
 from selfspec.lora import add_lora
 from selfspec.model import Transformer
 from selfspec.objectives import (
@@ -192,12 +197,18 @@ def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int
 
 def instruction_conversations(cfg: DictConfig, target: Transformer | None, tokenizer
                               ) -> list[list[dict]]:
-    """train_data.num_prompts stdlib-docstring instructions answered by the target itself
+    """train_data.general_prompts general chat prompts and train_data.num_prompts
+    stdlib-docstring instructions, answered by the target itself
     (always self-distilled: these prompts come without answers), batched through
     transformers' `generate` on the target's weights and cached in train_data.cache_dir."""
     if target is None:
         raise ValueError("train_data.source=instructions needs the target to answer its prompts")
-    prompts = stdlib_instructions(positive_int(cfg, "train_data.num_prompts"))
+    general = cfg.train_data.get("general_prompts") or 0
+    if isinstance(general, bool) or not isinstance(general, int) or general < 0:
+        raise ValueError(f"train_data.general_prompts must be an integer >= 0, got {general!r}")
+    # general first: the held-out rows (the first twentieth) then come from them too
+    prompts = (general_instructions(general)
+               + stdlib_instructions(positive_int(cfg, "train_data.num_prompts")))
     new_tokens = positive_int(cfg, "train_data.self_distill_max_new_tokens")
     cache_dir = cfg.train_data.get("cache_dir")
     cache = None if cache_dir is None else os.path.join(
@@ -263,11 +274,13 @@ def eagle_objective(
     next feature and token law with uniform feature noise (drawn from torch's default
     generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test."""
     e = cfg.eagle
+    cache = bool(e.get("cache_features", False))
     if eagle_version(cfg) < 3:
         return EagleObjective(target, head, feature_weight=float(e.feature_weight),
                               token_weight=float(e.token_weight),
-                              feature_noise=float(e.feature_noise))
-    return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay))
+                              feature_noise=float(e.feature_noise), cache_features=cache)
+    return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
+                           cache_features=cache)
 
 
 def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) -> None:
