@@ -159,6 +159,26 @@ def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of,
         build.training_rows(cfg, None, target)
 
 
+def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monkeypatch):
+    from selfspec.build import training as build_training
+    from selfspec.instructions import general_instructions, stdlib_instructions
+
+    asked = []
+    monkeypatch.setattr(build_training, "self_distilled_conversations",
+                        lambda prompts, *args, **kwargs: asked.append(prompts) or [])
+    target = Transformer.from_hf(tiny_llama(0))
+    cfg = cfg_of("train_data.source=instructions", "train_data.num_prompts=3",
+                 "train_data.general_prompts=5", "train_data.cache_dir=null",
+                 "run_dir=/tmp/unused", config="train_eagle")
+    build_training.instruction_conversations(cfg, target, None)
+    # general first: the held-out twentieth comes from the kind of prompt evaluation asks
+    assert asked == [general_instructions(5) + stdlib_instructions(3)]
+    for bad in (-1, "2", True):
+        cfg.train_data.general_prompts = bad
+        with pytest.raises(ValueError, match="general_prompts must be an integer >= 0"):
+            build_training.instruction_conversations(cfg, target, None)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_model_config_matches_published_parameter_count(cfg_of, name):
     cfg = cfg_of(f"model={name}")
