@@ -190,7 +190,8 @@ class _ForwardLog:
 
     def _record(self, module, args, kwargs) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        cache = kwargs.get("past_key_values")
+        # transformers 5.24 renamed the forward's `past_key_values` argument to `cache`.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self.calls.append((ids.shape[1], cache.get_seq_length() if cache is not None else 0))
 
     def _start(self, module, args) -> None:
