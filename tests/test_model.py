@@ -13,7 +13,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from selfspec.model import ModelConfig, Transformer, rope_inv_freq
+from selfspec.model import Linear, ModelConfig, Transformer, rope_inv_freq
 from selfspec.tree import Tree
 
 VOCAB = 64
@@ -293,3 +293,16 @@ def test_a_model_read_from_a_file_computes_the_same_bits_as_the_one_saved(tmp_pa
         positions = torch.arange(t)
         assert torch.equal(loaded(tokens[:, :t], positions).logits,
                            model(tokens[:, :t], positions).logits)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (3, 5, 48), (2, 100, 48)])
+def test_cpu_linear_computes_what_nn_linear_does(shape):
+    """selfspec's Linear runs few-row CPU products its own way (one row twice, W @ x.T): the
+    same sums as nn.Linear, up to float32 rounding, in the input's shape, bias included."""
+    torch.manual_seed(0)
+    layer = Linear(48, 200, bias=True)
+    x = torch.randn(*shape)
+    out = layer(x)
+    assert out.shape == (*shape[:-1], 200)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-5)
