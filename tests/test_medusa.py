@@ -18,6 +18,7 @@ from selfspec.drafters.base import DraftContext, TargetFeatures
 from selfspec.drafters.medusa import MedusaDrafter, _ranked
 from selfspec.heads import MedusaConfig, MedusaHeads, describe_target, load_head, save_head
 from selfspec.losses import medusa_loss
+from selfspec.model import Linear
 
 TREE_DIR = Path(__file__).resolve().parents[1] / "conf" / "tree"
 PROMPTS = [
@@ -64,8 +65,10 @@ def test_a_fresh_head_is_the_lm_head():
     hidden = torch.randn(2, 5, 16)  # [B, T, H]
     logits = heads(hidden)
     assert logits.shape == (2, 5, 3, 24)  # [B, T, K, V]
+    lm_head = Linear(16, 24, bias=False)  # the target's LM head, as selfspec computes it
+    lm_head.weight.data = weight
     for k in range(3):
-        assert torch.equal(logits[:, :, k], hidden @ weight.T)
+        assert torch.equal(logits[:, :, k], lm_head(hidden))
     assert heads(torch.randn(16)).shape == (3, 24)  # a single state: [K, V]
 
 

@@ -31,6 +31,7 @@ from selfspec.model import (
     MLP,
     Attention,
     DecoderLayer,
+    Linear,
     ModelConfig,
     RMSNorm,
     Transformer,
@@ -186,13 +187,13 @@ class EagleHead(nn.Module):
         self.config = config
         layer, h = config.layer_config(), config.hidden_size
         if config.version == 1:
-            self.fc = nn.Linear(2 * h, h, bias=config.has_fc_bias)
+            self.fc = Linear(2 * h, h, bias=config.has_fc_bias)
             self.layers = nn.ModuleList([DecoderLayer(layer, 0, input_norm=False)])
         else:
-            self.fc = nn.Linear(config.feature_size, h, bias=config.has_fc_bias)
+            self.fc = Linear(config.feature_size, h, bias=config.has_fc_bias)
             self.midlayer = EagleMidLayer(layer)
             self.norm = RMSNorm(h, config.rms_norm_eps)
-            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
             vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
             self.register_buffer("d2t", vocab.d2t)
             self.register_buffer("t2d", vocab.t2d)

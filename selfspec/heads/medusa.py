@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from selfspec.draft_vocab import DraftVocab, default_vocab
+from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)  # SiLU(bias) would shift a fresh head otherwise
 
@@ -81,7 +82,7 @@ class MedusaHead(nn.Module):
         # A fresh block per layer: `[ResBlock(h)] * n` would share one block's weights.
         self.blocks = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_layers))
         self.lm_head = (None if config.shared_lm_head else
-                        nn.Linear(config.hidden_size, config.output_size, bias=False))
+                        Linear(config.hidden_size, config.output_size, bias=False))
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] the state this head's projection reads."""
