@@ -270,7 +270,9 @@ class Linear(nn.Linear):
         rows = x.numel() // self.in_features
         if not _few_rows_on_cpu(x, rows):
             return super().forward(x)
-        flat = x.reshape(rows, self.in_features)
+        # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
+        # transposed products before it), and MKL took 5x as long over that layout.
+        flat = x.reshape(rows, self.in_features).contiguous()
         if rows == 1:
             # MKL's matrix-vector product streams a weight slower than its two-row product (a
             # 49152 x 576 LM head at a third of the speed): the row goes through twice.
