@@ -72,6 +72,21 @@ def test_a_fresh_head_is_the_lm_head():
     assert heads(torch.randn(16)).shape == (3, 24)  # a single state: [K, V]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_first_heads_alone_score_as_all_heads_do(shared):
+    """A draft k deep runs only heads 0..k-1: the same logits as running every head."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=24, num_heads=4,
+                                     shared_lm_head=shared))
+    for param in heads.parameters():
+        param.data.normal_()  # heads that differ from each other
+    lm_head = Linear(16, 24, bias=False)
+    hidden = torch.randn(16)
+    every = heads(hidden, lm_head)
+    assert heads(hidden, lm_head, count=2).shape == (2, 24)
+    torch.testing.assert_close(heads(hidden, lm_head, count=2), every[:2])
+
+
 def test_bad_head_arguments_are_clear_errors():
     heads = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=24))
     with pytest.raises(ValueError, match=r"shape \[24, 8\], expected .* \[24, 16\]"):

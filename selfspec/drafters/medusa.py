@@ -134,8 +134,7 @@ def _root_logits(heads: MedusaHeads, lm_head: torch.nn.Module | None, context: D
     hidden = context.features.last_hidden[-1]  # [H] the state that produced the root
     weight = next(heads.parameters(), None)
     weight = lm_head.weight if weight is None else weight
-    logits = heads(hidden.to(device=weight.device, dtype=weight.dtype), lm_head)  # [K, V]
-    return logits[:depth]
+    return heads(hidden.to(device=weight.device, dtype=weight.dtype), lm_head, count=depth)
 
 
 def _check_target(drafter: str, heads: MedusaHeads, setup: DecodeSetup) -> None:

@@ -138,19 +138,22 @@ class MedusaHeads(nn.Module):
         ids, kept = vocab.draft_ids(tokens)
         return ids, loss_mask.bool() & kept
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """[..., K, V'] logits; lm_head: the target's, which shared-LM-head heads need."""
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
+                count: int | None = None) -> torch.Tensor:
+        """[..., K, V'] logits; lm_head: the target's, which shared-LM-head heads need; count:
+        run only the first count heads (a draft k deep reads k), K = count."""
         if hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"MedusaHeads: hidden states have size {hidden.shape[-1]}, the heads expect "
                 f"{self.config.hidden_size}: pass the target's last_hidden [..., hidden]"
             )
+        heads = self.heads[:count]
         if not self.config.shared_lm_head:
-            return torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, V]
+            return torch.stack([head(hidden) for head in heads], dim=-2)  # [..., K, V]
         if lm_head is None:
             raise ValueError("MedusaHeads: these heads share the target's LM head: pass "
                              "lm_head=target.lm_head")
-        states = torch.stack([head.features(hidden) for head in self.heads], dim=-2)
+        states = torch.stack([head.features(hidden) for head in heads], dim=-2)
         return lm_head(states)  # [..., K, V]: one matmul for all heads
 
     @torch.no_grad()
