@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -67,6 +69,46 @@ def test_matches_transformers_warpers_on_random_logits():
             scores = TopPLogitsWarper(p)(None, scores)
         ours = logits_to_probs(logits, SamplingParams(t, top_k=k, top_p=p))
         torch.testing.assert_close(ours, torch.softmax(scores, -1))
+
+
+def test_top_p_on_a_real_vocabulary_matches_transformers_and_the_full_sort(monkeypatch):
+    """Peaked rows take the candidate window, flat rows sort the whole vocabulary; both keep
+    what transformers keeps, and the window keeps bit for bit what a full sort keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    import selfspec.sampling as sampling
+
+    g = torch.Generator().manual_seed(2)
+    scale = torch.tensor([[8.0], [6.0], [0.5], [8.0]])  # row 2's nucleus spans ~40k tokens
+    logits = torch.randn(4, 49_152, generator=g) * scale
+    params = SamplingParams(1.0, top_p=0.9)
+    narrow = logits[[0, 1, 3]]
+    probs, narrow_probs = logits_to_probs(logits, params), logits_to_probs(narrow, params)
+    kept = (probs > 0).sum(-1)
+    assert kept[[0, 1, 3]].max() < sampling.NUCLEUS_WINDOW < kept[2]
+    reference = torch.softmax(TopPLogitsWarper(0.9)(None, logits.clone()), -1)
+    torch.testing.assert_close(probs, reference)
+    monkeypatch.setattr(sampling, "NUCLEUS_WINDOW", logits.shape[-1])
+    assert torch.equal(narrow_probs, logits_to_probs(narrow, params))
+
+
+def test_ties_across_the_candidate_window_keep_the_lower_token_ids(monkeypatch):
+    import selfspec.sampling as sampling
+
+    vocab, window = 4_000, sampling.NUCLEUS_WINDOW
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
+    logits = torch.full((vocab,), -20.0)
+    logits[ids[: window - 10]] = 5.0
+    tied = ids[window - 10 : window + 500]  # 510 equal logits across the window's edge
+    logits[tied] = 3.0
+    mass_of_fives = (window - 10) / ((window - 10) + 510 * math.exp(-2.0))
+    params = SamplingParams(1.0, top_p=mass_of_fives + 0.001)  # and a few of the tied tokens
+    probs = logits_to_probs(logits, params)
+    kept_tied = (probs[tied] > 0).nonzero().flatten()
+    assert 0 < kept_tied.numel() < 510
+    assert torch.equal(tied[kept_tied].sort().values, tied.sort().values[: kept_tied.numel()])
+    monkeypatch.setattr(sampling, "NUCLEUS_WINDOW", vocab)
+    assert torch.equal(probs, logits_to_probs(logits, params))
 
 
 def test_sample_follows_the_distribution_and_never_draws_zero_mass():
