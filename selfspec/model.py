@@ -267,21 +267,28 @@ class Linear(nn.Linear):
     1.3x faster with it (SmolLM2 and the tiny target alike)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if not _few_rows_on_cpu(x, rows):
-            return super().forward(x)
-        # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
-        # transposed products before it), and MKL took 5x as long over that layout.
-        flat = x.reshape(rows, self.in_features).contiguous()
-        if rows == 1:
-            # MKL's matrix-vector product streams a weight slower than its two-row product (a
-            # 49152 x 576 LM head at a third of the speed): the row goes through twice.
-            out = (self.weight @ flat.repeat(2, 1).t())[:, :1].t()
-        else:
-            out = (self.weight @ flat.t()).t()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed the way `Linear` computes it (for heads that keep
+    a weight of their own, such as a draft vocabulary's rows of an LM head)."""
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    if not _few_rows_on_cpu(x, rows):
+        return F.linear(x, weight, bias)
+    # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
+    # transposed products before it), and MKL took 5x as long over that layout.
+    flat = x.reshape(rows, in_features).contiguous()
+    if rows == 1:
+        # MKL's matrix-vector product streams a weight slower than its two-row product (a
+        # 49152 x 576 LM head at a third of the speed): the row goes through twice.
+        out = (weight @ flat.repeat(2, 1).t())[:, :1].t()
+    else:
+        out = (weight @ flat.t()).t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
-from selfspec.model import Transformer
+from selfspec.model import Transformer, linear
 from selfspec.sampling import logits_to_probs, sample
 
 
@@ -118,7 +118,7 @@ class SmallModelDrafter:
             return self.model(ids, positions, self._cache).logits
         out = self.model(ids, positions, self._cache, with_logits=False,
                          return_hidden=(self.model.config.num_layers,))
-        scores = F.linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
+        scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
         return self.draft_vocab.scatter(scores.float())
 
 
