@@ -207,6 +207,21 @@ def cache_name(weights_key: str, max_new_tokens: int) -> str:
     return f"chat-distill-{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
 
 
+def cached_answers(cache_file: str | Path) -> list[str]:
+    """The answers of a self-distillation cache file (JSON lines {"prompt", "answer"}), in
+    the order written: the text the target wrote, e.g. for n-gram lookup's corpus."""
+    path = Path(cache_file).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no answers file at {path}: give a JSON-lines file of "
+                                f'{{"prompt": ..., "answer": ...}} records, e.g. the cache '
+                                f"chat-distill-*.jsonl a trainer wrote under train_data.cache_dir")
+    answers = [a for a in _read_cache(path).values() if a]
+    if not answers:
+        raise ValueError(f"{path} holds no answers: each line must be a JSON object with an "
+                         f'"answer" (and a "prompt")')
+    return answers
+
+
 def _read_cache(cache_file: str | Path | None) -> dict[str, str]:
     if cache_file is None or not Path(cache_file).is_file():
         return {}

@@ -331,6 +331,20 @@ def test_load_target_and_drafters_from_a_local_folder(cfg_of, small_folder):
     assert spec.tokens == plain.tokens and spec.stats.tau > 1  # the draft is the target itself
 
 
+def test_the_ngram_drafter_reads_a_corpus_of_answers(cfg_of, tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"prompt": "p", "answer": "return self.name"}) + "\n")
+    cfg = cfg_of("drafter=ngram", f"ngram.corpus={answers}", "ngram.max_ngram=2")
+    target = build.load_target(cfg)  # the shipped tiny target, with its tokenizer
+    drafter = build.build_drafter(cfg, target)
+    end = target.config.eos_token_ids[:1]  # each answer ends as the target ends a turn
+    ids = build.load_tokenizer(target.source).encode("return self.name") + list(end)
+    assert drafter.max_ngram == 2 and drafter.corpus.sequences == [ids]
+    assert drafter.corpus.get(ids[:1]) == tuple(ids[1:])
+    with pytest.raises(FileNotFoundError, match="ngram.corpus: no file at"):
+        build.generation_settings(cfg_of("drafter=ngram", "ngram.corpus=/no/file.jsonl"))
+
+
 def test_weights_that_contradict_the_config_are_refused(cfg_of, small_folder):
     overrides = [o for o in SMALL_OVERRIDES if "num_layers" not in o]
     cfg = cfg_of(f"model.path={small_folder}", *overrides)  # tiny's 8 layers vs 2 saved

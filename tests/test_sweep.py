@@ -453,6 +453,9 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["baseline=sometimes"], "unknown baseline mode"),
         (["small_model.draft_vocab=[null,0]"], "small_model.draft_vocab: give token counts >= 1"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
+        (["ngram.corpus=/no/such/answers.jsonl"], "ngram.corpus: no file at /no/such/answers"),
+        (["ngram.min_share=1.5"], "ngram.min_share must lie in [0, 1)"),
+        (["ngram.corpus_length=0"], "ngram.corpus_length must be an integer >= 1"),
         (["cost_profile=2"], "cost_profile must be true or false"),
         (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
         (["num_draft_tokens=[2,auto]", "cost_profile=false"], "predicts speedups from the cost"),
@@ -480,6 +483,26 @@ def test_bad_input_is_refused_before_any_model_loads(
         entry.run(cfg)
     assert message in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
+    """ngram.corpus adds an ngram/corpus row beside ngram: lookup in the target's earlier
+    answers (a self-distillation cache file) as well as in the context."""
+    answers = tmp_path / "answers.jsonl"
+    lines = ["    def __init__(self, name):\n        self.name = name\n",
+             "        return self._data[key]\n", "import os\nimport sys\n"]
+    answers.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": a}) + "\n"
+                               for i, a in enumerate(lines)))
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
+                 "num_draft_tokens=[1,3]", "num_prompts=3", "max_new_tokens=16")
+    assert load_entry("lossless").run(cfg) == 0
+    models = build.load_sweep_models(cfg, ("ngram", "ngram/corpus"))
+    drafter = build.build_method(models, "ngram/corpus", 3).decoder.drafter
+    assert drafter.corpus is not None and drafter.corpus.num_tokens > 20
+    assert build.build_method(models, "ngram", 3).decoder.drafter.corpus is None
+    answers.write_text("not json\n")
+    with pytest.raises(ValueError, match="holds no answers"):
+        load_entry("lossless").run(cfg)
 
 
 def test_small_model_rows_over_draft_vocabularies_are_lossless(tmp_path, quick_build, cfg_of):

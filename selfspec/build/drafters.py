@@ -13,6 +13,7 @@ from selfspec.build.models import (
     draft_model_config,
     load_model,
     load_target,
+    load_tokenizer,
     model_config,
     resolve_model_path,
 )
@@ -22,6 +23,7 @@ from selfspec.drafters import (
     Drafter,
     EagleDrafter,
     EarlyExitDrafter,
+    LookupCorpus,
     MedusaDrafter,
     MedusaProductDrafter,
     NgramDrafter,
@@ -32,6 +34,7 @@ from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.instructions import cached_answers
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
 from selfspec.model import ModelConfig, Transformer
 from selfspec.training import TokenRows
@@ -59,6 +62,8 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
     if kind == "small_model":
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
+    if kind == "ngram":
+        check_ngram_settings(cfg.ngram)
     check_confidence_threshold("drafter=small_model", cfg.get("confidence_threshold"))
     return kind, k
 
@@ -69,13 +74,60 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter(num_draft_tokens=k)
+        corpus = None
+        if cfg.ngram.get("corpus"):
+            corpus = load_lookup_corpus(cfg.ngram, load_tokenizer(target.source), target)
+        return ngram_drafter(cfg.ngram, k, corpus)
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
     size = cfg.get("draft_vocab")
     vocab = None if size is None else load_draft_vocab(draft.source, int(size))
     return SmallModelDrafter(draft, num_draft_tokens=k, draft_vocab=vocab,
                              confidence_threshold=cfg.get("confidence_threshold"))
+
+
+def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None) -> NgramDrafter:
+    """N-gram lookup drafting k tokens: in the context, and in `corpus` when given."""
+    return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus)
+
+
+def check_ngram_settings(cfg_ngram: DictConfig) -> None:
+    """The n-gram settings, checked before any model loads (the corpus file must exist)."""
+    if cfg_ngram.get("corpus"):
+        corpus_path(cfg_ngram)
+    lookup_settings(cfg_ngram)
+
+
+def corpus_path(cfg_ngram: DictConfig) -> Path:
+    path = Path(str(cfg_ngram.corpus)).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ngram.corpus: no file at {path}; give the JSON-lines answers file a trainer wrote "
+            f"(train_data.cache_dir/chat-distill-*.jsonl), or ngram.corpus=null")
+    return path
+
+
+def lookup_settings(cfg_ngram: DictConfig) -> dict:
+    """LookupCorpus's thresholds from cfg.ngram, checked."""
+    settings = dict(max_ngram=cfg_ngram.max_ngram, length=cfg_ngram.corpus_length,
+                    min_count=cfg_ngram.min_count, min_share=float(cfg_ngram.min_share))
+    for key in ("max_ngram", "length", "min_count"):
+        if isinstance(settings[key], bool) or not isinstance(settings[key], int) \
+                or settings[key] < 1:
+            name = "corpus_length" if key == "length" else key
+            raise ValueError(f"ngram.{name} must be an integer >= 1, got {settings[key]!r}")
+    if not 0.0 <= settings["min_share"] < 1.0:
+        raise ValueError(f"ngram.min_share must lie in [0, 1), got {settings['min_share']}")
+    return settings
+
+
+def load_lookup_corpus(cfg_ngram: DictConfig, tokenizer, target: Transformer) -> LookupCorpus:
+    """The corpus of cfg_ngram.corpus: each answer as the target writes it (its tokens, then
+    its end-of-turn token)."""
+    end = list(target.config.eos_token_ids[:1])
+    answers = cached_answers(corpus_path(cfg_ngram))
+    sequences = [tokenizer.encode(a, add_special_tokens=False) + end for a in answers]
+    return LookupCorpus(sequences, **lookup_settings(cfg_ngram))
 
 
 def tree_depth(cfg_tree: DictConfig) -> int | None:

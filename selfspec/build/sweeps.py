@@ -15,12 +15,15 @@ from selfspec.autosize import SizeChoice, choose_size
 from selfspec.bench import METHODS, BenchSettings, GridPoint, Method, SweepGrid, SweepRow
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.build.drafters import (
+    check_ngram_settings,
     early_exit_layers,
     early_exit_thresholds,
     load_eagle,
     load_early_exit,
+    load_lookup_corpus,
     load_medusa,
     medusa_drafter,
+    ngram_drafter,
     norm_exit,
     tree_depth,
 )
@@ -29,6 +32,7 @@ from selfspec.build.models import (
     load_hf_model,
     load_model,
     load_target,
+    load_tokenizer,
     model_config,
     random_models,
     resolve_model_path,
@@ -40,7 +44,7 @@ from selfspec.drafters import (
     Drafter,
     EagleDrafter,
     EarlyExitDrafter,
-    NgramDrafter,
+    LookupCorpus,
     SmallModelDrafter,
 )
 from selfspec.heads.eagle import EagleHead
@@ -51,6 +55,7 @@ from selfspec.peers import HFDecoder, OurDecoder
 from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
+NGRAM_CORPUS = "ngram/corpus"  # n-gram lookup in the context and the ngram.corpus file
 DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa, eagle when heads are given
 
 
@@ -85,6 +90,8 @@ class SweepModels:
     medusa_target: Transformer | None = None  # Medusa-2: the LoRA-adapted target they verify on
     tree: DictConfig | None = None  # Medusa's tree config (static or top-k products)
     eagle_head: EagleHead | None = None
+    ngram: DictConfig | None = None  # n-gram lookup's settings
+    lookup_corpus: LookupCorpus | None = None  # the ngram/corpus rows' corpus
     eagle: DictConfig | None = None  # EAGLE-2 tree settings: total_tokens, top_k, ...
     exits: dict | None = None  # early exits by (E, kind): the norm exits and trained adapters
     hf_target: Any = None
@@ -110,6 +117,10 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
         methods = _expand(methods, "early_exit", early_exit_variants(cfg))
     if "small_model" in methods:
         methods = _expand(methods, "small_model", small_model_variants(cfg))
+    if "ngram" in methods:
+        check_ngram_settings(cfg.ngram)
+        if cfg.ngram.get("corpus"):
+            methods = _expand(methods, "ngram", ("ngram", NGRAM_CORPUS))
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
@@ -296,7 +307,7 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     """Load what `methods` need, once: ours in cfg.model.dtype, and the hf_* methods'
     transformers copies of the same folders in the same dtype."""
     dtype, on = cfg.model.dtype, device(cfg)
-    models = SweepModels(load_target(cfg))
+    models = SweepModels(load_target(cfg), ngram=cfg.get("ngram"))
     if any(m.split("/")[0] == "small_model" for m in methods):
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
         models.draft_vocabs = {k: load_draft_vocab(models.draft.source, k)
@@ -305,6 +316,9 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
+    if NGRAM_CORPUS in methods:
+        models.lookup_corpus = load_lookup_corpus(
+            cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
         models.eagle_head = load_eagle(str(cfg.eagle_head), models.target)
         models.eagle = cfg.eagle
@@ -350,8 +364,9 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
         return EarlyExitDrafter(_require(head, name), k, threshold)
-    if name == "ngram":
-        return NgramDrafter(num_draft_tokens=k)
+    if name in ("ngram", NGRAM_CORPUS):
+        corpus = _require(models.lookup_corpus, name) if name == NGRAM_CORPUS else None
+        return ngram_drafter(_require(models.ngram, name), k, corpus)
     if name.split("/")[0] == "small_model":
         size = _draft_vocab_size(name)
         vocab = None if size is None else _require(models.draft_vocabs.get(size), name)

@@ -11,7 +11,7 @@ from selfspec.drafters.base import (
 from selfspec.drafters.eagle import EagleDrafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
-from selfspec.drafters.ngram import NgramDrafter
+from selfspec.drafters.ngram import LookupCorpus, NgramDrafter
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
 
@@ -23,6 +23,7 @@ __all__ = [
     "EagleDrafter",
     "EarlyExitDrafter",
     "EarlyLayers",
+    "LookupCorpus",
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",
