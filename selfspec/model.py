@@ -254,20 +254,74 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-# CPU products over at most this many rows run as W @ x.T (see `Linear`).
+# CPU products over at most this many rows run as W @ x.T, or on oneDNN's packed copy of the
+# weight from PACKED_FROM_ROWS rows on (see `Linear`).
 FEW_ROWS_ON_CPU = 128
+PACKED_FROM_ROWS = 3
+PACKED_FOR_ROWS = 8  # the row count oneDNN lays the packed copy out for (any count runs on it)
 
 
 class Linear(nn.Linear):
     """nn.Linear that, on the CPU in float32, computes a product over few rows (a decode step, a
-    draft, a verification) as (W @ x.T).T: for 2-128 rows MKL's x @ W.T streams the weight at up
-    to a third of the speed of one row, which made a 4-token verification cost 1.5 one-token
-    forwards; W @ x.T keeps it near one (scripts/bench_linear.py measures both). A single row
-    goes through as two: MKL's matrix-vector product was slower still, and plain decoding ran
-    1.3x faster with it (SmolLM2 and the tiny target alike)."""
+    draft, a verification) its own way, because MKL's `x @ W.T` streams a weight at a third of
+    the speed of a one-row product there (scripts/bench_linear.py measures the arms):
+
+    - one or two rows as (W @ x.T).T, a single row twice (MKL's matrix-vector product is
+      slower still): plain decoding ran 1.3x faster with it;
+    - 3-128 rows on oneDNN's inner product over a copy of W packed into its blocked layout
+      (made on first use, remade when W changes, never saved or copied): it streams the
+      weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
+      rows on (SmolLM2: a 4-token verification 1.35 -> 1.1 one-token forwards). The copy
+      doubles the memory of the weights that verify drafts; autograd never takes this path.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) and _packable(x, self.weight):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
+                                                      "none", [], "")
         return linear(x, self.weight, self.bias)
+
+
+class PackedWeight:
+    """oneDNN's packed copy of a weight, remade when the weight is replaced or changed in place.
+    Not module state: a deep copy of the module starts without one (oneDNN's opaque tensors
+    cannot be copied), and state_dict never sees it."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.tensor: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> PackedWeight:
+        return PackedWeight()
+
+    def __getstate__(self) -> dict:
+        return {"key": None, "tensor": None}
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight.data_ptr(), _version(weight), tuple(weight.shape))
+        if key != self.key:
+            self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                  PACKED_FOR_ROWS)
+            self.key = key
+        return self.tensor
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor: it keeps no version counter
+        return -1
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """oneDNN can run it and autograd needs nothing from it."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return not grad and torch.backends.mkldnn.is_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import json
 
@@ -295,14 +296,34 @@ def test_a_model_read_from_a_file_computes_the_same_bits_as_the_one_saved(tmp_pa
                            model(tokens[:, :t], positions).logits)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (3, 5, 48), (2, 100, 48)])
-def test_cpu_linear_computes_what_nn_linear_does(shape):
-    """selfspec's Linear runs few-row CPU products its own way (one row twice, W @ x.T): the
-    same sums as nn.Linear, up to float32 rounding, in the input's shape, bias included."""
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 3, 48), (3, 5, 48), (1, 8, 48),
+                                   (2, 64, 48), (2, 100, 48)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
+    """selfspec's Linear runs few-row CPU products its own way (one row twice, W @ x.T, from
+    three rows oneDNN over a packed copy of W when no gradient is needed): the same sums as
+    nn.Linear, up to float32 rounding, in the input's shape, bias included."""
     torch.manual_seed(0)
     layer = Linear(48, 200, bias=True)
     x = torch.randn(*shape)
-    out = layer(x)
-    assert out.shape == (*shape[:-1], 200)
+    with torch.set_grad_enabled(grad):
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 200) and out.requires_grad == grad
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_copy_follows_the_weight_and_is_never_copied():
+    torch.manual_seed(0)
+    layer = Linear(48, 200, bias=False)
+    x = torch.randn(4, 48)
+    with torch.no_grad():
+        before = layer(x)
+        assert layer.packed.tensor is not None  # four rows took the packed path
+        layer.weight.mul_(2.0)  # changed in place (an optimizer step, load_state_dict)
+        torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(-layer.weight)  # replaced
+        torch.testing.assert_close(layer(x), -2 * before, rtol=1e-5, atol=1e-5)
+        twin = copy.deepcopy(layer)
+        assert twin.packed.tensor is None and "packed" not in "".join(twin.state_dict())
+        torch.testing.assert_close(twin(x), -2 * before, rtol=1e-5, atol=1e-5)
