@@ -23,21 +23,20 @@ def test_a_continuation_follows_the_majority_token_by_token():
 
 def test_the_longest_seen_ngram_wins():
     corpus = LookupCorpus(CORPUS, max_ngram=3, length=4)
-    assert corpus.continuation([7, 2]) == (9,)  # the 2-gram, not the 1-gram "2" (-> 3, 5)
-    assert corpus.continuation([8, 2]) == (3, 5)  # unseen 2-gram: the 1-gram
-    assert corpus.continuation([8]) == ()
+    assert corpus.longest_match([7, 2]) == 2  # the 2-gram, not the 1-gram "2"
+    assert corpus.longest_match([8, 2]) == 1  # unseen 2-gram: the 1-gram
+    assert corpus.longest_match([8]) == 0
 
 
-def test_thresholds_stop_a_continuation_where_the_corpus_disagrees_with_itself():
-    assert LookupCorpus(CORPUS, max_ngram=1, min_share=0.7).get([3]) == ()  # 5 in 2 of 3
-    assert LookupCorpus(CORPUS, max_ngram=1, min_share=0.6).get([3]) == (5,)
-    assert LookupCorpus(CORPUS, max_ngram=1, min_count=2).get([2]) == (3, 5)
-    assert LookupCorpus(CORPUS, max_ngram=1, min_count=4).get([2]) == (3,)  # 3 behind 5
-    assert LookupCorpus(CORPUS, max_ngram=1, length=1).get([1]) == (2,)
+def test_counts_hold_every_continuation_prefix():
+    corpus = LookupCorpus(CORPUS, max_ngram=2, length=2)
+    assert corpus.counts([2]) == {(3,): 3, (3, 4): 1, (3, 5): 2, (9,): 1}
+    assert corpus.get([1]) == (2, 3)  # length 2
+    assert LookupCorpus(CORPUS, max_ngram=1, max_places=1).counts([2]) == {(9,): 1}  # the last
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(max_ngram=1, min_ngram=2),
-                                    dict(length=0), dict(min_count=0), dict(min_share=1.0)])
+                                    dict(length=0), dict(max_places=0)])
 def test_impossible_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="LookupCorpus: need"):
         LookupCorpus(CORPUS, **kwargs)
@@ -57,6 +56,22 @@ def test_the_context_is_asked_before_the_corpus_at_each_length():
     assert draft_of(NgramDrafter(2, max_ngram=2), [8, 1, 2]) == []  # no corpus, no draft
 
 
+def test_a_tree_draft_adds_the_corpus_continuations_by_frequency():
+    corpus = LookupCorpus(CORPUS + [[6, 2, 3, 4]], max_ngram=2)
+    drafter = NgramDrafter(2, max_ngram=2, corpus=corpus, max_nodes=4)
+    draft = drafter.propose(DraftContext(torch.tensor([8, 1, 2]), None))
+    # After "1 2": 3 (3 times), then "3 5" (twice), "3 4" (once): three nodes only.
+    assert [list(p) for p in draft.tree.paths] == [[0, 1], [0, 2]]
+    assert draft.tokens.tolist() == [3, 5, 4] and draft.q is None
+    # The context's chain first (a 2-gram match beats the corpus's 1-gram), then the corpus's.
+    draft = drafter.propose(DraftContext(torch.tensor([9, 2, 6, 9, 2]), None))
+    assert draft.tokens.tolist() == [6, 3, 9, 4] and draft.tree.parents == (-1, -1, 0, 1)
+    one_deep = NgramDrafter(1, corpus=corpus, max_nodes=3)
+    assert draft_of(one_deep, [8, 2]) == [3, 9]  # siblings: every first token seen after "2"
+    with pytest.raises(ValueError, match="a tree .* needs a corpus"):
+        NgramDrafter(2, max_nodes=4)
+
+
 @pytest.fixture(scope="module")
 def target():
     return Transformer.from_hf(tiny_llama(0))
@@ -70,9 +85,9 @@ def test_greedy_through_a_corpus_is_lossless_and_uses_it(target):
     accepted = 0
     for prompt in ([5, 9, 6], [11, 9, 7], [20, 21]):
         expected = generate(target, prompt, max_new_tokens=24).tokens
-        for k in (1, 3):
-            result = generate(target, prompt, drafter=NgramDrafter(k, corpus=corpus),
-                              max_new_tokens=24)
+        for k, nodes in ((1, 1), (3, 3), (1, 3), (3, 6)):
+            drafter = NgramDrafter(k, corpus=corpus, max_nodes=nodes)
+            result = generate(target, prompt, drafter=drafter, max_new_tokens=24)
             assert result.tokens == expected
             accepted += result.stats.accepted
     plain = sum(generate(target, p, drafter=NgramDrafter(3), max_new_tokens=24).stats.accepted
@@ -88,5 +103,6 @@ def test_sampling_through_a_corpus_follows_the_target_law():
     greedy = generate(target, prompt, max_new_tokens=4).tokens
     # Only the corpus knows what follows the prompt's greedy answer; the context knows the rest.
     corpus = LookupCorpus([prompt + greedy, greedy + greedy])
-    assert sampled_pvalue(target, NgramDrafter(3, corpus=corpus),
-                          SamplingParams(1.0)) > P_VALUE_FLOOR
+    for nodes in (3, 6):
+        drafter = NgramDrafter(3, corpus=corpus, max_nodes=nodes)
+        assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR

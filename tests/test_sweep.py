@@ -454,7 +454,7 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["small_model.draft_vocab=[null,0]"], "small_model.draft_vocab: give token counts >= 1"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
         (["ngram.corpus=/no/such/answers.jsonl"], "ngram.corpus: no file at /no/such/answers"),
-        (["ngram.min_share=1.5"], "ngram.min_share must lie in [0, 1)"),
+        (["ngram.tree_nodes=0"], "ngram.tree_nodes must be an integer >= 1"),
         (["ngram.corpus_length=0"], "ngram.corpus_length must be an integer >= 1"),
         (["cost_profile=2"], "cost_profile must be true or false"),
         (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
@@ -499,7 +499,14 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
     models = build.load_sweep_models(cfg, ("ngram", "ngram/corpus"))
     drafter = build.build_method(models, "ngram/corpus", 3).decoder.drafter
     assert drafter.corpus is not None and drafter.corpus.num_tokens > 20
+    assert drafter.max_nodes == 3  # a chain: ngram.tree_nodes is null
     assert build.build_method(models, "ngram", 3).decoder.drafter.corpus is None
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
+                 "ngram.tree_nodes=5", "num_draft_tokens=[1,3]", "num_prompts=3",
+                 "max_new_tokens=16")
+    assert load_entry("lossless").run(cfg) == 0  # trees of 5 nodes, 1 and 3 deep
+    models = build.load_sweep_models(cfg, ("ngram/corpus",))
+    assert build.build_method(models, "ngram/corpus", 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
         load_entry("lossless").run(cfg)

@@ -87,8 +87,12 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
 
 
 def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None) -> NgramDrafter:
-    """N-gram lookup drafting k tokens: in the context, and in `corpus` when given."""
-    return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus)
+    """N-gram lookup drafting k tokens deep: in the context, and in `corpus` when given (then
+    a tree of max(k, ngram.tree_nodes) nodes when tree_nodes is set)."""
+    nodes = cfg_ngram.get("tree_nodes")
+    nodes = k if corpus is None or nodes is None else max(k, int(nodes))
+    return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus,
+                        max_nodes=nodes)
 
 
 def check_ngram_settings(cfg_ngram: DictConfig) -> None:
@@ -108,16 +112,13 @@ def corpus_path(cfg_ngram: DictConfig) -> Path:
 
 
 def lookup_settings(cfg_ngram: DictConfig) -> dict:
-    """LookupCorpus's thresholds from cfg.ngram, checked."""
-    settings = dict(max_ngram=cfg_ngram.max_ngram, length=cfg_ngram.corpus_length,
-                    min_count=cfg_ngram.min_count, min_share=float(cfg_ngram.min_share))
-    for key in ("max_ngram", "length", "min_count"):
-        if isinstance(settings[key], bool) or not isinstance(settings[key], int) \
-                or settings[key] < 1:
+    """LookupCorpus's settings from cfg.ngram, checked (tree_nodes too: null or >= 1)."""
+    settings = dict(max_ngram=cfg_ngram.max_ngram, length=cfg_ngram.corpus_length)
+    nodes = cfg_ngram.get("tree_nodes")
+    for key, value in (*settings.items(), ("tree_nodes", 1 if nodes is None else nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             name = "corpus_length" if key == "length" else key
-            raise ValueError(f"ngram.{name} must be an integer >= 1, got {settings[key]!r}")
-    if not 0.0 <= settings["min_share"] < 1.0:
-        raise ValueError(f"ngram.min_share must lie in [0, 1), got {settings['min_share']}")
+            raise ValueError(f"ngram.{name} must be an integer >= 1, got {value!r}")
     return settings
 
 

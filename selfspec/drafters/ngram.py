@@ -1,6 +1,7 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the last n-gram,
 in the context or, with a `LookupCorpus`, in text the target wrote before (REST-style
-retrieval from a datastore)."""
+retrieval from a datastore), as a chain or as a small tree of the corpus's likeliest
+continuations."""
 
 from __future__ import annotations
 
@@ -10,117 +11,159 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.tree import Tree
+
+Path = tuple[int, ...]  # a continuation's first tokens
 
 
 class LookupCorpus:
-    """Continuations seen in a corpus of token sequences (e.g. the target's own answers to
-    training prompts), for every n-gram of min_ngram..max_ngram tokens: the continuation most
-    often seen after it, up to `length` tokens, built token by token (the most frequent next
-    token, then the most frequent one after it among the occurrences that agreed so far).
-
-    A continuation ends where the occurrences behind it fall below `min_count` or where its
-    next token is the choice of less than `min_share` of them, so a draft is long only where
-    the corpus agrees with itself. Built once, in memory; a lookup is one dict read."""
+    """Where each n-gram (min_ngram..max_ngram tokens) of a corpus of token sequences (e.g. the
+    target's own answers to training prompts) occurred, and what followed it: counts of the
+    continuations (up to `length` tokens) of its last `max_places` occurrences, counted once
+    per n-gram on first lookup. No continuation crosses from one sequence into the next."""
 
     def __init__(self, sequences: Iterable[Sequence[int]], *, max_ngram: int = 3,
-                 min_ngram: int = 1, length: int = 8, min_count: int = 1,
-                 min_share: float = 0.0):
-        if not 1 <= min_ngram <= max_ngram or length < 1 or min_count < 1 \
-                or not 0.0 <= min_share < 1.0:
-            raise ValueError(f"LookupCorpus: need 1 <= min_ngram <= max_ngram, length >= 1, "
-                             f"min_count >= 1 and 0 <= min_share < 1, got {min_ngram}, "
-                             f"{max_ngram}, {length}, {min_count}, {min_share}")
+                 min_ngram: int = 1, length: int = 8, max_places: int = 4096):
+        if not 1 <= min_ngram <= max_ngram or length < 1 or max_places < 1:
+            raise ValueError(f"LookupCorpus: need 1 <= min_ngram <= max_ngram, length >= 1 and "
+                             f"max_places >= 1, got {min_ngram}, {max_ngram}, {length}, "
+                             f"{max_places}")
         self.max_ngram, self.min_ngram, self.length = max_ngram, min_ngram, length
-        self.min_count, self.min_share = min_count, min_share
+        self.max_places = max_places
         self.sequences = [list(map(int, s)) for s in sequences]
         self.num_tokens = sum(len(s) for s in self.sequences)
-        self._table = self._build()
+        self._places = self._index()
+        self._counted: dict[Path, Counter] = {}
+        self._majority: dict[Path, Path] = {}
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._places)
 
-    def get(self, ngram: Sequence[int]) -> tuple[int, ...]:
-        """The continuation seen after exactly this n-gram; () when it was not seen."""
-        return self._table.get(tuple(ngram), ())
-
-    def continuation(self, suffix: Sequence[int]) -> tuple[int, ...]:
-        """What the corpus continues the longest n-gram ending `suffix` with (max_ngram down
-        to min_ngram); () when no n-gram of it was seen."""
-        for n in range(min(self.max_ngram, len(suffix)), self.min_ngram - 1, -1):
-            found = self.get(suffix[len(suffix) - n:])
-            if found:
-                return found
-        return ()
-
-    def _build(self) -> dict[tuple[int, ...], tuple[int, ...]]:
-        occurrences: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+    def _index(self) -> dict[Path, list[tuple[int, int]]]:
+        places: dict[Path, list[tuple[int, int]]] = defaultdict(list)
         for s, seq in enumerate(self.sequences):
             for end in range(1, len(seq)):  # an n-gram ending before `end`, followed by seq[end]
                 for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                    occurrences[tuple(seq[end - n:end])].append((s, end))
-        table = {}
-        for key, places in occurrences.items():
-            path = self._majority_path(places)
-            if path:
-                table[key] = path
-        return table
+                    places[tuple(seq[end - n:end])].append((s, end))
+        return dict(places)
 
-    def _majority_path(self, places: list[tuple[int, int]]) -> tuple[int, ...]:
-        if len(places) == 1 and self.min_count == 1:  # most n-grams: nothing to vote on
-            s, e = places[0]
-            return tuple(self.sequences[s][e:e + self.length])
-        path = []
-        for depth in range(self.length):
-            nexts = [(s, e) for s, e in places if e + depth < len(self.sequences[s])]
-            if len(nexts) < self.min_count:
-                break
-            votes = Counter(self.sequences[s][e + depth] for s, e in nexts)
-            token, count = votes.most_common(1)[0]
-            if count < self.min_share * len(nexts):
-                break
-            path.append(token)
-            places = [(s, e) for s, e in nexts if self.sequences[s][e + depth] == token]
-        return tuple(path)
+    def counts(self, ngram: Sequence[int]) -> Counter:
+        """{continuation prefix: how many occurrences of `ngram` it followed}; empty when the
+        n-gram was not seen."""
+        key = tuple(ngram)
+        if key not in self._counted:
+            counts: Counter = Counter()
+            for s, end in self._places.get(key, [])[-self.max_places:]:
+                follow = tuple(self.sequences[s][end:end + self.length])
+                counts.update(follow[:d] for d in range(1, len(follow) + 1))
+            self._counted[key] = counts
+        return self._counted[key]
+
+    def get(self, ngram: Sequence[int]) -> Path:
+        """The continuation most often seen after `ngram`, token by token (the most frequent
+        next token, then the most frequent one after it among the occurrences that agreed);
+        () when the n-gram was not seen."""
+        key = tuple(ngram)
+        if key not in self._majority:
+            best: dict[Path, tuple[int, Path]] = {}  # parent -> (count, its likeliest child)
+            for path, count in self.counts(key).items():
+                if count > best.get(path[:-1], (0, ()))[0]:
+                    best[path[:-1]] = (count, path)
+            path = ()
+            while path in best:
+                path = best[path][1]
+            self._majority[key] = path
+        return self._majority[key]
+
+    def longest_match(self, suffix: Sequence[int]) -> int:
+        """The longest n (max_ngram down to min_ngram) whose last n tokens of `suffix` were
+        seen; 0 when none was."""
+        for n in range(min(self.max_ngram, len(suffix)), self.min_ngram - 1, -1):
+            if tuple(suffix[len(suffix) - n:]) in self._places:
+                return n
+        return 0
 
 
 class NgramDrafter:
     """Training-free drafter: match the last `max_ngram`..`min_ngram` tokens earlier in the
-    context and copy up to `num_draft_tokens` tokens that followed; with a `corpus`, an n-gram
-    the context does not hold is looked up there (at each n the context is asked first: it
-    knows this answer's names and numbers). Drafts are deterministic (q=None), so
-    verification stays exact at any temperature."""
+    context and copy up to `num_draft_tokens` tokens that followed; with a `corpus`, the
+    longest n-gram match wins, the context's at equal length (it knows this answer's names
+    and numbers). Drafts are deterministic (q=None), so verification stays exact at any
+    temperature.
+
+    max_nodes > num_draft_tokens drafts a tree: the context's chain (when it wins), then the
+    corpus's continuations of its longest match, most frequent first, up to max_nodes nodes
+    and num_draft_tokens deep."""
 
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-                 corpus: LookupCorpus | None = None):
+                 corpus: LookupCorpus | None = None, max_nodes: int | None = None):
         if num_draft_tokens < 1:
             raise ValueError(f"NgramDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(
                 f"NgramDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
             )
+        max_nodes = num_draft_tokens if max_nodes is None else max_nodes
+        if max_nodes < num_draft_tokens or (max_nodes > num_draft_tokens and corpus is None):
+            raise ValueError(f"NgramDrafter: max_nodes ({max_nodes}) must be >= num_draft_tokens "
+                             f"({num_draft_tokens}); a tree (more nodes than that) needs a corpus")
         self.num_draft_tokens = num_draft_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.corpus = corpus
-        self.max_nodes = num_draft_tokens
+        self.max_nodes = max_nodes
 
     def begin(self, setup: DecodeSetup) -> None:
         pass  # stateless: everything it needs is in the context
 
     def propose(self, context: DraftContext) -> Draft:
-        tokens = context.tokens  # [L]
-        # One host read of the last few tokens, for the corpus's dict (a CPU-side index).
-        suffix = tokens[-self.max_ngram:].tolist() if self.corpus is not None else []
+        tokens, k = context.tokens, self.num_draft_tokens  # [L]
+        matched, chain = self._context_chain(tokens)
+        if self.corpus is None:
+            return Draft.chain(chain)
+        # One host read of the last few tokens, for the corpus's dicts (a CPU-side index).
+        suffix = tokens[-self.corpus.max_ngram:].tolist()
+        found = self.corpus.longest_match(suffix)
+        if found > matched:
+            chain = ()
+        if found == 0 or (chain and self.max_nodes == k):
+            return Draft.chain(chain)
+        ngram = suffix[len(suffix) - found:]
+        if self.max_nodes == k:
+            return Draft.chain(self.corpus.get(ngram)[:k])
+        return _tree_draft(_prefixes(chain), self.corpus.counts(ngram), self.max_nodes, k)
+
+    def _context_chain(self, tokens: torch.Tensor) -> tuple[int, Path]:
+        """(n, what followed the last n tokens earlier in the context) for the longest n
+        matched; (0, ()) when none was."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             start = _last_match(tokens, n)
             if start is not None:
-                return Draft.chain(tokens[start : start + self.num_draft_tokens])
-            if self.corpus is not None:
-                found = self.corpus.get(suffix[len(suffix) - n:])
-                if found:
-                    return Draft.chain(list(found[: self.num_draft_tokens]))
-        return Draft.empty()
+                return n, tuple(tokens[start : start + self.num_draft_tokens].tolist())
+        return 0, ()
+
+
+def _prefixes(chain: Path) -> list[Path]:
+    return [chain[:d] for d in range(1, len(chain) + 1)]
+
+
+def _tree_draft(nodes: list[Path], counts: Counter, max_nodes: int, depth: int) -> Draft:
+    """`nodes` (prefix-closed), then the most frequent continuations whose parent is in, up to
+    max_nodes nodes and `depth` deep (ties: shorter first, then first seen)."""
+    chosen = set(nodes)
+    ranked = sorted(counts.items(), key=lambda pc: (-pc[1], len(pc[0])))
+    for path, _ in ranked:
+        if len(nodes) >= max_nodes:
+            break
+        if len(path) <= depth and path not in chosen and (len(path) == 1 or path[:-1] in chosen):
+            nodes.append(path)
+            chosen.add(path)
+    nodes.sort(key=len)  # parents before children
+    index = {path: i for i, path in enumerate(nodes)}
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
+    return Draft(Tree.from_parents(parents), torch.tensor([p[-1] for p in nodes],
+                                                          dtype=torch.long))
 
 
 def _last_match(tokens: torch.Tensor, n: int) -> int | None:
