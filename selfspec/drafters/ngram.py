@@ -33,8 +33,7 @@ class LookupCorpus:
         self.sequences = [list(map(int, s)) for s in sequences]
         self.num_tokens = sum(len(s) for s in self.sequences)
         self._places = self._index()
-        self._counted: dict[Path, Counter] = {}
-        self._majority: dict[Path, Path] = {}
+        self._ranked: dict[Path, list[Path]] = {}
 
     def __len__(self) -> int:
         return len(self._places)
@@ -50,30 +49,31 @@ class LookupCorpus:
     def counts(self, ngram: Sequence[int]) -> Counter:
         """{continuation prefix: how many occurrences of `ngram` it followed}; empty when the
         n-gram was not seen."""
+        counts: Counter = Counter()
+        for s, end in self._places.get(tuple(ngram), [])[-self.max_places:]:
+            follow = tuple(self.sequences[s][end:end + self.length])
+            counts.update(follow[:d] for d in range(1, len(follow) + 1))
+        return counts
+
+    def ranked(self, ngram: Sequence[int]) -> list[Path]:
+        """The continuation prefixes seen after `ngram`, most frequent first (ties: shorter
+        first, then first seen), so every prefix comes before its extensions; ranked once
+        per n-gram, on first lookup."""
         key = tuple(ngram)
-        if key not in self._counted:
-            counts: Counter = Counter()
-            for s, end in self._places.get(key, [])[-self.max_places:]:
-                follow = tuple(self.sequences[s][end:end + self.length])
-                counts.update(follow[:d] for d in range(1, len(follow) + 1))
-            self._counted[key] = counts
-        return self._counted[key]
+        if key not in self._ranked:
+            counts = self.counts(key)
+            self._ranked[key] = sorted(counts, key=lambda path: (-counts[path], len(path)))
+        return self._ranked[key]
 
     def get(self, ngram: Sequence[int]) -> Path:
         """The continuation most often seen after `ngram`, token by token (the most frequent
         next token, then the most frequent one after it among the occurrences that agreed);
         () when the n-gram was not seen."""
-        key = tuple(ngram)
-        if key not in self._majority:
-            best: dict[Path, tuple[int, Path]] = {}  # parent -> (count, its likeliest child)
-            for path, count in self.counts(key).items():
-                if count > best.get(path[:-1], (0, ()))[0]:
-                    best[path[:-1]] = (count, path)
-            path = ()
-            while path in best:
-                path = best[path][1]
-            self._majority[key] = path
-        return self._majority[key]
+        path: Path = ()
+        for candidate in self.ranked(ngram):  # a child never comes before its parent
+            if len(candidate) == len(path) + 1 and candidate[:-1] == path:
+                path = candidate
+        return path
 
     def longest_match(self, suffix: Sequence[int]) -> int:
         """The longest n (max_ngram down to min_ngram) whose last n tokens of `suffix` were
@@ -132,7 +132,7 @@ class NgramDrafter:
         ngram = suffix[len(suffix) - found:]
         if self.max_nodes == k:
             return Draft.chain(self.corpus.get(ngram)[:k])
-        return _tree_draft(_prefixes(chain), self.corpus.counts(ngram), self.max_nodes, k)
+        return _tree_draft(_prefixes(chain), self.corpus.ranked(ngram), self.max_nodes, k)
 
     def _context_chain(self, tokens: torch.Tensor) -> tuple[int, Path]:
         """(n, what followed the last n tokens earlier in the context) for the longest n
@@ -148,12 +148,11 @@ def _prefixes(chain: Path) -> list[Path]:
     return [chain[:d] for d in range(1, len(chain) + 1)]
 
 
-def _tree_draft(nodes: list[Path], counts: Counter, max_nodes: int, depth: int) -> Draft:
-    """`nodes` (prefix-closed), then the most frequent continuations whose parent is in, up to
-    max_nodes nodes and `depth` deep (ties: shorter first, then first seen)."""
+def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: int) -> Draft:
+    """`nodes` (prefix-closed), then the continuations in `ranked` order whose parent is in,
+    up to max_nodes nodes and `depth` deep."""
     chosen = set(nodes)
-    ranked = sorted(counts.items(), key=lambda pc: (-pc[1], len(pc[0])))
-    for path, _ in ranked:
+    for path in ranked:
         if len(nodes) >= max_nodes:
             break
         if len(path) <= depth and path not in chosen and (len(path) == 1 or path[:-1] in chosen):
