@@ -502,11 +502,13 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
     assert drafter.max_nodes == 3  # a chain: ngram.tree_nodes is null
     assert build.build_method(models, "ngram", 3).decoder.drafter.corpus is None
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
-                 "ngram.tree_nodes=5", "num_draft_tokens=[1,3]", "num_prompts=3",
+                 "ngram.tree_nodes=[null,5]", "num_draft_tokens=[1,3]", "num_prompts=3",
                  "max_new_tokens=16")
-    assert load_entry("lossless").run(cfg) == 0  # trees of 5 nodes, 1 and 3 deep
-    models = build.load_sweep_models(cfg, ("ngram/corpus",))
-    assert build.build_method(models, "ngram/corpus", 1).decoder.drafter.max_nodes == 5
+    assert build.plan_sweep(cfg, 3, greedy_only=True).grid.methods == ("ngram", "ngram/corpus",
+                                                     "ngram/corpus/tree5")
+    assert load_entry("lossless").run(cfg) == 0  # and trees of 5 nodes, 1 and 3 deep
+    models = build.load_sweep_models(cfg, ("ngram/corpus/tree5",))
+    assert build.build_method(models, "ngram/corpus/tree5", 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
         load_entry("lossless").run(cfg)

@@ -77,7 +77,11 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
         corpus = None
         if cfg.ngram.get("corpus"):
             corpus = load_lookup_corpus(cfg.ngram, load_tokenizer(target.source), target)
-        return ngram_drafter(cfg.ngram, k, corpus)
+        nodes = tree_node_counts(cfg.ngram)
+        if len(nodes) > 1:
+            raise ValueError(f"ngram.tree_nodes: give one node count (or null) here, got "
+                             f"{nodes}; a list is for eval/sweep.py")
+        return ngram_drafter(cfg.ngram, k, corpus, nodes[0])
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
     size = cfg.get("draft_vocab")
@@ -86,13 +90,18 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
                              confidence_threshold=cfg.get("confidence_threshold"))
 
 
-def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None) -> NgramDrafter:
+def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None,
+                  tree_nodes: int | None = None) -> NgramDrafter:
     """N-gram lookup drafting k tokens deep: in the context, and in `corpus` when given (then
-    a tree of max(k, ngram.tree_nodes) nodes when tree_nodes is set)."""
-    nodes = cfg_ngram.get("tree_nodes")
-    nodes = k if corpus is None or nodes is None else max(k, int(nodes))
+    a tree of max(k, tree_nodes) nodes when tree_nodes is set)."""
+    nodes = k if corpus is None or tree_nodes is None else max(k, tree_nodes)
     return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus,
                         max_nodes=nodes)
+
+
+def tree_node_counts(cfg_ngram: DictConfig) -> list[int | None]:
+    """ngram.tree_nodes as a list (one entry: null or a count; a sweep may give several)."""
+    return as_list(cfg_ngram.get("tree_nodes")) or [None]
 
 
 def check_ngram_settings(cfg_ngram: DictConfig) -> None:
@@ -112,10 +121,10 @@ def corpus_path(cfg_ngram: DictConfig) -> Path:
 
 
 def lookup_settings(cfg_ngram: DictConfig) -> dict:
-    """LookupCorpus's settings from cfg.ngram, checked (tree_nodes too: null or >= 1)."""
+    """LookupCorpus's settings from cfg.ngram, checked (tree_nodes too: nulls or counts)."""
     settings = dict(max_ngram=cfg_ngram.max_ngram, length=cfg_ngram.corpus_length)
-    nodes = cfg_ngram.get("tree_nodes")
-    for key, value in (*settings.items(), ("tree_nodes", 1 if nodes is None else nodes)):
+    nodes = [("tree_nodes", n) for n in tree_node_counts(cfg_ngram) if n is not None]
+    for key, value in (*settings.items(), *nodes):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             name = "corpus_length" if key == "length" else key
             raise ValueError(f"ngram.{name} must be an integer >= 1, got {value!r}")

@@ -26,6 +26,7 @@ from selfspec.build.drafters import (
     ngram_drafter,
     norm_exit,
     tree_depth,
+    tree_node_counts,
 )
 from selfspec.build.models import (
     draft_model_config,
@@ -120,7 +121,7 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     if "ngram" in methods:
         check_ngram_settings(cfg.ngram)
         if cfg.ngram.get("corpus"):
-            methods = _expand(methods, "ngram", ("ngram", NGRAM_CORPUS))
+            methods = _expand(methods, "ngram", ngram_variants(cfg))
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
@@ -264,6 +265,13 @@ def small_model_variants(cfg: DictConfig) -> tuple[str, ...]:
     return tuple("small_model" if k is None else f"small_model/V{k}" for k in sizes)
 
 
+def ngram_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """n-gram lookup's rows with a corpus: ngram (the context alone), then ngram/corpus (chains)
+    or ngram/corpus/tree{N} (trees of N nodes) for each of ngram.tree_nodes."""
+    return ("ngram", *(NGRAM_CORPUS if n is None else f"{NGRAM_CORPUS}/tree{n}"
+                       for n in tree_node_counts(cfg.ngram)))
+
+
 def _draft_vocab_size(name: str) -> int | None:
     """K of a small_model/V{K} row; None for any other name."""
     return int(name.removeprefix("small_model/V")) if name.startswith("small_model/V") else None
@@ -316,7 +324,7 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
-    if NGRAM_CORPUS in methods:
+    if any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
             cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
@@ -364,9 +372,11 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
         return EarlyExitDrafter(_require(head, name), k, threshold)
-    if name in ("ngram", NGRAM_CORPUS):
-        corpus = _require(models.lookup_corpus, name) if name == NGRAM_CORPUS else None
-        return ngram_drafter(_require(models.ngram, name), k, corpus)
+    if name.split("/")[0] == "ngram":
+        corpus = _require(models.lookup_corpus, name) if name != "ngram" else None
+        nodes = name.removeprefix(f"{NGRAM_CORPUS}/tree")
+        return ngram_drafter(_require(models.ngram, name), k, corpus,
+                             int(nodes) if nodes != name else None)
     if name.split("/")[0] == "small_model":
         size = _draft_vocab_size(name)
         vocab = None if size is None else _require(models.draft_vocabs.get(size), name)
