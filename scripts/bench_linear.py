@@ -1,5 +1,6 @@
-"""Target forwards over N new tokens with the few-row CPU product (`selfspec.model.Linear`)
-against plain `x @ W.T`, interleaved in one process.
+"""Target forwards over N new tokens with the few-row CPU products of `selfspec.model.Linear`
+(oneDNN over a packed weight from 3 rows on, W @ x.T below) against W @ x.T alone and plain
+`x @ W.T`, interleaved in one process.
 
     python scripts/bench_linear.py --out docs/results/linear/linear.json
     python scripts/bench_linear.py --model smollm2-135m --lengths 1 2 3 4 5 8 16 64
@@ -25,19 +26,22 @@ from selfspec.cli import exit_on_user_error
 from selfspec.costs import measure_cost_profile
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-ARMS = {"few_rows": model_module.FEW_ROWS_ON_CPU, "x_WT": 0}
+# (FEW_ROWS_ON_CPU, PACKED_FROM_ROWS) of each arm.
+ARMS = {"few_rows": (model_module.FEW_ROWS_ON_CPU, model_module.PACKED_FROM_ROWS),
+        "W_xT": (model_module.FEW_ROWS_ON_CPU, model_module.FEW_ROWS_ON_CPU + 1),
+        "x_WT": (0, 0)}
 
 
 def profile_arms(target, lengths: list[int], rounds: int) -> dict[str, dict[int, float]]:
     """Median ms per forward length for each arm, the arms alternating round by round."""
     times: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in lengths} for arm in ARMS}
     for _ in range(rounds):
-        for arm, rows in ARMS.items():
-            model_module.FEW_ROWS_ON_CPU = rows
+        for arm, (rows, packed_from) in ARMS.items():
+            model_module.FEW_ROWS_ON_CPU, model_module.PACKED_FROM_ROWS = rows, packed_from
             profile = measure_cost_profile(target, lengths, repeats=3, warmup=1)
             for n in lengths:
                 times[arm][n].append(1000 * profile.seconds[n])
-    model_module.FEW_ROWS_ON_CPU = ARMS["few_rows"]
+    model_module.FEW_ROWS_ON_CPU, model_module.PACKED_FROM_ROWS = ARMS["few_rows"]
     return {arm: {n: statistics.median(t) for n, t in by_n.items()} for arm, by_n in times.items()}
 
 
@@ -61,7 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"threads": torch.get_num_threads(), "rows_limit": ARMS["few_rows"]}
+    results = {"threads": torch.get_num_threads(), "rows_limit": model_module.FEW_ROWS_ON_CPU,
+               "packed_from_rows": model_module.PACKED_FROM_ROWS}
     with initialize_config_dir(str(CONF), version_base=None):
         for name in args.model:
             cfg = compose("generate", overrides=[f"model={name}"])

@@ -272,7 +272,7 @@ class Linear(nn.Linear):
       (made on first use, remade when W changes, never saved or copied): it streams the
       weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
       rows on (SmolLM2: a 4-token verification 1.35 -> 1.1 one-token forwards). The copy
-      doubles the memory of the weights that verify drafts; autograd never takes this path.
+      doubles the memory of the weights that verify drafts; only taken with autograd off.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -281,7 +281,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) and _packable(x, self.weight):
+        if PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) and _packable():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
                                                       "none", [], "")
         return linear(x, self.weight, self.bias)
@@ -318,10 +318,10 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
-def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """oneDNN can run it and autograd needs nothing from it."""
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return not grad and torch.backends.mkldnn.is_available()
+def _packable() -> bool:
+    """oneDNN is there and autograd is off (no_grad, inference_mode): what decoding runs under.
+    Whether a weight requires grad does not matter, so freezing a model never changes its bits."""
+    return not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
