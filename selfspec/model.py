@@ -259,6 +259,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 FEW_ROWS_ON_CPU = 128
 PACKED_FROM_ROWS = 3
 PACKED_FOR_ROWS = 8  # the row count oneDNN lays the packed copy out for (any count runs on it)
+# A Transformer packs its weights only when they are this large in all: a model that fits in a
+# CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
+# weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
+PACKED_FROM_MODEL_BYTES = 64 << 20
 
 
 class Linear(nn.Linear):
@@ -272,16 +276,20 @@ class Linear(nn.Linear):
       (made on first use, remade when W changes, never saved or copied): it streams the
       weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
       rows on (SmolLM2: a 4-token verification 1.35 -> 1.1 one-token forwards). The copy
-      doubles the memory of the weights that verify drafts; only taken with autograd off.
+      doubles the memory of the weights that verify drafts; only taken with autograd off, and
+      only by a layer whose `packed_products` is set (`use_packed_products`: a Transformer
+      sets it when its weights outgrow a CPU cache, PACKED_FROM_MODEL_BYTES).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
+        self.packed_products = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) and _packable():
+        if self.packed_products and PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) \
+                and _packable():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
                                                       "none", [], "")
         return linear(x, self.weight, self.bias)
@@ -309,6 +317,13 @@ class PackedWeight:
                                                                   PACKED_FOR_ROWS)
             self.key = key
         return self.tensor
+
+
+def use_packed_products(module: nn.Module, enabled: bool) -> None:
+    """Whether every `Linear` in module runs its 3-128-row CPU products on packed weights."""
+    for layer in module.modules():
+        if isinstance(layer, Linear):
+            layer.packed_products = enabled
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -496,6 +511,8 @@ class Transformer(nn.Module):
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(config)  # [D/2]
         self.source: str | None = None  # the folder it was loaded from, if any
+        fp32_bytes = 4 * sum(p.numel() for p in self.parameters())
+        use_packed_products(self, fp32_bytes >= PACKED_FROM_MODEL_BYTES)
 
     # ---- forward ---------------------------------------------------------------------------
 

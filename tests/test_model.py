@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from selfspec.model import Linear, ModelConfig, Transformer, rope_inv_freq
+from selfspec.model import Linear, ModelConfig, Transformer, rope_inv_freq, use_packed_products
 from selfspec.tree import Tree
 
 VOCAB = 64
@@ -305,6 +305,7 @@ def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
     nn.Linear, up to float32 rounding, in the input's shape, bias included."""
     torch.manual_seed(0)
     layer = Linear(48, 200, bias=True)
+    use_packed_products(layer, True)
     x = torch.randn(*shape)
     with torch.set_grad_enabled(grad):
         out = layer(x)
@@ -316,6 +317,7 @@ def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
 def test_the_packed_copy_follows_the_weight_and_is_never_copied():
     torch.manual_seed(0)
     layer = Linear(48, 200, bias=False)
+    use_packed_products(layer, True)
     x = torch.randn(4, 48)
     with torch.no_grad():
         before = layer(x)
@@ -327,3 +329,13 @@ def test_the_packed_copy_follows_the_weight_and_is_never_copied():
         twin = copy.deepcopy(layer)
         assert twin.packed.tensor is None and "packed" not in "".join(twin.state_dict())
         torch.testing.assert_close(twin(x), -2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_only_a_model_whose_weights_outgrow_a_cache_packs_them():
+    small = _tiny_model()  # 0.1 MB
+    with torch.device("meta"):  # 64k x 256 embedding and head: 128 MB in fp32
+        large = Transformer(ModelConfig(vocab_size=1 << 16, hidden_size=256,
+                                        intermediate_size=512, num_layers=1, num_heads=4,
+                                        num_kv_heads=2, head_dim=64))
+    assert not small.lm_head.packed_products and not small.layers[0].mlp.up_proj.packed_products
+    assert large.lm_head.packed_products and large.layers[0].mlp.up_proj.packed_products
