@@ -345,7 +345,7 @@ def test_the_ngram_drafter_reads_a_corpus_of_answers(cfg_of, tmp_path):
                                       "ngram.tree_nodes=6", "num_draft_tokens=3"), target)
     assert tree.max_nodes == 6 and tree.num_draft_tokens == 3
     with pytest.raises(ValueError, match="ngram.tree_nodes: give one node count"):
-        build.build_drafter(cfg_of("drafter=ngram", "ngram.tree_nodes=[2,4]"), target)
+        build.generation_settings(cfg_of("drafter=ngram", "ngram.tree_nodes=[2,4]"))
     with pytest.raises(FileNotFoundError, match="ngram.corpus: no file at"):
         build.generation_settings(cfg_of("drafter=ngram", "ngram.corpus=/no/file.jsonl"))
 

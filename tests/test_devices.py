@@ -18,6 +18,7 @@ from selfspec import SamplingParams, Transformer, generate
 from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import (
     DecodeSetup,
+    LookupCorpus,
     MedusaDrafter,
     MedusaProductDrafter,
     NgramDrafter,
@@ -35,7 +36,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
-DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "medusa", "medusa_products"]
+DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "ngram_corpus_tree", "medusa",
+            "medusa_products"]
 MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
@@ -74,7 +76,15 @@ def fitted_heads(hf_target):
 
 
 @pytest.fixture(scope="module")
-def make_drafter(hf_target, fitted_heads, device):
+def lookup_corpus(hf_target) -> LookupCorpus:
+    """A CPU-side corpus of the target's greedy continuations, as a sweep builds one."""
+    cpu_target = Transformer.from_hf(hf_target)
+    return LookupCorpus([generate(cpu_target, p, max_new_tokens=NEW_TOKENS).tokens
+                         for p in PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
     """make_drafter(kind): a fresh drafter of `kind` for the target on the module's device."""
     draft_model = Transformer.from_hf(first_layers(hf_target), device=device)
     heads = copy.deepcopy(fitted_heads).to(device)  # Module.to moves in place
@@ -85,6 +95,7 @@ def make_drafter(hf_target, fitted_heads, device):
         "small_model_vocab": lambda: SmallModelDrafter(
             draft_model, 3, draft_vocab=draft_vocabulary(torch.arange(48), 64, 48)),
         "ngram": lambda: NgramDrafter(4),
+        "ngram_corpus_tree": lambda: NgramDrafter(3, corpus=lookup_corpus, max_nodes=6),
         "medusa": lambda: MedusaDrafter(heads, MEDUSA_CHOICES),
         "medusa_products": lambda: MedusaProductDrafter(heads, top_k=2, max_nodes=6),
     }

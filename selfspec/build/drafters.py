@@ -64,6 +64,9 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
     if kind == "ngram":
         check_ngram_settings(cfg.ngram)
+        if len(tree_node_counts(cfg.ngram)) > 1:
+            raise ValueError(f"ngram.tree_nodes: give one node count (or null) here, got "
+                             f"{tree_node_counts(cfg.ngram)}; a list is for eval/sweep.py")
     check_confidence_threshold("drafter=small_model", cfg.get("confidence_threshold"))
     return kind, k
 
@@ -77,11 +80,7 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
         corpus = None
         if cfg.ngram.get("corpus"):
             corpus = load_lookup_corpus(cfg.ngram, load_tokenizer(target.source), target)
-        nodes = tree_node_counts(cfg.ngram)
-        if len(nodes) > 1:
-            raise ValueError(f"ngram.tree_nodes: give one node count (or null) here, got "
-                             f"{nodes}; a list is for eval/sweep.py")
-        return ngram_drafter(cfg.ngram, k, corpus, nodes[0])
+        return ngram_drafter(cfg.ngram, k, corpus, tree_node_counts(cfg.ngram)[0])
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
     size = cfg.get("draft_vocab")

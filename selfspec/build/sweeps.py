@@ -272,6 +272,12 @@ def ngram_variants(cfg: DictConfig) -> tuple[str, ...]:
                        for n in tree_node_counts(cfg.ngram)))
 
 
+def _tree_nodes(name: str) -> int | None:
+    """N of an ngram/corpus/tree{N} row; None for any other name."""
+    prefix = f"{NGRAM_CORPUS}/tree"
+    return int(name.removeprefix(prefix)) if name.startswith(prefix) else None
+
+
 def _draft_vocab_size(name: str) -> int | None:
     """K of a small_model/V{K} row; None for any other name."""
     return int(name.removeprefix("small_model/V")) if name.startswith("small_model/V") else None
@@ -374,9 +380,7 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
         return EarlyExitDrafter(_require(head, name), k, threshold)
     if name.split("/")[0] == "ngram":
         corpus = _require(models.lookup_corpus, name) if name != "ngram" else None
-        nodes = name.removeprefix(f"{NGRAM_CORPUS}/tree")
-        return ngram_drafter(_require(models.ngram, name), k, corpus,
-                             int(nodes) if nodes != name else None)
+        return ngram_drafter(_require(models.ngram, name), k, corpus, _tree_nodes(name))
     if name.split("/")[0] == "small_model":
         size = _draft_vocab_size(name)
         vocab = None if size is None else _require(models.draft_vocabs.get(size), name)

@@ -34,6 +34,7 @@ class LookupCorpus:
         self.num_tokens = sum(len(s) for s in self.sequences)
         self._places = self._index()
         self._ranked: dict[Path, list[Path]] = {}
+        self._majority: dict[Path, Path] = {}
 
     def __len__(self) -> int:
         return len(self._places)
@@ -68,12 +69,15 @@ class LookupCorpus:
     def get(self, ngram: Sequence[int]) -> Path:
         """The continuation most often seen after `ngram`, token by token (the most frequent
         next token, then the most frequent one after it among the occurrences that agreed);
-        () when the n-gram was not seen."""
-        path: Path = ()
-        for candidate in self.ranked(ngram):  # a child never comes before its parent
-            if len(candidate) == len(path) + 1 and candidate[:-1] == path:
-                path = candidate
-        return path
+        () when the n-gram was not seen. Found once per n-gram: a chain draft asks every step."""
+        key = tuple(ngram)
+        if key not in self._majority:
+            path: Path = ()
+            for candidate in self.ranked(key):  # a child never comes before its parent
+                if len(candidate) == len(path) + 1 and candidate[:-1] == path:
+                    path = candidate
+            self._majority[key] = path
+        return self._majority[key]
 
     def longest_match(self, suffix: Sequence[int]) -> int:
         """The longest n (max_ngram down to min_ngram) whose last n tokens of `suffix` were
@@ -119,36 +123,39 @@ class NgramDrafter:
 
     def propose(self, context: DraftContext) -> Draft:
         tokens, k = context.tokens, self.num_draft_tokens  # [L]
-        matched, chain = self._context_chain(tokens)
+        matched, chain = self._context_chain(tokens)  # chain [<= k], on the tokens' device
         if self.corpus is None:
             return Draft.chain(chain)
         # One host read of the last few tokens, for the corpus's dicts (a CPU-side index).
         suffix = tokens[-self.corpus.max_ngram:].tolist()
         found = self.corpus.longest_match(suffix)
         if found > matched:
-            chain = ()
-        if found == 0 or (chain and self.max_nodes == k):
+            chain = chain[:0]
+        if found == 0 or (len(chain) and self.max_nodes == k):
             return Draft.chain(chain)
         ngram = suffix[len(suffix) - found:]
         if self.max_nodes == k:
-            return Draft.chain(self.corpus.get(ngram)[:k])
-        return _tree_draft(_prefixes(chain), self.corpus.ranked(ngram), self.max_nodes, k)
+            return Draft.chain(torch.tensor(self.corpus.get(ngram)[:k], dtype=torch.long,
+                                            device=tokens.device))
+        return _tree_draft(_prefixes(tuple(chain.tolist())), self.corpus.ranked(ngram),
+                           self.max_nodes, k, tokens.device)
 
-    def _context_chain(self, tokens: torch.Tensor) -> tuple[int, Path]:
+    def _context_chain(self, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(n, what followed the last n tokens earlier in the context) for the longest n
-        matched; (0, ()) when none was."""
+        matched; (0, an empty chain) when none was."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             start = _last_match(tokens, n)
             if start is not None:
-                return n, tuple(tokens[start : start + self.num_draft_tokens].tolist())
-        return 0, ()
+                return n, tokens[start : start + self.num_draft_tokens]
+        return 0, tokens[:0]
 
 
 def _prefixes(chain: Path) -> list[Path]:
     return [chain[:d] for d in range(1, len(chain) + 1)]
 
 
-def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: int) -> Draft:
+def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: int,
+                device: torch.device) -> Draft:
     """`nodes` (prefix-closed), then the continuations in `ranked` order whose parent is in,
     up to max_nodes nodes and `depth` deep."""
     chosen = set(nodes)
@@ -161,8 +168,8 @@ def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: in
     nodes.sort(key=len)  # parents before children
     index = {path: i for i, path in enumerate(nodes)}
     parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
-    return Draft(Tree.from_parents(parents), torch.tensor([p[-1] for p in nodes],
-                                                          dtype=torch.long))
+    tokens = torch.tensor([p[-1] for p in nodes], dtype=torch.long, device=device)
+    return Draft(Tree.from_parents(parents), tokens)
 
 
 def _last_match(tokens: torch.Tensor, n: int) -> int | None:
