@@ -133,10 +133,13 @@ def lookup_settings(cfg_ngram: DictConfig) -> dict:
 def load_lookup_corpus(cfg_ngram: DictConfig, tokenizer, target: Transformer) -> LookupCorpus:
     """The corpus of cfg_ngram.corpus: each answer as the target writes it (its tokens, then
     its end-of-turn token)."""
-    end = list(target.config.eos_token_ids[:1])
-    answers = cached_answers(corpus_path(cfg_ngram))
+    end, path = list(target.config.eos_token_ids[:1]), corpus_path(cfg_ngram)
+    answers = cached_answers(path)
     sequences = [tokenizer.encode(a, add_special_tokens=False) + end for a in answers]
-    return LookupCorpus(sequences, **lookup_settings(cfg_ngram))
+    corpus = LookupCorpus(sequences, **lookup_settings(cfg_ngram))
+    print(f"n-gram corpus {path}: {len(answers)} answers, {corpus.num_tokens} tokens, "
+          f"{len(corpus)} n-grams")
+    return corpus
 
 
 def tree_depth(cfg_tree: DictConfig) -> int | None:
