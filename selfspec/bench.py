@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # autosize measures through this module
     from selfspec.autosize import SizeChoice
 
 # Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
-METHODS = ("small_model", "ngram", "medusa", "eagle", "early_exit", "hf_assisted",
-           "hf_prompt_lookup")
+METHODS = ("small_model", "ngram", "medusa", "ngram+medusa", "eagle", "early_exit",
+           "hf_assisted", "hf_prompt_lookup")
 # Our method whose Hugging Face peer does the same thing (for the ours-over-HF ratio).
 HF_PEERS = {"hf_assisted": "small_model", "hf_prompt_lookup": "ngram"}
 

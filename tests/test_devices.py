@@ -23,6 +23,7 @@ from selfspec.drafters import (
     MedusaProductDrafter,
     NgramDrafter,
     SmallModelDrafter,
+    UnionDrafter,
 )
 from selfspec.losses import LossOutput
 from selfspec.model import ModelConfig, attention_kernels
@@ -37,7 +38,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
 DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "ngram_corpus_tree", "medusa",
-            "medusa_products"]
+            "medusa_products", "medusa_and_lookup"]
 MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
@@ -98,6 +99,9 @@ def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
         "ngram_corpus_tree": lambda: NgramDrafter(3, corpus=lookup_corpus, max_nodes=6),
         "medusa": lambda: MedusaDrafter(heads, MEDUSA_CHOICES),
         "medusa_products": lambda: MedusaProductDrafter(heads, top_k=2, max_nodes=6),
+        "medusa_and_lookup": lambda: UnionDrafter([
+            MedusaDrafter(heads, [[0], [1]]),
+            NgramDrafter(3, corpus=lookup_corpus, max_nodes=4)], max_nodes=5),
     }
     return lambda kind: makers[kind]()
 

@@ -456,6 +456,11 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["ngram.corpus=/no/such/answers.jsonl"], "ngram.corpus: no file at /no/such/answers"),
         (["ngram.tree_nodes=0"], "ngram.tree_nodes must be an integer >= 1"),
         (["ngram.corpus_length=0"], "ngram.corpus_length must be an integer >= 1"),
+        (["methods=[ngram+medusa]"], "ngram+medusa needs trained heads: set medusa_heads="),
+        (["methods=[ngram+medusa]", "medusa_heads={empty_dir}", "ngram.merged_nodes=0"],
+         "ngram.merged_nodes must be an integer >= 1"),
+        (["methods=[ngram+medusa]", "medusa_heads={empty_dir}", "ngram.medusa_choices=[[1,0]]"],
+         "ngram.medusa_choices: give Medusa choices"),
         (["cost_profile=2"], "cost_profile must be true or false"),
         (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
         (["num_draft_tokens=[2,auto]", "cost_profile=false"], "predicts speedups from the cost"),
@@ -511,6 +516,30 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
     assert build.build_method(models, "ngram/corpus/tree5", 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
+        load_entry("lossless").run(cfg)
+
+
+def test_merged_ngram_and_medusa_rows_are_lossless(tmp_path, quick_build, cfg_of, heads_dir):
+    """ngram+medusa merges Medusa's candidates (ngram.medusa_choices) and lookup's draft into
+    one tree of ngram.merged_nodes nodes, a row per ngram.tree_nodes entry with a corpus."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"prompt": "p", "answer": "        return self._data[key]\n"})
+                       + "\n")
+    common = [*toy(quick_build)[:3], f"medusa_heads={heads_dir}", "num_draft_tokens=[1,3]",
+              "num_prompts=3", "max_new_tokens=16"]
+    cfg = cfg_of("lossless", *common, "methods=[ngram+medusa,ngram]", f"ngram.corpus={answers}",
+                 "ngram.tree_nodes=[null,4]", "ngram.merged_nodes=5")
+    assert build.plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
+        "ngram+medusa", "ngram+medusa/tree4", "ngram", "ngram/corpus", "ngram/corpus/tree4")
+    assert load_entry("lossless").run(cfg) == 0
+    models = build.load_sweep_models(cfg, ("ngram+medusa/tree4",))
+    method = build.build_method(models, "ngram+medusa/tree4", 3)
+    medusa, lookup = method.decoder.drafter.drafters
+    assert medusa.tree.choices == ((0,), (1,)) and lookup.max_nodes == 4
+    assert lookup.corpus is models.lookup_corpus is not None and method.draft_nodes == 5
+    cfg = cfg_of("lossless", *common, "methods=[ngram+medusa]",
+                 "ngram.medusa_choices=[[0],[0,0],[0,0,0]]")
+    with pytest.raises(ValueError, match="are 3 deep but the heads .* are 2"):
         load_entry("lossless").run(cfg)
 
 

@@ -28,6 +28,7 @@ from selfspec.drafters import (
     MedusaProductDrafter,
     NgramDrafter,
     SmallModelDrafter,
+    UnionDrafter,
 )
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.heads.eagle import EagleConfig, EagleHead
@@ -96,6 +97,36 @@ def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None,
     nodes = k if corpus is None or tree_nodes is None else max(k, tree_nodes)
     return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus,
                         max_nodes=nodes)
+
+
+def ngram_medusa_drafter(cfg_ngram: DictConfig, k: int, heads: MedusaHeads,
+                         corpus: LookupCorpus | None,
+                         tree_nodes: int | None = None) -> UnionDrafter:
+    """Medusa's candidates (ngram.medusa_choices) and n-gram lookup k deep (`ngram_drafter`)
+    merged into one tree of at most ngram.merged_nodes nodes, Medusa's first."""
+    medusa = MedusaDrafter(heads, medusa_choices(cfg_ngram))
+    lookup = ngram_drafter(cfg_ngram, k, corpus, tree_nodes)
+    return UnionDrafter([medusa, lookup], max_nodes=merged_nodes(cfg_ngram))
+
+
+def medusa_choices(cfg_ngram: DictConfig) -> Tree:
+    """ngram.medusa_choices as a tree (ngram+medusa's Medusa part), checked."""
+    choices = cfg_ngram.get("medusa_choices")
+    fix = "give Medusa choices, lists of head ranks such as [[0],[1],[0,0]]"
+    if not OmegaConf.is_list(choices) or not choices:
+        raise ValueError(f"ngram.medusa_choices: {fix}, got {choices!r}")
+    try:
+        return Tree.from_paths(OmegaConf.to_container(choices))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"ngram.medusa_choices: {fix}; {error}") from None
+
+
+def merged_nodes(cfg_ngram: DictConfig) -> int:
+    value = cfg_ngram.get("merged_nodes")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ngram.merged_nodes must be an integer >= 1 (the merged tree's most "
+                         f"nodes), got {value!r}")
+    return value
 
 
 def tree_node_counts(cfg_ngram: DictConfig) -> list[int | None]:

@@ -22,8 +22,11 @@ from selfspec.build.drafters import (
     load_early_exit,
     load_lookup_corpus,
     load_medusa,
+    medusa_choices,
     medusa_drafter,
+    merged_nodes,
     ngram_drafter,
+    ngram_medusa_drafter,
     norm_exit,
     tree_depth,
     tree_node_counts,
@@ -57,6 +60,7 @@ from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
 NGRAM_CORPUS = "ngram/corpus"  # n-gram lookup in the context and the ngram.corpus file
+NGRAM_MEDUSA = "ngram+medusa"  # Medusa's candidates and n-gram lookup's, merged
 DEFAULT_SWEEP_METHODS = ("small_model", "ngram")  # + medusa, eagle when heads are given
 
 
@@ -118,10 +122,13 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
         methods = _expand(methods, "early_exit", early_exit_variants(cfg))
     if "small_model" in methods:
         methods = _expand(methods, "small_model", small_model_variants(cfg))
-    if "ngram" in methods:
+    if "ngram" in methods or NGRAM_MEDUSA in methods:
         check_ngram_settings(cfg.ngram)
-        if cfg.ngram.get("corpus"):
-            methods = _expand(methods, "ngram", ngram_variants(cfg))
+    if "ngram" in methods and cfg.ngram.get("corpus"):
+        methods = _expand(methods, "ngram", ngram_variants(cfg))
+    if NGRAM_MEDUSA in methods:
+        check_ngram_medusa(cfg)
+        methods = _expand(methods, NGRAM_MEDUSA, ngram_medusa_variants(cfg))
     if "eagle" in methods:
         check_eagle_tree(cfg, lengths)
     depth = medusa_depth(cfg) if "medusa" in methods else None
@@ -144,9 +151,11 @@ def sweep_methods(cfg: DictConfig) -> tuple[str, ...]:
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {unknown or '(none given)'} in methods: choose from "
                          f"{', '.join(METHODS)}, e.g. methods=[small_model,ngram]")
-    if "medusa" in methods and not heads:
-        raise ValueError("method medusa needs trained heads: set medusa_heads=/path/to/run/"
-                         "checkpoints/step_N/export (an export folder written by train/medusa.py)")
+    for method in ("medusa", NGRAM_MEDUSA):
+        if method in methods and not heads:
+            raise ValueError(f"method {method} needs trained heads: set medusa_heads=/path/to/"
+                             f"run/checkpoints/step_N/export (an export folder written by "
+                             f"train/medusa.py)")
     if "eagle" in methods and not eagle:
         raise ValueError("method eagle needs a trained head: set eagle_head=/path/to/run/"
                          "checkpoints/step_N/export (an export folder written by train/eagle.py)")
@@ -212,10 +221,11 @@ def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
     resolve_model_path(cfg.model)
     if set(methods) & set(_NEEDS_DRAFT_MODEL):
         resolve_model_path(draft_model_config(cfg), "model.draft")
-    for method, key in (("medusa", "medusa_heads"), ("eagle", "eagle_head")):
+    for method, key in (("medusa", "medusa_heads"), (NGRAM_MEDUSA, "medusa_heads"),
+                        ("eagle", "eagle_head")):
         if method not in methods:
             continue
-        _check_head_folder(Path(str(cfg[key])).expanduser(), key, method)
+        _check_head_folder(Path(str(cfg[key])).expanduser(), key, method.split("+")[-1])
     exits = cfg.get("early_exit", {}).get("exits") if "early_exit" in methods else None
     if exits:
         for e in early_exit_layers(cfg, model_config(cfg.model).num_layers):
@@ -272,10 +282,30 @@ def ngram_variants(cfg: DictConfig) -> tuple[str, ...]:
                        for n in tree_node_counts(cfg.ngram)))
 
 
+def ngram_medusa_variants(cfg: DictConfig) -> tuple[str, ...]:
+    """ngram+medusa's rows: with a corpus, ngram+medusa (lookup chains) or ngram+medusa/tree{N}
+    (lookup trees of N nodes) for each of ngram.tree_nodes; without, one row of context chains."""
+    if not cfg.ngram.get("corpus"):
+        return (NGRAM_MEDUSA,)
+    return tuple(NGRAM_MEDUSA if n is None else f"{NGRAM_MEDUSA}/tree{n}"
+                 for n in tree_node_counts(cfg.ngram))
+
+
+def check_ngram_medusa(cfg: DictConfig) -> None:
+    """ngram+medusa's own settings: the merged size, and Medusa choices the heads can fill
+    (read from the export's head_config.json, no weights)."""
+    merged_nodes(cfg.ngram)
+    depth, num_heads = medusa_choices(cfg.ngram).max_depth, _num_medusa_heads(cfg)
+    if num_heads and depth > num_heads:
+        raise ValueError(f"ngram.medusa_choices are {depth} deep but the heads of "
+                         f"medusa_heads={cfg.medusa_heads} are {num_heads} (depth d uses head "
+                         f"d-1); use choices at most {num_heads} deep")
+
+
 def _tree_nodes(name: str) -> int | None:
-    """N of an ngram/corpus/tree{N} row; None for any other name."""
-    prefix = f"{NGRAM_CORPUS}/tree"
-    return int(name.removeprefix(prefix)) if name.startswith(prefix) else None
+    """N of an ngram/corpus/tree{N} or ngram+medusa/tree{N} row; None for any other name."""
+    head, found, nodes = name.rpartition("/tree")
+    return int(nodes) if found and head in (NGRAM_CORPUS, NGRAM_MEDUSA) else None
 
 
 def _draft_vocab_size(name: str) -> int | None:
@@ -304,10 +334,15 @@ def medusa_depth(cfg: DictConfig) -> int:
     """The deepest Medusa draft: cfg.tree's depth (a top-k-products tree without one: every
     head), capped by the heads' count read from the export's head_config.json (no weights):
     node depth d needs head d-1."""
-    meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
-    num_heads = int(meta.get("config", {}).get("num_heads", 0))
+    num_heads = _num_medusa_heads(cfg)
     depth = tree_depth(cfg.tree) or num_heads
     return min(depth, num_heads or depth)
+
+
+def _num_medusa_heads(cfg: DictConfig) -> int:
+    """The heads' count of the medusa_heads export, from its head_config.json (0: unknown)."""
+    meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
+    return int(meta.get("config", {}).get("num_heads", 0))
 
 
 def bench_settings(cfg: DictConfig, stops: tuple[int, ...]) -> BenchSettings:
@@ -326,11 +361,13 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
         models.draft_vocabs = {k: load_draft_vocab(models.draft.source, k)
                                for k in map(_draft_vocab_size, methods) if k is not None}
-    if "medusa" in methods:
+    if "medusa" in methods or any(m.startswith(NGRAM_MEDUSA) for m in methods):
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
-    if any(m.startswith(NGRAM_CORPUS) for m in methods):
+    merged_with_corpus = cfg.ngram.get("corpus") and any(m.startswith(NGRAM_MEDUSA)
+                                                         for m in methods)
+    if merged_with_corpus or any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
             cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
@@ -368,7 +405,7 @@ def build_method(models: SweepModels, name: str, k: int, split_time: bool | None
     return Method(name, k, decoder, HFDecoder(models.hf_target), "hf_plain", k)
 
 
-_OUR_METHODS = ("small_model", "ngram", "medusa", "eagle", "early_exit")
+_OUR_METHODS = ("small_model", "ngram", "medusa", NGRAM_MEDUSA, "eagle", "early_exit")
 
 
 def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
@@ -381,6 +418,11 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
     if name.split("/")[0] == "ngram":
         corpus = _require(models.lookup_corpus, name) if name != "ngram" else None
         return ngram_drafter(_require(models.ngram, name), k, corpus, _tree_nodes(name))
+    if name.split("/")[0] == NGRAM_MEDUSA:
+        cfg_ngram = _require(models.ngram, name)
+        corpus = _require(models.lookup_corpus, name) if cfg_ngram.get("corpus") else None
+        return ngram_medusa_drafter(cfg_ngram, k, _require(models.medusa_heads, name), corpus,
+                                    _tree_nodes(name))
     if name.split("/")[0] == "small_model":
         size = _draft_vocab_size(name)
         vocab = None if size is None else _require(models.draft_vocabs.get(size), name)
@@ -396,8 +438,9 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
 
 def verified_target(models: SweepModels, name: str) -> tuple[Transformer, str]:
     """The target a method's drafts are verified on, and its baseline's name: Medusa-2
-    heads' LoRA-adapted target, else the target."""
-    if name == "medusa" and models.medusa_target is not None:
+    heads' LoRA-adapted target (for medusa and ngram+medusa), else the target."""
+    uses_heads = name.split("/")[0] in ("medusa", NGRAM_MEDUSA)
+    if uses_heads and models.medusa_target is not None:
         return models.medusa_target, "plain_adapted"
     return models.target, "plain"
 

@@ -14,6 +14,7 @@ from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import LookupCorpus, NgramDrafter
 from selfspec.drafters.oracle import OracleDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
+from selfspec.drafters.union import UnionDrafter
 
 __all__ = [
     "DecodeSetup",
@@ -30,5 +31,6 @@ __all__ = [
     "OracleDrafter",
     "SmallModelDrafter",
     "TargetFeatures",
+    "UnionDrafter",
     "check_same_vocabulary",
 ]

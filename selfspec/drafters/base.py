@@ -8,6 +8,7 @@ through hooks on modules.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -57,6 +58,23 @@ class Draft:
               early: EarlyLayers | None = None) -> Draft:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         return cls(Tree.chain(len(tokens)), tokens, q, early=early)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[tuple[int, ...]],
+                   device: torch.device | str = "cpu") -> Draft:
+        """A chosen (q=None) draft whose nodes are the token paths `paths` from the root,
+        each listed after its parent path (prefix-closed)."""
+        index = {path: i for i, path in enumerate(paths)}
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        tokens = torch.tensor([p[-1] for p in paths], dtype=torch.long, device=device)
+        return cls(Tree.from_parents(parents), tokens)
+
+    def token_paths(self) -> list[tuple[int, ...]]:
+        """Each node's token path from the root, in node order (one host read)."""
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens.tolist(), self.tree.parents, strict=True):
+            paths.append((*(paths[parent] if parent >= 0 else ()), token))
+        return paths
 
 
 @dataclass(frozen=True)

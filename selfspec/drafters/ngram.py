@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.tree import Tree
 
 Path = tuple[int, ...]  # a continuation's first tokens
 
@@ -166,10 +165,7 @@ def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: in
             nodes.append(path)
             chosen.add(path)
     nodes.sort(key=len)  # parents before children
-    index = {path: i for i, path in enumerate(nodes)}
-    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
-    tokens = torch.tensor([p[-1] for p in nodes], dtype=torch.long, device=device)
-    return Draft(Tree.from_parents(parents), tokens)
+    return Draft.from_paths(nodes, device)
 
 
 def _last_match(tokens: torch.Tensor, n: int) -> int | None:
