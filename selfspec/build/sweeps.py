@@ -365,8 +365,8 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
-    merged_with_corpus = cfg.ngram.get("corpus") and any(m.startswith(NGRAM_MEDUSA)
-                                                         for m in methods)
+    merged_with_corpus = any(m.startswith(NGRAM_MEDUSA) for m in methods) and cfg.ngram.get(
+        "corpus")
     if merged_with_corpus or any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
             cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
