@@ -221,11 +221,10 @@ def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
     resolve_model_path(cfg.model)
     if set(methods) & set(_NEEDS_DRAFT_MODEL):
         resolve_model_path(draft_model_config(cfg), "model.draft")
-    for method, key in (("medusa", "medusa_heads"), (NGRAM_MEDUSA, "medusa_heads"),
-                        ("eagle", "eagle_head")):
-        if method not in methods:
-            continue
-        _check_head_folder(Path(str(cfg[key])).expanduser(), key, method.split("+")[-1])
+    for key, trainer, users in (("medusa_heads", "medusa", ("medusa", NGRAM_MEDUSA)),
+                                ("eagle_head", "eagle", ("eagle",))):
+        if set(users) & set(methods):
+            _check_head_folder(Path(str(cfg[key])).expanduser(), key, trainer)
     exits = cfg.get("early_exit", {}).get("exits") if "early_exit" in methods else None
     if exits:
         for e in early_exit_layers(cfg, model_config(cfg.model).num_layers):
@@ -361,13 +360,12 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
         models.draft_vocabs = {k: load_draft_vocab(models.draft.source, k)
                                for k in map(_draft_vocab_size, methods) if k is not None}
-    if "medusa" in methods or any(m.startswith(NGRAM_MEDUSA) for m in methods):
+    merged = any(m.startswith(NGRAM_MEDUSA) for m in methods)
+    if "medusa" in methods or merged:
         models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
                                                                 models.target)
         models.tree = cfg.tree
-    merged_with_corpus = any(m.startswith(NGRAM_MEDUSA) for m in methods) and cfg.ngram.get(
-        "corpus")
-    if merged_with_corpus or any(m.startswith(NGRAM_CORPUS) for m in methods):
+    if (merged and cfg.ngram.get("corpus")) or any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
             cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
