@@ -65,6 +65,15 @@ GENERAL_TEMPLATES = (
     "Write the opening paragraph of a short story in which {topic} plays a central role.",
     "How has {topic} changed over the last fifty years, and what might come next?",
     "List the key terms a beginner should know about {topic}, with a short definition each.",
+    # the second wave (see FIRST_WAVE)
+    "Write a short persuasive paragraph that encourages people to try {topic}.",
+    "Describe a typical day for someone whose job involves {topic}.",
+    "What are three surprising facts about {topic}? Explain why each one matters.",
+    "Write a short dialogue between two friends who disagree about {topic}.",
+    "Give step-by-step instructions for a beginner's first weekend project involving {topic}.",
+    "What questions do people most often ask about {topic}? Answer the three most common ones.",
+    "Write a product description for an imaginary gadget that has to do with {topic}.",
+    "Outline a five-minute presentation on {topic}: a title and three main points.",
 )
 TOPICS = (
     "urban gardening", "electric cars", "the water cycle", "chess openings", "remote work",
@@ -89,7 +98,42 @@ TOPICS = (
     "museums", "quantum computers", "beekeeping", "sailing", "the Great Wall of China",
     "sustainable fashion", "mental health at work", "comets", "origami", "public transport",
     "spices", "robotics competitions", "the Amazon river", "podcasting", "endangered species",
+    # the second wave (see FIRST_WAVE)
+    "kite flying", "tide pools", "sign language", "street art", "the Renaissance", "wolves",
+    "hot air balloons", "crossword puzzles", "lighthouses", "knitting", "the Vikings",
+    "electric scooters", "rock climbing", "wetlands", "carnivals", "weather forecasting",
+    "stand-up comedy", "the Byzantine Empire", "freshwater fishing", "solar eclipses",
+    "camping with children", "cheese making", "the human heart", "city parks", "chocolate",
+    "ancient Greek theatre", "paper making", "the postal service", "hurricanes", "tango",
+    "bonsai trees", "cave exploration", "container shipping", "the Mongol Empire", "mushrooms",
+    "vertical farming", "classical guitar", "the Arctic", "grocery shopping", "puppetry",
+    "language learning apps", "the metric system", "penguins", "wedding planning", "skateboarding",
+    "earth-friendly cleaning", "the history of medicine", "lunar calendars", "woodworking",
+    "coastal erosion", "magic tricks", "the Great Barrier Reef", "hydroelectric power",
+    "family reunions", "calligraphy", "sand dunes", "the Maya civilization", "kayaking",
+    "urban wildlife", "animation films", "the human brain", "airports", "tomato growing",
+    "gravity", "folk dancing", "watercolour painting", "pet adoption",
+    "fire safety", "ancient China", "orchestras", "digital note-taking", "rainwater harvesting",
+    "submarines", "food trucks", "the Pacific Ocean", "martial arts", "moving to a new city",
+    "bird migration routes", "printmaking", "the Ottoman Empire", "snowflakes", "jigsaw puzzles",
+    "electric bicycles", "the Sahara desert", "choir singing", "home insulation", "octopuses",
+    "historical fiction", "space stations", "farmers markets", "the Andes mountains", "sushi",
+    "the history of money", "tree planting", "mechanical watches", "hiking safety", "owls",
+    "handwriting", "the Nile", "retirement planning", "model trains", "the speed of light",
+    "community gardens", "pirates", "battery technology", "gymnastics", "rice farming",
+    "the history of maps", "hedgehogs", "newspaper journalism", "ice skating", "bread baking",
+    "the Aztec Empire", "telescopes for amateurs", "recycling electronics", "surfing",
+    "theme parks", "the Northern Lights", "dog training", "genealogy", "windmills",
+    "sea turtles", "film photography", "the Cold War", "urban cycling lanes", "poetry slams",
+    "lavender farming", "deep sea creatures", "car maintenance", "the history of chess",
+    "meditation", "cloud computing", "apple orchards", "zoos",
+    "radio broadcasting", "glassblowing", "fossils", "hostels", "the human skeleton",
+    "desalination", "elephants", "escape rooms", "the history of writing", "tidal energy",
+    "stamps", "rain gardens", "opera", "clocks", "spiders",
 )
+# The lists grew in two waves: the first 16 templates x 101 topics, then the rest. The first
+# wave's pairs keep their place at the head of general_instructions' list.
+FIRST_WAVE = (16, 101)
 
 
 @dataclass(frozen=True)
@@ -118,14 +162,23 @@ def stdlib_instructions(count: int) -> list[str]:
 def general_instructions(count: int) -> list[str]:
     """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(TOPICS)),
     deterministic: every (template, topic) pair in a fixed shuffled order, so that templates
-    and topics both vary along the list; a longer list extends a shorter one."""
+    and topics both vary along the list; a longer list extends a shorter one. The first wave's
+    pairs (FIRST_WAVE) come first, in the order they had before the second wave was added, so
+    answers cached for them stay the first ones used."""
     import random
 
     if count < 0:
         raise ValueError(f"general_instructions: count must be >= 0, got {count}")
-    pairs = [(t, topic) for t in GENERAL_TEMPLATES for topic in TOPICS]
-    random.Random(0).shuffle(pairs)
-    return [template.format(topic=topic) for template, topic in pairs[:count]]
+    first_templates, first_topics = FIRST_WAVE
+    first = [(t, topic) for t in GENERAL_TEMPLATES[:first_templates]
+             for topic in TOPICS[:first_topics]]
+    random.Random(0).shuffle(first)
+    taken = set(first)
+    second = [(t, topic) for t in GENERAL_TEMPLATES for topic in TOPICS
+              if (t, topic) not in taken]
+    random.Random(1).shuffle(second)
+    return [template.format(topic=topic) for template, topic in (first + second)[:count]]
+
 
 def documented_names() -> Iterator[Documented]:
     """Public top-level functions and classes with a docstring of at least 8 words, from the
