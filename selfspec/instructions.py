@@ -19,10 +19,12 @@ stopped.
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -212,16 +214,17 @@ def _instruction(item: Documented, index: int) -> str:
 
 def self_distilled_conversations(
     prompts: list[str], load_model: Callable[[], Any], tokenizer, *, max_new_tokens: int,
-    batch_size: int, cache_file: str | Path | None,
+    batch_size: int, cache_file: str | Path | None, shipped_file: Path | None = None,
 ) -> list[list[dict]]:
     """[user, assistant] conversations whose assistant turn is the model's greedy answer to
-    the user turn through its chat template. Batches already in cache_file are read back; new
-    ones are appended as they finish (an interrupted run loses at most one batch).
-    load_model: returns the `transformers` model that answers, called only if some prompt has
-    no cached answer yet."""
+    the user turn through its chat template. Answers in shipped_file (written once by the same
+    weights and shipped with selfspec: `shipped_answers`) and batches already in cache_file are
+    read back; new ones are appended to cache_file as they finish (an interrupted run loses at
+    most one batch). load_model: returns the `transformers` model that answers, called only if
+    some prompt has no answer yet."""
     from tqdm.auto import tqdm
 
-    done = _read_cache(cache_file)
+    done = {**read_answers(shipped_file), **read_answers(cache_file)}
     todo = [p for p in prompts if p not in done]
     batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
     hf_model = load_model() if batches else None
@@ -260,32 +263,51 @@ def cache_name(weights_key: str, max_new_tokens: int) -> str:
     return f"chat-distill-{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
 
 
+def shipped_answers(name: str) -> Path | None:
+    """The answers file that selfspec ships for the cache `name` (`cache_name`: the same
+    weights, answer length and templates), gzipped in selfspec/assets/answers/; None when
+    none ships. The real target's answers ship, so that its trainers and n-gram lookup need
+    no hour of generation first."""
+    path = Path(str(resources.files("selfspec") / "assets" / "answers" / f"{name}.gz"))
+    return path if path.is_file() else None
+
+
 def cached_answers(cache_file: str | Path) -> list[str]:
-    """The answers of a self-distillation cache file (JSON lines {"prompt", "answer"}), in
-    the order written: the text the target wrote, e.g. for n-gram lookup's corpus."""
+    """The answers of a self-distillation cache file (JSON lines {"prompt", "answer"}; gzipped
+    when its name ends in .gz), in the order written: the text the target wrote, e.g. for
+    n-gram lookup's corpus."""
     path = Path(cache_file).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no answers file at {path}: give a JSON-lines file of "
                                 f'{{"prompt": ..., "answer": ...}} records, e.g. the cache '
                                 f"chat-distill-*.jsonl a trainer wrote under train_data.cache_dir")
-    answers = [a for a in _read_cache(path).values() if a]
+    answers = [a for a in read_answers(path).values() if a]
     if not answers:
         raise ValueError(f"{path} holds no answers: each line must be a JSON object with an "
                          f'"answer" (and a "prompt")')
     return answers
 
 
-def _read_cache(cache_file: str | Path | None) -> dict[str, str]:
+def read_answers(cache_file: str | Path | None) -> dict[str, str]:
+    """{prompt: answer} of an answers file (JSON lines; gzipped when its name ends in .gz);
+    empty when there is none."""
     if cache_file is None or not Path(cache_file).is_file():
         return {}
     done = {}
-    for line in Path(cache_file).read_text(encoding="utf-8").splitlines():
+    for line in _read_text(Path(cache_file)).splitlines():
         try:  # a line cut short by an interruption is dropped and answered again
             record = json.loads(line)
             done[record["prompt"]] = record["answer"]
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
     return done
+
+
+def _read_text(path: Path) -> str:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8")
 
 
 def _append_cache(cache_file: str | Path | None, pairs) -> None:

@@ -350,6 +350,14 @@ def test_the_ngram_drafter_reads_a_corpus_of_answers(cfg_of, tmp_path):
         build.generation_settings(cfg_of("drafter=ngram", "ngram.corpus=/no/file.jsonl"))
 
 
+def test_the_shipped_corpus_is_the_models_own_answers_file(cfg_of):
+    cfg = cfg_of("drafter=ngram", "ngram.corpus=shipped", "model=smollm2-135m")
+    path = build.corpus_path(cfg.ngram, cfg.model)
+    assert path.name == f"{cfg.model.answers}.gz" and path.stat().st_size > 100_000
+    with pytest.raises(FileNotFoundError, match="no answers ship for model=tiny"):
+        build.generation_settings(cfg_of("drafter=ngram", "ngram.corpus=shipped"))
+
+
 def test_weights_that_contradict_the_config_are_refused(cfg_of, small_folder):
     overrides = [o for o in SMALL_OVERRIDES if "num_layers" not in o]
     cfg = cfg_of(f"model.path={small_folder}", *overrides)  # tiny's 8 layers vs 2 saved

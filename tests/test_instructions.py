@@ -2,6 +2,7 @@
 disjoint from every evaluation prompt, deterministic, and answered once (the answer cache
 resumes an interrupted run)."""
 
+import gzip
 import json
 import re
 
@@ -111,6 +112,32 @@ def test_answers_are_cached_and_an_interrupted_run_resumes(tmp_path, monkeypatch
     assert len(loads) == 2  # every answer cached: the model is never loaded
     lines = cache.read_text().splitlines()
     assert [json.loads(line)["prompt"] for line in lines[-2:]] == ["d", "e"]
+
+
+def test_shipped_answers_are_read_first_and_the_cache_adds_to_them(tmp_path, monkeypatch):
+    def answer(prompts, hf_model, tokenizer, max_new_tokens):
+        asked.append(list(prompts))
+        return [f"new answer to {p}" for p in prompts]
+
+    asked: list[list[str]] = []
+    monkeypatch.setattr(instructions, "greedy_chat_answers", answer)
+    shipped = tmp_path / "shipped.jsonl.gz"
+    with gzip.open(shipped, "wt", encoding="utf-8") as out:
+        out.writelines(json.dumps({"prompt": p, "answer": f"shipped {p}"}) + "\n" for p in "ab")
+    cache = tmp_path / "answers.jsonl"
+    cache.write_text(json.dumps({"prompt": "b", "answer": "cached b"}) + "\n")
+    answers = [c[1]["content"] for c in self_distilled_conversations(
+        ["a", "b", "c"], lambda: "model", None, max_new_tokens=4, batch_size=2,
+        cache_file=cache, shipped_file=shipped)]
+    assert answers == ["shipped a", "cached b", "new answer to c"] and asked == [["c"]]
+    assert [json.loads(line)["prompt"] for line in cache.read_text().splitlines()] == ["b", "c"]
+    assert instructions.cached_answers(shipped) == ["shipped a", "shipped b"]  # gzipped
+
+
+def test_only_answers_that_ship_are_found():
+    assert instructions.shipped_answers("chat-distill-0000000000000000.jsonl") is None
+    name = OmegaConf.load(build.CONF_DIR / "model" / "smollm2-135m.yaml").answers
+    assert instructions.shipped_answers(name).is_file()
 
 
 def test_a_count_below_one_is_refused():

@@ -17,7 +17,15 @@ from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, build, converted, generate
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
-from selfspec.instructions import greedy_chat_answers
+from selfspec.data import weights_fingerprint
+from selfspec.instructions import (
+    cache_name,
+    general_instructions,
+    greedy_chat_answers,
+    read_answers,
+    shipped_answers,
+    stdlib_instructions,
+)
 from selfspec.model import ModelConfig, Transformer
 from selfspec.prompts import Prompt, encode_prompts
 
@@ -130,6 +138,20 @@ def test_batched_chat_answers_are_each_prompts_own_greedy_answer(both_models, to
 def test_the_model_config_finds_the_cached_folder(smollm2, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(smollm2.parents[1]))
     assert build.resolve_model_path(MODEL_CFG) == smollm2
+
+
+def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(both_models,
+                                                                               tokenizer):
+    ours, _ = both_models
+    name = cache_name(weights_fingerprint(ours), 128)  # what a trainer looks for
+    assert name == MODEL_CFG.answers
+    answers = read_answers(shipped_answers(name))
+    assert set(answers) == set(general_instructions(6000) + stdlib_instructions(480))
+    prompt = general_instructions(1)[0]  # the first answer, checked against our decoding
+    (encoded,) = encode_prompts([Prompt("q", prompt, "test")], tokenizer, 1024, chat=True)
+    out = generate(ours, encoded.ids, max_new_tokens=24, eos_token_id=ours.config.eos_token_ids)
+    assert answers[prompt].startswith(tokenizer.decode(out.tokens, skip_special_tokens=True)
+                                      .strip())
 
 
 # ---- refusals and the cache (no model needed) ----------------------------------------------

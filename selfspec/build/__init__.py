@@ -24,6 +24,7 @@ from selfspec.build.drafters import (  # noqa: F401
     check_early_exit_settings,
     check_medusa_settings,
     check_medusa_tree,
+    corpus_path,
     draft_from_target,
     drafter_choice,
     eagle_config,

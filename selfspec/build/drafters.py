@@ -35,13 +35,14 @@ from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.instructions import cached_answers
+from selfspec.instructions import cached_answers, shipped_answers
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
 from selfspec.model import ModelConfig, Transformer
 from selfspec.training import TokenRows
 from selfspec.tree import Tree
 
 DRAFTERS = ("small_model", "ngram", "none")
+SHIPPED = "shipped"  # ngram.corpus=shipped: the answers that ship with the model
 
 
 def generation_settings(cfg: DictConfig) -> GenerationSettings:
@@ -64,7 +65,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
     if kind == "small_model":
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
     if kind == "ngram":
-        check_ngram_settings(cfg.ngram)
+        check_ngram_settings(cfg.ngram, cfg.model)
         if len(tree_node_counts(cfg.ngram)) > 1:
             raise ValueError(f"ngram.tree_nodes: give one node count (or null) here, got "
                              f"{tree_node_counts(cfg.ngram)}; a list is for eval/sweep.py")
@@ -80,7 +81,8 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
     if kind == "ngram":
         corpus = None
         if cfg.ngram.get("corpus"):
-            corpus = load_lookup_corpus(cfg.ngram, load_tokenizer(target.source), target)
+            corpus = load_lookup_corpus(cfg.ngram, cfg.model, load_tokenizer(target.source),
+                                        target)
         return ngram_drafter(cfg.ngram, k, corpus, tree_node_counts(cfg.ngram)[0])
     draft_cfg = draft_model_config(cfg, "use drafter=ngram")
     draft = load_model(draft_cfg, "model.draft", cfg.model.dtype, device(cfg))
@@ -134,19 +136,35 @@ def tree_node_counts(cfg_ngram: DictConfig) -> list[int | None]:
     return as_list(cfg_ngram.get("tree_nodes")) or [None]
 
 
-def check_ngram_settings(cfg_ngram: DictConfig) -> None:
+def check_ngram_settings(cfg_ngram: DictConfig, cfg_model: DictConfig) -> None:
     """The n-gram settings, checked before any model loads (the corpus file must exist)."""
     if cfg_ngram.get("corpus"):
-        corpus_path(cfg_ngram)
+        corpus_path(cfg_ngram, cfg_model)
     lookup_settings(cfg_ngram)
 
 
-def corpus_path(cfg_ngram: DictConfig) -> Path:
+def corpus_path(cfg_ngram: DictConfig, cfg_model: DictConfig) -> Path:
+    """ngram.corpus's file: a path, or `shipped` for the answers that ship with the model
+    (model.answers, in selfspec/assets/answers/)."""
+    if str(cfg_ngram.corpus) == SHIPPED:
+        return shipped_corpus(cfg_model)
     path = Path(str(cfg_ngram.corpus)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
             f"ngram.corpus: no file at {path}; give the JSON-lines answers file a trainer wrote "
-            f"(train_data.cache_dir/chat-distill-*.jsonl), or ngram.corpus=null")
+            f"(train_data.cache_dir/chat-distill-*.jsonl), ngram.corpus={SHIPPED} (a model "
+            f"whose answers ship), or ngram.corpus=null")
+    return path
+
+
+def shipped_corpus(cfg_model: DictConfig) -> Path:
+    name = cfg_model.get("answers")
+    path = shipped_answers(str(name)) if name else None
+    if path is None:
+        raise FileNotFoundError(
+            f"ngram.corpus={SHIPPED}: no answers ship for model={cfg_model.get('name')} (only "
+            f"for a model config with `answers`, e.g. model=smollm2-135m); give the answers "
+            f"file a trainer wrote (train_data.cache_dir/chat-distill-*.jsonl) instead")
     return path
 
 
@@ -161,10 +179,11 @@ def lookup_settings(cfg_ngram: DictConfig) -> dict:
     return settings
 
 
-def load_lookup_corpus(cfg_ngram: DictConfig, tokenizer, target: Transformer) -> LookupCorpus:
+def load_lookup_corpus(cfg_ngram: DictConfig, cfg_model: DictConfig, tokenizer,
+                       target: Transformer) -> LookupCorpus:
     """The corpus of cfg_ngram.corpus: each answer as the target writes it (its tokens, then
     its end-of-turn token)."""
-    end, path = list(target.config.eos_token_ids[:1]), corpus_path(cfg_ngram)
+    end, path = list(target.config.eos_token_ids[:1]), corpus_path(cfg_ngram, cfg_model)
     answers = cached_answers(path)
     sequences = [tokenizer.encode(a, add_special_tokens=False) + end for a in answers]
     corpus = LookupCorpus(sequences, **lookup_settings(cfg_ngram))

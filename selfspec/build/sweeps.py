@@ -123,7 +123,7 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     if "small_model" in methods:
         methods = _expand(methods, "small_model", small_model_variants(cfg))
     if "ngram" in methods or NGRAM_MEDUSA in methods:
-        check_ngram_settings(cfg.ngram)
+        check_ngram_settings(cfg.ngram, cfg.model)
     if "ngram" in methods and cfg.ngram.get("corpus"):
         methods = _expand(methods, "ngram", ngram_variants(cfg))
     if NGRAM_MEDUSA in methods:
@@ -367,7 +367,7 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
         models.tree = cfg.tree
     if (merged and cfg.ngram.get("corpus")) or any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
-            cfg.ngram, load_tokenizer(resolve_model_path(cfg.model)), models.target)
+            cfg.ngram, cfg.model, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
         models.eagle_head = load_eagle(str(cfg.eagle_head), models.target)
         models.eagle = cfg.eagle
