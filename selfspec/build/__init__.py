@@ -86,6 +86,7 @@ from selfspec.build.sweeps import (  # noqa: F401
     longest_forward,
     medusa_depth,
     named_samplings,
+    our_drafter,
     plan_sweep,
     size_chooser,
     split_time,

@@ -53,8 +53,9 @@ class EarlyExitDrafter:
     def begin(self, setup: DecodeSetup) -> None:
         check_exit_target("EarlyExitDrafter", self.head, setup.target)
         if setup.target_cache is None:
-            raise ValueError("EarlyExitDrafter drafts in the target's own cache: the decode "
-                             "loop must pass DecodeSetup.target_cache")
+            raise ValueError("EarlyExitDrafter drafts in the target's own KV cache "
+                             "(DecodeSetup.target_cache), which only the decode loop "
+                             "(selfspec.generate) passes: measure it there")
         self._target, self._cache = setup.target, setup.target_cache
         self._sampling, self._generator = setup.sampling, setup.generator
         self._committed = self._drafted = 0

@@ -1,0 +1,101 @@
+"""A drafter's tau at temperature 0 from a recorded greedy answer, without decoding.
+
+Greedy speculative decoding emits exactly plain greedy decoding's tokens, so each step's
+accepted length is fixed by the answer: the longest draft path that the answer continues.
+Replaying a drafter over a recorded answer therefore gives the tau (and acceptance by depth)
+that `generate` would measure, without a verification forward per step. One teacher-forced
+forward over prompt + answer supplies every target state a drafter reads (Medusa's last hidden
+state, EAGLE's features); lookup drafters read only tokens. Trying a tree size, a corpus or a
+merge order then costs seconds instead of a sweep. Timings are not replayed: speed comes from
+eval/sweep.py.
+
+The recording runs past the answer's end (`record_greedy`'s lookahead), so a last step that
+drafts beyond an end-of-turn token is judged as the decode loop judges it (the loop's target
+forward sees those positions too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.decode import generate
+from selfspec.drafters.base import DecodeSetup, DraftContext, Drafter, TargetFeatures
+from selfspec.metrics import GenerationStats
+from selfspec.model import ModelOutput, Transformer
+from selfspec.sampling import SamplingParams
+from selfspec.verify import verify_greedy
+
+LOOKAHEAD = 16  # greedy tokens recorded past the answer's end (deeper drafts: judged unaccepted)
+
+
+@dataclass(frozen=True)
+class GreedyRecord:
+    """Plain greedy decoding of one prompt: `tokens` runs past the answer's end, and the first
+    `answer_length` of them are what decoding emits (up to its stop token or token budget)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    answer_length: int
+
+    @property
+    def answer(self) -> list[int]:
+        return self.tokens[: self.answer_length]
+
+
+def record_greedy(target: Transformer, prompt: Sequence[int], max_new_tokens: int,
+                  stop_ids: Sequence[int] = (), lookahead: int = LOOKAHEAD) -> GreedyRecord:
+    """Plain greedy decoding of `prompt`, continued `lookahead` tokens past its end."""
+    tokens = generate(target, list(prompt), max_new_tokens=max_new_tokens + lookahead).tokens
+    stops = [i + 1 for i, t in enumerate(tokens[:max_new_tokens]) if t in stop_ids]
+    length = stops[0] if stops else max_new_tokens
+    return GreedyRecord(list(prompt), tokens, length)
+
+
+@torch.inference_mode()
+def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> GenerationStats:
+    """The counters `generate(target, prompt, drafter=drafter)` would record at temperature 0
+    (no timings): each step's draft is accepted along the longest path the recording continues.
+    Drafters that run the target's early layers (early exit) are refused: their drafts live in
+    the target's KV cache, which a replay does not keep."""
+    prompt, tokens = record.prompt, record.tokens
+    sequence = torch.tensor(prompt + tokens)
+    device = target.embed_tokens.weight.device
+    states = target(sequence[None, :-1].to(device), torch.arange(len(sequence) - 1, device=device),
+                    return_hidden=drafter.target_layers)
+    drafter.begin(DecodeSetup(target, sequence[: len(prompt)].to(device), SamplingParams(), None,
+                              len(sequence) + drafter.max_nodes + 1))
+    stats, done, fed = GenerationStats(), 0, 0  # fed: rows whose states reached the drafter
+    while done < record.answer_length:
+        length = len(prompt) + done  # committed tokens; the last is the step's root
+        features = _rows(states, sequence, fed, length - 1)
+        draft = drafter.propose(DraftContext(sequence[:length].to(device), features))
+        if draft.early is not None:  # its verification would reuse the target's cache
+            raise ValueError(f"replay: {type(drafter).__name__} drafted with the target's early "
+                             f"layers, which only the decode loop verifies: measure it there")
+        expected = _expected_after_nodes(draft.token_paths(), tokens[done:])
+        accepted = verify_greedy(draft.tree, draft.tokens.tolist(), expected).num_accepted
+        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, accepted)
+        fed, done = length - 1, min(done + accepted + 1, record.answer_length)
+    stats.new_tokens = done
+    return stats
+
+
+def _expected_after_nodes(paths: list[tuple[int, ...]], ahead: list[int]) -> list[int]:
+    """The target's greedy token after the root and after each node: the recording's next
+    token where the node's path is the recording's, -1 (never a token) elsewhere."""
+    def after(path: tuple[int, ...]) -> int:
+        depth = len(path)
+        on_answer = tuple(ahead[:depth]) == path and depth < len(ahead)
+        return ahead[depth] if on_answer else -1
+
+    return [ahead[0], *map(after, paths)]
+
+
+def _rows(states: ModelOutput, sequence: torch.Tensor, start: int, end: int) -> TargetFeatures:
+    """The target's states at rows [start, end): what the loop's last forward committed."""
+    return TargetFeatures(tokens=sequence[start:end].to(states.last_hidden.device),
+                          last_hidden=states.last_hidden[0, start:end],
+                          hidden=tuple(h[0, start:end] for h in states.hidden))
