@@ -211,8 +211,8 @@ def instruction_conversations(cfg: DictConfig, target: Transformer | None, token
     prompts = (general_instructions(general)
                + stdlib_instructions(positive_int(cfg, "train_data.num_prompts")))
     new_tokens = positive_int(cfg, "train_data.self_distill_max_new_tokens")
-    cache_dir, name = cfg.train_data.get("cache_dir"), cache_name(weights_fingerprint(target),
-                                                                   new_tokens)
+    name = cache_name(weights_fingerprint(target), new_tokens)
+    cache_dir = cfg.train_data.get("cache_dir")
     cache = None if cache_dir is None else os.path.join(cache_dir, name)
     def answering_model():  # the target's own weights, in transformers for batched generate
         return load_hf_model(resolve_model_path(cfg.model), cfg.model.dtype, device(cfg))
