@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from selfspec import build, generate
@@ -348,6 +349,14 @@ def test_the_ngram_drafter_reads_a_corpus_of_answers(cfg_of, tmp_path):
         build.generation_settings(cfg_of("drafter=ngram", "ngram.tree_nodes=[2,4]"))
     with pytest.raises(FileNotFoundError, match="ngram.corpus: no file at"):
         build.generation_settings(cfg_of("drafter=ngram", "ngram.corpus=/no/file.jsonl"))
+
+
+def test_heads_that_ship_are_found_by_the_models_name(tmp_path):
+    cfg = OmegaConf.create({"model": {"name": "tiny"}, "medusa_heads": "shipped",
+                            "eagle_head": str(tmp_path)})
+    assert build.head_folder(cfg, "eagle_head") == tmp_path  # a path is a path
+    with pytest.raises(FileNotFoundError, match="medusa_heads=shipped: none ship for model=tiny"):
+        build.head_folder(cfg, "medusa_heads")
 
 
 def test_the_shipped_corpus_is_the_models_own_answers_file(cfg_of):

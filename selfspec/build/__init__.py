@@ -82,6 +82,7 @@ from selfspec.build.sweeps import (  # noqa: F401
     check_sweep_weights,
     draft_lengths,
     floor_settings,
+    head_folder,
     load_sweep_models,
     longest_forward,
     medusa_depth,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from selfspec.autosize import SizeChoice, choose_size
 from selfspec.bench import METHODS, BenchSettings, GridPoint, Method, SweepGrid, SweepRow
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.build.drafters import (
+    SHIPPED,
     check_ngram_settings,
     early_exit_layers,
     early_exit_thresholds,
@@ -224,12 +226,25 @@ def check_sweep_weights(cfg: DictConfig, methods: tuple[str, ...]) -> None:
     for key, trainer, users in (("medusa_heads", "medusa", ("medusa", NGRAM_MEDUSA)),
                                 ("eagle_head", "eagle", ("eagle",))):
         if set(users) & set(methods):
-            _check_head_folder(Path(str(cfg[key])).expanduser(), key, trainer)
+            _check_head_folder(head_folder(cfg, key), key, trainer)
     exits = cfg.get("early_exit", {}).get("exits") if "early_exit" in methods else None
     if exits:
         for e in early_exit_layers(cfg, model_config(cfg.model).num_layers):
             _check_head_folder(Path(str(exits)).expanduser() / f"E{e}", "early_exit.exits",
                                "early_exit")
+
+
+def head_folder(cfg: DictConfig, key: str) -> Path:
+    """The folder of cfg[key] (medusa_heads, eagle_head): a path, or `shipped` for the heads
+    that ship with the model, in selfspec/assets/heads/<model.name>/<key>/."""
+    if str(cfg[key]) != SHIPPED:
+        return Path(str(cfg[key])).expanduser()
+    name = str(cfg.model.get("name"))
+    folder = Path(str(resources.files("selfspec") / "assets" / "heads" / name / key))
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{key}={SHIPPED}: none ship for model={name}; give the export "
+                                f"folder of a training run (<run>/checkpoints/step_N/export)")
+    return folder
 
 
 def _check_head_folder(folder: Path, key: str, method: str) -> None:
@@ -340,7 +355,7 @@ def medusa_depth(cfg: DictConfig) -> int:
 
 def _num_medusa_heads(cfg: DictConfig) -> int:
     """The heads' count of the medusa_heads export, from its head_config.json (0: unknown)."""
-    meta = json.loads((Path(str(cfg.medusa_heads)).expanduser() / "head_config.json").read_text())
+    meta = json.loads((head_folder(cfg, "medusa_heads") / "head_config.json").read_text())
     return int(meta.get("config", {}).get("num_heads", 0))
 
 
@@ -362,14 +377,14 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
                                for k in map(_draft_vocab_size, methods) if k is not None}
     merged = any(m.startswith(NGRAM_MEDUSA) for m in methods)
     if "medusa" in methods or merged:
-        models.medusa_heads, models.medusa_target = load_medusa(cfg, str(cfg.medusa_heads),
-                                                                models.target)
+        models.medusa_heads, models.medusa_target = load_medusa(
+            cfg, head_folder(cfg, "medusa_heads"), models.target)
         models.tree = cfg.tree
     if (merged and cfg.ngram.get("corpus")) or any(m.startswith(NGRAM_CORPUS) for m in methods):
         models.lookup_corpus = load_lookup_corpus(
             cfg.ngram, cfg.model, load_tokenizer(resolve_model_path(cfg.model)), models.target)
     if "eagle" in methods:
-        models.eagle_head = load_eagle(str(cfg.eagle_head), models.target)
+        models.eagle_head = load_eagle(head_folder(cfg, "eagle_head"), models.target)
         models.eagle = cfg.eagle
     if any(m.startswith("early_exit") for m in methods):
         models.exits = _early_exits(cfg, models.target)
