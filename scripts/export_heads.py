@@ -2,6 +2,7 @@
 
     python scripts/export_heads.py runs/medusa/checkpoints/step_0000200/export --to vllm out/
     python scripts/export_heads.py HEAD_FOLDER --to vllm|sglang|medusa|eagle OUT
+    python scripts/export_heads.py HEAD_FOLDER --to selfspec --dtype float16 OUT   # half the size
 
 HEAD_FOLDER: a selfspec head export or a published Medusa / EAGLE folder. The launch command
 is printed and saved as OUT/SERVING.md. A Medusa-2 export's adapter is merged into its target,
@@ -18,17 +19,19 @@ import torch
 
 from selfspec.cli import exit_on_user_error
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
-from selfspec.heads.io import read_head
+from selfspec.heads.io import read_head, save_head
 from selfspec.lora import ADAPTER_DIR
 from selfspec.model import Transformer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SELFSPEC = "selfspec"
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("head_folder", type=Path)
-    parser.add_argument("--to", required=True, choices=ENGINES)
+    parser.add_argument("--to", required=True, choices=(*ENGINES, SELFSPEC),
+                        help=f"an engine's layout, or {SELFSPEC}'s own (e.g. in another dtype)")
     parser.add_argument("out", type=Path)
     parser.add_argument("--target", type=Path, default=None,
                         help="the target's model folder (default: the one the head records); "
@@ -39,6 +42,10 @@ def main(argv: list[str]) -> None:
                         help="of the written weights (default: as stored)")
     args = parser.parse_args(argv)
     head, info = read_head(args.head_folder)
+    if args.to == SELFSPEC:  # loads wherever the head loaded; a cast shrinks shipped heads
+        module = head.to(DTYPES[args.dtype]) if args.dtype else head
+        print(f"wrote {save_head(args.out, module, head.config, info.get('target', {}))}")
+        return
     recorded = info.get("target", {})
     target_folder = args.target or (Path(recorded["source"]) if recorded.get("source") else None)
     base = args.base_model or (str(target_folder) if target_folder else info["base_model"])

@@ -395,3 +395,21 @@ def test_the_script_exports_a_medusa2_export_with_its_merged_target(tmp_path, qu
     same_state(served.state_dict(), merged.state_dict())
     loaded = load_head(tmp_path / "out", target=served)
     same_state(loaded.state_dict(), heads.state_dict())
+
+
+def test_the_script_rewrites_a_head_in_half_precision_that_loads_as_before(target, tmp_path,
+                                                                           capsys):
+    from selfspec.heads import describe_target, save_head
+
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(target))
+    out = run_export([str(export), "--to", "selfspec", "--dtype", "float16",
+                      str(tmp_path / "half")], capsys)
+    assert str(tmp_path / "half") in out
+    sizes = [(f / "model.safetensors").stat().st_size for f in (export, tmp_path / "half")]
+    assert sizes[1] < 0.6 * sizes[0]
+    loaded = load_head(tmp_path / "half", MedusaHeads, target=target)
+    assert next(loaded.parameters()).dtype == torch.float32  # the target's dtype, as before
+    rounded = {k: v.half().float() if v.is_floating_point() else v
+               for k, v in heads.state_dict().items()}
+    same_state(loaded.state_dict(), rounded)

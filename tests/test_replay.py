@@ -117,7 +117,8 @@ def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build
     (row,) = entry.run(cfg)
     target = build.load_target(cfg)
     tokenizer = build.load_tokenizer(target.source)
-    prompts = build.encode_prompt_texts(cfg.data, build.plan_sweep(cfg, 2, greedy_only=True).prompts, tokenizer)
+    texts = build.plan_sweep(cfg, 2, greedy_only=True).prompts
+    prompts = build.encode_prompt_texts(cfg.data, texts, tokenizer)
     stops = build.stop_ids(cfg, target, tokenizer)
     live = [generate(target, p.ids, drafter=NgramDrafter(2), max_new_tokens=40,
                      eos_token_id=list(stops)).stats for p in prompts]
