@@ -109,7 +109,7 @@ def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build
     from test_sweep import load_entry, toy
 
     overrides = [*toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
-                 "num_prompts=2", "max_new_tokens=40", f"+run_dir={tmp_path}",
+                 "num_prompts=2", "max_new_tokens=40", f"run_dir={tmp_path}",
                  f"record={tmp_path / 'greedy.json'}"]
     with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
         cfg = compose("replay", overrides=overrides)
