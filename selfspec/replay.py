@@ -61,17 +61,17 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
     Drafters that run the target's early layers (early exit) are refused: their drafts live in
     the target's KV cache, which a replay does not keep."""
     prompt, tokens = record.prompt, record.tokens
-    sequence = torch.tensor(prompt + tokens)
     device = target.embed_tokens.weight.device
-    states = target(sequence[None, :-1].to(device), torch.arange(len(sequence) - 1, device=device),
+    sequence = torch.tensor(prompt + tokens, device=device)  # moved once, sliced every step
+    states = target(sequence[None, :-1], torch.arange(len(sequence) - 1, device=device),
                     return_hidden=drafter.target_layers)
-    drafter.begin(DecodeSetup(target, sequence[: len(prompt)].to(device), SamplingParams(), None,
+    drafter.begin(DecodeSetup(target, sequence[: len(prompt)], SamplingParams(), None,
                               len(sequence) + drafter.max_nodes + 1))
     stats, done, fed = GenerationStats(), 0, 0  # fed: rows whose states reached the drafter
     while done < record.answer_length:
         length = len(prompt) + done  # committed tokens; the last is the step's root
         features = _rows(states, sequence, fed, length - 1)
-        draft = drafter.propose(DraftContext(sequence[:length].to(device), features))
+        draft = drafter.propose(DraftContext(sequence[:length], features))
         if draft.early is not None:  # its verification would reuse the target's cache
             raise ValueError(f"replay: {type(drafter).__name__} drafted with the target's early "
                              f"layers, which only the decode loop verifies: measure it there")
@@ -96,6 +96,5 @@ def _expected_after_nodes(paths: list[tuple[int, ...]], ahead: list[int]) -> lis
 
 def _rows(states: ModelOutput, sequence: torch.Tensor, start: int, end: int) -> TargetFeatures:
     """The target's states at rows [start, end): what the loop's last forward committed."""
-    return TargetFeatures(tokens=sequence[start:end].to(states.last_hidden.device),
-                          last_hidden=states.last_hidden[0, start:end],
+    return TargetFeatures(tokens=sequence[start:end], last_hidden=states.last_hidden[0, start:end],
                           hidden=tuple(h[0, start:end] for h in states.hidden))
