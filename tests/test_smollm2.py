@@ -18,8 +18,6 @@ from omegaconf import OmegaConf
 from selfspec import SamplingParams, build, converted, generate
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.data import weights_fingerprint
-from selfspec.heads.io import load_head
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.instructions import (
     cache_name,
     general_instructions,
@@ -160,9 +158,9 @@ def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(b
 def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models, tokenizer):
     ours, _ = both_models
     cfg = OmegaConf.create({"model": MODEL_CFG, "medusa_heads": "shipped"})
-    heads = load_head(build.head_folder(cfg, "medusa_heads"), MedusaHeads, MedusaConfig,
-                      target=ours)  # shipped in float16, loaded in the target's float32
-    assert next(heads.parameters()).dtype == torch.float32
+    heads, adapted = build.load_medusa(cfg, build.head_folder(cfg, "medusa_heads"), ours)
+    assert adapted is None  # Medusa-1: they draft for the target itself
+    assert next(heads.parameters()).dtype == torch.float32  # shipped in float16
     chain = OmegaConf.load(build.CONF_DIR / "tree" / "chain4.yaml")
     drafter = build.medusa_drafter(chain, heads, max_depth=2)
     (encoded,) = encode_prompts([Prompt("q", WRITING, "test")], tokenizer, 1024, chat=True)
