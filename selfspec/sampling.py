@@ -171,3 +171,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
     index = int(torch.searchsorted(cdf, u, right=True))
     return min(index, int(support[-1]))  # u rounded up to the total mass: take the last token
+
+
+def sample_without_replacement(probs: torch.Tensor, count: int,
+                               generator: torch.Generator | None) -> list[int]:
+    """Draw up to `count` distinct tokens from a probability row [V], one after another, each
+    from what is left of the row (fewer when fewer tokens have positive probability). A
+    verifier undoes this with `without_replacement=True` (`selfspec.verify.verify_tree`)."""
+    left, drawn = probs.clone(), []
+    for _ in range(min(count, int((probs > 0).sum()))):
+        drawn.append(sample(left, generator))
+        left[drawn[-1]] = 0.0
+    return drawn

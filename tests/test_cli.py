@@ -84,6 +84,7 @@ BAD_INPUTS = [
     (GENERATE, ["drafter=eagle9"], r"unknown drafter 'eagle9'"),
     (GENERATE, ["num_draft_tokens=0"], r"num_draft_tokens must be an integer >= 1"),
     (GENERATE, ["confidence_threshold=1"], r"confidence_threshold must lie in \(0, 1\)"),
+    (GENERATE, ["first_candidates=0"], r"first_candidates must be an integer >= 1, got 0"),
     (GENERATE, [NO_SUCH_GPU], NO_SUCH_GPU_SAYS),
     (GENERATE, ["data=mt_bench", "data.path=/nonexistent/q.jsonl"],
      r"mt_bench question file not found: /nonexistent/q.jsonl"),

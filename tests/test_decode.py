@@ -51,7 +51,8 @@ def test_plain_greedy_matches_transformers(hf_target, plain_greedy):
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_is_lossless_with_every_drafter(target, draft_model, plain_greedy, k):
     accepted = 0
-    for drafter in (SmallModelDrafter(draft_model, k), NgramDrafter(k)):
+    for drafter in (SmallModelDrafter(draft_model, k), NgramDrafter(k),
+                    SmallModelDrafter(draft_model, k, first_candidates=3)):
         for prompt, expected in plain_greedy.items():
             result = generate(target, list(prompt), drafter=drafter, max_new_tokens=24)
             assert result.tokens == expected, type(drafter).__name__
@@ -214,6 +215,31 @@ def test_sampling_through_a_tree_drafter_follows_the_target_law(small_pair):
     target, draft = small_pair
     drafter = TopRankTreeDrafter(draft, [[0], [1], [0, 0]])
     assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+def test_sampling_through_a_draft_models_first_candidates_follows_the_target_law(small_pair,
+                                                                              params):
+    """Three first tokens drawn without replacement, a chain under the first."""
+    target, draft = small_pair
+    drafter = SmallModelDrafter(draft, 2, first_candidates=3)
+    assert sampled_pvalue(target, drafter, params) > P_VALUE_FLOOR
+
+
+def test_the_end_to_end_check_catches_first_candidates_verified_as_independent_draws(
+        small_pair, monkeypatch):
+    """The same draws verified as if each sibling were an independent draw from q (the
+    without-replacement correction dropped) leave the target's law."""
+    import selfspec.drafters.small_model as small_model
+
+    monkeypatch.setattr(small_model, "Draft", _WithReplacementDraft)
+    drafter = SmallModelDrafter(small_pair[1], 2, first_candidates=3)
+    assert sampled_pvalue(small_pair[0], drafter, SamplingParams(1.0)) < P_VALUE_FLOOR
+
+
+class _WithReplacementDraft(Draft):
+    def __init__(self, tree, tokens, q=None, without_replacement=False, early=None):
+        super().__init__(tree, tokens, q, False, early)
 
 
 def test_the_end_to_end_check_catches_a_verifier_without_residual(small_pair, monkeypatch):

@@ -100,6 +100,36 @@ def test_a_full_draft_vocabulary_drafts_as_the_whole_head(target, plain_greedy):
     assert runs[0].stats.accept_histogram == runs[1].stats.accept_histogram
 
 
+def test_first_candidates_are_the_drafts_top_tokens_and_stay_lossless(target, plain_greedy):
+    """first_candidates=3: the draft model's three most likely first tokens, the chain under
+    the first; greedy output stays plain greedy's, and the second and third candidates are
+    the target's next token at some steps (they are in play, not decoration)."""
+    draft = target.first_layers(2)
+    drafter = SmallModelDrafter(draft, num_draft_tokens=3, first_candidates=3)
+    seen = []
+    original = drafter.propose
+    drafter.propose = lambda context: _kept(original(context), context.tokens.tolist(), seen)
+    for prompt, expected in plain_greedy.items():
+        assert generate(target, list(prompt), drafter=drafter,
+                        max_new_tokens=NEW_TOKENS).tokens == expected
+    sibling_right = 0
+    for context, proposal in seen:
+        assert proposal.tree.parents == (-1, 0, 1, -1, -1)
+        tokens = proposal.tokens.tolist()
+        with torch.inference_mode():
+            logits = draft(torch.tensor([context]), torch.arange(len(context))).logits[0, -1]
+        assert [tokens[0], *tokens[3:]] == logits.topk(3).indices.tolist()
+        prompt = next(p for p in plain_greedy if tuple(context[:len(p)]) == p)
+        produced = context[len(prompt):]
+        sibling_right += plain_greedy[prompt][len(produced)] in tokens[3:]
+    assert sibling_right > 0
+
+
+def _kept(draft, context: list[int], seen: list):
+    seen.append((context, draft))
+    return draft
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.8, top_p=0.9)])
 def test_sampling_through_a_reduced_draft_is_exact(target, params):

@@ -452,6 +452,8 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["data=mt_bench", "data.path={empty}"], "holds no questions"),
         (["baseline=sometimes"], "unknown baseline mode"),
         (["small_model.draft_vocab=[null,0]"], "small_model.draft_vocab: give token counts >= 1"),
+        (["small_model.first_candidates=[1,0]"],
+         "small_model.first_candidates: give candidate counts >= 1"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
         (["ngram.corpus=/no/such/answers.jsonl"], "ngram.corpus: no file at /no/such/answers"),
         (["ngram.tree_nodes=0"], "ngram.tree_nodes must be an integer >= 1"),
@@ -545,20 +547,21 @@ def test_merged_ngram_and_medusa_rows_are_lossless(tmp_path, quick_build, cfg_of
 
 def test_small_model_rows_over_draft_vocabularies_are_lossless(tmp_path, quick_build, cfg_of):
     """small_model.draft_vocab adds a small_model/V{K} row per size, chosen from the token
-    counts saved beside the draft model."""
+    counts saved beside the draft model, and first_candidates a /top{W} row per count."""
     draft = tmp_path / "draft"
     shutil.copytree(quick_build / "draft", draft)
     vocab = json.loads((draft / "config.json").read_text())["vocab_size"]
     save_token_counts(draft, torch.arange(vocab).flip(0))  # low ids most frequent
     cfg = cfg_of("sweep", *toy(quick_build), f"model.draft.path={draft}",
                  "methods=[small_model]", "small_model.draft_vocab=[null,40]",
-                 "num_draft_tokens=[2]", "samplings=[greedy]", "bench.num_prompts=2",
+                 "small_model.first_candidates=[1,3]", "num_draft_tokens=[2]", "samplings=[greedy]", "bench.num_prompts=2",
                  "bench.max_new_tokens=8", "cost_profile=false", f"run_dir={tmp_path / 'run'}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
         load_entry("sweep").run(cfg)
     rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"small_model", "small_model/V40"}
+    assert {r["method"] for r in rows} == {"small_model", "small_model/top3", "small_model/V40",
+                                           "small_model/V40/top3"}
     assert all(r["lossless"] is True for r in rows)
     shutil.rmtree(draft)
     (draft / "config.json").parent.mkdir()

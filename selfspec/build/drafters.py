@@ -8,7 +8,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import as_list, checked_settings, device, sampling_params
+from selfspec.build.common import (
+    as_list,
+    checked_settings,
+    device,
+    positive_int,
+    sampling_params,
+)
 from selfspec.build.models import (
     draft_model_config,
     load_model,
@@ -64,6 +70,8 @@ def drafter_choice(cfg: DictConfig) -> tuple[str, int]:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
     if kind == "small_model":
         resolve_model_path(draft_model_config(cfg, "use drafter=ngram"), "model.draft")
+        if "first_candidates" in cfg:
+            positive_int(cfg, "first_candidates")
     if kind == "ngram":
         check_ngram_settings(cfg.ngram, cfg.model)
         if len(tree_node_counts(cfg.ngram)) > 1:
@@ -89,7 +97,8 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
     size = cfg.get("draft_vocab")
     vocab = None if size is None else load_draft_vocab(draft.source, int(size))
     return SmallModelDrafter(draft, num_draft_tokens=k, draft_vocab=vocab,
-                             confidence_threshold=cfg.get("confidence_threshold"))
+                             confidence_threshold=cfg.get("confidence_threshold"),
+                             first_candidates=cfg.get("first_candidates", 1))
 
 
 def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None,

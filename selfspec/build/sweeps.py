@@ -279,14 +279,20 @@ def _parse_early_exit(name: str) -> tuple[int, str, float | None]:
 
 
 def small_model_variants(cfg: DictConfig) -> tuple[str, ...]:
-    """The draft model's rows: small_model (the whole vocabulary) and small_model/V{K} for
-    each K in small_model.draft_vocab (its K most frequent training tokens; null = whole)."""
-    sizes = as_list(cfg.get("small_model", {}).get("draft_vocab")) or [None]
-    for k in sizes:
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"small_model.draft_vocab: give token counts >= 1 (or null for the "
-                             f"whole vocabulary), got {k!r}")
-    return tuple("small_model" if k is None else f"small_model/V{k}" for k in sizes)
+    """The draft model's rows: for each K in small_model.draft_vocab (its K most frequent
+    training tokens; null = the whole vocabulary) and each W in small_model.first_candidates
+    (the first token's candidates), small_model[/V{K}][/top{W}] (/top1 is left out)."""
+    group = cfg.get("small_model", {})
+    sizes = as_list(group.get("draft_vocab")) or [None]
+    widths = as_list(group.get("first_candidates")) or [1]
+    if not all(_is_count(k) for k in sizes if k is not None):
+        raise ValueError(f"small_model.draft_vocab: give token counts >= 1 (or null for the "
+                         f"whole vocabulary), got {sizes}")
+    if not all(map(_is_count, widths)):
+        raise ValueError(f"small_model.first_candidates: give candidate counts >= 1 (1: a "
+                         f"chain), got {widths}")
+    return tuple("small_model" + ("" if k is None else f"/V{k}") + ("" if w == 1 else f"/top{w}")
+                 for k in sizes for w in widths)
 
 
 def ngram_variants(cfg: DictConfig) -> tuple[str, ...]:
@@ -322,9 +328,17 @@ def _tree_nodes(name: str) -> int | None:
     return int(nodes) if found and head in (NGRAM_CORPUS, NGRAM_MEDUSA) else None
 
 
-def _draft_vocab_size(name: str) -> int | None:
-    """K of a small_model/V{K} row; None for any other name."""
-    return int(name.removeprefix("small_model/V")) if name.startswith("small_model/V") else None
+def _is_count(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _small_model_variant(name: str) -> tuple[int | None, int]:
+    """(K, W) of a small_model[/V{K}][/top{W}] row: its draft vocabulary size (None: the
+    whole vocabulary) and first-token candidates."""
+    parts = name.split("/")[1:]
+    size = next((int(p[1:]) for p in parts if p.startswith("V")), None)
+    width = next((int(p[3:]) for p in parts if p.startswith("top")), 1)
+    return size, width
 
 
 def _expand(methods: tuple[str, ...], name: str, variants: tuple[str, ...]) -> tuple[str, ...]:
@@ -374,7 +388,8 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     if any(m.split("/")[0] == "small_model" for m in methods):
         models.draft = load_model(draft_model_config(cfg), "model.draft", dtype, on)
         models.draft_vocabs = {k: load_draft_vocab(models.draft.source, k)
-                               for k in map(_draft_vocab_size, methods) if k is not None}
+                               for m in methods if m.split("/")[0] == "small_model"
+                               and (k := _small_model_variant(m)[0]) is not None}
     merged = any(m.startswith(NGRAM_MEDUSA) for m in methods)
     if "medusa" in methods or merged:
         models.medusa_heads, models.medusa_target = load_medusa(
@@ -422,8 +437,8 @@ _OUR_METHODS = ("small_model", "ngram", "medusa", NGRAM_MEDUSA, "eagle", "early_
 
 
 def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
-    """Our method `name` (an early_exit/E/kind/stop or small_model/V{K} variant too) at
-    draft length k."""
+    """Our method `name` (an early_exit/E/kind/stop or small_model/V{K}/top{W} variant too)
+    at draft length k."""
     if name.startswith("early_exit/"):
         exit_layer, kind, threshold = _parse_early_exit(name)
         head = _require(models.exits, name).get((exit_layer, kind))
@@ -437,10 +452,10 @@ def our_drafter(models: SweepModels, name: str, k: int) -> Drafter:
         return ngram_medusa_drafter(cfg_ngram, k, _require(models.medusa_heads, name), corpus,
                                     _tree_nodes(name))
     if name.split("/")[0] == "small_model":
-        size = _draft_vocab_size(name)
+        size, width = _small_model_variant(name)
         vocab = None if size is None else _require(models.draft_vocabs.get(size), name)
         return SmallModelDrafter(_require(models.draft, name), num_draft_tokens=k,
-                                 draft_vocab=vocab)
+                                 draft_vocab=vocab, first_candidates=width)
     if name == "eagle":
         e = _require(models.eagle, name)
         return EagleDrafter(_require(models.eagle_head, name), total_tokens=e.total_tokens,

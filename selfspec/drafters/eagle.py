@@ -41,7 +41,7 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
-from selfspec.sampling import logits_to_probs, sample
+from selfspec.sampling import logits_to_probs, sample_without_replacement
 from selfspec.tree import Tree
 
 
@@ -212,10 +212,7 @@ class EagleDrafter:
             return [(t, lp, -1) for t, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)]
         law = logits_to_probs(logits, self._sampling)  # [V]
         growth.laws.append(law)
-        left, drawn = law.clone(), []
-        for _ in range(min(count, int((law > 0).sum()))):
-            drawn.append(sample(left, self._generator))
-            left[drawn[-1]] = 0.0
+        drawn = sample_without_replacement(law, count, self._generator)
         log_probs = law[drawn].log().tolist()
         return [(t, lp, len(growth.laws) - 1) for t, lp in zip(drawn, log_probs, strict=True)]
 

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
+from selfspec.drafters.ranking import ranked
 from selfspec.model import Transformer, linear
-from selfspec.sampling import logits_to_probs, sample
+from selfspec.sampling import logits_to_probs, sample, sample_without_replacement
+from selfspec.tree import Tree
 
 
 class SmallModelDrafter:
@@ -30,16 +32,24 @@ class SmallModelDrafter:
 
     draft_vocab: score only these target ids (`selfspec.draft_vocab`): the LM head's K rows
     instead of all V, and q is zero elsewhere, which verification handles exactly.
+
+    first_candidates: W > 1 drafts a tree: W candidates for the first token (the draft's top
+    W when greedy, W distinct draws when sampling), the chain continuing under the first of
+    them. They come out of the same draft forward, and verifying W - 1 more nodes costs the
+    target little, so it is the cheapest tree a draft model can grow (a step accepts its
+    first token far more often with 3 candidates than with 1).
     """
 
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, num_draft_tokens: int = 4,
-                 confidence_threshold: float | None = None, draft_vocab: DraftVocab | None = None):
-        if num_draft_tokens < 1:
-            raise ValueError(
-                f"SmallModelDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}"
-            )
+                 confidence_threshold: float | None = None, draft_vocab: DraftVocab | None = None,
+                 first_candidates: int = 1):
+        for name, value in (("num_draft_tokens", num_draft_tokens),
+                            ("first_candidates", first_candidates)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SmallModelDrafter: {name} must be an integer >= 1, "
+                                 f"got {value!r}")
         self.confidence_threshold = check_confidence_threshold("SmallModelDrafter",
                                                                confidence_threshold)
         self.model = model
@@ -49,8 +59,8 @@ class SmallModelDrafter:
         self._head_rows = (None if draft_vocab is None else
                            model.lm_head.weight[self.draft_vocab.target_ids].detach()
                            .contiguous())
-        self.num_draft_tokens = num_draft_tokens
-        self.max_nodes = num_draft_tokens
+        self.num_draft_tokens, self.first_candidates = num_draft_tokens, first_candidates
+        self.max_nodes = num_draft_tokens + first_candidates - 1
         self._cache = None
         self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
         self._checked_target: Transformer | None = None  # the vocabularies agree for it
@@ -75,19 +85,40 @@ class SmallModelDrafter:
     def propose(self, context: DraftContext) -> Draft:
         history = context.tokens.tolist()
         pending = history[self._rollback_to_common_prefix(history) :]  # at least the root
-        tokens, rows = [], []
-        for _ in range(self.num_draft_tokens):
-            logits = self._feed(pending)[0, -1]  # [V_draft]
-            logits = F.pad(logits, (0, self._padding), value=float("-inf"))  # [V]
+        logits = self._next_logits(pending)
+        probs = logits_to_probs(logits, self.sampling)
+        first = self._first_tokens(logits, probs)  # the first token's candidates, best first
+        chain, rows = [first[0]], [probs]
+        while (len(chain) < self.num_draft_tokens
+               and not below_confidence(logits, self.confidence_threshold)):
+            logits = self._next_logits([chain[-1]])
             probs = logits_to_probs(logits, self.sampling)
-            token = sample(probs, self.generator)
-            tokens.append(token)
+            chain.append(sample(probs, self.generator))
             rows.append(probs)
-            pending = [token]
-            if below_confidence(logits, self.confidence_threshold):
-                break
-        q = None if self.sampling.greedy else torch.stack(rows)  # [k, V] on the draft's device
-        return Draft.chain(torch.tensor(tokens, device=self._device), q)
+        siblings = first[1:]
+        tokens = torch.tensor(chain + siblings, device=self._device)
+        # [k + W - 1, V] on the draft's device: each node's law (the siblings share the first's)
+        q = None if self.sampling.greedy else torch.stack(rows + [rows[0]] * len(siblings))
+        if not siblings:
+            return Draft.chain(tokens, q)
+        tree = Tree.from_parents([-1, *range(len(chain) - 1), *[-1] * len(siblings)])
+        return Draft(tree, tokens, q, without_replacement=q is not None)
+
+    def _first_tokens(self, logits: torch.Tensor, probs: torch.Tensor) -> list[int]:
+        """The first token's candidates: one drawn from probs (its argmax when greedy), or with
+        first_candidates > 1 the W most likely (greedy) or W distinct draws (sampling)."""
+        if self.first_candidates == 1:
+            return [sample(probs, self.generator)]
+        if self.sampling.greedy:  # ties rank by id, as the argmax does
+            count = min(self.first_candidates, int(torch.isfinite(logits).sum()))
+            return ranked(logits[None], count)[0].tolist()
+        return sample_without_replacement(probs, self.first_candidates, self.generator)
+
+    def _next_logits(self, tokens: list[int]) -> torch.Tensor:
+        """[V] the draft's logits for the token after `tokens` (fed into its cache); -inf at
+        the target's ids it cannot propose."""
+        logits = self._feed(tokens)[0, -1]  # [V_draft]
+        return F.pad(logits, (0, self._padding), value=float("-inf"))  # [V]
 
     @property
     def _device(self) -> torch.device:
