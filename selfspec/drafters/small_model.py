@@ -35,9 +35,9 @@ class SmallModelDrafter:
 
     first_candidates: W > 1 drafts a tree: W candidates for the first token (the draft's top
     W when greedy, W distinct draws when sampling), the chain continuing under the first of
-    them. They come out of the same draft forward, and verifying W - 1 more nodes costs the
-    target little, so it is the cheapest tree a draft model can grow (a step accepts its
-    first token far more often with 3 candidates than with 1).
+    them. They come out of the draft forward the chain needs anyway, so the tree costs the
+    draft nothing; verification grows by W - 1 rows (on SmolLM2, MT-bench: the first token
+    right in 25% of steps, one of the top three in 36%).
     """
 
     target_layers: tuple[int, ...] = ()
