@@ -554,8 +554,9 @@ def test_small_model_rows_over_draft_vocabularies_are_lossless(tmp_path, quick_b
     save_token_counts(draft, torch.arange(vocab).flip(0))  # low ids most frequent
     cfg = cfg_of("sweep", *toy(quick_build), f"model.draft.path={draft}",
                  "methods=[small_model]", "small_model.draft_vocab=[null,40]",
-                 "small_model.first_candidates=[1,3]", "num_draft_tokens=[2]", "samplings=[greedy]", "bench.num_prompts=2",
-                 "bench.max_new_tokens=8", "cost_profile=false", f"run_dir={tmp_path / 'run'}")
+                 "small_model.first_candidates=[1,3]", "num_draft_tokens=[2]",
+                 "samplings=[greedy]", "bench.num_prompts=2", "bench.max_new_tokens=8",
+                 "cost_profile=false", f"run_dir={tmp_path / 'run'}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
         load_entry("sweep").run(cfg)
