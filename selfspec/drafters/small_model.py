@@ -61,6 +61,10 @@ class SmallModelDrafter:
                            .contiguous())
         self.num_draft_tokens, self.first_candidates = num_draft_tokens, first_candidates
         self.max_nodes = num_draft_tokens + first_candidates - 1
+        # Greedy candidates come from the ids the draft scores (the rest are -inf).
+        scored = (model.config.vocab_size if draft_vocab is None
+                  else draft_vocab.target_ids.numel())
+        self._greedy_candidates = min(first_candidates, scored)
         self._cache = None
         self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
         self._checked_target: Transformer | None = None  # the vocabularies agree for it
@@ -110,8 +114,7 @@ class SmallModelDrafter:
         if self.first_candidates == 1:
             return [sample(probs, self.generator)]
         if self.sampling.greedy:  # ties rank by id, as the argmax does
-            count = min(self.first_candidates, int(torch.isfinite(logits).sum()))
-            return ranked(logits[None], count)[0].tolist()
+            return ranked(logits[None], self._greedy_candidates)[0].tolist()
         return sample_without_replacement(probs, self.first_candidates, self.generator)
 
     def _next_logits(self, tokens: list[int]) -> torch.Tensor:
