@@ -166,9 +166,10 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                               SamplingParams(), bench)
     profile = measure_cost_profile(target, settings.cost_lengths,
                                    cache_length=settings.prompt_tokens, repeats=settings.repeats)
-    oracle = []
+    answers, oracle = OracleDrafter(), []
+    answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
     for k in settings.draft_lengths:
-        row = compare_with_plain(target, OracleDrafter(k), prompts,
+        row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
                                  max_new_tokens=settings.new_tokens, seed=settings.seed,
                                  split_time=True)
         bound = profile.bound(row.tau, k)

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_llama
 from omegaconf import OmegaConf
 
-from selfspec import SamplingParams, build, generate
+from selfspec import SamplingParams, build, decode, generate
 from selfspec.bench import compare_with_plain
 from selfspec.costs import (
     CostProfile,
@@ -77,6 +77,23 @@ def test_the_oracle_is_accepted_in_full_and_lossless(target, k):
     assert oracle.stats.accepted == oracle.stats.drafted  # every proposed token is kept
     # each step yields k + 1 tokens until the last, which may be cut by max_new_tokens
     assert oracle.stats.steps == -(-20 // (k + 1))
+
+
+def test_a_prepared_oracle_replays_its_answers_without_generating_again(target, monkeypatch):
+    """The answers are computed by prepare, ahead of any timing: the timed generation that
+    replays them runs no second greedy generation inside begin."""
+    prompt, oracle = [3, 17, 5, 9], OracleDrafter(1)
+    oracle.prepare(target, [prompt], 20)
+    plain = generate(target, prompt, max_new_tokens=20).tokens
+
+    def no_second_generation(*args, **kwargs):
+        raise AssertionError("the oracle generated again inside a timed generation")
+
+    monkeypatch.setattr(decode, "generate", no_second_generation)
+    for k in (1, 4):
+        replay = generate(target, prompt, drafter=oracle.with_draft_tokens(k),
+                           max_new_tokens=20)
+        assert replay.tokens == plain and replay.stats.accepted == replay.stats.drafted
 
 
 def test_a_training_report_line_says_where_the_drafters_time_went(target):

@@ -7,14 +7,17 @@ near tau / c(k + 1) (see `selfspec.costs`). Greedy decoding only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 
 
 class OracleDrafter:
-    """Proposes the next num_draft_tokens tokens of plain greedy decoding (computed once per
-    generation, in `begin`, outside the timed loop)."""
+    """Proposes the next num_draft_tokens tokens of plain greedy decoding. The answers are
+    computed by `prepare` (or, for a prompt it did not see, in `begin`) and kept per target
+    and prompt: a timed generation of a prepared prompt only replays its answer."""
 
     target_layers: tuple[int, ...] = ()
 
@@ -26,14 +29,34 @@ class OracleDrafter:
         self.num_draft_tokens = self.max_nodes = num_draft_tokens
         self._answer: list[int] = []
         self._prompt_length = 0
+        self._answers: dict[tuple, list[int]] = {}  # (id(target), prompt) -> greedy answer
 
-    def begin(self, setup: DecodeSetup) -> None:
+    def prepare(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Compute the greedy answers ahead of the generations that will replay them (which
+        `begin` would otherwise do inside the caller's timing)."""
+        for prompt in prompts:
+            self._answer_for(target, torch.as_tensor(list(prompt)), max_new_tokens)
+
+    def with_draft_tokens(self, num_draft_tokens: int) -> OracleDrafter:
+        """An oracle of another draft length that shares these answers."""
+        other = OracleDrafter(num_draft_tokens)
+        other._answers = self._answers
+        return other
+
+    def _answer_for(self, target, prompt: torch.Tensor, length: int) -> list[int]:
         from selfspec.decode import generate  # decode imports the drafter protocol
 
+        key = (id(target), tuple(prompt.tolist()))
+        known = self._answers.get(key, [])
+        if len(known) < length:  # greedy answers are prefixes of longer ones
+            known = self._answers[key] = generate(target, prompt, max_new_tokens=length).tokens
+        return known[:length]
+
+    def begin(self, setup: DecodeSetup) -> None:
         if not setup.sampling.greedy:
             raise ValueError("OracleDrafter replays greedy decoding: use temperature 0")
         room = setup.max_length - len(setup.prompt) - self.max_nodes - 1
-        self._answer = generate(setup.target, setup.prompt, max_new_tokens=room).tokens
+        self._answer = self._answer_for(setup.target, setup.prompt, room)
         self._prompt_length = len(setup.prompt)
 
     def propose(self, context: DraftContext) -> Draft:
