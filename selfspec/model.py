@@ -405,13 +405,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, H, T, D], [B, H_kv, T, D]
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
+        k, v, grouped = _kv_for_kernels(k.to(q.dtype), v.to(q.dtype), self.num_heads,
+                                        repeat_heads=q.is_cuda)
         out = F.scaled_dot_product_attention(
-            q,
-            k.to(q.dtype),
-            v.to(q.dtype),
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=grouped
         )  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, t, -1))
 
@@ -478,9 +475,26 @@ def attention_mask(
 # On CUDA the attention kernel is pinned, not left to SDPA's heuristics: with a boolean mask
 # they picked cuDNN attention, which re-planned at every new KV length (~77 ms of host time per
 # step on an H100). Flash attention takes no mask, so masked forwards get the memory-efficient
-# kernel alone. Other devices keep torch's default choice (on CPU: unchanged logits).
-_CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-_CUDA_MASKED_KERNELS = [SDPBackend.EFFICIENT_ATTENTION]
+# kernel; the math kernel stays as the last resort for what neither fused kernel takes, so that
+# no forward fails for want of a kernel. Other devices keep torch's default choice (on CPU:
+# unchanged logits).
+_CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CUDA_MASKED_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _kv_for_kernels(
+    k: torch.Tensor, v: torch.Tensor, num_heads: int, *, repeat_heads: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """K and V [B, H_kv, S, D] as SDPA takes them, and whether they are still grouped
+    (enable_gqa). CUDA's fused kernels take only as many K/V heads as query heads, so there
+    (repeat_heads) each K/V head is repeated for its group: query head h reads K/V head
+    h // group, as enable_gqa does. Elsewhere they stay grouped."""
+    groups = num_heads // k.shape[1]
+    if groups == 1:
+        return k, v, False
+    if not repeat_heads:
+        return k, v, True
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
 
 
 def attention_kernels(device: torch.device, masked: bool) -> list[SDPBackend] | None:

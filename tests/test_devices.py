@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import first_layers, fit_medusa_heads, tiny_llama
 from torch.nn.attention import SDPBackend
 
@@ -26,7 +27,7 @@ from selfspec.drafters import (
     UnionDrafter,
 )
 from selfspec.losses import LossOutput
-from selfspec.model import ModelConfig, attention_kernels
+from selfspec.model import ModelConfig, _kv_for_kernels, attention_kernels
 from selfspec.sampling import check_generator, sample
 from selfspec.training import TokenRows, TrainSettings, _evaluate, _micro_batch
 from selfspec.verify import verify_linear
@@ -277,11 +278,42 @@ def kernels_during_attention(model: Transformer, **forward) -> set[str]:
 def test_the_kernels_are_pinned_on_cuda_and_left_to_torch_elsewhere():
     assert attention_kernels(torch.device("cpu"), masked=True) is None
     assert attention_kernels(torch.device("cpu"), masked=False) is None
-    # Flash takes no arbitrary mask: a masked forward gets the memory-efficient kernel alone.
+    # Flash takes no arbitrary mask: a masked forward gets the memory-efficient kernel, with
+    # the math kernel as the last resort; cuDNN never.
     assert attention_kernels(torch.device("cuda:0"), masked=True) == [
-        SDPBackend.EFFICIENT_ATTENTION]
+        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     assert attention_kernels(torch.device("cuda:0"), masked=False) == [
-        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def test_repeated_kv_heads_attend_as_grouped_heads():
+    """The layout CUDA's fused kernels get (each K/V head repeated for its group) gives the
+    attention that grouped heads (enable_gqa) give, with a mask over a cache."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, t, 8, generator=gen) for heads, t in ((6, 3), (2, 5), (2, 5)))
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)
+    outs = []
+    for repeat in (False, True):
+        kk, vv, grouped = _kv_for_kernels(k, v, 6, repeat_heads=repeat)
+        assert grouped is not repeat and kk.shape[1] == (6 if repeat else 2)
+        outs.append(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=grouped))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_logits_match_the_cpu_logits_with_grouped_heads_a_cache_and_a_tree(hf_target):
+    """fp32 on both devices: a prefill, then a tree-masked forward over the cache."""
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    logits = []
+    for device in ("cpu", "cuda"):
+        model = Transformer.from_hf(hf_target, device=device)
+        assert model.config.num_kv_heads < model.config.num_heads  # grouped heads
+        cache = model.new_cache(max_slots=16)
+        model(torch.tensor([PROMPTS[0]], device=device), torch.arange(10, device=device), cache)
+        out = model(torch.tensor([[3, 4, 5]], device=device),
+                    torch.tensor([10, 11, 11], device=device), cache, mask=tree_mask.to(device))
+        logits.append(out.logits.cpu())
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_a_forward_runs_under_its_device_kernels_and_restores_the_flags(target, device):
@@ -292,7 +324,7 @@ def test_a_forward_runs_under_its_device_kernels_and_restores_the_flags(target, 
     tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
     masked = kernels_during_attention(target, tokens=tokens, positions=positions, mask=tree_mask)
     if device == "cuda":
-        assert (plain, masked) == ({"flash", "efficient"}, {"efficient"})
+        assert (plain, masked) == ({"flash", "efficient", "math"}, {"efficient", "math"})
     else:
         assert plain == masked == before  # CPU: torch's own choice, logits unchanged
     assert enabled_kernels() == before
