@@ -40,7 +40,8 @@ def main(cfg: DictConfig) -> None:
 
 def report(figures: dict) -> str:
     profile = figures["cost_profile"]
-    lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}): plain "
+    graphs = "CUDA graphs" if figures["cuda_graphs"] else "eager"
+    lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}, {graphs}): plain "
              f"{figures['plain_tokens_per_s']:.1f} tokens/s (Hugging Face generate "
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "
              f"{profile['one_token_ms']:.2f} ms",

@@ -451,12 +451,14 @@ def compare_with_plain(
     max_new_tokens: int = 64,
     seed: int = 0,
     split_time: bool | None = None,
+    cuda_graphs: bool | None = None,
 ) -> Comparison:
     """Generate every prompt with plain decoding and with the drafter, interleaved.
-    split_time: as `generate`'s, for both (True: the time split on any device)."""
+    split_time, cuda_graphs: as `generate`'s, for both (True: the time split on any device)."""
     if not prompts:
         raise ValueError("compare_with_plain: no prompts to measure on")
-    ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
+    ours, plain = (OurDecoder(target, d, split_time=split_time, cuda_graphs=cuda_graphs)
+                   for d in (drafter, None))
     method = Method("drafter", drafter.max_nodes, ours, plain)
     point = GridPoint("drafter", drafter.max_nodes, "custom", sampling)
     settings = BenchSettings(max_new_tokens=max_new_tokens, seed=seed)

@@ -18,6 +18,7 @@ import torch
 from selfspec.devices import synchronize
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
+from selfspec.step import static_steps, use_cuda_graphs
 
 DEFAULT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 PROFILE_MAX_TOKENS = 64  # covering_lengths' cap
@@ -82,8 +83,10 @@ def measure_cost_profile(
     repeats: int = 5,
     warmup: int = 2,
     seed: int = 0,
+    cuda_graphs: bool | None = None,
 ) -> CostProfile:
-    """Time target forwards of every N in lengths over a cache of cache_length random tokens.
+    """Time target forwards of every N in lengths over a cache of cache_length random tokens,
+    as `generate` runs them: cuda_graphs as its (None: replayed CUDA graphs on a CUDA target).
 
     The lengths are measured in interleaved rounds, so drift of the machine's speed hits all
     of them alike; each figure is the median over `repeats` rounds after `warmup` rounds.
@@ -99,23 +102,33 @@ def measure_cost_profile(
     def random_tokens(n: int) -> torch.Tensor:
         return torch.randint(vocab, (1, n), generator=generator, device=weight.device)
 
-    cache = target.new_cache(max_slots=cache_length + lengths[-1])
+    steps = (static_steps(target, cache_length + lengths[-1], weight.device.type == "cuda")
+             if use_cuda_graphs(cuda_graphs, weight.device) else None)
+    cache = target.new_cache(max_slots=cache_length + lengths[-1]) if steps is None \
+        else steps.cache
     target(random_tokens(cache_length), torch.arange(cache_length, device=weight.device), cache)
+
+    def forward(tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        if steps is None:
+            target(tokens, positions, cache)
+        else:
+            steps.forward(tokens, positions, None)
+
     times: dict[int, list[float]] = {n: [] for n in lengths}
     for round_ in range(warmup + repeats):
         for n in lengths:
-            seconds = _timed_forward(target, random_tokens(n), cache, cache_length)
+            seconds = _timed_forward(forward, random_tokens(n), cache, cache_length)
             if round_ >= warmup:
                 times[n].append(seconds)
     return CostProfile({n: statistics.median(t) for n, t in times.items()}, cache_length,
                        str(weight.device), str(weight.dtype).removeprefix("torch."))
 
 
-def _timed_forward(target: Transformer, tokens: torch.Tensor, cache, cache_length: int) -> float:
+def _timed_forward(forward, tokens: torch.Tensor, cache, cache_length: int) -> float:
     positions = torch.arange(cache_length, cache_length + tokens.shape[1], device=tokens.device)
     synchronize(tokens.device)
     start = time.perf_counter()
-    target(tokens, positions, cache)
+    forward(tokens, positions)
     synchronize(tokens.device)
     seconds = time.perf_counter() - start
     cache.truncate(cache_length)
@@ -134,8 +147,11 @@ class FloorSettings:
     cost_lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     repeats: int = 3
     seed: int = 0
+    cuda_graphs: bool | None = None  # as `generate`'s: None = on for a CUDA target
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true, false or null, got {self.cuda_graphs!r}")
         for name in ("prompt_tokens", "new_tokens", "num_prompts", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -162,16 +178,18 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                             settings.prompt_tokens), generator=generator).tolist()
     bench = BenchSettings(max_new_tokens=settings.new_tokens, repeats=settings.repeats,
                           seed=settings.seed)
-    ours, theirs = run_passes([OurDecoder(target), HFDecoder(hf_model)], prompts,
-                              SamplingParams(), bench)
+    graphs = settings.cuda_graphs
+    ours, theirs = run_passes([OurDecoder(target, cuda_graphs=graphs), HFDecoder(hf_model)],
+                              prompts, SamplingParams(), bench)
     profile = measure_cost_profile(target, settings.cost_lengths,
-                                   cache_length=settings.prompt_tokens, repeats=settings.repeats)
+                                   cache_length=settings.prompt_tokens, repeats=settings.repeats,
+                                   cuda_graphs=graphs)
     answers, oracle = OracleDrafter(), []
     answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
     for k in settings.draft_lengths:
         row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
                                  max_new_tokens=settings.new_tokens, seed=settings.seed,
-                                 split_time=True)
+                                 split_time=True, cuda_graphs=graphs)
         bound = profile.bound(row.tau, k)
         oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
                        "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
@@ -179,4 +197,5 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                        "time_split": row.time_split})
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
+            "cuda_graphs": use_cuda_graphs(graphs, target.embed_tokens.weight.device),
             "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

@@ -27,6 +27,7 @@ from selfspec.drafters.base import (
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
+from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
 from selfspec.verify import Acceptance, verify_greedy, verify_trusted
 
 
@@ -64,6 +65,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     split_time: bool | None = None,
+    cuda_graphs: bool | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` ([L] ids, batch of one).
 
@@ -79,15 +81,23 @@ def generate(
     split_time: time every phase of every step into stats (`GenerationStats.time_split`).
     None: only where it is free, on the CPU; True: on any device, synchronizing it at every
     phase boundary; False: never (drafting time is measured in every case).
+
+    cuda_graphs: None (auto) = on for a CUDA target. On, the verification forwards of up to
+    128 tokens run as static-shape steps over a persistent cache, replayed from one CUDA graph
+    per bucket of T (`selfspec.step`); on another device True runs the same static step
+    eagerly. Prefill, early-layer resumes and the drafters' own forwards stay eager.
     """
     prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
     check_generator(generator, prompt.device, "generate")
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
     max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
-    cache = target.new_cache(max_slots=max_length)
+    steps = (static_steps(target, max_length, capture=prompt.device.type == "cuda")
+             if use_cuda_graphs(cuda_graphs, prompt.device) else None)
+    cache = target.new_cache(max_slots=max_length) if steps is None else steps.cache
     if drafter is not None:
         drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache))
+        cache.reset()  # begin may have generated with this target, in the same persistent cache
     layers = drafter.target_layers if drafter is not None else ()
     stop_ids = _stop_ids(eos_token_id)
     stats, history = GenerationStats(), prompt.tolist()
@@ -101,8 +111,8 @@ def generate(
         context = DraftContext(torch.tensor(history, device=prompt.device), features)
         draft = _checked(drafter.propose(context), drafter) if drafter else Draft.empty()
         clock.lap("draft")
-        acceptance, features = _step(target, history[-1], draft, cache, layers, sampling,
-                                     generator, clock)
+        acceptance, features = _step(target, steps, history[-1], draft, cache, layers,
+                                     sampling, generator, clock)
         stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted)
         emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(new))
         new += emitted
@@ -116,6 +126,7 @@ def generate(
 
 def _step(
     target: Transformer,
+    steps: StaticSteps | None,
     root: int,
     draft: Draft,
     cache,
@@ -130,11 +141,13 @@ def _step(
     tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])[None]
     offsets, mask = tree.verification_inputs(device)  # [N+1], [N+1, N+1]
     positions = base + offsets
-    if draft.early is None:
-        out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
-    else:
+    if draft.early is not None:
         out = _resume_after_early_layers(target, tokens, positions, cache, mask, layers,
                                          draft.early)
+    elif steps is not None:
+        out = steps.forward(tokens, positions, mask, layers)
+    else:
+        out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
     clock.lap("forward")
     acceptance = _verify_step(out.logits[0], draft, sampling, generator, clock)
     clock.lap("verify")

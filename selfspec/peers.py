@@ -38,13 +38,15 @@ class Decoder(Protocol):
 
 @dataclass
 class OurDecoder:
-    """selfspec's decode loop: plain decoding when drafter is None. split_time: as
-    `generate`'s (None: the per-phase time split where it is free, on the CPU)."""
+    """selfspec's decode loop: plain decoding when drafter is None. split_time, cuda_graphs:
+    as `generate`'s (None: the per-phase time split where it is free, on the CPU; CUDA graphs
+    on a CUDA target)."""
 
     target: Transformer
     drafter: Drafter | None = None
     measures_draft_time: bool = True
     split_time: bool | None = None
+    cuda_graphs: bool | None = None  # as `generate`'s: None = on for a CUDA target
 
     def __call__(
         self, prompt: Sequence[int], sampling: SamplingParams, max_new_tokens: int, seed: int,
@@ -55,7 +57,8 @@ class OurDecoder:
         start = time.perf_counter()
         result = generate(self.target, list(prompt), drafter=self.drafter, sampling=sampling,
                           max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
-                          generator=generator, split_time=self.split_time)
+                          generator=generator, split_time=self.split_time,
+                          cuda_graphs=self.cuda_graphs)
         synchronize(device)
         result.stats.wall_time_s = time.perf_counter() - start  # timed like every decoder
         return result

@@ -109,7 +109,9 @@ def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
 
 @pytest.fixture(scope="module")
 def plain_greedy(target) -> list[list[int]]:
-    return [generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+    """Eager plain decoding (on CUDA the other tests run with CUDA graphs, generate's default)."""
+    return [generate(target, p, max_new_tokens=NEW_TOKENS, cuda_graphs=False).tokens
+            for p in PROMPTS]
 
 
 def seeded(device: str, seed: int = 0) -> torch.Generator:
@@ -127,6 +129,17 @@ def test_greedy_equals_plain_greedy(target, plain_greedy, make_drafter, kind):
         assert out.tokens == expected
         accepted += out.stats.accepted
     assert kind == "none" or accepted > 0  # the drafts were in play, not all rejected
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_static_steps_give_plain_greedy_with_every_drafter(target, plain_greedy, make_drafter,
+                                                           kind):
+    """cuda_graphs=True: replayed CUDA graphs on CUDA, the same static step run eagerly on a
+    CPU; plain_greedy is eager on both."""
+    for prompt, expected in zip(PROMPTS, plain_greedy, strict=True):
+        out = generate(target, prompt, drafter=make_drafter(kind), max_new_tokens=NEW_TOKENS,
+                       cuda_graphs=True)
+        assert out.tokens == expected
 
 
 @pytest.mark.parametrize("params", SAMPLINGS, ids=["t1", "top_p"])

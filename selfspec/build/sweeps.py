@@ -553,7 +553,7 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
                for key in ("draft_lengths", "cost_lengths")}
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),
                          num_prompts=int(cfg.num_prompts), repeats=int(cfg.repeats),
-                         seed=int(cfg.seed), **lengths)
+                         seed=int(cfg.seed), cuda_graphs=cfg.get("cuda_graphs"), **lengths)
 
 
 def timing_models(cfg: DictConfig) -> tuple[Transformer, Any]:

@@ -1,0 +1,160 @@
+"""How the decode loop's target forward over T new tokens runs: eagerly, or as a static-shape
+step replayed from a CUDA graph.
+
+On a GPU an eager forward is launch-bound: its cost hardly depends on T and sits far above
+what reading the weights costs. A CUDA graph replays the whole forward as one launch, but only
+with fixed shapes and fixed memory. So `StaticSteps` keeps, per target:
+
+- one persistent `KVCache` that every generation reuses (graphs read its tensors in place);
+- per bucket of T (1, 2, 4, ..., 128) static input buffers, and a forward over them that
+  writes K/V at slot tensors (`index_copy_`) and attends over every slot of the cache with a
+  mask built on the device from the cache length: nothing in it depends on a host value;
+- a draft of N nodes runs in the bucket >= N + 1, its extra rows attending only to themselves;
+  they write K/V past the cache's valid length, where the next step writes again.
+
+With capture=False the same static forward runs eagerly: that is how the CPU tests check it
+against the eager path. Prefill and forwards of more than the largest bucket stay eager.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.kv_cache import KVCache
+from selfspec.model import ModelOutput, Transformer
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_SLOT_GRANULE = 256  # caches are sized in steps of this, so most generations reuse one
+
+
+def bucket_of(n: int) -> int | None:
+    """The smallest bucket that holds n rows (None: more than the largest, run eagerly)."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def use_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
+    """cuda_graphs: None = auto (on for CUDA devices), True or False."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+class _SlotView:
+    """The cache as a static forward sees it: K/V written at a slot tensor and every slot
+    returned, so attention spans the whole cache under a [T, S] mask. `length` is what makes
+    `Transformer.forward` take that mask whole; advancing is left to the host."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots
+        self.length = cache.max_slots - slots.numel()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # [B, H_kv, S, D]
+        keys.index_copy_(2, self.slots, k.to(keys.dtype))
+        values.index_copy_(2, self.slots, v.to(values.dtype))
+        return keys, values
+
+    def advance(self, t: int) -> None:
+        pass  # StaticSteps advances the real cache by the step's true row count
+
+
+@dataclass
+class _Bucket:
+    """Static inputs of one bucket and, once captured, its graph and output."""
+
+    tokens: torch.Tensor  # [1, b]
+    positions: torch.Tensor  # [b]
+    tree: torch.Tensor  # [b, b] bool: the draft's mask, extra rows attending to themselves
+    base: torch.Tensor  # [1]: the cache length the step starts at
+    graph: torch.cuda.CUDAGraph | None = None
+    out: ModelOutput | None = None
+
+
+class StaticSteps:
+    """The decode loop's target forwards over one persistent cache, in static shapes."""
+
+    def __init__(self, target: Transformer, max_slots: int, capture: bool) -> None:
+        self.target, self.capture = target, capture
+        self.cache = target.new_cache(max_slots=max_slots)
+        device = self.cache.k.device
+        self._slots = torch.arange(max_slots, device=device)
+        self._buckets: dict[tuple[int, tuple[int, ...]], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+        layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        """target(tokens [1, n], positions [n], cache, mask=[n, n], return_hidden=layers),
+        from the bucket's static step; the outputs are copies (the step's buffers are reused)."""
+        n, base = tokens.shape[1], self.cache.length
+        b = bucket_of(n)
+        if b is None or base + b > self.cache.max_slots:
+            return self.target(tokens, positions, self.cache, mask=mask, return_hidden=layers)
+        bucket = self._load(b, layers, tokens, positions, mask, base)
+        if bucket.graph is None and self.capture:
+            self._capture(bucket, layers)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            out = bucket.out
+        else:
+            out = self._static_forward(bucket, layers)
+        self.cache.advance(n)
+        return ModelOutput(out.logits[:, :n].clone(), tuple(h[:, :n].clone() for h in out.hidden),
+                           out.last_hidden[:, :n].clone())
+
+    def _load(self, b, layers, tokens, positions, mask, base) -> _Bucket:
+        device, n = self.cache.k.device, tokens.shape[1]
+        bucket = self._buckets.get((b, layers))
+        if bucket is None:
+            bucket = self._buckets[(b, layers)] = _Bucket(
+                torch.zeros(1, b, dtype=torch.long, device=device),
+                torch.zeros(b, dtype=torch.long, device=device),
+                torch.eye(b, dtype=torch.bool, device=device),
+                torch.zeros(1, dtype=torch.long, device=device))
+        bucket.tokens[:, :n].copy_(tokens)
+        bucket.positions[:n].copy_(positions)
+        bucket.tree.copy_(torch.eye(b, dtype=torch.bool, device=device))
+        bucket.tree[:n, :n] = (torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                               if mask is None else mask)
+        bucket.base.fill_(base)  # a kernel, not a host read
+        return bucket
+
+    def _static_forward(self, bucket: _Bucket, layers: tuple[int, ...]) -> ModelOutput:
+        """The forward a graph captures: every shape fixed, every index a device tensor."""
+        b = bucket.tokens.shape[1]
+        slots = bucket.base + self._slots[:b]  # [b]
+        mask = (self._slots < bucket.base)[None].repeat(b, 1)  # [b, S]: the valid past
+        mask.scatter_(1, slots[None].expand(b, b), bucket.tree)  # the new rows among themselves
+        return self.target(bucket.tokens, bucket.positions, _SlotView(self.cache, slots),
+                           mask=mask, return_hidden=layers)
+
+    def _capture(self, bucket: _Bucket, layers: tuple[int, ...]) -> None:
+        # Warm up on a side stream first (kernels chosen, workspaces allocated), as capture
+        # requires; these runs write the same K/V the replay writes.
+        stream = torch.cuda.Stream(device=self.cache.k.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._static_forward(bucket, layers)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bucket.out = self._static_forward(bucket, layers)
+        bucket.graph = graph
+
+
+_STEPS: weakref.WeakKeyDictionary[Transformer, StaticSteps] = weakref.WeakKeyDictionary()
+
+
+def static_steps(target: Transformer, max_slots: int, capture: bool) -> StaticSteps:
+    """The target's StaticSteps with a cache of at least max_slots (+ a bucket's padding),
+    reset to length 0: kept between generations so that graphs are captured once."""
+    slots = -(-(max_slots + max(BUCKETS)) // _SLOT_GRANULE) * _SLOT_GRANULE
+    steps = _STEPS.get(target)
+    if steps is None or steps.capture != capture or steps.cache.max_slots < slots \
+            or steps.cache.k.dtype != target.embed_tokens.weight.dtype:
+        steps = _STEPS[target] = StaticSteps(target, slots, capture)
+    steps.cache.reset()
+    return steps

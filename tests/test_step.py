@@ -1,0 +1,126 @@
+"""The static-shape step (`selfspec.step`): the same logits, hidden states and cache as the
+eager forward, step after step, with padding rows, tree masks, commits and rollbacks; and the
+same tokens through `generate(cuda_graphs=True)` with every drafter. On a CPU the static step
+runs eagerly; where CUDA is present the same tests replay captured CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.drafters import NgramDrafter, OracleDrafter
+from selfspec.step import BUCKETS, StaticSteps, bucket_of, static_steps, use_cuda_graphs
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def target(request) -> Transformer:
+    return Transformer.from_hf(tiny_llama(0), device=request.param)
+
+
+def device_of(target: Transformer) -> torch.device:
+    return target.embed_tokens.weight.device
+
+
+def test_buckets_and_the_auto_setting():
+    assert [bucket_of(n) for n in (1, 2, 3, 5, 9, 128, 129)] == [1, 2, 4, 8, 16, 128, None]
+    assert use_cuda_graphs(None, torch.device("cuda:0")) is True
+    assert use_cuda_graphs(None, torch.device("cpu")) is False
+    assert use_cuda_graphs(False, torch.device("cuda:0")) is False
+
+
+def test_a_static_step_gives_the_eager_forward_step_after_step(target):
+    device = device_of(target)
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    eager = target.new_cache(max_slots=256)
+    prompt = torch.tensor([PROMPT], device=device)
+    for cache in (eager, steps.cache):
+        target(prompt, torch.arange(len(PROMPT), device=device), cache)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+    gen = torch.Generator().manual_seed(0)
+    # (rows, mask, what the host does after): chains, a tree with a commit of its second
+    # branch, a rollback, a bucket reused at another cache length, and more than any bucket
+    plan = [(1, None, None), (3, tree, [0, 2]), (2, None, "truncate"), (5, None, None),
+            (1, None, None), (3, tree, [0, 1]), (130, None, None)]
+    for n, mask, after in plan:
+        tokens = torch.randint(64, (1, n), generator=gen).to(device)
+        offsets = torch.tensor([0, 1, 1] if mask is not None else list(range(n)), device=device)
+        positions = eager.length + offsets
+        expected = target(tokens, positions, eager, mask=mask, return_hidden=(1,))
+        got = steps.forward(tokens, positions, mask, layers=(1,))
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.hidden[0], expected.hidden[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.last_hidden, expected.last_hidden, rtol=1e-5, atol=1e-5)
+        assert steps.cache.length == eager.length
+        if after == "truncate":
+            for cache in (eager, steps.cache):
+                cache.truncate(cache.length - 1)
+        elif after is not None:
+            for cache in (eager, steps.cache):
+                cache.commit([cache.length - n + i for i in after])
+        valid = eager.length
+        torch.testing.assert_close(steps.cache.k[:, :, :, :valid], eager.k[:, :, :, :valid],
+                                   rtol=1e-5, atol=1e-5)
+    if device.type == "cuda":
+        assert all(bucket.graph is not None for bucket in steps._buckets.values())
+
+
+def test_padding_rows_leave_nothing_unusable_in_the_cache(target):
+    """A padded first step over an empty cache: its extra row has no past, so it attends to
+    itself. A row that attends to nothing can come out NaN (kernels differ), and a NaN slot
+    in the cache, even masked out, turns later attention into NaN (0 x NaN)."""
+    device = device_of(target)
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    eager = target.new_cache(max_slots=64)
+    for n in (3, 1, 2):
+        tokens = torch.arange(3, 3 + n, device=device)[None]
+        positions = eager.length + torch.arange(n, device=device)
+        expected = target(tokens, positions, eager).logits
+        got = steps.forward(tokens, positions, None).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_copies_that_the_next_step_leaves_alone(target):
+    device = device_of(target)
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    first = steps.forward(torch.tensor([[3]], device=device), torch.tensor([0], device=device),
+                          None)
+    kept = first.logits.clone()
+    steps.forward(torch.tensor([[9]], device=device), torch.tensor([1], device=device), None)
+    assert torch.equal(first.logits, kept)
+
+
+def test_the_steps_are_kept_between_generations_and_grow_when_needed(target):
+    capture = device_of(target).type == "cuda"
+    steps = static_steps(target, 40, capture)
+    steps.cache.advance(5)
+    again = static_steps(target, 60, capture)  # fits the same cache: reset and reused
+    assert again is steps and again.cache.length == 0
+    bigger = static_steps(target, steps.cache.max_slots + 1, capture)
+    assert bigger is not steps and bigger.cache.max_slots > steps.cache.max_slots
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_graphed_speculative_greedy_equals_eager_plain_greedy(target, k):
+    plain = generate(target, PROMPT, max_new_tokens=24, cuda_graphs=False).tokens
+    assert generate(target, PROMPT, max_new_tokens=24, cuda_graphs=True).tokens == plain
+    ngram = generate(target, PROMPT, drafter=NgramDrafter(k), max_new_tokens=24,
+                     cuda_graphs=True)
+    assert ngram.tokens == plain and ngram.stats.accepted > 0
+    # the oracle generates with the same target in begin, in the same persistent cache
+    oracle = generate(target, PROMPT, drafter=OracleDrafter(k), max_new_tokens=24,
+                      cuda_graphs=True)
+    assert oracle.tokens == plain and oracle.stats.accepted == oracle.stats.drafted
+
+
+def test_graphed_sampling_repeats_with_a_seed(target):
+    device = device_of(target)
+    runs = [generate(target, PROMPT, drafter=NgramDrafter(3), sampling=SamplingParams(1.0),
+                     max_new_tokens=16, cuda_graphs=True,
+                     generator=torch.Generator(device=device).manual_seed(0)).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 16
