@@ -80,8 +80,8 @@ class StaticSteps:
         device = self.cache.k.device
         self._slots = torch.arange(max_slots, device=device)
         self._buckets: dict[tuple[int, tuple[int, ...]], _Bucket] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
 
+    @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
         layers: tuple[int, ...] = (),
@@ -140,7 +140,7 @@ class StaticSteps:
                 self._static_forward(bucket, layers)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
             bucket.out = self._static_forward(bucket, layers)
         bucket.graph = graph
 
