@@ -61,7 +61,8 @@ def run(cfg: DictConfig) -> None:
         calibration = build.encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
         chooser = build.size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
-        plan.grid.points(), lambda name, k: build.build_method(models, name, k, split),
+        plan.grid.points(),
+        lambda name, k: build.build_method(models, name, k, split, build.cuda_graphs(cfg)),
         ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
         progress=bool(cfg.progress), choose_length=chooser,
     )

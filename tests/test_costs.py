@@ -151,3 +151,5 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
         assert 0 < row["time_split"]["forward"]["share"] < 1  # the oracle's steps, split
     with pytest.raises(ValueError, match="cost_lengths must reach max"):
         FloorSettings(draft_lengths=(8,), cost_lengths=(1, 4))
+    with pytest.raises(ValueError, match="cuda_graphs must be true, false or null, got 'yes'"):
+        FloorSettings(cuda_graphs="yes")

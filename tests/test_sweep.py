@@ -455,6 +455,7 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
         (["small_model.first_candidates=[1,0]"],
          "small_model.first_candidates: give candidate counts >= 1"),
         (["split_time=sometimes"], "split_time must be true, false or null"),
+        (["cuda_graphs=sometimes"], "cuda_graphs must be true, false or null"),
         (["ngram.corpus=/no/such/answers.jsonl"], "ngram.corpus: no file at /no/such/answers"),
         (["ngram.tree_nodes=0"], "ngram.tree_nodes must be an integer >= 1"),
         (["ngram.corpus_length=0"], "ngram.corpus_length must be an integer >= 1"),

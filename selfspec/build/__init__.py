@@ -80,6 +80,7 @@ from selfspec.build.sweeps import (  # noqa: F401
     bench_settings,
     build_method,
     check_sweep_weights,
+    cuda_graphs,
     draft_lengths,
     floor_settings,
     head_folder,

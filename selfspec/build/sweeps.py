@@ -114,7 +114,7 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     mode = str(cfg.get("baseline", "interleaved"))
     if mode not in BASELINE_MODES:
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
-    split_time(cfg)  # these two are checked now and used after loading
+    split_time(cfg), cuda_graphs(cfg)  # these are checked now and used after loading
     if not _flag(cfg, "cost_profile") and wants_auto(cfg):
         raise ValueError("num_draft_tokens=auto predicts speedups from the cost profile: set "
                          "cost_profile=true, or drop auto")
@@ -411,18 +411,23 @@ def load_sweep_models(cfg: DictConfig, methods: tuple[str, ...]) -> SweepModels:
     return models
 
 
-def build_method(models: SweepModels, name: str, k: int, split_time: bool | None = None) -> Method:
+def build_method(
+    models: SweepModels, name: str, k: int, split_time: bool | None = None,
+    cuda_graphs: bool | None = None,
+) -> Method:
     """Grid point (name, draft length k) as decoders, its baseline being plain decoding of
     the same target by the same library. An early_exit/E/kind/stop row drafts up to k tokens
     with that exit, stopping below that confidence threshold. Medusa at k drafts at most k
     deep (a static tree's nodes of depth <= k; top-k products over k heads); Medusa-2 heads
     draft for, and are compared with plain decoding of, their LoRA-adapted target
     ("plain_adapted"). EAGLE at k drafts an EAGLE-2 dynamic tree k deep (whatever version
-    the head is). split_time: our decoders' (`generate`'s), drafted and plain alike."""
+    the head is). split_time, cuda_graphs: our decoders' (`generate`'s), drafted and plain
+    alike."""
     if name.split("/")[0] in _OUR_METHODS:
         drafter = our_drafter(models, name, k)
         target, baseline = verified_target(models, name)
-        ours, plain = (OurDecoder(target, d, split_time=split_time) for d in (drafter, None))
+        ours, plain = (OurDecoder(target, d, split_time=split_time, cuda_graphs=cuda_graphs)
+                       for d in (drafter, None))
         return Method(name, k, ours, plain, baseline, drafter.max_nodes)
     if name not in _HF_METHODS:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
@@ -519,6 +524,14 @@ def split_time(cfg: DictConfig) -> bool | None:
     return value
 
 
+def cuda_graphs(cfg: DictConfig) -> bool | None:
+    """cfg.cuda_graphs (null = on for CUDA, true or false), see `generate`."""
+    value = cfg.get("cuda_graphs")
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"cuda_graphs must be true, false or null, got {value!r}")
+    return value
+
+
 def sweep_cost_profile(
     cfg: DictConfig, target: Transformer, prompts: Sequence[Sequence[int]], longest: int,
 ) -> CostProfile | None:
@@ -531,7 +544,8 @@ def sweep_cost_profile(
         return None
     mean_prompt = sum(len(p) for p in prompts) / len(prompts)
     cache_length = round(mean_prompt + int(cfg.bench.max_new_tokens) / 2)
-    return measure_cost_profile(target, covering_lengths(longest), cache_length=cache_length)
+    return measure_cost_profile(target, covering_lengths(longest), cache_length=cache_length,
+                                cuda_graphs=cuda_graphs(cfg))
 
 
 def longest_forward(rows: Sequence[SweepRow]) -> int:
@@ -553,7 +567,7 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
                for key in ("draft_lengths", "cost_lengths")}
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),
                          num_prompts=int(cfg.num_prompts), repeats=int(cfg.repeats),
-                         seed=int(cfg.seed), cuda_graphs=cfg.get("cuda_graphs"), **lengths)
+                         seed=int(cfg.seed), cuda_graphs=cuda_graphs(cfg), **lengths)
 
 
 def timing_models(cfg: DictConfig) -> tuple[Transformer, Any]:
