@@ -96,7 +96,8 @@ def generate(
              if use_cuda_graphs(cuda_graphs, prompt.device) else None)
     cache = target.new_cache(max_slots=max_length) if steps is None else steps.cache
     if drafter is not None:
-        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache))
+        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache,
+                                  static_steps=steps is not None))
         cache.reset()  # begin may have generated with this target, in the same persistent cache
     layers = drafter.target_layers if drafter is not None else ()
     stop_ids = _stop_ids(eos_token_id)

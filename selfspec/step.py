@@ -35,6 +35,12 @@ def bucket_of(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
+def padded_slots(max_length: int) -> int:
+    """Cache slots for generations of up to max_length tokens: room for a bucket's padding,
+    rounded up so that most generations fit one cache."""
+    return -(-(max_length + max(BUCKETS)) // _SLOT_GRANULE) * _SLOT_GRANULE
+
+
 def use_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
     """cuda_graphs: None = auto (on for CUDA devices), True or False."""
     return device.type == "cuda" if setting is None else bool(setting)
@@ -84,31 +90,34 @@ class StaticSteps:
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-        layers: tuple[int, ...] = (),
+        layers: tuple[int, ...] = (), with_logits: bool = True,
     ) -> ModelOutput:
-        """target(tokens [1, n], positions [n], cache, mask=[n, n], return_hidden=layers),
-        from the bucket's static step; the outputs are copies (the step's buffers are reused)."""
+        """target(tokens [1, n], positions [n], cache, mask=[n, n], return_hidden=layers,
+        with_logits=...) from the bucket's static step; the outputs are copies (the step's
+        buffers are reused)."""
         n, base = tokens.shape[1], self.cache.length
         b = bucket_of(n)
         if b is None or base + b > self.cache.max_slots:
-            return self.target(tokens, positions, self.cache, mask=mask, return_hidden=layers)
-        bucket = self._load(b, layers, tokens, positions, mask, base)
+            return self.target(tokens, positions, self.cache, mask=mask, return_hidden=layers,
+                               with_logits=with_logits)
+        key = (b, layers, with_logits)
+        bucket = self._load(key, tokens, positions, mask, base)
         if bucket.graph is None and self.capture:
-            self._capture(bucket, layers)
+            self._capture(bucket, key)
         if bucket.graph is not None:
             bucket.graph.replay()
             out = bucket.out
         else:
-            out = self._static_forward(bucket, layers)
+            out = self._static_forward(bucket, key)
         self.cache.advance(n)
-        return ModelOutput(out.logits[:, :n].clone(), tuple(h[:, :n].clone() for h in out.hidden),
-                           out.last_hidden[:, :n].clone())
+        return ModelOutput(_rows(out.logits, n), tuple(h[:, :n].clone() for h in out.hidden),
+                           _rows(out.last_hidden, n))
 
-    def _load(self, b, layers, tokens, positions, mask, base) -> _Bucket:
-        device, n = self.cache.k.device, tokens.shape[1]
-        bucket = self._buckets.get((b, layers))
+    def _load(self, key, tokens, positions, mask, base) -> _Bucket:
+        device, n, b = self.cache.k.device, tokens.shape[1], key[0]
+        bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[(b, layers)] = _Bucket(
+            bucket = self._buckets[key] = _Bucket(
                 torch.zeros(1, b, dtype=torch.long, device=device),
                 torch.zeros(b, dtype=torch.long, device=device),
                 torch.eye(b, dtype=torch.bool, device=device),
@@ -121,28 +130,32 @@ class StaticSteps:
         bucket.base.fill_(base)  # a kernel, not a host read
         return bucket
 
-    def _static_forward(self, bucket: _Bucket, layers: tuple[int, ...]) -> ModelOutput:
+    def _static_forward(self, bucket: _Bucket, key: tuple) -> ModelOutput:
         """The forward a graph captures: every shape fixed, every index a device tensor."""
-        b = bucket.tokens.shape[1]
+        b, layers, with_logits = key
         slots = bucket.base + self._slots[:b]  # [b]
         mask = (self._slots < bucket.base)[None].repeat(b, 1)  # [b, S]: the valid past
         mask.scatter_(1, slots[None].expand(b, b), bucket.tree)  # the new rows among themselves
         return self.target(bucket.tokens, bucket.positions, _SlotView(self.cache, slots),
-                           mask=mask, return_hidden=layers)
+                           mask=mask, return_hidden=layers, with_logits=with_logits)
 
-    def _capture(self, bucket: _Bucket, layers: tuple[int, ...]) -> None:
+    def _capture(self, bucket: _Bucket, key: tuple) -> None:
         # Warm up on a side stream first (kernels chosen, workspaces allocated), as capture
         # requires; these runs write the same K/V the replay writes.
         stream = torch.cuda.Stream(device=self.cache.k.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._static_forward(bucket, layers)
+                self._static_forward(bucket, key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
-            bucket.out = self._static_forward(bucket, layers)
+            bucket.out = self._static_forward(bucket, key)
         bucket.graph = graph
+
+
+def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if tensor is None else tensor[:, :n].clone()
 
 
 _STEPS: weakref.WeakKeyDictionary[Transformer, StaticSteps] = weakref.WeakKeyDictionary()
@@ -151,7 +164,7 @@ _STEPS: weakref.WeakKeyDictionary[Transformer, StaticSteps] = weakref.WeakKeyDic
 def static_steps(target: Transformer, max_slots: int, capture: bool) -> StaticSteps:
     """The target's StaticSteps with a cache of at least max_slots (+ a bucket's padding),
     reset to length 0: kept between generations so that graphs are captured once."""
-    slots = -(-(max_slots + max(BUCKETS)) // _SLOT_GRANULE) * _SLOT_GRANULE
+    slots = padded_slots(max_slots)
     steps = _STEPS.get(target)
     if steps is None or steps.capture != capture or steps.cache.max_slots < slots \
             or steps.cache.k.dtype != target.embed_tokens.weight.dtype:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import first_layers, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.drafters import NgramDrafter, OracleDrafter
+from selfspec.draft_vocab import draft_vocabulary
+from selfspec.drafters import NgramDrafter, OracleDrafter, SmallModelDrafter
 from selfspec.step import BUCKETS, StaticSteps, bucket_of, static_steps, use_cuda_graphs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -124,3 +125,20 @@ def test_graphed_sampling_repeats_with_a_seed(target):
                      generator=torch.Generator(device=device).manual_seed(0)).tokens
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 16
+
+
+@pytest.mark.parametrize("vocab", [None, 48], ids=["full_vocab", "draft_vocab"])
+def test_a_draft_model_runs_static_steps_of_its_own_when_the_target_does(target, vocab):
+    device = device_of(target)
+    draft = Transformer.from_hf(first_layers(tiny_llama(0)), device=device)
+    drafter = SmallModelDrafter(draft, 3, draft_vocab=None if vocab is None else
+                                draft_vocabulary(torch.arange(vocab), 64, vocab))
+    plain = generate(target, PROMPT, max_new_tokens=24, cuda_graphs=False).tokens
+    out = generate(target, PROMPT, drafter=drafter, max_new_tokens=24, cuda_graphs=True)
+    assert out.tokens == plain and out.stats.accepted > 0
+    steps = drafter._steps
+    assert steps is not None and steps.target is draft and drafter._cache is steps.cache
+    if device.type == "cuda":  # its one-token forwards replayed from a graph
+        assert any(b.graph is not None for b in steps._buckets.values())
+    eager = generate(target, PROMPT, drafter=drafter, max_new_tokens=24, cuda_graphs=False)
+    assert eager.tokens == plain and drafter._steps is None

@@ -84,6 +84,8 @@ class DecodeSetup:
     max_length: the most tokens (prompt + generated + one draft) the generation can reach.
     target_cache: the target's own KV cache, for a drafter that runs the target's early
     layers itself (its draft's K/V there are then reused by verification: `EarlyLayers`).
+    static_steps: whether the target runs static steps (CUDA graphs on CUDA, `selfspec.step`);
+    a drafter with a model of its own runs that model the same way.
     """
 
     target: Transformer
@@ -92,6 +94,7 @@ class DecodeSetup:
     generator: torch.Generator | None
     max_length: int
     target_cache: KVCache | None = None
+    static_steps: bool = False
 
 
 @dataclass(frozen=True)

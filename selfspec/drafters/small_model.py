@@ -13,8 +13,9 @@ from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.drafters.ranking import ranked
-from selfspec.model import Transformer, linear
+from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.sampling import logits_to_probs, sample, sample_without_replacement
+from selfspec.step import StaticSteps, padded_slots
 from selfspec.tree import Tree
 
 
@@ -66,6 +67,7 @@ class SmallModelDrafter:
                   else draft_vocab.target_ids.numel())
         self._greedy_candidates = min(first_candidates, scored)
         self._cache = None
+        self._steps: StaticSteps | None = None  # its own, when the target runs static steps
         self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
         self._checked_target: Transformer | None = None  # the vocabularies agree for it
 
@@ -80,8 +82,7 @@ class SmallModelDrafter:
             check_vocab_covers(self.draft_vocab, setup.target.config.vocab_size)
             self._padding = 0  # the draft vocabulary's scores are spread over the target's ids
         self.sampling, self.generator = setup.sampling, setup.generator
-        if self._cache is None or self._cache.max_slots < setup.max_length:
-            self._cache = self.model.new_cache(max_slots=setup.max_length)
+        self._begin_cache(setup)
         self._cache.reset()
         self._fed = []
 
@@ -107,6 +108,26 @@ class SmallModelDrafter:
             return Draft.chain(tokens, q)
         tree = Tree.from_parents([-1, *range(len(chain) - 1), *[-1] * len(siblings)])
         return Draft(tree, tokens, q, without_replacement=q is not None)
+
+    def _begin_cache(self, setup: DecodeSetup) -> None:
+        """The draft's cache for this generation: its own static steps' when the target runs
+        static steps (CUDA graphs on CUDA: a launch-bound eager draft would cost more than
+        the graphed step it saves), else a plain cache; either kept while large enough."""
+        if not setup.static_steps:
+            self._steps = None
+            if self._cache is None or self._cache.max_slots < setup.max_length:
+                self._cache = self.model.new_cache(max_slots=setup.max_length)
+            return
+        if self._steps is None or self._steps.cache.max_slots < padded_slots(setup.max_length):
+            self._steps = StaticSteps(self.model, padded_slots(setup.max_length),
+                                      capture=self._device.type == "cuda")
+        self._cache = self._steps.cache
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **options) -> ModelOutput:
+        if self._steps is None:
+            return self.model(ids, positions, self._cache, **options)
+        return self._steps.forward(ids, positions, None, options.get("return_hidden", ()),
+                                   options.get("with_logits", True))
 
     def _first_tokens(self, logits: torch.Tensor, probs: torch.Tensor) -> list[int]:
         """The first token's candidates: one drawn from probs (its argmax when greedy), or with
@@ -149,9 +170,9 @@ class SmallModelDrafter:
         positions = torch.arange(start, start + len(tokens), device=self._device)  # [T]
         self._fed.extend(tokens)
         if self.draft_vocab is None:
-            return self.model(ids, positions, self._cache).logits
-        out = self.model(ids, positions, self._cache, with_logits=False,
-                         return_hidden=(self.model.config.num_layers,))
+            return self._forward(ids, positions).logits
+        out = self._forward(ids, positions, with_logits=False,
+                            return_hidden=(self.model.config.num_layers,))
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
         return self.draft_vocab.scatter(scores.float())
 
