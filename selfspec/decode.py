@@ -85,7 +85,8 @@ def generate(
     cuda_graphs: None (auto) = on for a CUDA target. On, the verification forwards of up to
     128 tokens run as static-shape steps over a persistent cache, replayed from one CUDA graph
     per bucket of T (`selfspec.step`); on another device True runs the same static step
-    eagerly. Prefill, early-layer resumes and the drafters' own forwards stay eager.
+    eagerly. A draft model (`SmallModelDrafter`) runs static steps of its own alike; prefill,
+    early-layer resumes and the other drafters' forwards stay eager.
     """
     prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
     check_generator(generator, prompt.device, "generate")
