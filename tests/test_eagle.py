@@ -305,12 +305,13 @@ DRAFTERS = {
 }
 
 
-def greedy_with_eagle(target, head, kwargs, plain_greedy) -> list[float]:
-    """Assert EAGLE greedy decoding equals plain greedy on every prompt; returns each tau."""
+def greedy_with_eagle(target, head, kwargs, plain_greedy, static=False) -> list[float]:
+    """Assert EAGLE greedy decoding equals plain greedy on every prompt; returns each tau.
+    static: the target's forwards as static steps (CUDA graphs on CUDA), features included."""
     taus = []
     for prompt, expected in plain_greedy.items():
         result = generate(target, list(prompt), drafter=EagleDrafter(head, **kwargs),
-                          max_new_tokens=NEW_TOKENS)
+                          max_new_tokens=NEW_TOKENS, cuda_graphs=static)
         assert result.tokens == expected, (prompt, kwargs)
         taus.append(result.stats.tau)
     return taus
@@ -335,11 +336,13 @@ def test_greedy_is_lossless_with_random_heads(target, plain_greedy, version, mod
 
 
 @pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize("mode", ["chain", "static_tree", "dynamic"])
+@pytest.mark.parametrize("mode, static", [("chain", False), ("static_tree", False),
+                                          ("dynamic", False), ("dynamic", True)])
 def test_greedy_is_lossless_and_accepted_with_fitted_heads(
-    target, plain_greedy, fitted_heads, version, mode
+    target, plain_greedy, fitted_heads, version, mode, static
 ):
-    taus = greedy_with_eagle(target, fitted_heads[version], DRAFTERS[mode], plain_greedy)
+    taus = greedy_with_eagle(target, fitted_heads[version], DRAFTERS[mode], plain_greedy,
+                             static)
     assert all(tau > 1.0 for tau in taus), taus
     assert sum(taus) / len(taus) > 2.0, taus
 

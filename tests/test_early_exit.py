@@ -143,13 +143,17 @@ def test_greedy_is_lossless_with_random_exits(target, plain_greedy, kind, exit_l
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
 @pytest.mark.parametrize("k, threshold", [(4, None), (6, 0.6)])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static_steps"])
 def test_greedy_is_lossless_and_accepted_with_trained_exits(
-    target, plain_greedy, fitted_exits, exit_layer, k, threshold
+    target, plain_greedy, fitted_exits, exit_layer, k, threshold, static
 ):
+    """static: the target's other forwards run as static steps (CUDA graphs on CUDA) in the
+    cache the exit's drafts write into."""
     drafter = EarlyExitDrafter(fitted_exits[0][exit_layer], k, threshold)
     accepted, drafted = 0, 0
     for prompt in PROMPTS:
-        out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS)
+        out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS,
+                       cuda_graphs=static)
         assert out.tokens == plain_greedy[tuple(prompt)]
         accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
     assert 0 < accepted < drafted  # both outcomes happened
