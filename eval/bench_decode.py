@@ -44,7 +44,8 @@ def report(figures: dict) -> str:
     lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}, {graphs}): plain "
              f"{figures['plain_tokens_per_s']:.1f} tokens/s (Hugging Face generate "
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "
-             f"{profile['one_token_ms']:.2f} ms",
+             f"{profile['one_token_ms']:.2f} ms; peak memory of the oracle and plain runs "
+             f"{figures['peak_memory_mb']:.0f} MiB ({figures['peak_memory_kind']})",
              "c(N): " + ", ".join(f"{n}: {c:.2f}" for n, c in profile["c"].items()),
              "oracle  k   tau  speedup  bound  efficiency  lossless  time % "
              "pre/draft/fwd/probs/verify/commit/other"]

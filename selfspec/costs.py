@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from selfspec.devices import synchronize
+from selfspec.memory import PeakMemory
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
 from selfspec.step import static_steps, use_cuda_graphs
@@ -186,16 +187,18 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                                    cuda_graphs=graphs)
     answers, oracle = OracleDrafter(), []
     answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
-    for k in settings.draft_lengths:
-        row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
-                                 max_new_tokens=settings.new_tokens, seed=settings.seed,
-                                 split_time=True, cuda_graphs=graphs)
-        bound = profile.bound(row.tau, k)
-        oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
-                       "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
-                       "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless,
-                       "time_split": row.time_split})
+    with PeakMemory(target.embed_tokens.weight.device) as memory:  # the oracle and plain runs
+        for k in settings.draft_lengths:
+            row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
+                                     max_new_tokens=settings.new_tokens, seed=settings.seed,
+                                     split_time=True, cuda_graphs=graphs)
+            bound = profile.bound(row.tau, k)
+            oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
+                           "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
+                           "plain_tokens_per_s": row.plain_tokens_per_s,
+                           "lossless": row.lossless, "time_split": row.time_split})
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cuda_graphs": use_cuda_graphs(graphs, target.embed_tokens.weight.device),
+            "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
             "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

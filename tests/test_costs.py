@@ -142,6 +142,7 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
                              draft_lengths=(1, 3), cost_lengths=(1, 2, 4))
     figures = measure_floor(target, hf_model, settings)
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
+    assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
     assert list(figures["cost_profile"]["c"]) == [1, 2, 4]
     assert [r["k"] for r in figures["oracle"]] == [1, 3]
     for row in figures["oracle"]:
