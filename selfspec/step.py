@@ -166,8 +166,9 @@ def static_steps(target: Transformer, max_slots: int, capture: bool) -> StaticSt
     reset to length 0: kept between generations so that graphs are captured once."""
     slots = padded_slots(max_slots)
     steps = _STEPS.get(target)
+    weight = target.embed_tokens.weight
     if steps is None or steps.capture != capture or steps.cache.max_slots < slots \
-            or steps.cache.k.dtype != target.embed_tokens.weight.dtype:
+            or (steps.cache.k.dtype, steps.cache.k.device) != (weight.dtype, weight.device):
         steps = _STEPS[target] = StaticSteps(target, slots, capture)
     steps.cache.reset()
     return steps

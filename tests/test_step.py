@@ -105,6 +105,14 @@ def test_the_steps_are_kept_between_generations_and_grow_when_needed(target):
     assert bigger is not steps and bigger.cache.max_slots > steps.cache.max_slots
 
 
+def test_a_target_moved_to_another_dtype_gets_steps_of_that_dtype():
+    target = Transformer.from_hf(tiny_llama(0))
+    steps = static_steps(target, 40, capture=False)
+    target.to(torch.float64)
+    again = static_steps(target, 40, capture=False)
+    assert again is not steps and again.cache.k.dtype == torch.float64
+
+
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_graphed_speculative_greedy_equals_eager_plain_greedy(target, k):
     plain = generate(target, PROMPT, max_new_tokens=24, cuda_graphs=False).tokens
