@@ -83,9 +83,16 @@ class StaticSteps:
     def __init__(self, target: Transformer, max_slots: int, capture: bool) -> None:
         self.target, self.capture = target, capture
         self.cache = target.new_cache(max_slots=max_slots)
-        device = self.cache.k.device
-        self._slots = torch.arange(max_slots, device=device)
-        self._buckets: dict[tuple[int, tuple[int, ...]], _Bucket] = {}
+        self._weights = _weights_of(target)
+        self._slots = torch.arange(max_slots, device=self.cache.k.device)
+        self._buckets: dict[tuple[int, tuple[int, ...], bool], _Bucket] = {}
+
+    def fits(self, max_slots: int, capture: bool) -> bool:
+        """Whether these steps serve a generation needing max_slots: same capture mode, a
+        cache as large, and the target's weights the very tensors the graphs read (weights
+        replaced, moved, cast or wrapped since then would be missed by a replay)."""
+        return (self.capture == capture and self.cache.max_slots >= max_slots
+                and _weights_of(self.target) == self._weights)
 
     @torch.inference_mode()
     def forward(
@@ -154,6 +161,11 @@ class StaticSteps:
         bucket.graph = graph
 
 
+def _weights_of(model: Transformer) -> tuple:
+    """Which tensors a forward of the model reads: where each parameter lives, and as what."""
+    return tuple((p.data_ptr(), p.dtype, p.device, p.shape) for p in model.parameters())
+
+
 def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if tensor is None else tensor[:, :n].clone()
 
@@ -166,9 +178,7 @@ def static_steps(target: Transformer, max_slots: int, capture: bool) -> StaticSt
     reset to length 0: kept between generations so that graphs are captured once."""
     slots = padded_slots(max_slots)
     steps = _STEPS.get(target)
-    weight = target.embed_tokens.weight
-    if steps is None or steps.capture != capture or steps.cache.max_slots < slots \
-            or (steps.cache.k.dtype, steps.cache.k.device) != (weight.dtype, weight.device):
+    if steps is None or not steps.fits(slots, capture):
         steps = _STEPS[target] = StaticSteps(target, slots, capture)
     steps.cache.reset()
     return steps

@@ -105,12 +105,19 @@ def test_the_steps_are_kept_between_generations_and_grow_when_needed(target):
     assert bigger is not steps and bigger.cache.max_slots > steps.cache.max_slots
 
 
-def test_a_target_moved_to_another_dtype_gets_steps_of_that_dtype():
+def test_new_weights_get_new_steps_and_weights_changed_in_place_keep_them():
+    """A replay reads the tensors it was captured with: weights cast (new tensors) need new
+    steps; weights changed in place (a merged adapter, say) are read as they are."""
     target = Transformer.from_hf(tiny_llama(0))
     steps = static_steps(target, 40, capture=False)
+    with torch.no_grad():
+        target.norm.weight.mul_(1.5)
+    assert static_steps(target, 40, capture=False) is steps
     target.to(torch.float64)
     again = static_steps(target, 40, capture=False)
     assert again is not steps and again.cache.k.dtype == torch.float64
+    target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.clone())
+    assert static_steps(target, 40, capture=False) is not again
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])

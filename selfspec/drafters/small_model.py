@@ -118,9 +118,9 @@ class SmallModelDrafter:
             if self._cache is None or self._cache.max_slots < setup.max_length:
                 self._cache = self.model.new_cache(max_slots=setup.max_length)
             return
-        if self._steps is None or self._steps.cache.max_slots < padded_slots(setup.max_length):
-            self._steps = StaticSteps(self.model, padded_slots(setup.max_length),
-                                      capture=self._device.type == "cuda")
+        slots, capture = padded_slots(setup.max_length), self._device.type == "cuda"
+        if self._steps is None or not self._steps.fits(slots, capture):
+            self._steps = StaticSteps(self.model, slots, capture)
         self._cache = self._steps.cache
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **options) -> ModelOutput:
