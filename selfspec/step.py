@@ -43,7 +43,9 @@ def padded_slots(max_length: int) -> int:
 
 def use_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
     """cuda_graphs: None = auto (on for CUDA devices), True or False."""
-    return device.type == "cuda" if setting is None else bool(setting)
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"cuda_graphs must be None (on for CUDA), True or False, got {setting!r}")
+    return device.type == "cuda" if setting is None else setting
 
 
 class _SlotView:

@@ -32,6 +32,8 @@ def test_buckets_and_the_auto_setting():
     assert use_cuda_graphs(None, torch.device("cuda:0")) is True
     assert use_cuda_graphs(None, torch.device("cpu")) is False
     assert use_cuda_graphs(False, torch.device("cuda:0")) is False
+    with pytest.raises(ValueError, match="cuda_graphs must be None .*, True or False, got 'no'"):
+        generate(Transformer.from_hf(tiny_llama(0)), [3, 4], max_new_tokens=2, cuda_graphs="no")
 
 
 def test_a_static_step_gives_the_eager_forward_step_after_step(target):
