@@ -103,7 +103,7 @@ def measure_cost_profile(
     def random_tokens(n: int) -> torch.Tensor:
         return torch.randint(vocab, (1, n), generator=generator, device=weight.device)
 
-    steps = (static_steps(target, cache_length + lengths[-1], weight.device.type == "cuda")
+    steps = (static_steps(target, cache_length + lengths[-1])
              if use_cuda_graphs(cuda_graphs, weight.device) else None)
     cache = target.new_cache(max_slots=cache_length + lengths[-1]) if steps is None \
         else steps.cache

@@ -93,8 +93,8 @@ def generate(
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
     max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
-    steps = (static_steps(target, max_length, capture=prompt.device.type == "cuda")
-             if use_cuda_graphs(cuda_graphs, prompt.device) else None)
+    steps = (static_steps(target, max_length) if use_cuda_graphs(cuda_graphs, prompt.device)
+             else None)
     cache = target.new_cache(max_slots=max_length) if steps is None else steps.cache
     if drafter is not None:
         drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache,

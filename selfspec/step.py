@@ -12,8 +12,9 @@ with fixed shapes and fixed memory. So `StaticSteps` keeps, per target:
 - a draft of N nodes runs in the bucket >= N + 1, its extra rows attending only to themselves;
   they write K/V past the cache's valid length, where the next step writes again.
 
-With capture=False the same static forward runs eagerly: that is how the CPU tests check it
-against the eager path. Prefill and forwards of more than the largest bucket stay eager.
+Graphs are captured on CUDA; on another device the same static forward runs eagerly, which
+is how the CPU tests check it against the eager path. Prefill and forwards of more than the
+largest bucket stay eager.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class _Bucket:
     positions: torch.Tensor  # [b]
     tree: torch.Tensor  # [b, b] bool: the draft's mask, extra rows attending to themselves
     base: torch.Tensor  # [1]: the cache length the step starts at
+    eye: torch.Tensor  # [b, b] bool: every row attending to itself alone
+    causal: torch.Tensor  # [b, b] bool: the mask of a chain (no mask given)
     graph: torch.cuda.CUDAGraph | None = None
     out: ModelOutput | None = None
 
@@ -82,19 +85,19 @@ class _Bucket:
 class StaticSteps:
     """The decode loop's target forwards over one persistent cache, in static shapes."""
 
-    def __init__(self, target: Transformer, max_slots: int, capture: bool) -> None:
-        self.target, self.capture = target, capture
+    def __init__(self, target: Transformer, max_slots: int) -> None:
+        self.target = target
         self.cache = target.new_cache(max_slots=max_slots)
+        self.capture = self.cache.k.device.type == "cuda"  # elsewhere: the same step, eagerly
         self._weights = _weights_of(target)
         self._slots = torch.arange(max_slots, device=self.cache.k.device)
         self._buckets: dict[tuple[int, tuple[int, ...], bool], _Bucket] = {}
 
-    def fits(self, max_slots: int, capture: bool) -> bool:
-        """Whether these steps serve a generation needing max_slots: same capture mode, a
-        cache as large, and the target's weights the very tensors the graphs read (weights
-        replaced, moved, cast or wrapped since then would be missed by a replay)."""
-        return (self.capture == capture and self.cache.max_slots >= max_slots
-                and _weights_of(self.target) == self._weights)
+    def fits(self, max_slots: int) -> bool:
+        """Whether these steps serve a generation needing max_slots: a cache as large, and the
+        target's weights the very tensors the graphs read (weights replaced, moved, cast or
+        wrapped since then would be missed by a replay)."""
+        return self.cache.max_slots >= max_slots and _weights_of(self.target) == self._weights
 
     @torch.inference_mode()
     def forward(
@@ -126,16 +129,16 @@ class StaticSteps:
         device, n, b = self.cache.k.device, tokens.shape[1], key[0]
         bucket = self._buckets.get(key)
         if bucket is None:
+            eye = torch.eye(b, dtype=torch.bool, device=device)
             bucket = self._buckets[key] = _Bucket(
                 torch.zeros(1, b, dtype=torch.long, device=device),
-                torch.zeros(b, dtype=torch.long, device=device),
-                torch.eye(b, dtype=torch.bool, device=device),
-                torch.zeros(1, dtype=torch.long, device=device))
+                torch.zeros(b, dtype=torch.long, device=device), eye.clone(),
+                torch.zeros(1, dtype=torch.long, device=device), eye,
+                torch.ones(b, b, dtype=torch.bool, device=device).tril())
         bucket.tokens[:, :n].copy_(tokens)
         bucket.positions[:n].copy_(positions)
-        bucket.tree.copy_(torch.eye(b, dtype=torch.bool, device=device))
-        bucket.tree[:n, :n] = (torch.ones(n, n, dtype=torch.bool, device=device).tril()
-                               if mask is None else mask)
+        bucket.tree.copy_(bucket.eye)
+        bucket.tree[:n, :n] = bucket.causal[:n, :n] if mask is None else mask
         bucket.base.fill_(base)  # a kernel, not a host read
         return bucket
 
@@ -175,12 +178,18 @@ def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
 _STEPS: weakref.WeakKeyDictionary[Transformer, StaticSteps] = weakref.WeakKeyDictionary()
 
 
-def static_steps(target: Transformer, max_slots: int, capture: bool) -> StaticSteps:
-    """The target's StaticSteps with a cache of at least max_slots (+ a bucket's padding),
-    reset to length 0: kept between generations so that graphs are captured once."""
-    slots = padded_slots(max_slots)
-    steps = _STEPS.get(target)
-    if steps is None or not steps.fits(slots, capture):
-        steps = _STEPS[target] = StaticSteps(target, slots, capture)
+def kept_or_new(steps: StaticSteps | None, model: Transformer, max_length: int) -> StaticSteps:
+    """`steps` if they serve a generation of up to max_length tokens (+ a bucket's padding),
+    else new ones for the model; reset to length 0. Kept steps keep their captured graphs."""
+    slots = padded_slots(max_length)
+    if steps is None or not steps.fits(slots):
+        steps = StaticSteps(model, slots)
     steps.cache.reset()
     return steps
+
+
+def static_steps(target: Transformer, max_length: int) -> StaticSteps:
+    """The target's StaticSteps for a generation of up to max_length tokens, kept between
+    generations so that graphs are captured once."""
+    _STEPS[target] = kept_or_new(_STEPS.get(target), target, max_length)
+    return _STEPS[target]

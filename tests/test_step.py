@@ -38,7 +38,7 @@ def test_buckets_and_the_auto_setting():
 
 def test_a_static_step_gives_the_eager_forward_step_after_step(target):
     device = device_of(target)
-    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS))
     eager = target.new_cache(max_slots=256)
     prompt = torch.tensor([PROMPT], device=device)
     for cache in (eager, steps.cache):
@@ -77,7 +77,7 @@ def test_padding_rows_leave_nothing_unusable_in_the_cache(target):
     itself. A row that attends to nothing can come out NaN (kernels differ), and a NaN slot
     in the cache, even masked out, turns later attention into NaN (0 x NaN)."""
     device = device_of(target)
-    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS))
     eager = target.new_cache(max_slots=64)
     for n in (3, 1, 2):
         tokens = torch.arange(3, 3 + n, device=device)[None]
@@ -89,7 +89,7 @@ def test_padding_rows_leave_nothing_unusable_in_the_cache(target):
 
 def test_outputs_are_copies_that_the_next_step_leaves_alone(target):
     device = device_of(target)
-    steps = StaticSteps(target, max_slots=256 + max(BUCKETS), capture=device.type == "cuda")
+    steps = StaticSteps(target, max_slots=256 + max(BUCKETS))
     first = steps.forward(torch.tensor([[3]], device=device), torch.tensor([0], device=device),
                           None)
     kept = first.logits.clone()
@@ -98,12 +98,11 @@ def test_outputs_are_copies_that_the_next_step_leaves_alone(target):
 
 
 def test_the_steps_are_kept_between_generations_and_grow_when_needed(target):
-    capture = device_of(target).type == "cuda"
-    steps = static_steps(target, 40, capture)
+    steps = static_steps(target, 40)
     steps.cache.advance(5)
-    again = static_steps(target, 60, capture)  # fits the same cache: reset and reused
+    again = static_steps(target, 60)  # fits the same cache: reset and reused
     assert again is steps and again.cache.length == 0
-    bigger = static_steps(target, steps.cache.max_slots + 1, capture)
+    bigger = static_steps(target, steps.cache.max_slots + 1)
     assert bigger is not steps and bigger.cache.max_slots > steps.cache.max_slots
 
 
@@ -111,15 +110,15 @@ def test_new_weights_get_new_steps_and_weights_changed_in_place_keep_them():
     """A replay reads the tensors it was captured with: weights cast (new tensors) need new
     steps; weights changed in place (a merged adapter, say) are read as they are."""
     target = Transformer.from_hf(tiny_llama(0))
-    steps = static_steps(target, 40, capture=False)
+    steps = static_steps(target, 40)
     with torch.no_grad():
         target.norm.weight.mul_(1.5)
-    assert static_steps(target, 40, capture=False) is steps
+    assert static_steps(target, 40) is steps
     target.to(torch.float64)
-    again = static_steps(target, 40, capture=False)
+    again = static_steps(target, 40)
     assert again is not steps and again.cache.k.dtype == torch.float64
     target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.clone())
-    assert static_steps(target, 40, capture=False) is not again
+    assert static_steps(target, 40) is not again
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])

@@ -15,7 +15,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.drafters.ranking import ranked
 from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.sampling import logits_to_probs, sample, sample_without_replacement
-from selfspec.step import StaticSteps, padded_slots
+from selfspec.step import StaticSteps, kept_or_new
 from selfspec.tree import Tree
 
 
@@ -118,9 +118,7 @@ class SmallModelDrafter:
             if self._cache is None or self._cache.max_slots < setup.max_length:
                 self._cache = self.model.new_cache(max_slots=setup.max_length)
             return
-        slots, capture = padded_slots(setup.max_length), self._device.type == "cuda"
-        if self._steps is None or not self._steps.fits(slots, capture):
-            self._steps = StaticSteps(self.model, slots, capture)
+        self._steps = kept_or_new(self._steps, self.model, setup.max_length)
         self._cache = self._steps.cache
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **options) -> ModelOutput:
