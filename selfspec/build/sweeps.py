@@ -518,17 +518,18 @@ def _require(value, method: str):
 def split_time(cfg: DictConfig) -> bool | None:
     """cfg.split_time (true, false or null), see `generate`: true times every phase of every
     step on any device, synchronizing CUDA at each phase boundary."""
-    value = cfg.get("split_time", True)
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"split_time must be true, false or null, got {value!r}")
-    return value
+    return _true_false_or_null(cfg, "split_time", True)
 
 
 def cuda_graphs(cfg: DictConfig) -> bool | None:
     """cfg.cuda_graphs (null = on for CUDA, true or false), see `generate`."""
-    value = cfg.get("cuda_graphs")
+    return _true_false_or_null(cfg, "cuda_graphs", None)
+
+
+def _true_false_or_null(cfg: DictConfig, key: str, default: bool | None) -> bool | None:
+    value = cfg.get(key, default)
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f"cuda_graphs must be true, false or null, got {value!r}")
+        raise ValueError(f"{key} must be true, false or null, got {value!r}")
     return value
 
 
