@@ -302,7 +302,8 @@ def test_a_model_read_from_a_file_computes_the_same_bits_as_the_one_saved(tmp_pa
 def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
     """selfspec's Linear runs few-row CPU products its own way (one row twice, W @ x.T, from
     three rows oneDNN over a packed copy of W when no gradient is needed): the same sums as
-    nn.Linear, up to float32 rounding, in the input's shape, bias included."""
+    nn.Linear, up to float32 rounding, in the input's shape, bias included, row-major as
+    F.linear's (SDPA's fused CPU kernel refuses queries whose last dimension is strided)."""
     torch.manual_seed(0)
     layer = Linear(48, 200, bias=True)
     use_packed_products(layer, True)
@@ -310,6 +311,7 @@ def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
     with torch.set_grad_enabled(grad):
         out = layer(x)
     assert out.shape == (*shape[:-1], 200) and out.requires_grad == grad
+    assert out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
                                rtol=1e-5, atol=1e-5)
 
