@@ -353,7 +353,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # MKL's matrix-vector product streams a weight slower than its two-row product (a
         # 49152 x 576 LM head at a third of the speed): the row goes through twice. Doubled
         # by cat, not repeat: repeat's generic strided copy made SmolLM2's one-token forward
-        # 10% slower (the same rows, so the same bits).
+        # 9-13% slower (the same rows, so the same bits; scripts/bench_one_row.py).
         out = (weight @ torch.cat((flat, flat)).t())[:, :1].t()
     else:  # row-major like F.linear's: SDPA's fused CPU kernel refuses strided queries
         out = (weight @ flat.t()).t().contiguous()
