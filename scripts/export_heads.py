@@ -19,9 +19,10 @@ import torch
 
 from selfspec.cli import exit_on_user_error
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
-from selfspec.heads.io import read_head, save_head
+from selfspec.heads.io import read_head, recorded_target, save_head
+from selfspec.heads.published import TargetNeeded
 from selfspec.lora import ADAPTER_DIR
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SELFSPEC = "selfspec"
@@ -41,29 +42,38 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="of the written weights (default: as stored)")
     args = parser.parse_args(argv)
-    head, info = read_head(args.head_folder)
+    target_folder = args.target or recorded_target(args.head_folder)
+    target = ModelConfig.from_folder(target_folder) if target_folder else None
+    head, info = _read(args.head_folder, target)
     if args.to == SELFSPEC:  # loads wherever the head loaded; a cast shrinks shipped heads
         module = head.to(DTYPES[args.dtype]) if args.dtype else head
         print(f"wrote {save_head(args.out, module, head.config, info.get('target', {}))}")
         return
     recorded = info.get("target", {})
-    target_folder = args.target or (Path(recorded["source"]) if recorded.get("source") else None)
     base = args.base_model or (str(target_folder) if target_folder else info["base_model"])
     adapter = args.head_folder / ADAPTER_DIR
     if adapter.is_dir():
-        if target_folder is None or not target_folder.is_dir():
+        if target_folder is None:
             raise FileNotFoundError(f"{args.head_folder} is a Medusa-2 export: its adapter must "
                                     f"be merged into its target: pass --target MODEL_FOLDER")
         base = str(export_merged_target(target_folder, adapter, args.out / "target"))
         print(f"the target with the Medusa-2 adapter merged: {base}")
     exported = export_head(
         head, args.to, args.out, base_model=base,
-        target_layers_count=recorded.get("num_layers"),
+        target_layers_count=target.num_layers if target else recorded.get("num_layers"),
         target_lm_head=_target_lm_head(head, target_folder),
         dtype=DTYPES[args.dtype] if args.dtype else None)
     print(f"wrote {exported.folder} for {args.to}; launch with:\n  {exported.command}")
     for note in exported.notes:
         print(f"  - {note}")
+
+
+def _read(folder: Path, target: ModelConfig | None):
+    """read_head, its refusal for want of a target worded for this command line."""
+    try:
+        return read_head(folder, target)
+    except TargetNeeded as needed:
+        raise TargetNeeded(folder, needed.what, "pass --target MODEL_FOLDER") from None
 
 
 def _target_lm_head(head, target_folder: Path | None) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from selfspec.heads import EagleHead, MedusaConfig, MedusaHeads, load_head
 from selfspec.heads.eagle import EagleConfig
 from selfspec.heads.export import ExportRefused, export_head
 from selfspec.heads.io import read_head
+from selfspec.heads.published import TargetNeeded
 
 H, V, LAYERS = 32, 64, 8  # the toy target: 8 layers, so EAGLE-3's defaults are (2, 4, 5)
 FP16 = torch.float16
@@ -120,7 +121,7 @@ def test_legacy_medusa_heads_without_lm_head_share_the_targets(tmp_path, target,
     heads = load_head(tmp_path / "legacy", target=target)
     assert heads.config.shared_lm_head and heads.config.vocab_size == V
     assert_lossless(target, plain, lambda: MedusaDrafter(heads, CHAIN))
-    with pytest.raises(ValueError, match="no LM head.*load them with their target"):
+    with pytest.raises(TargetNeeded, match="no LM head of their own.*load_head.folder, target="):
         read_head(tmp_path / "legacy")
     export_head(heads.to(FP16), "medusa", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["version"] == "2"
@@ -276,7 +277,7 @@ def test_an_eagle3_folder_loads_drafts_losslessly_and_exports_for_each_engine(
     head = load_head(tmp_path / "eagle3", target=target)
     assert head.config.version == 3 and head.config.target_layers == (2, 4, 5)
     assert_lossless(target, plain, lambda: EagleDrafter(head, total_tokens=6, depth=3, top_k=2))
-    with pytest.raises(ValueError, match="does not name its fused layers"):
+    with pytest.raises(TargetNeeded, match="does not name its fused layers"):
         read_head(tmp_path / "eagle3")
     stored = head.to(FP16).cpu()
     ids = {"vllm": [2, 4, 5], "sglang": [1, 3, 4]}
@@ -413,3 +414,63 @@ def test_the_script_rewrites_a_head_in_half_precision_that_loads_as_before(targe
     rounded = {k: v.half().float() if v.is_floating_point() else v
                for k, v in heads.state_dict().items()}
     same_state(loaded.state_dict(), rounded)
+
+
+@pytest.fixture(scope="module")
+def target_folder(target, tmp_path_factory):
+    return target.save_pretrained(tmp_path_factory.mktemp("toy") / "target")
+
+
+def run_export_refused(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run_export(args, capsys)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_script_exports_legacy_medusa_heads_with_the_target_given(
+        tmp_path, target, target_folder, capsys):
+    state = medusa_reference_folder(tmp_path / "legacy", lm_head=False, suffix=".safetensors")
+    for engine in ("vllm", "medusa"):
+        err = run_export_refused([str(tmp_path / "legacy"), "--to", engine,
+                                  str(tmp_path / "x")], capsys)
+        assert err.count("\n") == 1 and "no LM head" in err
+        assert err.rstrip().endswith("pass --target MODEL_FOLDER")
+    out = run_export([str(tmp_path / "legacy"), "--to", "medusa", str(tmp_path / "medusa"),
+                      "--target", str(target_folder)], capsys)
+    assert f"--model {tmp_path / 'medusa'}" in out
+    same_state(load_file(str(tmp_path / "medusa" / "medusa_lm_head.safetensors")), state)
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["version"] == "2"
+    out = run_export([str(tmp_path / "legacy"), "--to", "vllm", str(tmp_path / "vllm"),
+                      "--target", str(target_folder)], capsys)
+    assert f"vllm serve {target_folder} --speculative-config" in out
+    weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert torch.equal(weights["lm_heads.0.weight"], target.lm_head.weight)
+    again = load_head(tmp_path / "vllm", target=target)
+    original = load_head(tmp_path / "legacy", target=target)
+    assert again.config.shared_lm_head
+    same_state(again.state_dict(), original.state_dict())
+
+
+def test_the_script_exports_an_eagle3_head_without_layer_ids_to_every_engine(
+        tmp_path, target, target_folder, capsys):
+    state = eagle3_folder(tmp_path / "eagle3")
+    err = run_export_refused([str(tmp_path / "eagle3"), "--to", "sglang", str(tmp_path / "x")],
+                             capsys)
+    assert "does not name its fused layers" in err and "pass --target MODEL_FOLDER" in err
+    commands = {"vllm": "vllm serve", "sglang": "--speculative-algorithm EAGLE3",
+                "eagle": "EaModel.from_pretrained"}
+    for engine, command in commands.items():
+        out = run_export([str(tmp_path / "eagle3"), "--to", engine, str(tmp_path / engine),
+                          "--target", str(target_folder)], capsys)
+        assert command in out and str(target_folder) in out
+        same_state(load_file(str(tmp_path / engine / "model.safetensors")), state)
+        again = load_head(tmp_path / engine, target=target)
+        assert again.config.target_layers == (2, 4, 5)
+
+
+def test_the_script_finds_the_target_a_published_head_records(tmp_path, target_folder, capsys):
+    state = eagle3_folder(tmp_path / "eagle3", {"base_model_name_or_path": str(target_folder)})
+    out = run_export([str(tmp_path / "eagle3"), "--to", "sglang", str(tmp_path / "out")], capsys)
+    assert f"--model-path {target_folder}" in out
+    same_state(load_file(str(tmp_path / "out" / "model.safetensors")), state)

@@ -22,7 +22,7 @@ from torch import nn
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -107,12 +107,18 @@ def load_head(
     return module.to(device=weight.device, dtype=weight.dtype)
 
 
-def read_head(folder: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """A head as stored (CPU, its own dtype), with no target at hand (for exporting it), and
-    what the folder records: {"layout", "base_model", "target" (selfspec checkpoints)}."""
+def read_head(folder: str | Path, target: ModelConfig | None = None
+              ) -> tuple[nn.Module, dict[str, Any]]:
+    """A head as stored (CPU, its own dtype), with no target model loaded (for exporting it),
+    and what the folder records: {"layout", "base_model", "target" (selfspec checkpoints)}.
+
+    target: the target's architecture (`ModelConfig.from_folder`), which a published head that
+    relies on its target needs (Medusa heads without an LM head, EAGLE-3 without fused layer
+    ids); without it those raise `TargetNeeded`.
+    """
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() and folder.is_dir() and is_published(folder):
-        found = read_published(folder)
+        found = read_published(folder, target)
         return found.module, {"layout": found.layout, "base_model": found.base_model}
     meta = _read_meta(folder)
     cls, config_cls = _head_class(meta.get("head_type"), None, None, folder)
@@ -121,6 +127,22 @@ def read_head(folder: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     recorded = meta.get("target", {})
     return module, {"layout": "selfspec", "base_model": recorded.get("source"),
                     "target": recorded}
+
+
+def recorded_target(folder: str | Path) -> Path | None:
+    """The target model folder a head folder records, when it exists on this machine: a
+    selfspec checkpoint's target source, or a published head's `base_model_name_or_path`."""
+    folder = Path(folder)
+    for name, key in ((CONFIG_FILE, ("target", "source")),
+                      ("config.json", ("base_model_name_or_path",))):
+        if (folder / name).is_file():
+            value: Any = json.loads((folder / name).read_text())
+            for part in key:
+                value = value.get(part) if isinstance(value, dict) else None
+            if value and Path(value).is_dir():
+                return Path(value)
+            return None
+    return None
 
 
 def _load_published(folder: Path, cls: type | None, target: Transformer,

@@ -40,6 +40,16 @@ LAYOUTS = {"medusa": "Medusa (reference layout)", "medusa-vllm": "Medusa (vLLM l
            "eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 
 
+class TargetNeeded(ValueError):
+    """A published head that cannot be read without its target's architecture. `what` says
+    what the head takes from its target; `fix` how to pass it, worded by whoever reads."""
+
+    def __init__(self, folder: Path, what: str,
+                 fix: str = "load it with its target: load_head(folder, target=...)") -> None:
+        self.folder, self.what = folder, what
+        super().__init__(f"load_head: {folder} {what}: {fix}")
+
+
 @dataclass
 class PublishedHead:
     """A head read from a published layout: the selfspec module (CPU, stored dtype) and what
@@ -151,8 +161,8 @@ def _read_reference_medusa(folder: Path, config: dict, target: ModelConfig | Non
     vocab = config.get("vocab_size") or (target and target.vocab_size) if shared else \
         state[f"0.{num_layers}.weight"].shape[0]
     if vocab is None:
-        raise ValueError(f"load_head: the Medusa heads in {folder} have no LM head (they use "
-                         f"the target's): load them with their target")
+        raise TargetNeeded(folder, "holds Medusa heads with no LM head of their own (they use "
+                                   "the target's, and score its vocabulary)")
     ours = {}
     for i in range(num_heads):
         for j in range(num_layers):
@@ -280,8 +290,8 @@ def _fused_layers(config: dict, target_num_layers: int | None, folder: Path) -> 
     if found:
         return found.pop()
     if target_num_layers is None:
-        raise ValueError(f"load_head: {folder} does not name its fused layers: load it with the "
-                         f"target, whose default layers (2, L//2, L-3) it uses")
+        raise TargetNeeded(folder, "holds an EAGLE-3 head that does not name its fused layers "
+                                   "(it fuses its target's default layers 2, L//2, L-3)")
     layers = default_target_layers(target_num_layers)
     if len(set(layers)) < 3:
         raise ValueError(f"load_head: the default EAGLE-3 layers (2, L//2, L-3) of a "
