@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 
 from selfspec import build
 from selfspec.cli import hydra_entry_point
-from selfspec.costs import measure_floor
-from selfspec.plots import plot_cost_profile
-from selfspec.results import machine_facts, split_percent
+from selfspec.measure.floor import measure_floor
+from selfspec.measure.plots import plot_cost_profile
+from selfspec.measure.results import machine_facts, split_percent
 
 
 @hydra_entry_point("bench_decode")

@@ -6,8 +6,9 @@
 Our drafters are compared with our plain greedy decoding, the Hugging Face peers with HF's
 plain greedy `generate`. Prints one line per method and draft length and every mismatch with
 its prompt id and plain decoding's top-2 logit gap there. In fp32 every difference is a
-failure; in bf16/fp16 one within the dtype's near-tie tolerance (`bench.near_tie_tolerance`)
-is reported as a numeric near-tie apart from real failures. Exits 1 on a real failure, 2 on
+failure; in bf16/fp16 one within the dtype's near-tie tolerance
+(`selfspec.measure.lossless.near_tie_tolerance`) is reported as a numeric near-tie apart from
+real failures. Exits 1 on a real failure, 2 on
 a configuration error.
 """
 
@@ -18,9 +19,9 @@ import sys
 from omegaconf import DictConfig
 
 from selfspec import build
-from selfspec.bench import greedy_outputs, lossless_mismatches
 from selfspec.cli import hydra_entry_point
-from selfspec.peers import quiet_transformers
+from selfspec.measure.lossless import greedy_outputs, lossless_mismatches
+from selfspec.measure.peers import quiet_transformers
 
 
 @hydra_entry_point("lossless")

@@ -6,8 +6,8 @@
            'num_draft_tokens=[1,3]' record=runs/mt_bench_greedy.json
 
 Greedy speculative decoding emits plain greedy's tokens, so a drafter's accepted lengths follow
-from the answer (selfspec/replay.py): one target forward per prompt, then drafting alone. The
-tau printed is the one eval/sweep.py would measure at temperature 0 (a few differ where a
+from the answer (selfspec/measure/replay.py): one target forward per prompt, then drafting
+alone. The tau printed is the one eval/sweep.py would measure at temperature 0 (a few differ where a
 verification forward breaks a near-tie differently from the recording's); no speed. Writes
 replay.json (and the recording, greedy.json) into the run folder.
 """
@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from selfspec import build
 from selfspec.cli import hydra_entry_point
+from selfspec.measure.replay import GreedyRecord, record_greedy, replay
 from selfspec.metrics import GenerationStats
-from selfspec.replay import GreedyRecord, record_greedy, replay
 
 
 @hydra_entry_point("replay")

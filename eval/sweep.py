@@ -19,12 +19,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import build
-from selfspec.bench import add_bounds, run_sweep
 from selfspec.cli import hydra_entry_point
-from selfspec.costs import PROFILE_MAX_TOKENS
-from selfspec.peers import quiet_transformers
-from selfspec.plots import plot_sweep
-from selfspec.results import (
+from selfspec.measure.costs import PROFILE_MAX_TOKENS
+from selfspec.measure.peers import quiet_transformers
+from selfspec.measure.plots import plot_sweep
+from selfspec.measure.results import (
     best_rows,
     describe_auto,
     describe_profile,
@@ -33,6 +32,7 @@ from selfspec.results import (
     machine_facts,
     write_results,
 )
+from selfspec.measure.sweep import add_bounds, run_sweep
 from selfspec.tracking import Tracker
 
 

@@ -5,7 +5,7 @@
     python scripts/bench_linear.py --out docs/results/linear/linear.json
     python scripts/bench_linear.py --model smollm2-135m --lengths 1 2 3 4 5 8 16 64
 
-Each round measures the cost profile once per arm (`selfspec.costs.measure_cost_profile`);
+Each round measures the cost profile once per arm (`selfspec.measure.costs.measure_cost_profile`);
 the figures are medians over rounds of the milliseconds of one forward, and c(N) of each arm
 over its own one-token forward.
 """
@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from selfspec import model as model_module
 from selfspec.build import load_target
 from selfspec.cli import exit_on_user_error
-from selfspec.costs import measure_cost_profile
+from selfspec.measure.costs import measure_cost_profile
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # (FEW_ROWS_ON_CPU, PACKED_FROM_ROWS) of each arm.

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench import BenchSettings, run_passes
 from selfspec.build import load_tokenizer
 from selfspec.cli import exit_on_user_error
 from selfspec.drafters import MedusaProductDrafter
 from selfspec.heads import load_head
+from selfspec.measure.passes import BenchSettings, run_passes
 from selfspec.metrics import describe_split
 from selfspec.model import Transformer
 from selfspec.prompts import encode_prompts, humaneval_prompts
@@ -64,7 +64,7 @@ def trees_built_every_step():
 
 
 class LoopDecoder:
-    """One revision's `generate` as a bench decoder (see selfspec.peers.OurDecoder)."""
+    """One revision's `generate` as a bench decoder (see selfspec.measure.peers.OurDecoder)."""
 
     measures_draft_time = True
 

@@ -8,10 +8,10 @@ import json
 import pytest
 from test_sweep import cfg_of, load_entry, toy  # noqa: F401  (cfg_of is a fixture)
 
-from selfspec.autosize import choose_size
-from selfspec.costs import CostProfile
 from selfspec.drafters import NgramDrafter
-from selfspec.drafters.oracle import OracleDrafter
+from selfspec.measure.autosize import choose_size
+from selfspec.measure.costs import CostProfile
+from selfspec.measure.oracle import OracleDrafter
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 3, 9, 11]]
 

@@ -9,15 +9,10 @@ from helpers import tiny_llama
 from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, build, decode, generate
-from selfspec.bench import compare_with_plain
-from selfspec.costs import (
-    CostProfile,
-    FloorSettings,
-    covering_lengths,
-    measure_cost_profile,
-    measure_floor,
-)
-from selfspec.drafters import OracleDrafter
+from selfspec.measure.costs import CostProfile, covering_lengths, measure_cost_profile
+from selfspec.measure.floor import FloorSettings, measure_floor
+from selfspec.measure.oracle import OracleDrafter
+from selfspec.measure.passes import compare_with_plain
 from selfspec.model import Transformer
 
 

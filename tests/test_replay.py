@@ -17,7 +17,7 @@ from selfspec.drafters import (
     SmallModelDrafter,
     UnionDrafter,
 )
-from selfspec.replay import record_greedy, replay
+from selfspec.measure.replay import record_greedy, replay
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11], [40, 2, 33]]
 NEW_TOKENS = 24

@@ -11,7 +11,8 @@ from helpers import first_layers, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.draft_vocab import draft_vocabulary
-from selfspec.drafters import NgramDrafter, OracleDrafter, SmallModelDrafter
+from selfspec.drafters import NgramDrafter, SmallModelDrafter
+from selfspec.measure.oracle import OracleDrafter
 from selfspec.step import BUCKETS, StaticSteps, bucket_of, static_steps, use_cuda_graphs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -20,18 +20,6 @@ from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
 from selfspec import build
-from selfspec.bench import (
-    COLUMNS,
-    NEAR_TIE_ULPS,
-    BenchSettings,
-    GridPoint,
-    Method,
-    SweepGrid,
-    SweepRow,
-    greedy_outputs,
-    lossless_mismatches,
-    measure_row,
-)
 from selfspec.decode import GenerationResult
 from selfspec.draft_vocab import save_token_counts
 from selfspec.heads import (
@@ -43,10 +31,13 @@ from selfspec.heads import (
     save_head,
 )
 from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
+from selfspec.measure.grid import COLUMNS, GridPoint, SweepGrid, SweepRow
+from selfspec.measure.lossless import NEAR_TIE_ULPS, greedy_outputs, lossless_mismatches
+from selfspec.measure.passes import BenchSettings, Method, measure_row
+from selfspec.measure.peers import OurDecoder
+from selfspec.measure.results import format_table, split_percent
 from selfspec.metrics import OTHER, PHASES, GenerationStats
 from selfspec.model import Transformer
-from selfspec.peers import OurDecoder
-from selfspec.results import format_table, split_percent
 from selfspec.sampling import SamplingParams
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"

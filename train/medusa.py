@@ -16,11 +16,11 @@ import torch
 from omegaconf import DictConfig
 
 from selfspec import build
-from selfspec.bench import greedy_agreement
 from selfspec.cli import hydra_entry_point
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
+from selfspec.measure.lossless import greedy_agreement
 from selfspec.model import Transformer
 from selfspec.plan import head_training_lines, trainable_line
 from selfspec.tracking import Tracker

@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.build.common import device
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
-from selfspec.peers import random_hf_model
 from selfspec.plan import ModelPlan, plan_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,8 +12,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.autosize import SizeChoice, choose_size
-from selfspec.bench import METHODS, BenchSettings, GridPoint, Method, SweepGrid, SweepRow
 from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.build.drafters import (
     SHIPPED,
@@ -44,7 +42,6 @@ from selfspec.build.models import (
     resolve_model_path,
 )
 from selfspec.build.prompts import sweep_prompt_texts
-from selfspec.costs import CostProfile, FloorSettings, covering_lengths, measure_cost_profile
 from selfspec.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.drafters import (
     Drafter,
@@ -56,8 +53,13 @@ from selfspec.drafters import (
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
+from selfspec.measure.autosize import SizeChoice, choose_size
+from selfspec.measure.costs import CostProfile, covering_lengths, measure_cost_profile
+from selfspec.measure.floor import FloorSettings
+from selfspec.measure.grid import METHODS, GridPoint, SweepGrid, SweepRow
+from selfspec.measure.passes import BenchSettings, Method
+from selfspec.measure.peers import HFDecoder, OurDecoder
 from selfspec.model import Transformer
-from selfspec.peers import HFDecoder, OurDecoder
 from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
@@ -180,7 +182,7 @@ AUTO = "auto"
 
 def wants_auto(cfg: DictConfig) -> bool:
     """num_draft_tokens holds `auto`: a row per method at the length chosen among the others
-    by calibration (`selfspec.autosize`); for Medusa and EAGLE the length is the tree's
+    by calibration (`selfspec.measure.autosize`); for Medusa and EAGLE the length is the tree's
     depth, so auto picks among trees of different sizes and shapes."""
     return AUTO in as_list(cfg.num_draft_tokens)
 
@@ -484,7 +486,7 @@ def size_chooser(
 ) -> Callable[[GridPoint], SizeChoice]:
     """An auto point's draft length: each candidate length drafts the calibration prompts,
     and the one whose tau, draft sizes and draft time predict the highest speedup under the
-    profile wins (`selfspec.autosize.choose_size`)."""
+    profile wins (`selfspec.measure.autosize.choose_size`)."""
 
     def choose(point: GridPoint) -> SizeChoice:
         target, _ = verified_target(models, point.method)

@@ -11,7 +11,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import training as loop
-from selfspec.bench import Comparison, compare_with_plain
 from selfspec.build.common import device, positive_int, sampling_params
 from selfspec.build.drafters import eagle_version, lora_settings, medusa_version
 from selfspec.build.models import (
@@ -41,6 +40,7 @@ from selfspec.instructions import (
     stdlib_instructions,
 )
 from selfspec.lora import add_lora
+from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.model import Transformer
 from selfspec.objectives import (
     Eagle3Objective,

@@ -12,7 +12,6 @@ from selfspec.drafters.eagle import EagleDrafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import LookupCorpus, NgramDrafter
-from selfspec.drafters.oracle import OracleDrafter
 from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabulary
 from selfspec.drafters.union import UnionDrafter
 
@@ -28,7 +27,6 @@ __all__ = [
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",
-    "OracleDrafter",
     "SmallModelDrafter",
     "TargetFeatures",
     "UnionDrafter",

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from selfspec.bench import COLUMNS, SweepRow
-from selfspec.costs import CostProfile
+from selfspec.measure.costs import CostProfile
+from selfspec.measure.grid import COLUMNS, SweepRow
 from selfspec.metrics import OTHER, PHASES
 from selfspec.tracking import Tracker
 

@@ -3,7 +3,8 @@
 c(N) is the wall time of one target forward over N new tokens (over a cache of a given length)
 divided by that of a forward over one token. A speculative step that verifies N draft nodes
 costs c(N + 1) plain steps plus its drafting, so tau / (c(N + 1) + draft cost) bounds the
-speedup over plain decoding that acceptance alone allows (ARCHITECTURE.md, rule 9).
+speedup over plain decoding that acceptance alone allows (docs/design.md, "Every speedup is
+explained").
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from selfspec.devices import synchronize
-from selfspec.memory import PeakMemory
 from selfspec.model import Transformer
-from selfspec.sampling import SamplingParams
 from selfspec.step import static_steps, use_cuda_graphs
 
 DEFAULT_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -134,71 +133,3 @@ def _timed_forward(forward, tokens: torch.Tensor, cache, cache_length: int) -> f
     seconds = time.perf_counter() - start
     cache.truncate(cache_length)
     return seconds
-
-
-@dataclass(frozen=True)
-class FloorSettings:
-    """What eval/bench_decode.py measures: random prompts of prompt_tokens ids, new_tokens
-    generated greedily, the oracle at each draft length, c(N) at each cost length."""
-
-    prompt_tokens: int = 512
-    new_tokens: int = 128
-    num_prompts: int = 2
-    draft_lengths: tuple[int, ...] = (1, 2, 4, 8)
-    cost_lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    repeats: int = 3
-    seed: int = 0
-    cuda_graphs: bool | None = None  # as `generate`'s: None = on for a CUDA target
-
-    def __post_init__(self) -> None:
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true, false or null, got {self.cuda_graphs!r}")
-        for name in ("prompt_tokens", "new_tokens", "num_prompts", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("draft_lengths", "cost_lengths"):
-            if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be a non-empty list of integers >= 1")
-        if max(self.draft_lengths) + 1 > max(self.cost_lengths):
-            raise ValueError(f"cost_lengths must reach max(draft_lengths) + 1 = "
-                             f"{max(self.draft_lengths) + 1} (a draft of k verifies k + 1 "
-                             f"tokens), got up to {max(self.cost_lengths)}")
-
-
-def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
-    """The decode loop's floor and ceiling on this machine: plain tokens/s of selfspec and of
-    Hugging Face `generate` on the same weights, c(N), and the oracle drafter's speedup at
-    each draft length beside the bound tau / c(k + 1) (its drafting costs nothing), with the
-    time split of its steps (synchronized at every phase boundary on a GPU)."""
-    from selfspec.bench import BenchSettings, compare_with_plain, run_passes
-    from selfspec.drafters.oracle import OracleDrafter
-    from selfspec.peers import HFDecoder, OurDecoder
-
-    generator = torch.Generator().manual_seed(settings.seed)
-    prompts = torch.randint(target.config.vocab_size, (settings.num_prompts,
-                            settings.prompt_tokens), generator=generator).tolist()
-    bench = BenchSettings(max_new_tokens=settings.new_tokens, repeats=settings.repeats,
-                          seed=settings.seed)
-    graphs = settings.cuda_graphs
-    ours, theirs = run_passes([OurDecoder(target, cuda_graphs=graphs), HFDecoder(hf_model)],
-                              prompts, SamplingParams(), bench)
-    profile = measure_cost_profile(target, settings.cost_lengths,
-                                   cache_length=settings.prompt_tokens, repeats=settings.repeats,
-                                   cuda_graphs=graphs)
-    answers, oracle = OracleDrafter(), []
-    answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
-    with PeakMemory(target.embed_tokens.weight.device) as memory:  # the oracle and plain runs
-        for k in settings.draft_lengths:
-            row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
-                                     max_new_tokens=settings.new_tokens, seed=settings.seed,
-                                     split_time=True, cuda_graphs=graphs)
-            bound = profile.bound(row.tau, k)
-            oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
-                           "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
-                           "plain_tokens_per_s": row.plain_tokens_per_s,
-                           "lossless": row.lossless, "time_split": row.time_split})
-    return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
-            "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
-            "cuda_graphs": use_cuda_graphs(graphs, target.embed_tokens.weight.device),
-            "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
-            "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from selfspec.bench import BenchSettings, run_passes
-from selfspec.costs import CostProfile
 from selfspec.drafters.base import Drafter
+from selfspec.measure.costs import CostProfile
+from selfspec.measure.passes import BenchSettings, run_passes
+from selfspec.measure.peers import OurDecoder
 from selfspec.model import Transformer
-from selfspec.peers import OurDecoder
 from selfspec.sampling import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Figures of a sweep (selfspec.bench rows as dicts, e.g. results.json's "rows"), as PNG files.
+"""Figures of a sweep (`SweepRow`s as dicts, e.g. results.json's "rows"), as PNG files.
 
 Built on matplotlib's object API (`Figure`), not pyplot: no global state, no GUI backend, so
 plotting works in threads, tests and headless machines. Each figure has one panel per

@@ -2,7 +2,7 @@
 
 With a perfect drafter every draft token is accepted (tau = k + 1 until the end), so its
 speedup over plain decoding is the ceiling of the decode loop on this machine: it should sit
-near tau / c(k + 1) (see `selfspec.costs`). Greedy decoding only.
+near tau / c(k + 1) (see `selfspec.measure.costs`). Greedy decoding only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.decode import generate
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 
 
@@ -44,8 +45,6 @@ class OracleDrafter:
         return other
 
     def _answer_for(self, target, prompt: torch.Tensor, length: int) -> list[int]:
-        from selfspec.decode import generate  # decode imports the drafter protocol
-
         key = (id(target), tuple(prompt.tolist()))
         known = self._answers.get(key, [])
         if len(known) < length:  # greedy answers are prefixes of longer ones

@@ -1,0 +1,239 @@
+"""Measuring one method against its baseline: plain decoding of the same target, in the same
+process, on the same prompts.
+
+Speedup is a ratio of tokens per second. By default plain and speculative runs are interleaved
+prompt by prompt so that machine drift hits both; warm-up generations are excluded. Every
+generation is timed the same way, around the call, whichever library runs it (ours or Hugging
+Face `generate`). Next to every speedup stands a repetition measure: a small model's greedy
+output can collapse into loops that any drafter predicts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from selfspec.decode import GenerationResult
+from selfspec.drafters.base import Drafter
+from selfspec.measure.grid import GridPoint, SweepRow
+from selfspec.measure.memory import PeakMemory
+from selfspec.measure.peers import Decoder, OurDecoder
+from selfspec.metrics import GenerationStats, describe_split
+from selfspec.model import Transformer
+from selfspec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """repeats: timed passes over the prompt set; warmup: untimed generations per decoder
+    before timing starts; stop_ids: EOS ids that end a generation (empty: never stop early)."""
+
+    max_new_tokens: int = 64
+    repeats: int = 1
+    warmup: int = 1
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_new_tokens", 1), ("repeats", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"BenchSettings: {name} must be an integer >= {low}, got {value!r}"
+                )
+
+
+@dataclass(frozen=True)
+class Method:
+    """A grid point's decoder and its baseline: plain decoding of the same target by the same
+    library (ours for our drafters, Hugging Face's for the hf_* peers)."""
+
+    name: str
+    draft_length: int
+    decoder: Decoder
+    baseline: Decoder
+    baseline_name: str = "plain"
+    draft_nodes: int | None = None  # tokens per draft (a tree has more than its depth)
+
+
+@dataclass
+class Pass:
+    """One decoder over the prompt set, repeated: per-repeat totals and summed counters.
+
+    outputs: the tokens of every prompt in the first repeat (seeds repeat, so do outputs)."""
+
+    new_tokens: list[int] = field(default_factory=list)  # per repeat
+    seconds: list[float] = field(default_factory=list)  # per repeat
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, repeat: int, result: GenerationResult) -> None:
+        if repeat == len(self.seconds):
+            self.new_tokens.append(0)
+            self.seconds.append(0.0)
+        self.new_tokens[repeat] += result.stats.new_tokens
+        self.seconds[repeat] += result.stats.wall_time_s
+        self.stats.merge(result.stats)
+        if repeat == 0:
+            self.outputs.append(result.tokens)
+
+    @property
+    def tokens_per_s(self) -> list[float]:
+        return [n / s if s else 0.0 for n, s in zip(self.new_tokens, self.seconds, strict=True)]
+
+
+def run_passes(
+    decoders: Sequence[Decoder],
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    settings: BenchSettings,
+) -> list[Pass]:
+    """Warm every decoder up, then time them interleaved prompt by prompt, repeat by repeat.
+
+    Prompt i is generated with seed `settings.seed + i` in every repeat and by every decoder.
+    """
+    if not prompts:
+        raise ValueError("run_passes: no prompts to measure on")
+    warm_tokens = min(16, settings.max_new_tokens)
+    for decoder in decoders:
+        for w in range(settings.warmup):
+            decoder(prompts[w % len(prompts)], sampling, warm_tokens, settings.seed, ())
+    passes = [Pass() for _ in decoders]
+    for repeat in range(settings.repeats):
+        for i, prompt in enumerate(prompts):
+            for decoder, summary in zip(decoders, passes, strict=True):
+                summary.add(repeat, decoder(prompt, sampling, settings.max_new_tokens,
+                                            settings.seed + i, settings.stop_ids))
+    return passes
+
+
+def measure_row(
+    method: Method,
+    point: GridPoint,
+    prompts: Sequence[Sequence[int]],
+    settings: BenchSettings,
+    baseline: Pass | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[SweepRow, Pass]:
+    """Measure one grid point; returns the row and the baseline pass it was compared with.
+
+    baseline: a pass of the baseline measured earlier (shared mode); None = measure it here,
+    interleaved with the method prompt by prompt.
+    """
+    with PeakMemory(device) as memory:
+        if baseline is None:
+            baseline, ours = run_passes([method.baseline, method.decoder], prompts,
+                                        point.sampling, settings)
+        else:
+            (ours,) = run_passes([method.decoder], prompts, point.sampling, settings)
+    lossless = ours.outputs == baseline.outputs if point.sampling.greedy else None
+    row = _row(method, point, ours, baseline, memory, lossless)
+    return row, baseline
+
+
+def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakMemory,
+         lossless: bool | None) -> SweepRow:
+    stats, sampling = ours.stats, point.sampling
+    speed, base_speed = ours.tokens_per_s, base.tokens_per_s
+    ratios = [a / b if b else 0.0 for a, b in zip(speed, base_speed, strict=True)]
+    median, base_median = statistics.median(speed), statistics.median(base_speed)
+    return SweepRow(
+        method=method.name, draft_length=method.draft_length, draft_nodes=method.draft_nodes,
+        sampling=point.sampling_name, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, baseline=method.baseline_name, prompts=len(ours.outputs),
+        repeats=len(speed), new_tokens=sum(len(o) for o in ours.outputs),
+        tau=stats.tau, acceptance_rate=stats.acceptance_rate,
+        acceptance_by_position=stats.acceptance_by_position,
+        tokens_per_s=median, tokens_per_s_min=min(speed), tokens_per_s_max=max(speed),
+        baseline_tokens_per_s=base_median, baseline_tokens_per_s_min=min(base_speed),
+        baseline_tokens_per_s_max=max(base_speed),
+        speedup=median / base_median if base_median else 0.0,
+        speedup_min=min(ratios), speedup_max=max(ratios),
+        target_forwards_per_token=stats.target_forwards / max(stats.new_tokens, 1),
+        draft_time_share=(stats.draft_time_s / stats.wall_time_s
+                          if method.decoder.measures_draft_time and stats.wall_time_s else None),
+        peak_memory_mb=memory.peak_mb, memory_measure=memory.kind,
+        repeated_4gram_share=repeated_ngram_share(ours.outputs, 4),
+        baseline_repeated_4gram_share=repeated_ngram_share(base.outputs, 4),
+        lossless=lossless, nodes_per_step=stats.nodes_per_step,
+        nodes_histogram=list(stats.nodes_histogram),
+        draft_ms_per_step=(1000 * stats.draft_time_s / stats.steps
+                           if method.decoder.measures_draft_time and stats.steps else None),
+        time_split=stats.time_split, baseline_time_split=base.stats.time_split,
+    )
+
+
+# ---- one drafter against plain decoding (train/medusa.py's final report) -------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A drafter against plain decoding: tau counts the bonus token; speedup is the ratio of
+    tokens/s; lossless is None when sampling (outputs may then differ and still be exact)."""
+
+    tau: float
+    acceptance_rate: float
+    tokens_per_s: float
+    plain_tokens_per_s: float
+    speedup: float
+    draft_time_share: float
+    repeated_4gram_share: float
+    lossless: bool | None
+    prompts: int
+    new_tokens: int
+    time_split: dict[str, dict[str, float]] | None = None  # the drafter's, GenerationStats'
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self, prompt_set: str) -> str:
+        """One line: tau, speedup, both speeds, draft time share, losslessness, repetition,
+        and where the drafter's time went."""
+        return (f"tau {self.tau:.2f}, speedup x{self.speedup:.2f} over plain decoding "
+                f"({self.tokens_per_s:.1f} vs {self.plain_tokens_per_s:.1f} tokens/s) on "
+                f"{self.prompts} {prompt_set} prompts, draft time share "
+                f"{self.draft_time_share:.2f}, lossless={self.lossless}, repeated 4-grams "
+                f"{self.repeated_4gram_share:.2f}; time: {describe_split(self.time_split)}")
+
+
+def compare_with_plain(
+    target: Transformer,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    sampling: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    split_time: bool | None = None,
+    cuda_graphs: bool | None = None,
+) -> Comparison:
+    """Generate every prompt with plain decoding and with the drafter, interleaved.
+    split_time, cuda_graphs: as `generate`'s, for both (True: the time split on any device)."""
+    if not prompts:
+        raise ValueError("compare_with_plain: no prompts to measure on")
+    ours, plain = (OurDecoder(target, d, split_time=split_time, cuda_graphs=cuda_graphs)
+                   for d in (drafter, None))
+    method = Method("drafter", drafter.max_nodes, ours, plain)
+    point = GridPoint("drafter", drafter.max_nodes, "custom", sampling)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, seed=seed)
+    row, _ = measure_row(method, point, prompts, settings, device=target.embed_tokens.weight.device)
+    return Comparison(
+        tau=row.tau, acceptance_rate=row.acceptance_rate, tokens_per_s=row.tokens_per_s,
+        plain_tokens_per_s=row.baseline_tokens_per_s, speedup=row.speedup,
+        draft_time_share=row.draft_time_share or 0.0,
+        repeated_4gram_share=row.repeated_4gram_share, lossless=row.lossless,
+        prompts=row.prompts, new_tokens=row.new_tokens, time_split=row.time_split,
+    )
+
+
+def repeated_ngram_share(outputs: Sequence[Sequence[int]], n: int = 4) -> float:
+    """Share of n-grams in the outputs that repeat an earlier n-gram of the same output."""
+    total = repeated = 0
+    for tokens in outputs:
+        grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+        total += len(grams)
+        repeated += len(grams) - len(set(grams))
+    return repeated / total if total else 0.0
