@@ -95,10 +95,10 @@ def add_bounds(rows: Sequence[SweepRow], profile: CostProfile) -> list[SweepRow]
     """Every row's bound and efficiency from a cost profile of its target (docs/design.md,
     "Every speedup is explained"): bound = tau / (c(N + 1) + draft cost), c(N + 1) being its
     mean over the row's steps (N: each step's draft nodes, from nodes_histogram), the draft
-    cost = draft time per step in one-token forwards of the profile (0 where the draft time is not measured: the
-    bound is then an upper one); efficiency = speedup / bound. A row without drafts has bound
-    1 / (1 + its draft cost). The hf_* rows use c(N) of our forward. A row with a step beyond
-    the profile's lengths keeps None."""
+    cost = draft time per step in one-token forwards of the profile (0 where the draft time
+    is not measured: the bound is then an upper one); efficiency = speedup / bound. A row
+    without drafts has bound 1 / (1 + its draft cost). The hf_* rows use c(N) of our forward.
+    A row with a step beyond the profile's lengths keeps None."""
     one_token_ms = 1000 * profile.seconds[1]
     out = []
     for r in rows:
