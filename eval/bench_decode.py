@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.measure.floor import measure_floor
 from selfspec.measure.plots import plot_cost_profile
@@ -23,9 +23,9 @@ from selfspec.measure.results import machine_facts, split_percent
 
 @hydra_entry_point("bench_decode")
 def main(cfg: DictConfig) -> None:
-    build.set_threads(cfg)
-    settings = build.floor_settings(cfg)  # checked before any model loads
-    target, hf_model = build.timing_models(cfg)
+    from_config.set_threads(cfg)
+    settings = from_config.floor_settings(cfg)  # checked before any model loads
+    target, hf_model = from_config.timing_models(cfg)
     figures = measure_floor(target, hf_model, settings)
     figures |= {"model": cfg.model.name, "machine": machine_facts()}
     folder = Path(cfg.run_dir)

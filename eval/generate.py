@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.decode import GenerationResult, generate
 
@@ -18,14 +18,14 @@ from selfspec.decode import GenerationResult, generate
 @hydra_entry_point("generate")
 def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
-        print(build.model_plan(cfg).format())
+        print(from_config.model_plan(cfg).format())
         return
-    settings = build.generation_settings(cfg)  # checked before any model loads
-    texts = build.prompts(cfg.data)
-    target = build.load_target(cfg)
-    drafter = build.build_drafter(cfg, target)
-    tokenizer = build.load_tokenizer(target.source)
-    prompts = build.encode_prompt_texts(cfg.data, texts, tokenizer)
+    settings = from_config.generation_settings(cfg)  # checked before any model loads
+    texts = from_config.prompts(cfg.data)
+    target = from_config.load_target(cfg)
+    drafter = from_config.build_drafter(cfg, target)
+    tokenizer = from_config.load_tokenizer(target.source)
+    prompts = from_config.encode_prompt_texts(cfg.data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 
     def run(ids: list[int], drafter, max_new_tokens: int) -> GenerationResult:

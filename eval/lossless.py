@@ -18,7 +18,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.measure.lossless import greedy_outputs, lossless_mismatches
 from selfspec.measure.peers import quiet_transformers
@@ -32,18 +32,18 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> int:
     """Every method's greedy output against plain greedy; returns the number of mismatches."""
-    build.set_threads(cfg)
-    plan = build.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
-    n = build.positive_int(cfg, "max_new_tokens")
-    models = build.load_sweep_models(cfg, plan.grid.methods)
-    tokenizer = build.load_tokenizer(models.target.source)
+    from_config.set_threads(cfg)
+    plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
+    n = from_config.positive_int(cfg, "max_new_tokens")
+    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    tokenizer = from_config.load_tokenizer(models.target.source)
     quiet_transformers()
-    encoded = build.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
     prompts = [(p.prompt.id, p.ids) for p in encoded]
-    stops = build.stop_ids(cfg, models.target, tokenizer)
+    stops = from_config.stop_ids(cfg, models.target, tokenizer)
     references, failures, ties = {}, 0, 0
     for point in plan.grid.points():
-        method = build.build_method(models, point.method, point.draft_length)
+        method = from_config.build_method(models, point.method, point.draft_length)
         if method.baseline_name not in references:  # plain greedy, once per library
             references[method.baseline_name] = greedy_outputs(
                 method.baseline, [ids for _, ids in prompts], n, stops)

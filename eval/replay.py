@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.measure.replay import GreedyRecord, record_greedy, replay
 from selfspec.metrics import GenerationStats
@@ -34,16 +34,16 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> list[dict]:
     """Every method x draft length replayed; returns (and writes) the rows."""
-    build.set_threads(cfg)
-    plan = build.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
-    n = build.positive_int(cfg, "max_new_tokens")
+    from_config.set_threads(cfg)
+    plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
+    n = from_config.positive_int(cfg, "max_new_tokens")
     if hf := [m for m in plan.grid.methods if m.startswith("hf_")]:
         raise ValueError(f"eval/replay.py replays selfspec's drafters; drop {', '.join(hf)} "
                          f"(eval/sweep.py measures them)")
-    models = build.load_sweep_models(cfg, plan.grid.methods)
-    tokenizer = build.load_tokenizer(models.target.source)
-    encoded = build.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
-    stops = build.stop_ids(cfg, models.target, tokenizer)
+    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    tokenizer = from_config.load_tokenizer(models.target.source)
+    encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    stops = from_config.stop_ids(cfg, models.target, tokenizer)
     records = recorded(cfg, models.target, {p.prompt.id: p.ids for p in encoded}, n, stops)
     if models.medusa_target is not None:
         raise ValueError("eval/replay.py replays drafts verified on the target itself; Medusa-2 "
@@ -53,7 +53,7 @@ def run(cfg: DictConfig) -> list[dict]:
     for point in plan.grid.points():
         stats = GenerationStats()
         for record in records:
-            drafter = build.our_drafter(models, point.method, point.draft_length)
+            drafter = from_config.our_drafter(models, point.method, point.draft_length)
             stats.merge(replay(models.target, drafter, record))
         rows.append({"method": point.method, "draft_length": point.draft_length,
                      "tau": stats.tau, "mean_draft_nodes": stats.drafted / max(stats.steps, 1),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.measure.costs import PROFILE_MAX_TOKENS
 from selfspec.measure.peers import quiet_transformers
@@ -43,31 +43,33 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> None:
     """The whole sweep; bad settings are refused before any weights load."""
-    build.set_threads(cfg)
-    plan = build.plan_sweep(cfg, int(cfg.bench.num_prompts))
-    build.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
-    models = build.load_sweep_models(cfg, plan.grid.methods)
-    tokenizer = build.load_tokenizer(models.target.source)
+    from_config.set_threads(cfg)
+    plan = from_config.plan_sweep(cfg, int(cfg.bench.num_prompts))
+    from_config.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
+    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    tokenizer = from_config.load_tokenizer(models.target.source)
     quiet_transformers()
-    prompts = build.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
-    settings = build.bench_settings(cfg, build.stop_ids(cfg, models.target, tokenizer))
+    prompts = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    settings = from_config.bench_settings(cfg, from_config.stop_ids(cfg, models.target, tokenizer))
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
                       name=Path(cfg.run_dir).name, config=config)
-    split, ids = build.split_time(cfg), [p.ids for p in prompts]
+    split, ids = from_config.split_time(cfg), [p.ids for p in prompts]
     profile = chooser = None
     if plan.grid.auto:  # auto rows predict from c(N): measured first, over every length
-        profile = build.sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
-        calibration = build.encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
-        chooser = build.size_chooser(models, [p.ids for p in calibration], profile, settings)
+        profile = from_config.sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
+        calibration = from_config.encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
+        chooser = from_config.size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
         plan.grid.points(),
-        lambda name, k: build.build_method(models, name, k, split, build.cuda_graphs(cfg)),
+        lambda name, k: from_config.build_method(models, name, k, split,
+                                                 from_config.cuda_graphs(cfg)),
         ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
         progress=bool(cfg.progress), choose_length=chooser,
     )
     if profile is None:
-        profile = build.sweep_cost_profile(cfg, models.target, ids, build.longest_forward(rows))
+        longest = from_config.longest_forward(rows)
+        profile = from_config.sweep_cost_profile(cfg, models.target, ids, longest)
     if profile is not None:
         rows = add_bounds(rows, profile)
     machine = machine_facts()

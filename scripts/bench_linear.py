@@ -21,8 +21,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec import model as model_module
-from selfspec.build import load_target
 from selfspec.cli import exit_on_user_error
+from selfspec.from_config import load_target
 from selfspec.measure.costs import measure_cost_profile
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

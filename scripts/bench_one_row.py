@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec import model as model_module
-from selfspec.build import load_target
+from selfspec.from_config import load_target
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CURRENT = model_module.linear

@@ -18,7 +18,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import exit_on_user_error
 from selfspec.decode import generate
 from selfspec.drafters import EagleDrafter
@@ -44,9 +44,9 @@ def drafter_for(head, shape: str) -> EagleDrafter:
 def measure(head_folder: str, shapes: list[str], num_prompts: int, new_tokens: int) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("train_eagle", overrides=[f"final_eval.num_prompts={num_prompts}"])
-    target = build.load_target(cfg)
-    head = build.load_eagle(head_folder, target)
-    prompts = build.final_eval_prompts(cfg, target)
+    target = from_config.load_target(cfg)
+    head = from_config.load_eagle(head_folder, target)
+    prompts = from_config.final_eval_prompts(cfg, target)
     rows = []
     for shape in tqdm(shapes, desc="shapes"):
         drafter, stats = drafter_for(head, shape), GenerationStats()

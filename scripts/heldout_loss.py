@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from selfspec.build import load_tokenizer
 from selfspec.cli import exit_on_user_error
 from selfspec.data import pack_token_stream, stdlib_files, token_stream
+from selfspec.from_config import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 200_000
 DEFAULT_SEQ_LEN = 256

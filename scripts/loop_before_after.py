@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.build import load_tokenizer
 from selfspec.cli import exit_on_user_error
 from selfspec.drafters import MedusaProductDrafter
+from selfspec.from_config import load_tokenizer
 from selfspec.heads import load_head
 from selfspec.measure.passes import BenchSettings, run_passes
 from selfspec.metrics import describe_split

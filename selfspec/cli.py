@@ -24,8 +24,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from selfspec.build import CONF_DIR
 from selfspec.errors import SelfspecError
+from selfspec.from_config import CONF_DIR
 
 USER_ERRORS = (SelfspecError, ValueError, FileNotFoundError, HydraException,
                OmegaConfBaseException)

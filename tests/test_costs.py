@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_llama
 from omegaconf import OmegaConf
 
-from selfspec import SamplingParams, build, decode, generate
+from selfspec import SamplingParams, decode, from_config, generate
 from selfspec.measure.costs import CostProfile, covering_lengths, measure_cost_profile
 from selfspec.measure.floor import FloorSettings, measure_floor
 from selfspec.measure.oracle import OracleDrafter
@@ -109,7 +109,7 @@ def test_the_oracle_refuses_sampling_and_bad_lengths(target):
 
 def random_config(**arch):
     """conf/model/random-7b.yaml shrunk to a toy of the same kind."""
-    cfg = OmegaConf.create({"model": OmegaConf.load(build.CONF_DIR / "model/random-7b.yaml"),
+    cfg = OmegaConf.create({"model": OmegaConf.load(from_config.CONF_DIR / "model/random-7b.yaml"),
                             "device": "cpu", "seed": 3})
     cfg.model.dtype = "fp32"
     cfg.model.arch.update(arch)
@@ -119,16 +119,16 @@ def random_config(**arch):
 def test_a_random_weights_target_shares_its_weights_with_its_transformers_twin():
     cfg = random_config(vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=2,
                         num_heads=4, num_kv_heads=2)
-    target, hf_model = build.timing_models(cfg)
+    target, hf_model = from_config.timing_models(cfg)
     tokens = torch.randint(80, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = target(tokens, torch.arange(9)).logits, hf_model(tokens).logits
     assert (ours - theirs).abs().max() < 1e-5
     assert target.embed_tokens.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
-    again, _ = build.timing_models(cfg)  # seeded: the same weights again
+    again, _ = from_config.timing_models(cfg)  # seeded: the same weights again
     assert torch.equal(again.lm_head.weight, target.lm_head.weight)
-    with pytest.raises(build.ModelNotAvailable, match="random weights and no files"):
-        build.resolve_model_path(cfg.model)
+    with pytest.raises(from_config.ModelNotAvailable, match="random weights and no files"):
+        from_config.resolve_model_path(cfg.model)
 
 
 def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):

@@ -331,7 +331,7 @@ def test_a_checkpoint_round_trips(tmp_path, target, kind):
 
 
 def test_a_checkpoint_for_another_target_or_another_e_is_refused(tmp_path, target):
-    from selfspec.build import load_early_exit
+    from selfspec.from_config import load_early_exit
 
     head = random_exit(target, 2, "adapter")
     save_head(tmp_path / "exit", head, head.config, describe_target(target))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from selfspec.build import REPO_ROOT
+from selfspec.from_config import REPO_ROOT
 from selfspec.model import ModelConfig
 from selfspec.plan import count_parameters, plan_model
 

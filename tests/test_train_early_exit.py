@@ -9,7 +9,7 @@ from pathlib import Path
 from helpers import run_trainer, tiny_llama
 from test_train_medusa import sharegpt_file
 
-from selfspec.build import load_early_exit
+from selfspec.from_config import load_early_exit
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 

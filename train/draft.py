@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.draft_vocab import (
     load_draft_vocab,
@@ -38,24 +38,25 @@ from selfspec.training import fit, make_accelerator, state_part
 @hydra_entry_point("train_draft")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
-    build.set_threads(cfg, "trainer.threads")
+    from_config.set_threads(cfg, "trainer.threads")
     if cfg.dry_run:
         return dry_run(cfg)
-    settings, target, tokenizer = build.start_training(cfg, build.check_draft_model_settings)
-    train, heldout = build.training_rows(cfg, tokenizer, target)
-    draft = build.draft_from_target(cfg, target)
-    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    settings, target, tokenizer = from_config.start_training(
+        cfg, from_config.check_draft_model_settings)
+    train, heldout = from_config.training_rows(cfg, tokenizer, target)
+    draft = from_config.draft_from_target(cfg, target)
+    accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
     size = cfg.draft_model.draft_vocab
     objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
                                     bool(cfg.draft_model.cache_features),
                                     None if size is None else most_frequent(counts, int(size)))
-    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
         """The draft as a Hugging Face folder, the target's tokenizer and the training data's
         token counts (any draft vocabulary size is chosen from them later)."""
-        trained = build.draft_from_target(cfg, target)
+        trained = from_config.draft_from_target(cfg, target)
         trained.load_state_dict(state_part(state, "draft."), strict=False)
         trained.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
@@ -63,16 +64,16 @@ def main(cfg: DictConfig) -> None:
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
-    build.report_and_finish(cfg, settings, result, tracker, report)
+    from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
 def dry_run(cfg: DictConfig) -> None:
     """The memory plan of the target and the draft, on meta tensors."""
-    print(build.model_plan(cfg).format())
-    config = build.model_config(cfg.model)
+    print(from_config.model_plan(cfg).format())
+    config = from_config.model_config(cfg.model)
     with torch.device("meta"):  # sized from the config: no weights, no memory
-        draft = Transformer(config).first_layers(build.check_draft_model_settings(cfg))
-    build.freeze_draft_embeddings(cfg, draft)
+        draft = Transformer(config).first_layers(from_config.check_draft_model_settings(cfg))
+    from_config.freeze_draft_embeddings(cfg, draft)
     count = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     print(trainable_line(f"trainable draft (the target's first {draft.config.num_layers} "
                          f"layers and final norm)", count, int(cfg.num_gpus)))
@@ -81,13 +82,13 @@ def dry_run(cfg: DictConfig) -> None:
 def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
     """tau, speedup and draft time share of the exported draft over plain decoding of the
     target, on fresh weights, whatever DeepSpeed did to the trained ones."""
-    target = build.load_target(cfg)
+    target = from_config.load_target(cfg)
     draft = Transformer.from_pretrained(export, dtype=target.embed_tokens.weight.dtype,
                                         device=target.embed_tokens.weight.device)
     size = cfg.draft_model.draft_vocab
     vocab = None if size is None else load_draft_vocab(export, int(size))
     drafter = SmallModelDrafter(draft, int(cfg.draft_model.num_draft_tokens), draft_vocab=vocab)
-    comparison = build.compare_on_final_eval(cfg, target, drafter)
+    comparison = from_config.compare_on_final_eval(cfg, target, drafter)
     top1 = metrics.get("eval/draft/top1")
     tracker.log_summary({**comparison.as_dict(), "draft": str(export),
                          "heldout_top1": None if top1 is None else round(top1, 3)})

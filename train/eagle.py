@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import describe_target, save_head
@@ -28,18 +28,18 @@ from selfspec.training import fit, make_accelerator, state_part
 @hydra_entry_point("train_eagle")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
-    build.set_threads(cfg, "trainer.threads")
-    build.eagle_version(cfg)
+    from_config.set_threads(cfg, "trainer.threads")
+    from_config.eagle_version(cfg)
     if cfg.dry_run:
         return dry_run(cfg)
-    settings, target, tokenizer = build.start_training(cfg, build.check_eagle_settings)
-    head, head_config = build.eagle_head(cfg, target)
-    train, heldout = build.training_rows(cfg, tokenizer, target)
-    build.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
-    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    settings, target, tokenizer = from_config.start_training(cfg, from_config.check_eagle_settings)
+    head, head_config = from_config.eagle_head(cfg, target)
+    train, heldout = from_config.training_rows(cfg, tokenizer, target)
+    from_config.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
+    accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
-    objective = build.eagle_objective(cfg, target, head)
-    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    objective = from_config.eagle_objective(cfg, target, head)
+    tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     buffers = {name: b.detach().clone() for name, b in head.named_buffers()}  # EAGLE-3 d2t, t2d
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -50,29 +50,30 @@ def main(cfg: DictConfig) -> None:
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
-    build.report_and_finish(cfg, settings, result, tracker, report)
+    from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
 def dry_run(cfg: DictConfig) -> None:
     """The memory plan of the target and the head, on meta tensors."""
-    print(build.model_plan(cfg).format())
+    print(from_config.model_plan(cfg).format())
     with torch.device("meta"):  # sized from the config: no weights, no memory
-        head = EagleHead(build.eagle_config(cfg, build.model_config(cfg.model)))
+        head = EagleHead(from_config.eagle_config(cfg, from_config.model_config(cfg.model)))
     print(head_training_lines(head, int(cfg.num_gpus)))
 
 
 def report(cfg: DictConfig, head_folder: Path, metrics: dict, tracker: Tracker) -> None:
     """tau, speedup and draft time share of the trained head over plain decoding of the
     target, on fresh weights, whatever DeepSpeed did to the trained ones."""
-    target = build.load_target(cfg)
-    head = build.load_eagle(head_folder, target)
-    comparison = build.compare_on_final_eval(cfg, target, build.eagle_drafter(cfg, head))
+    target = from_config.load_target(cfg)
+    head = from_config.load_eagle(head_folder, target)
+    drafter = from_config.eagle_drafter(cfg, head)
+    comparison = from_config.compare_on_final_eval(cfg, target, drafter)
     top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
             if k.startswith("eval/") and k.endswith("top1")}  # held-out, not the last batch
-    version = build.eagle_version(cfg)
+    version = from_config.eagle_version(cfg)
     tracker.log_summary({**comparison.as_dict(), **top1, "head": str(head_folder),
                          "eagle_version": version})
-    print(f"EAGLE head ({build.EAGLE_VERSIONS[version]}): {head_folder}")
+    print(f"EAGLE head ({from_config.EAGLE_VERSIONS[version]}): {head_folder}")
     print(f"top-1 agreement with the target (held-out): {top1}")
     print(comparison.describe(cfg.data.name))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, save_head
@@ -31,16 +31,17 @@ from selfspec.training import fit, make_accelerator, state_part
 @hydra_entry_point("train_early_exit")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
-    build.set_threads(cfg, "trainer.threads")
+    from_config.set_threads(cfg, "trainer.threads")
     if cfg.dry_run:
         return dry_run(cfg)
-    settings, target, tokenizer = build.start_training(cfg, build.check_early_exit_settings)
-    heads = build.early_exit_heads(cfg, target)
-    train, heldout = build.training_rows(cfg, tokenizer, target)
-    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    settings, target, tokenizer = from_config.start_training(
+        cfg, from_config.check_early_exit_settings)
+    heads = from_config.early_exit_heads(cfg, target)
+    train, heldout = from_config.training_rows(cfg, tokenizer, target)
+    accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
     objective = EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight))
-    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     configs = [head.config for head in heads]
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -52,14 +53,14 @@ def main(cfg: DictConfig) -> None:
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
-    build.report_and_finish(cfg, settings, result, tracker, report)
+    from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
 def dry_run(cfg: DictConfig) -> None:
     """The memory plan of the target and the adapters, on meta tensors."""
-    print(build.model_plan(cfg).format())
-    config = build.model_config(cfg.model)
-    layers = build.early_exit_layers(cfg, config.num_layers)
+    print(from_config.model_plan(cfg).format())
+    config = from_config.model_config(cfg.model)
+    layers = from_config.early_exit_layers(cfg, config.num_layers)
     with torch.device("meta"):  # sized from the config: no weights, no memory
         heads = [ExitHead(ExitConfig.for_target(config, e)) for e in layers]
     count = sum(p.numel() for head in heads for p in head.parameters())
@@ -71,20 +72,20 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
     """For each trained E: tau, speedup and draft time share of the adapter and of the norm
     exit over plain decoding of the target, on fresh weights, whatever DeepSpeed did to the
     trained ones."""
-    target = build.load_target(cfg)
+    target = from_config.load_target(cfg)
     summary, lines = {"exits": str(export)}, []
-    for e in build.early_exit_layers(cfg, target.config.num_layers):
-        adapter = build.load_early_exit(export / f"E{e}", target, exit_layer=e)
-        for kind, head in (("norm", build.norm_exit(target, e)), ("adapter", adapter)):
-            comparison = build.compare_on_final_eval(cfg, target,
-                                                     build.early_exit_drafter(cfg, head))
+    for e in from_config.early_exit_layers(cfg, target.config.num_layers):
+        adapter = from_config.load_early_exit(export / f"E{e}", target, exit_layer=e)
+        for kind, head in (("norm", from_config.norm_exit(target, e)), ("adapter", adapter)):
+            comparison = from_config.compare_on_final_eval(cfg, target,
+                                                     from_config.early_exit_drafter(cfg, head))
             summary |= {f"E{e}/{kind}/{k}": v for k, v in comparison.as_dict().items()}
             lines.append(f"E={e} {kind:<7}: {comparison.describe(cfg.data.name)}")
         top1 = metrics.get(f"eval/exit/E{e}_top1")
         if top1 is not None:
             summary[f"E{e}/adapter/heldout_top1"] = round(top1, 3)
     tracker.log_summary(summary)
-    threshold = build.early_exit_thresholds(cfg)[0]
+    threshold = from_config.early_exit_thresholds(cfg)[0]
     print(f"early exits: {export}/E*; up to {cfg.early_exit.num_draft_tokens} draft tokens, "
           f"confidence stop {threshold}")
     print("\n".join(lines))

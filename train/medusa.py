@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from selfspec import build
+from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
@@ -30,18 +30,18 @@ from selfspec.training import fit, make_accelerator, state_part
 @hydra_entry_point("train_medusa")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file checkpoint chatter
-    build.set_threads(cfg, "trainer.threads")
-    version = build.medusa_version(cfg)
+    from_config.set_threads(cfg, "trainer.threads")
+    version = from_config.medusa_version(cfg)
     if cfg.dry_run:
         return dry_run(cfg, version)
-    settings, target, tokenizer = build.start_training(cfg, build.check_medusa_settings)
-    build.check_medusa_tree(cfg, target)  # a tree the heads cannot fill fails now, not later
-    train, heldout = build.training_rows(cfg, tokenizer, target)
-    heads, head_config = build.medusa_heads(cfg, target, train)
-    accelerator = make_accelerator(settings, build.deepspeed_config(cfg))
+    settings, target, tokenizer = from_config.start_training(cfg, from_config.check_medusa_settings)
+    from_config.check_medusa_tree(cfg, target)  # a tree the heads cannot fill fails now, not later
+    train, heldout = from_config.training_rows(cfg, tokenizer, target)
+    heads, head_config = from_config.medusa_heads(cfg, target, train)
+    accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
-    objective = build.medusa_objective(cfg, target, heads)
-    tracker = build.run_tracker(cfg, settings, accelerator.is_main_process)
+    objective = from_config.medusa_objective(cfg, target, heads)
+    tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     buffers = {name: b.detach().clone() for name, b in heads.named_buffers()}  # d2t, t2d
 
@@ -55,19 +55,19 @@ def main(cfg: DictConfig) -> None:
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export)
-    build.report_and_finish(cfg, settings, result, tracker, report)
+    from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
 def dry_run(cfg: DictConfig, version: int) -> None:
     """The memory plan of the target, the heads and (Medusa-2) the adapters, on meta tensors."""
-    print(build.model_plan(cfg).format())
-    config, gpus = build.model_config(cfg.model), int(cfg.num_gpus)
+    print(from_config.model_plan(cfg).format())
+    config, gpus = from_config.model_config(cfg.model), int(cfg.num_gpus)
     with torch.device("meta"):  # sized from the config: no weights, no memory
-        heads = MedusaHeads(build.medusa_config(cfg, config))
+        heads = MedusaHeads(from_config.medusa_config(cfg, config))
         target = Transformer(config) if version == 2 else None
     print(head_training_lines(heads, gpus))
     if target is not None:
-        settings = build.lora_settings(cfg)
+        settings = from_config.lora_settings(cfg)
         print(trainable_line(f"LoRA adapters on the target (rank {settings.rank})",
                              lora_parameter_count(target, settings), gpus))
         print("  Medusa-2 also back-propagates through the target: plan activation memory "
@@ -78,16 +78,17 @@ def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker)
     """tau and speedup of the trained heads over plain decoding of the target they draft for
     (Medusa-2: the adapted target), on fresh weights, whatever DeepSpeed did to the trained
     ones; for Medusa-2 also how much of the original's greedy output the adapted target keeps."""
-    target = build.load_target(cfg)
-    heads, adapted = build.load_medusa(cfg, heads_folder, target)
+    target = from_config.load_target(cfg)
+    heads, adapted = from_config.load_medusa(cfg, heads_folder, target)
     verified = adapted if adapted is not None else target
-    comparison = build.compare_on_final_eval(cfg, verified, build.medusa_drafter(cfg.tree, heads))
+    drafter = from_config.medusa_drafter(cfg.tree, heads)
+    comparison = from_config.compare_on_final_eval(cfg, verified, drafter)
     top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
             if k.startswith("eval/") and k.endswith("_top1")}  # held-out, not the last batch
     summary = {**comparison.as_dict(), **top1, "heads": str(heads_folder)}
     if adapted is not None:
         summary["greedy_agreement_with_original"] = greedy_agreement(
-            target, adapted, build.final_eval_prompts(cfg, target),
+            target, adapted, from_config.final_eval_prompts(cfg, target),
             int(cfg.final_eval.max_new_tokens))
         summary["eval_kl_to_original"] = metrics.get("eval/medusa/lm_kl")
     tracker.log_summary(summary)

@@ -1,11 +1,13 @@
-"""The only package that reads configs: turns the Hydra config tree (conf/) into library objects.
+"""The composition root, and the only package that reads configs: it turns the Hydra config
+tree (conf/) into library objects.
 
-Entry points call `build.<function>` and stay short; everything below them takes plain values.
+Entry points call `from_config.<function>` and stay short; everything below them takes plain
+values.
 One module per concern: `common` (paths, checked settings, devices), `models` (weights and
 tokenizers), `prompts`, `drafters` (heads, trees, drafters), `training` and `sweeps`.
 """
 
-from selfspec.build.common import (  # noqa: F401
+from selfspec.from_config.common import (  # noqa: F401
     CONF_DIR,
     REPO_ROOT,
     as_list,
@@ -15,7 +17,7 @@ from selfspec.build.common import (  # noqa: F401
     sampling_params,
     set_threads,
 )
-from selfspec.build.drafters import (  # noqa: F401
+from selfspec.from_config.drafters import (  # noqa: F401
     DRAFTERS,
     EAGLE_VERSIONS,
     build_drafter,
@@ -48,7 +50,7 @@ from selfspec.build.drafters import (  # noqa: F401
     norm_exit,
     tree_depth,
 )
-from selfspec.build.models import (  # noqa: F401
+from selfspec.from_config.models import (  # noqa: F401
     DTYPES,
     TOKENIZER_FILES,
     ModelNotAvailable,
@@ -64,7 +66,7 @@ from selfspec.build.models import (  # noqa: F401
     resolve_model_path,
     torch_dtype,
 )
-from selfspec.build.prompts import (  # noqa: F401
+from selfspec.from_config.prompts import (  # noqa: F401
     data_path,
     encode_prompt_texts,
     load_prompts,
@@ -72,7 +74,7 @@ from selfspec.build.prompts import (  # noqa: F401
     stop_ids,
     sweep_prompt_texts,
 )
-from selfspec.build.sweeps import (  # noqa: F401
+from selfspec.from_config.sweeps import (  # noqa: F401
     BASELINE_MODES,
     DEFAULT_SWEEP_METHODS,
     SweepModels,
@@ -96,7 +98,7 @@ from selfspec.build.sweeps import (  # noqa: F401
     sweep_methods,
     timing_models,
 )
-from selfspec.build.training import (  # noqa: F401
+from selfspec.from_config.training import (  # noqa: F401
     RESUMABLE_CHANGES,
     compare_on_final_eval,
     deepspeed_config,

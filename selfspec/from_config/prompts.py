@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import REPO_ROOT
+from selfspec.from_config.common import REPO_ROOT
 from selfspec.model import Transformer
 from selfspec.prompts import (
     EncodedPrompt,

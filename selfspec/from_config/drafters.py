@@ -8,21 +8,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import (
-    as_list,
-    checked_settings,
-    device,
-    positive_int,
-    sampling_params,
-)
-from selfspec.build.models import (
-    draft_model_config,
-    load_model,
-    load_target,
-    load_tokenizer,
-    model_config,
-    resolve_model_path,
-)
 from selfspec.decode import GenerationSettings
 from selfspec.draft_vocab import draft_vocabulary, load_draft_vocab
 from selfspec.drafters import (
@@ -37,6 +22,21 @@ from selfspec.drafters import (
     UnionDrafter,
 )
 from selfspec.drafters.confidence import check_confidence_threshold
+from selfspec.from_config.common import (
+    as_list,
+    checked_settings,
+    device,
+    positive_int,
+    sampling_params,
+)
+from selfspec.from_config.models import (
+    draft_model_config,
+    load_model,
+    load_target,
+    load_tokenizer,
+    model_config,
+    resolve_model_path,
+)
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import load_head
@@ -264,7 +264,7 @@ def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None =
     if config.draft_vocab_size is not None:
         if train is None:
             raise ValueError("medusa.draft_vocab_size: the draft vocabulary is read from the "
-                             "training rows: pass them to build.medusa_heads")
+                             "training rows: pass them to from_config.medusa_heads")
         heads.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
                                                config.draft_vocab_size, train.loss_mask))
     if cfg.medusa.init_from_lm_head:
@@ -374,7 +374,7 @@ def eagle_drafter(cfg: DictConfig, head: EagleHead) -> EagleDrafter:
 
 def eagle_head(cfg: DictConfig, target: Transformer) -> tuple[EagleHead, EagleConfig]:
     """A fresh head sized for the target (EAGLE-3: its draft vocabulary, and then its LM head
-    rows, come from the training rows: `build.eagle_draft_vocab`)."""
+    rows, come from the training rows: `from_config.eagle_draft_vocab`)."""
     config = eagle_config(cfg, target.config)
     torch.manual_seed(int(cfg.seed))
     head = EagleHead(config).to(target.embed_tokens.weight.dtype)

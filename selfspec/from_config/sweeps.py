@@ -12,8 +12,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import CONF_DIR, as_list, checked_settings, device, sampling_params
-from selfspec.build.drafters import (
+from selfspec.draft_vocab import DraftVocab, load_draft_vocab
+from selfspec.drafters import (
+    Drafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    LookupCorpus,
+    SmallModelDrafter,
+)
+from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, device, sampling_params
+from selfspec.from_config.drafters import (
     SHIPPED,
     check_ngram_settings,
     early_exit_layers,
@@ -31,7 +39,7 @@ from selfspec.build.drafters import (
     tree_depth,
     tree_node_counts,
 )
-from selfspec.build.models import (
+from selfspec.from_config.models import (
     draft_model_config,
     load_hf_model,
     load_model,
@@ -41,15 +49,7 @@ from selfspec.build.models import (
     random_models,
     resolve_model_path,
 )
-from selfspec.build.prompts import sweep_prompt_texts
-from selfspec.draft_vocab import DraftVocab, load_draft_vocab
-from selfspec.drafters import (
-    Drafter,
-    EagleDrafter,
-    EarlyExitDrafter,
-    LookupCorpus,
-    SmallModelDrafter,
-)
+from selfspec.from_config.prompts import sweep_prompt_texts
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.build.common import device
 from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.from_config.common import device
 from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import ModelPlan, plan_model

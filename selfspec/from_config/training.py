@@ -11,15 +11,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec import training as loop
-from selfspec.build.common import device, positive_int, sampling_params
-from selfspec.build.drafters import eagle_version, lora_settings, medusa_version
-from selfspec.build.models import (
-    load_hf_model,
-    load_target,
-    load_tokenizer,
-    resolve_model_path,
-)
-from selfspec.build.prompts import load_prompts
 from selfspec.data import (
     load_sharegpt,
     packed_chat_dataset,
@@ -30,6 +21,15 @@ from selfspec.data import (
     weights_fingerprint,
 )
 from selfspec.drafters import Drafter
+from selfspec.from_config.common import device, positive_int, sampling_params
+from selfspec.from_config.drafters import eagle_version, lora_settings, medusa_version
+from selfspec.from_config.models import (
+    load_hf_model,
+    load_target,
+    load_tokenizer,
+    resolve_model_path,
+)
+from selfspec.from_config.prompts import load_prompts
 from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.instructions import (
