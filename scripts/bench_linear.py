@@ -1,4 +1,4 @@
-"""Target forwards over N new tokens with the few-row CPU products of `selfspec.model.Linear`
+"""Target forwards over N new tokens with the few-row CPU products of `cpu_linear.Linear`
 (oneDNN over a packed weight from 3 rows on, W @ x.T below) against W @ x.T alone and plain
 `x @ W.T`, interleaved in one process.
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec import model as model_module
 from selfspec.cli import exit_on_user_error
 from selfspec.from_config import load_target
 from selfspec.measure.costs import measure_cost_profile
+from selfspec.model import cpu_linear as model_module
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # (FEW_ROWS_ON_CPU, PACKED_FROM_ROWS) of each arm.

@@ -1,4 +1,4 @@
-"""A target's one-token (and two-token) forward with `selfspec.model.linear` as it is, against
+"""A target's one-token (and two-token) forward with `cpu_linear.linear` as it is, against
 the same forward with a single row doubled by `repeat` (how `linear` doubled it before it
 used `cat`), the arms alternating round by round in one process.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec import model as model_module
 from selfspec.from_config import load_target
+from selfspec.model import cpu_linear as model_module
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CURRENT = model_module.linear

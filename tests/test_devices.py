@@ -27,7 +27,8 @@ from selfspec.drafters import (
     UnionDrafter,
 )
 from selfspec.losses import LossOutput
-from selfspec.model import ModelConfig, _kv_for_kernels, attention_kernels
+from selfspec.model import ModelConfig, attention_kernels
+from selfspec.model.transformer import _kv_for_kernels
 from selfspec.sampling import check_generator, sample
 from selfspec.training import TokenRows, TrainSettings, _evaluate, _micro_batch
 from selfspec.verify import verify_linear

@@ -14,171 +14,21 @@ layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in`
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfspec.kv_cache import KVCache
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-_LLAMA3_ROPE_KEYS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
-
-
-# ---- configuration -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture hyperparameters (names follow ours; `from_hf` maps HF's config.json).
-
-    rope_scaling: None, {"rope_type": "linear", "factor": f} or {"rope_type": "llama3", ...}.
-    attention_bias: bias on q/k/v (Qwen2; Llama when its config says so).
-    attention_out_bias: bias on o_proj (Llama's attention_bias covers it; Qwen2 has none).
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    attention_out_bias: bool = False
-    mlp_bias: bool = False
-    model_type: str = "llama"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> ModelConfig:
-        """The architecture in a model folder's config.json; errors name the file."""
-        config_file = Path(folder) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in model folder {folder}")
-        try:
-            return cls.from_hf(json.loads(config_file.read_text()))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{config_file} is not valid JSON ({exc}): copy the model's "
-                             f"config.json again") from None
-        except ValueError as exc:
-            raise ValueError(f"{config_file}: {exc}") from None
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`)."""
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only 'silu'")
-        missing = [key for key in REQUIRED_HF_KEYS if key not in config]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: every Llama-family "
-                             f"config.json has {', '.join(REQUIRED_HF_KEYS)}")
-        num_heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _read_rope(config)
-        llama_bias = bool(config.get("attention_bias", False))
-        eos = config.get("eos_token_id")
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else llama_bias,
-            attention_out_bias=False if model_type == "qwen2" else llama_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            model_type=model_type,
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else _opt_tuple(eos),
-        )
-
-
-    def to_hf(self) -> dict[str, Any]:
-        """The Hugging Face config.json dict of this architecture (`from_hf` reads it back)."""
-        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
-        eos = list(self.eos_token_ids)
-        return {
-            "model_type": self.model_type, "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "rope_parameters": rope, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "hidden_act": "silu",
-        }
-
-
-def _opt_tuple(value: int | None) -> tuple[int, ...]:
-    return () if value is None else (value,)
-
-
-def _read_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from either HF convention."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if kind == "default":
-        return theta, None
-    required = ("factor",) if kind == "linear" else _LLAMA3_ROPE_KEYS
-    missing = [key for key in required if key not in params]
-    if missing:
-        raise ValueError(f"RoPE scaling {kind!r} needs {missing} in the config")
-    return theta, {"rope_type": kind, **{key: params[key] for key in required}}
+from selfspec.model import checkpoint
+from selfspec.model.config import ModelConfig
+from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -252,128 +102,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos, sin broadcastable to it (HF's half-split layout, not interleaved)."""
     return x * cos + _rotate_half(x) * sin
-
-
-# CPU products over at most this many rows run as W @ x.T, or on oneDNN's packed copy of the
-# weight from PACKED_FROM_ROWS rows on (see `Linear`).
-FEW_ROWS_ON_CPU = 128
-PACKED_FROM_ROWS = 3
-PACKED_FOR_ROWS = 8  # the row count oneDNN lays the packed copy out for (any count runs on it)
-# A Transformer packs its weights only when they are this large in all: a model that fits in a
-# CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
-# weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
-PACKED_FROM_MODEL_BYTES = 64 << 20
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, on the CPU in float32, computes a product over few rows (a decode step, a
-    draft, a verification) its own way, because MKL's `x @ W.T` streams a weight at a third of
-    the speed of a one-row product there (scripts/bench_linear.py measures the arms):
-
-    - one or two rows as (W @ x.T).T, a single row twice (MKL's matrix-vector product is
-      slower still): plain decoding ran 1.3x faster with it;
-    - 3-128 rows on oneDNN's inner product over a copy of W packed into its blocked layout
-      (made on first use, remade when W changes, never saved or copied): it streams the
-      weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
-      rows on (SmolLM2: a 4-token verification 1.35 -> 1.1 one-token forwards). The copy
-      doubles the memory of the weights that verify drafts; only taken with autograd off, and
-      only by a layer whose `packed_products` is set (`use_packed_products`: a Transformer
-      sets it when its weights outgrow a CPU cache, PACKED_FROM_MODEL_BYTES).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
-        self.packed_products = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if self.packed_products and PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) \
-                and _packable():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
-                                                      "none", [], "")
-        return linear(x, self.weight, self.bias)
-
-
-class PackedWeight:
-    """oneDNN's packed copy of a weight, remade when the weight is replaced or changed in place.
-    Not module state: a deep copy of the module starts without one (oneDNN's opaque tensors
-    cannot be copied), and state_dict never sees it."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.tensor: torch.Tensor | None = None
-
-    def __deepcopy__(self, memo) -> PackedWeight:
-        return PackedWeight()
-
-    def __getstate__(self) -> dict:
-        return {"key": None, "tensor": None}
-
-    def of(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (id(weight), weight.data_ptr(), _version(weight), tuple(weight.shape))
-        if key != self.key:
-            self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                  PACKED_FOR_ROWS)
-            self.key = key
-        return self.tensor
-
-
-def use_packed_products(module: nn.Module, enabled: bool) -> None:
-    """Whether every `Linear` in module runs its 3-128-row CPU products on packed weights."""
-    for layer in module.modules():
-        if isinstance(layer, Linear):
-            layer.packed_products = enabled
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor: it keeps no version counter
-        return -1
-
-
-def _packable() -> bool:
-    """oneDNN is there and autograd is off (no_grad, inference_mode): what decoding runs under.
-    Whether a weight requires grad does not matter, so freezing a model never changes its bits."""
-    return not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed the way `Linear` computes it (for heads that keep
-    a weight of their own, such as a draft vocabulary's rows of an LM head)."""
-    out_features, in_features = weight.shape
-    rows = x.numel() // in_features
-    if not _few_rows_on_cpu(x, rows):
-        return F.linear(x, weight, bias)
-    # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
-    # transposed products before it), and MKL took 5x as long over that layout.
-    flat = x.reshape(rows, in_features).contiguous()
-    if rows == 1:
-        # MKL's matrix-vector product streams a weight slower than its two-row product (a
-        # 49152 x 576 LM head at a third of the speed): the row goes through twice. Doubled
-        # by cat, not repeat: repeat's generic strided copy made SmolLM2's one-token forward
-        # 9-13% slower (the same rows, so the same bits; scripts/bench_one_row.py).
-        out = (weight @ torch.cat((flat, flat)).t())[:, :1].t()
-    else:  # row-major like F.linear's: SDPA's fused CPU kernel refuses strided queries
-        out = (weight @ flat.t()).t().contiguous()
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], out_features)
-
-
-def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= FEW_ROWS_ON_CPU
-
-
-def aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor, or a copy of it where torch's allocator puts buffers (64-byte aligned) when
-    it lies elsewhere, as tensors read from a safetensors file do. MKL's few-row products (see
-    `Linear`) sum in an order that depends on the weight's alignment: without this, a model
-    loaded from a file and a fresh copy of it would differ in the last bits."""
-    if tensor.device.type != "cpu" or tensor.data_ptr() % 64 == 0:
-        return tensor
-    return tensor.clone()
 
 
 class Attention(nn.Module):
@@ -657,27 +385,17 @@ class Transformer(nn.Module):
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {folder}")
         config = ModelConfig.from_folder(folder)
-        tensors = _read_safetensors(_weight_files(folder), device)
-        model = cls._from_tensors(config, tensors, dtype, device)
+        model = cls._from_tensors(config, checkpoint.read_tensors(folder, device), dtype, device)
         model.source = str(folder)
         return model
 
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write a Hugging Face folder (config.json + model.safetensors, HF names) that
         `from_pretrained` and transformers' `AutoModelForCausalLM` both load."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {_hf_key(name): tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
-                 for name, tensor in self.state_dict().items()
-                 if not (self.config.tie_word_embeddings and name == "lm_head.weight")}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                        "qwen2": "Qwen2ForCausalLM"}[self.config.model_type]
-        config = self.config.to_hf() | {"architectures": [architecture],
-                                        "dtype": str(dtype or self.embed_tokens.weight.dtype)
-                                        .removeprefix("torch.")}
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return folder
+        state = {name: tensor.detach().to(dtype or tensor.dtype)
+                 for name, tensor in self.state_dict().items()}
+        return checkpoint.write_folder(folder, state, self.config,
+                                       dtype or self.embed_tokens.weight.dtype)
 
     def first_layers(self, num_layers: int) -> Transformer:
         """A copy of this model cut after its first num_layers layers, keeping the embedding,
@@ -689,8 +407,9 @@ class Transformer(nn.Module):
         config = replace(self.config, num_layers=num_layers)
         state = {name: tensor for name, tensor in self.state_dict().items()
                  if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
-        return self._from_tensors(config, ((_hf_key(k), v.clone()) for k, v in state.items()),
-                                  self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+        tensors = ((checkpoint.hf_key(k), v.clone()) for k, v in state.items())
+        weight = self.embed_tokens.weight
+        return self._from_tensors(config, tensors, weight.dtype, weight.device)
 
     @classmethod
     def from_hf(
@@ -722,7 +441,7 @@ class Transformer(nn.Module):
             model = cls(config)
         state = {}
         for name, tensor in tensors:
-            key = _our_key(name, config.tie_word_embeddings)
+            key = checkpoint.our_key(name, config.tie_word_embeddings)
             if key is not None:
                 state[key] = aligned(tensor.to(device=device, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -735,48 +454,3 @@ class Transformer(nn.Module):
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
         return model
-
-
-def _hf_key(name: str) -> str:
-    """The Hugging Face name of one of our parameters."""
-    return name if name == "lm_head.weight" else f"model.{name}"
-
-
-def _our_key(name: str, tied: bool) -> str | None:
-    """Our parameter name for a HF one, or None for tensors we do not keep."""
-    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-        return None  # recomputed / shared with embed_tokens
-    return name.removeprefix("model.")
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a HF model folder, single-file or sharded."""
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        return [single]
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"no weights in {folder}: expected model.safetensors or "
-            f"model.safetensors.index.json (PyTorch .bin checkpoints are not supported)"
-        )
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    absent = [name for name in shards if not (folder / name).is_file()]
-    if absent:
-        raise FileNotFoundError(f"{index} lists shards missing from {folder}: {absent}")
-    return [folder / name for name in shards]
-
-
-def _read_safetensors(
-    files: list[Path], device: torch.device | str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, one tensor at a time so peak memory stays near one tensor."""
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise ValueError(
-                f"{file} is not a complete safetensors file ({exc}): it was probably cut "
-                f"short by an interrupted download or copy; copy it again"
-            ) from None

@@ -1,0 +1,22 @@
+"""Our compact decoder for the Llama family (`transformer`), its architecture (`config`), its
+Hugging Face checkpoint I/O (`checkpoint`) and the CPU's few-row products (`cpu_linear`)."""
+
+from selfspec.model.config import ModelConfig
+from selfspec.model.cpu_linear import Linear, aligned, linear, use_packed_products
+from selfspec.model.transformer import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    ModelOutput,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    attention_kernels,
+    attention_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+__all__ = ["MLP", "Attention", "DecoderLayer", "Linear", "ModelConfig", "ModelOutput", "RMSNorm",
+           "Transformer", "aligned", "apply_rope", "attention_kernels", "attention_mask",
+           "linear", "rope_cos_sin", "rope_inv_freq", "use_packed_products"]

@@ -1,0 +1,84 @@
+"""Hugging Face checkpoint I/O of our models: parameter names both ways, the safetensors files
+of a model folder (single or sharded), read one tensor at a time, and a folder written back
+that transformers loads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from selfspec.model.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+
+def hf_key(name: str) -> str:
+    """The Hugging Face name of one of our parameters."""
+    return name if name == "lm_head.weight" else f"model.{name}"
+
+
+def our_key(name: str, tied: bool) -> str | None:
+    """Our parameter name for a HF one, or None for tensors we do not keep."""
+    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+        return None  # recomputed / shared with embed_tokens
+    return name.removeprefix("model.")
+
+
+def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs of a model folder's weights, one at a time."""
+    return _read_safetensors(_weight_files(folder), device)
+
+
+def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: ModelConfig,
+                 dtype: torch.dtype) -> Path:
+    """Write a Hugging Face folder (config.json + model.safetensors, HF names) that
+    `Transformer.from_pretrained` and transformers' `AutoModelForCausalLM` both load; state:
+    our parameter names (a tied LM head is left out)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {hf_key(name): tensor.contiguous().cpu() for name, tensor in state.items()
+               if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = config.to_hf() | {"architectures": [ARCHITECTURES[config.model_type]],
+                           "dtype": str(dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return folder
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a HF model folder, single-file or sharded."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"no weights in {folder}: expected model.safetensors or "
+            f"model.safetensors.index.json (PyTorch .bin checkpoints are not supported)"
+        )
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    absent = [name for name in shards if not (folder / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index} lists shards missing from {folder}: {absent}")
+    return [folder / name for name in shards]
+
+
+def _read_safetensors(
+    files: list[Path], device: torch.device | str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, one tensor at a time so peak memory stays near one tensor."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(
+                f"{file} is not a complete safetensors file ({exc}): it was probably cut "
+                f"short by an interrupted download or copy; copy it again"
+            ) from None
