@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from selfspec.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
+from selfspec.heads.base import Head
 from selfspec.model import (
     MLP,
     Attention,
@@ -178,9 +179,11 @@ class EagleMidLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class EagleHead(nn.Module):
+class EagleHead(Head):
     """An EAGLE-1 or EAGLE-3 head: `forward(embeds, feature, positions, cache, mask)` -> the
     predicted next features [B, T, h]; `logits` turns them into token scores."""
+
+    config_class = EagleConfig
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.heads.base import Head
 from selfspec.heads.io import check_sizes
 from selfspec.model import (
     Attention,
@@ -97,10 +98,12 @@ def check_exit_layer(exit_layer, num_layers: int | None) -> None:
                          f"layer, E={upper} leaves none to verify with), got {exit_layer!r}")
 
 
-class ExitHead(nn.Module):
+class ExitHead(Head):
     """`forward(hidden, positions, cache)`: the normed state the target's LM head reads, from
     the residual stream after layer E; `logits(...)` adds the LM head. The adapter's K/V
     cache (KVCache-like, one layer) holds the committed context's entries."""
+
+    config_class = ExitConfig
 
     def __init__(self, config: ExitConfig) -> None:
         super().__init__()

@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from selfspec.heads.eagle import EagleConfig, EagleHead
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.heads.base import head_types
 from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
 from selfspec.model import ModelConfig, Transformer
 
@@ -165,7 +164,7 @@ def _load_published(folder: Path, cls: type | None, target: Transformer,
 def _head_class(head_type: str | None, cls: type | None, config_cls: type | None,
                 folder: Path) -> tuple[type, type]:
     """The head class and its config class: the caller's, which must be the checkpoint's."""
-    known = _head_classes()
+    known = head_types()
     if cls is not None and head_type != cls.__name__:
         raise ValueError(
             f"load_head: {folder} holds a {head_type!r} head, not {cls.__name__!r}; "
@@ -173,16 +172,9 @@ def _head_class(head_type: str | None, cls: type | None, config_cls: type | None
         )
     if head_type not in known:
         raise ValueError(f"load_head: {folder / CONFIG_FILE} names head_type {head_type!r}; "
-                         f"selfspec has {', '.join(known)}")
-    head, config = known[head_type]
-    return cls or head, config_cls or config
-
-
-def _head_classes() -> dict[str, tuple[type, type]]:
-    from selfspec.heads.early_exit import ExitConfig, ExitHead
-
-    return {"MedusaHeads": (MedusaHeads, MedusaConfig), "EagleHead": (EagleHead, EagleConfig),
-            "ExitHead": (ExitHead, ExitConfig)}
+                         f"selfspec has {', '.join(sorted(known))}")
+    head = known[head_type]
+    return cls or head, config_cls or head.config_class
 
 
 def _check_base_name(folder: Path, base_model: str | None, target: Transformer) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from selfspec.draft_vocab import DraftVocab, default_vocab
+from selfspec.heads.base import Head
 from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
 
@@ -94,9 +95,11 @@ class MedusaHead(nn.Module):
         return self.lm_head(self.features(hidden))  # [..., V]
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(Head):
     """K Medusa heads: `forward(hidden [..., H]) -> logits [..., K, V']`, V' = the draft
     vocabulary's size when the config has one (then `draft_vocab` maps ids), else V."""
+
+    config_class = MedusaConfig
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
