@@ -13,13 +13,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib import rcParams
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.textpath import text_to_path
 from matplotlib.ticker import MaxNLocator
 
 Row = Mapping[str, Any]
 # One colour per method across every figure.
 COLORS = {"small_model": "tab:blue", "ngram": "tab:orange", "medusa": "tab:green",
           "hf_assisted": "tab:purple", "hf_prompt_lookup": "tab:brown", "drafter": "tab:gray"}
+PANEL_WIDTH = 4.6  # inches per sampling setting
+TITLE_MARGIN = 0.4  # inches of a figure's width its suptitle leaves free
+# A panel's title is centred on its axes, which share the panel with the y label and ticks.
+PANEL_TITLE_WIDTH = PANEL_WIDTH - 1.2
 
 
 def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
@@ -141,11 +148,12 @@ def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
 def _panels(rows: Sequence[Row], title: str) -> tuple[Figure, dict[str, Any]]:
     """A figure with one panel per sampling setting, in the rows' order."""
     samplings = list(dict.fromkeys(r["sampling"] for r in rows))
-    fig = Figure(figsize=(4.6 * len(samplings), 3.8), layout="constrained")
+    width = PANEL_WIDTH * len(samplings)
+    fig = Figure(figsize=(width, 3.8), layout="constrained")
     axes = fig.subplots(1, len(samplings), squeeze=False)[0]
-    fig.suptitle(title)
+    fig.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
     for sampling, ax in zip(samplings, axes, strict=True):
-        ax.set_title(f"sampling: {sampling}", fontsize=10)
+        ax.set_title(_wrap(f"sampling: {sampling}", 10, PANEL_TITLE_WIDTH), fontsize=10)
         ax.grid(alpha=0.3)
     return fig, dict(zip(samplings, axes, strict=True))
 
@@ -163,10 +171,44 @@ def _finish(fig: Figure, panels: dict[str, Any], line_plot: bool = True) -> Figu
     """Legends and integer x ticks (draft lengths, positions) on line plots."""
     if line_plot:
         for ax in panels.values():
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            _integer_x(ax)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
     return fig
+
+
+def _integer_x(ax: Any) -> None:
+    """Integer ticks over the panel's data, half a step beyond it: left to matplotlib, a lone
+    x (k=1) gets a +-5% view with ticks 0.945..1.05, as no two integers fall in it."""
+    low, high = ax.dataLim.intervalx  # data x only: axhline spans the axes, not the data
+    if low > high:  # nothing plotted (e.g. no acceptance by position recorded)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        return
+    ax.set_xlim(low - 0.5, high + 0.5)
+    if high - low <= 10:
+        ax.set_xticks(range(round(low), round(high) + 1))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
+def _wrap(text: str, fontsize: float | str, width: float) -> str:
+    """text broken at spaces into lines at most width inches wide at fontsize: constrained
+    layout makes room for a title's height but not its width, so a long title over one panel
+    would run past both edges of the canvas."""
+    font = FontProperties(size=fontsize)
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and _inches(f"{lines[-1]} {word}", font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def _inches(text: str, font: FontProperties) -> float:
+    """text's width in inches when drawn in font (measured without a renderer)."""
+    points = text_to_path.get_text_width_height_descent(text, font, ismath=False)[0]
+    return points / 72
 
 
 def _color(method: str) -> str:
@@ -175,18 +217,27 @@ def _color(method: str) -> str:
     return COLORS.get(method) or f"C{zlib.crc32(method.encode()) % 10}"
 
 
-
 def plot_cost_profile(c_of_n: Mapping[int, float], title: str, path: str | Path) -> Path:
     """c(N), the cost of a forward over N new tokens in one-token forwards, as a PNG."""
-    figure = Figure(figsize=(6, 4))
+    cost_profile_figure(c_of_n, title).savefig(path, dpi=110)
+    return Path(path)
+
+
+def cost_profile_figure(c_of_n: Mapping[int, float], title: str) -> Figure:
+    """c(N) against N on a log2 axis, a tick at each measured N."""
+    width = 6.0
+    figure = Figure(figsize=(width, 4), layout="constrained")
     axes = figure.subplots()
     lengths = sorted(int(n) for n in c_of_n)
     axes.plot(lengths, [c_of_n[n] for n in lengths], marker="o", color="tab:blue")
     axes.set_xscale("log", base=2)
+    # Ticks at the measured N, written as integers: the log locator's own would add
+    # fractions (0.5 around a lone N=1) and write 2^k.
+    axes.set_xticks(lengths, [str(n) for n in lengths])
+    axes.minorticks_off()
     axes.set_xlabel("new tokens N in one forward")
     axes.set_ylabel("c(N): time / time of one token")
-    axes.set_title(title)
+    # A suptitle, centred on the figure (not on the axes, which the y label pushes right).
+    figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
     axes.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    return Path(path)
+    return figure
