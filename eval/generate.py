@@ -2,6 +2,11 @@
 
     python eval/generate.py                                   # tiny target, small draft model
     python eval/generate.py drafter=ngram sampling=t1 data=stdlib_heldout
+    python eval/generate.py model=smollm2-135m drafter=medusa medusa_heads=shipped
+    python eval/generate.py drafter=eagle eagle_head=<train/eagle.py run>/checkpoints/step_N/export
+
+drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, early_exit;
+the registry in selfspec/from_config/methods/), or none; its settings are conf/drafters.yaml's.
     python eval/generate.py model=llama2-70b dry_run=true num_gpus=8   # plan only, no weights
 """
 
@@ -22,9 +27,8 @@ def main(cfg: DictConfig) -> None:
         return
     settings = from_config.generation_settings(cfg)  # checked before any model loads
     texts = from_config.prompts(cfg.data)
-    target = from_config.load_target(cfg)
-    drafter = from_config.build_drafter(cfg, target)
-    tokenizer = from_config.load_tokenizer(target.source)
+    drafter, target = from_config.drafter_and_target(cfg, from_config.load_target(cfg))
+    tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
     prompts = from_config.encode_prompt_texts(cfg.data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 

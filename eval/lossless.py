@@ -35,7 +35,7 @@ def run(cfg: DictConfig) -> int:
     from_config.set_threads(cfg)
     plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
     n = from_config.positive_int(cfg, "max_new_tokens")
-    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    models = from_config.load_sweep_models(cfg, plan.grid.variants)
     tokenizer = from_config.load_tokenizer(models.target.source)
     quiet_transformers()
     encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
@@ -43,7 +43,7 @@ def run(cfg: DictConfig) -> int:
     stops = from_config.stop_ids(cfg, models.target, tokenizer)
     references, failures, ties = {}, 0, 0
     for point in plan.grid.points():
-        method = from_config.build_method(models, point.method, point.draft_length)
+        method = from_config.build_method(models, point.variant, point.draft_length)
         if method.baseline_name not in references:  # plain greedy, once per library
             references[method.baseline_name] = greedy_outputs(
                 method.baseline, [ids for _, ids in prompts], n, stops)

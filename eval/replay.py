@@ -37,15 +37,16 @@ def run(cfg: DictConfig) -> list[dict]:
     from_config.set_threads(cfg)
     plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
     n = from_config.positive_int(cfg, "max_new_tokens")
-    if hf := [m for m in plan.grid.methods if m.startswith("hf_")]:
-        raise ValueError(f"eval/replay.py replays selfspec's drafters; drop {', '.join(hf)} "
+    if peers := [v.label() for v in plan.grid.variants if not from_config.entry(v.method).ours]:
+        raise ValueError(f"eval/replay.py replays selfspec's drafters; drop {', '.join(peers)} "
                          f"(eval/sweep.py measures them)")
-    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    models = from_config.load_sweep_models(cfg, plan.grid.variants)
     tokenizer = from_config.load_tokenizer(models.target.source)
     encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
     stops = from_config.stop_ids(cfg, models.target, tokenizer)
     records = recorded(cfg, models.target, {p.prompt.id: p.ids for p in encoded}, n, stops)
-    if models.medusa_target is not None:
+    if any(from_config.verified_target(models, v)[0] is not models.target
+           for v in plan.grid.variants):
         raise ValueError("eval/replay.py replays drafts verified on the target itself; Medusa-2 "
                          "heads verify on their LoRA-adapted target: measure them with "
                          "eval/sweep.py")
@@ -53,7 +54,7 @@ def run(cfg: DictConfig) -> list[dict]:
     for point in plan.grid.points():
         stats = GenerationStats()
         for record in records:
-            drafter = from_config.our_drafter(models, point.method, point.draft_length)
+            drafter = from_config.our_drafter(models, point.variant, point.draft_length)
             stats.merge(replay(models.target, drafter, record))
         rows.append({"method": point.method, "draft_length": point.draft_length,
                      "tau": stats.tau, "mean_draft_nodes": stats.drafted / max(stats.steps, 1),

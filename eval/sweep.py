@@ -46,7 +46,7 @@ def run(cfg: DictConfig) -> None:
     from_config.set_threads(cfg)
     plan = from_config.plan_sweep(cfg, int(cfg.bench.num_prompts))
     from_config.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
-    models = from_config.load_sweep_models(cfg, plan.grid.methods)
+    models = from_config.load_sweep_models(cfg, plan.grid.variants)
     tokenizer = from_config.load_tokenizer(models.target.source)
     quiet_transformers()
     prompts = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
@@ -62,8 +62,8 @@ def run(cfg: DictConfig) -> None:
         chooser = from_config.size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
         plan.grid.points(),
-        lambda name, k: from_config.build_method(models, name, k, split,
-                                                 from_config.cuda_graphs(cfg)),
+        lambda variant, k: from_config.build_method(models, variant, k, split,
+                                                    from_config.cuda_graphs(cfg)),
         ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
         progress=bool(cfg.progress), choose_length=chooser,
     )
@@ -79,7 +79,7 @@ def run(cfg: DictConfig) -> None:
         "calibration_prompt_ids": [p.id for p in plan.calibration],
         "cost_profile": profile.as_dict() if profile else None,
     })
-    figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir)
+    figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir, from_config.method_colors())
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
     tracker.finish()
     print(format_table(rows))

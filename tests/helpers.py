@@ -232,3 +232,10 @@ def run_trainer(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedPr
     env = {**os.environ, "WANDB_MODE": "offline"}
     return subprocess.run([sys.executable, str(entry), *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def sweep_variant(cfg, label: str):
+    """The sweep row of cfg named `label` (e.g. ngram/corpus/tree5), as its variant object."""
+    from selfspec.from_config import plan_sweep
+
+    return plan_sweep(cfg, 1, greedy_only=True).grid.variant(label)

@@ -394,7 +394,8 @@ def test_early_exit_configs_build_exits_drafters_and_sweep_rows(cfg_of):
     assert head.config.kind == "adapter" and head.exit_layer == 1
     drafter = from_config.early_exit_drafter(cfg, head)
     assert (drafter.max_nodes, drafter.confidence_threshold) == (6, 0.6)
-    from selfspec.from_config.sweeps import early_exit_variants
+    def early_exit_variants(cfg):
+        return tuple(v.label() for v in from_config.entry("early_exit").variants(cfg, True))
 
     sweep = cfg_of("methods=[early_exit]", config="sweep")
     assert early_exit_variants(sweep) == tuple(

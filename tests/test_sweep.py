@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import suite_threads
+from helpers import suite_threads, sweep_variant
 from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
@@ -31,7 +31,7 @@ from selfspec.heads import (
     save_head,
 )
 from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
-from selfspec.measure.grid import COLUMNS, GridPoint, SweepGrid, SweepRow
+from selfspec.measure.grid import COLUMNS, GridPoint, SweepRow, Variant
 from selfspec.measure.lossless import NEAR_TIE_ULPS, greedy_outputs, lossless_mismatches
 from selfspec.measure.passes import BenchSettings, Method, measure_row
 from selfspec.measure.peers import OurDecoder
@@ -250,24 +250,29 @@ def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, head
 def test_shared_baseline_measures_plain_once_per_sampling(quick_build):
     target = Transformer.from_pretrained(quick_build / "target")
     prompts, settings = [[1, 2, 3, 1, 2]], BenchSettings(max_new_tokens=6, warmup=0)
-    greedy = GridPoint("ngram", 2, "greedy", SamplingParams())
+    greedy = GridPoint(Variant("ngram"), 2, "greedy", SamplingParams())
     plain = OurDecoder(target)
     first, base = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings)
     again, same = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings, base)
     assert same is base and again.baseline_tokens_per_s == first.baseline_tokens_per_s
 
 
-def test_grid_folds_medusa_lengths_beyond_its_tree():
-    grid = SweepGrid(("ngram", "medusa"), (2, 4, 6), (("greedy", SamplingParams()),), 4)
+def test_grid_folds_medusa_lengths_beyond_its_tree(quick_build, cfg_of, heads_dir):
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[ngram,medusa]", f"medusa_heads={heads_dir}",
+                 "tree=chain4", "num_draft_tokens=[2,4,6]", "samplings=[greedy]")
+    grid = from_config.plan_sweep(cfg, 1).grid  # chain4 would be 4 deep; the heads are 2
     assert [(p.method, p.draft_length) for p in grid.points()] == [
-        ("ngram", 2), ("ngram", 4), ("ngram", 6), ("medusa", 2), ("medusa", 4)]
+        ("ngram", 2), ("ngram", 4), ("ngram", 6), ("medusa", 2)]
 
 
-def test_auto_points_follow_each_of_our_methods_with_its_fixed_lengths():
-    grid = SweepGrid(("ngram", "hf_prompt_lookup", "medusa"), (2, 4, 6),
-                     (("greedy", SamplingParams()),), 4, auto=True)
-    auto = [(p.method, p.candidates) for p in grid.points() if p.auto]
-    assert auto == [("ngram", (2, 4, 6)), ("medusa", (2, 4))]  # no auto row for HF's peers
+def test_auto_points_follow_each_of_our_methods_with_its_fixed_lengths(quick_build, cfg_of,
+                                                                       heads_dir):
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[ngram,hf_prompt_lookup,medusa]",
+                 f"medusa_heads={heads_dir}", "tree=chain4", "num_draft_tokens=[1,2,4,auto]",
+                 "samplings=[greedy]")
+    auto = [(p.method, p.candidates) for p in from_config.plan_sweep(cfg, 1).grid.points()
+            if p.auto]
+    assert auto == [("ngram", (1, 2, 4)), ("medusa", (1, 2))]  # no auto row for HF's peers
 
 
 def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
@@ -310,10 +315,11 @@ def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, ca
     assert load_entry("lossless").run(cfg) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and "eagle k=3: 3/3 prompts equal plain" in out
-    models = from_config.load_sweep_models(cfg, ("eagle",))
-    method = from_config.build_method(models, "eagle", 3)
+    eagle = sweep_variant(cfg, "eagle")
+    models = from_config.load_sweep_models(cfg, (eagle,))
+    method = from_config.build_method(models, eagle, 3)
     assert method.decoder.drafter.depth == 3 and method.draft_nodes == 6
-    point = GridPoint("eagle", 3, "t1", SamplingParams(1.0))
+    point = GridPoint(eagle, 3, "t1", SamplingParams(1.0))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     row, _ = measure_row(method, point, prompts, BenchSettings(max_new_tokens=8))
     assert row.method == "eagle" and row.tau >= 1.0 and row.draft_time_share is not None
@@ -325,15 +331,17 @@ def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, med
                  "methods=[medusa,ngram]", "tree=top_k_products", "tree.top_k=4",
                  "tree.max_nodes=16", "num_draft_tokens=[1,2]",
                  "num_prompts=3", "max_new_tokens=16")
-    models = from_config.load_sweep_models(cfg, ("medusa", "ngram"))
-    method = from_config.build_method(models, "medusa", 2)
-    assert method.decoder.target is models.medusa_target is method.baseline.target
-    assert models.medusa_target is not models.target
+    medusa = sweep_variant(cfg, "medusa")
+    models = from_config.load_sweep_models(cfg, (medusa, sweep_variant(cfg, "ngram")))
+    method = from_config.build_method(models, medusa, 2)
+    medusa_target, _ = from_config.verified_target(models, medusa)
+    assert method.decoder.target is medusa_target is method.baseline.target
+    assert medusa_target is not models.target
     assert method.baseline_name == "plain_adapted"
     assert method.draft_nodes == 16  # max_nodes of the 4 + 4 * 4 product paths, 2 deep
     prompts = [[5, 6, 7], [40, 41, 42, 43], [9]]
     adapted, original = (greedy_outputs(OurDecoder(t), prompts, 16)
-                         for t in (models.medusa_target, models.target))
+                         for t in (medusa_target, models.target))
     assert adapted != original  # so comparing with the wrong target would be caught
     assert load_entry("lossless").run(cfg) == 0
     out = capsys.readouterr().out
@@ -360,11 +368,11 @@ def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
     entry = load_entry("lossless")
     real = from_config.build_method
 
-    def broken(models, name, k):
-        method = real(models, name, k)
+    def broken(models, variant, k):
+        method = real(models, variant, k)
         return Method(method.name, k, Wrong(method.decoder), method.baseline)
 
-    monkeypatch.setattr(entry.build, "build_method", broken)
+    monkeypatch.setattr(entry.from_config, "build_method", broken)
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
                  "num_prompts=2", "max_new_tokens=8", "stop_at_eos=false")
     assert entry.run(cfg) == 2  # both prompts differ
@@ -476,7 +484,7 @@ def test_bad_input_is_refused_before_any_model_loads(
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the configuration was checked")
 
-    monkeypatch.setattr(entry.build, "load_sweep_models", no_loading)
+    monkeypatch.setattr(entry.from_config, "load_sweep_models", no_loading)
     cfg = cfg_of("sweep", *toy(quick_build), *overrides, f"run_dir={tmp_path / 'run'}")
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         entry.run(cfg)
@@ -495,19 +503,21 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
                  "num_draft_tokens=[1,3]", "num_prompts=3", "max_new_tokens=16")
     assert load_entry("lossless").run(cfg) == 0
-    models = from_config.load_sweep_models(cfg, ("ngram", "ngram/corpus"))
-    drafter = from_config.build_method(models, "ngram/corpus", 3).decoder.drafter
+    ngram, corpus = (sweep_variant(cfg, label) for label in ("ngram", "ngram/corpus"))
+    models = from_config.load_sweep_models(cfg, (ngram, corpus))
+    drafter = from_config.build_method(models, corpus, 3).decoder.drafter
     assert drafter.corpus is not None and drafter.corpus.num_tokens > 20
     assert drafter.max_nodes == 3  # a chain: ngram.tree_nodes is null
-    assert from_config.build_method(models, "ngram", 3).decoder.drafter.corpus is None
+    assert from_config.build_method(models, ngram, 3).decoder.drafter.corpus is None
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
                  "ngram.tree_nodes=[null,5]", "num_draft_tokens=[1,3]", "num_prompts=3",
                  "max_new_tokens=16")
     methods = from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods
     assert methods == ("ngram", "ngram/corpus", "ngram/corpus/tree5")
     assert load_entry("lossless").run(cfg) == 0  # and trees of 5 nodes, 1 and 3 deep
-    models = from_config.load_sweep_models(cfg, ("ngram/corpus/tree5",))
-    assert from_config.build_method(models, "ngram/corpus/tree5", 1).decoder.drafter.max_nodes == 5
+    tree5 = sweep_variant(cfg, "ngram/corpus/tree5")
+    models = from_config.load_sweep_models(cfg, (tree5,))
+    assert from_config.build_method(models, tree5, 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
         load_entry("lossless").run(cfg)
@@ -526,11 +536,13 @@ def test_merged_ngram_and_medusa_rows_are_lossless(tmp_path, quick_build, cfg_of
     assert from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
         "ngram+medusa", "ngram+medusa/tree4", "ngram", "ngram/corpus", "ngram/corpus/tree4")
     assert load_entry("lossless").run(cfg) == 0
-    models = from_config.load_sweep_models(cfg, ("ngram+medusa/tree4",))
-    method = from_config.build_method(models, "ngram+medusa/tree4", 3)
+    tree4 = sweep_variant(cfg, "ngram+medusa/tree4")
+    models = from_config.load_sweep_models(cfg, (tree4,))
+    method = from_config.build_method(models, tree4, 3)
     medusa, lookup = method.decoder.drafter.drafters
     assert medusa.tree.choices == ((0,), (1,)) and lookup.max_nodes == 4
-    assert lookup.corpus is models.lookup_corpus is not None and method.draft_nodes == 5
+    corpus = models.once("lookup_corpus", lambda: None)  # loaded once, shared by the rows
+    assert lookup.corpus is corpus is not None and method.draft_nodes == 5
     cfg = cfg_of("lossless", *common, "methods=[ngram+medusa]",
                  "ngram.medusa_choices=[[0],[0,0],[0,0,0]]")
     with pytest.raises(ValueError, match="are 3 deep but the heads .* are 2"):

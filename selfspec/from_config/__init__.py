@@ -4,7 +4,9 @@ tree (conf/) into library objects.
 Entry points call `from_config.<function>` and stay short; everything below them takes plain
 values.
 One module per concern: `common` (paths, checked settings, devices), `models` (weights and
-tokenizers), `prompts`, `drafters` (heads, trees, drafters), `training` and `sweeps`.
+tokenizers), `prompts`, `methods/` (the method registry: one module per method, with its
+variants, heads, drafters and trainer settings), `generation` (eval/generate.py's drafter),
+`training` and `sweeps`.
 """
 
 from selfspec.from_config.common import (  # noqa: F401
@@ -17,38 +19,48 @@ from selfspec.from_config.common import (  # noqa: F401
     sampling_params,
     set_threads,
 )
-from selfspec.from_config.drafters import (  # noqa: F401
-    DRAFTERS,
-    EAGLE_VERSIONS,
+from selfspec.from_config.generation import (  # noqa: F401
     build_drafter,
-    check_draft_model_settings,
-    check_eagle_settings,
-    check_early_exit_settings,
-    check_medusa_settings,
-    check_medusa_tree,
-    corpus_path,
-    draft_from_target,
+    drafter_and_target,
     drafter_choice,
+    generation_settings,
+)
+from selfspec.from_config.methods import entry, method_names, registry  # noqa: F401
+from selfspec.from_config.methods.eagle import (  # noqa: F401
+    EAGLE_VERSIONS,
+    check_eagle_settings,
     eagle_config,
     eagle_drafter,
     eagle_head,
     eagle_version,
+    load_eagle,
+)
+from selfspec.from_config.methods.early_exit import (  # noqa: F401
+    check_early_exit_settings,
     early_exit_drafter,
     early_exit_heads,
     early_exit_layers,
     early_exit_thresholds,
-    freeze_draft_embeddings,
-    generation_settings,
-    load_eagle,
     load_early_exit,
+    norm_exit,
+)
+from selfspec.from_config.methods.entry import head_folder  # noqa: F401
+from selfspec.from_config.methods.medusa import (  # noqa: F401
+    check_medusa_settings,
+    check_medusa_tree,
     load_medusa,
     lora_settings,
     medusa_config,
     medusa_drafter,
     medusa_heads,
     medusa_version,
-    norm_exit,
     tree_depth,
+)
+from selfspec.from_config.methods.ngram import corpus_path  # noqa: F401
+from selfspec.from_config.methods.small_model import (  # noqa: F401
+    check_draft_model_settings,
+    draft_from_target,
+    freeze_draft_embeddings,
 )
 from selfspec.from_config.models import (  # noqa: F401
     DTYPES,
@@ -76,19 +88,15 @@ from selfspec.from_config.prompts import (  # noqa: F401
 )
 from selfspec.from_config.sweeps import (  # noqa: F401
     BASELINE_MODES,
-    DEFAULT_SWEEP_METHODS,
-    SweepModels,
     SweepPlan,
     bench_settings,
     build_method,
-    check_sweep_weights,
     cuda_graphs,
     draft_lengths,
     floor_settings,
-    head_folder,
     load_sweep_models,
     longest_forward,
-    medusa_depth,
+    method_colors,
     named_samplings,
     our_drafter,
     plan_sweep,
@@ -97,6 +105,7 @@ from selfspec.from_config.sweeps import (  # noqa: F401
     sweep_cost_profile,
     sweep_methods,
     timing_models,
+    verified_target,
 )
 from selfspec.from_config.training import (  # noqa: F401
     RESUMABLE_CHANGES,

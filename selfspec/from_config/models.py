@@ -199,7 +199,9 @@ def load_tokenizer(folder: str | Path):
 
 
 def draft_model_config(
-    cfg: DictConfig, otherwise: str = "leave small_model and hf_assisted out of methods"
+    cfg: DictConfig,
+    otherwise: str = "choose another method (e.g. drafter=ngram; in a sweep, leave "
+                     "small_model and hf_assisted out of methods)",
 ) -> DictConfig:
     draft_cfg = cfg.model.get("draft")
     if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):

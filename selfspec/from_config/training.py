@@ -22,7 +22,8 @@ from selfspec.data import (
 )
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import device, positive_int, sampling_params
-from selfspec.from_config.drafters import eagle_version, lora_settings, medusa_version
+from selfspec.from_config.methods.eagle import eagle_version
+from selfspec.from_config.methods.medusa import lora_settings, medusa_version
 from selfspec.from_config.models import (
     load_hf_model,
     load_target,

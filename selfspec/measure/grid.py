@@ -8,71 +8,104 @@ from typing import Any
 
 from selfspec.sampling import SamplingParams
 
-# Methods a sweep knows; the hf_* ones run Hugging Face `generate` on the same weights.
-METHODS = ("small_model", "ngram", "medusa", "ngram+medusa", "eagle", "early_exit",
-           "hf_assisted", "hf_prompt_lookup")
-# Our method whose Hugging Face peer does the same thing (for the ours-over-HF ratio).
-HF_PEERS = {"hf_assisted": "small_model", "hf_prompt_lookup": "ngram"}
+@dataclass(frozen=True)
+class Variant:
+    """One kind of row of a method: the method's name and its settings besides the draft
+    length. Methods with settings that make rows (an exit layer, a draft vocabulary, a lookup
+    tree) subclass it with typed fields; `label` formats it for display only.
+
+    peer_of: for a Hugging Face peer, our method that does the same thing (its rows are
+    compared with that method's at the same draft length); None for our own methods.
+    """
+
+    method: str
+
+    @property
+    def peer_of(self) -> str | None:
+        return None
+
+    def label(self) -> str:
+        return self.method
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GridLine:
+    """A variant and the draft lengths it runs at. auto: whether an auto row may follow (one
+    at the length chosen among these); the Hugging Face peers have none."""
+
+    variant: Variant
+    lengths: tuple[int, ...]
+    auto: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.lengths if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+        if bad or not self.lengths:
+            raise ValueError(f"draft lengths must be integers >= 1, got {list(self.lengths)} "
+                             f"(e.g. num_draft_tokens=[2,4])")
 
 
 @dataclass(frozen=True)
 class GridPoint:
     """auto: the draft length is chosen when the point's turn comes, among `candidates` (the
-    method's fixed lengths), by `selfspec.measure.autosize.choose_size` on calibration prompts."""
+    line's fixed lengths), by `selfspec.measure.autosize.choose_size` on calibration prompts."""
 
-    method: str
+    variant: Variant
     draft_length: int
     sampling_name: str
     sampling: SamplingParams
     auto: bool = False
     candidates: tuple[int, ...] = ()
 
+    @property
+    def method(self) -> str:
+        """The point's row name, for display."""
+        return self.variant.label()
+
 
 @dataclass(frozen=True)
 class SweepGrid:
-    """methods x draft lengths x named sampling settings.
+    """lines (a variant and its draft lengths) x named sampling settings. auto: after each
+    line's fixed rows, a row at the length chosen among them (`num_draft_tokens=[1,2,4,auto]`),
+    where the line allows one."""
 
-    medusa_depth: the depth of the Medusa tree. Medusa at draft length k uses the tree's
-    nodes of depth <= k, so lengths beyond the depth would repeat the full tree: they are
-    folded into one row at the tree's depth.
-    auto: after each of our methods' fixed rows, a row at the length chosen among them
-    (`num_draft_tokens=[1,2,4,auto]`); the Hugging Face peers have no auto row.
-    """
-
-    methods: tuple[str, ...]
-    draft_lengths: tuple[int, ...]
+    lines: tuple[GridLine, ...]
     samplings: tuple[tuple[str, SamplingParams], ...]
-    medusa_depth: int | None = None
     auto: bool = False
 
     def __post_init__(self) -> None:
-        # A method may name a variant after a slash (early_exit/E4/norm/stop0.6).
-        unknown = [m for m in self.methods if m.split("/")[0] not in METHODS]
-        if unknown or not self.methods:
-            raise ValueError(f"unknown method(s) {unknown or '(none given)'}: choose from "
-                             f"{', '.join(METHODS)} (e.g. methods=[small_model,ngram])")
-        bad = [k for k in self.draft_lengths if not isinstance(k, int) or k < 1]
-        if bad or not self.draft_lengths:
-            raise ValueError(f"draft lengths must be integers >= 1, got "
-                             f"{list(self.draft_lengths)} (e.g. num_draft_tokens=[2,4])")
+        if not self.lines:
+            raise ValueError("no methods to sweep: give at least one (e.g. "
+                             "methods=[small_model,ngram])")
         if not self.samplings:
             raise ValueError("no sampling settings: give at least one (e.g. samplings=[greedy])")
-        if "medusa" in self.methods and not self.medusa_depth:
-            raise ValueError("SweepGrid: medusa needs medusa_depth (the depth of its tree)")
 
-    def lengths_of(self, method: str) -> list[int]:
-        if method == "medusa":
-            return sorted({min(k, self.medusa_depth) for k in self.draft_lengths})
-        return sorted(set(self.draft_lengths))
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The lines' row names, in order."""
+        return tuple(line.variant.label() for line in self.lines)
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        return tuple(line.variant for line in self.lines)
+
+    def variant(self, label: str) -> Variant:
+        """The line's variant whose row name is `label`."""
+        found = {line.variant.label(): line.variant for line in self.lines}
+        if label not in found:
+            raise ValueError(f"no row {label!r} in this grid: it has {', '.join(found)}")
+        return found[label]
 
     def points(self) -> list[GridPoint]:
         points = []
         for name, sampling in self.samplings:
-            for method in dict.fromkeys(self.methods):
-                lengths = self.lengths_of(method)
-                points += [GridPoint(method, k, name, sampling) for k in lengths]
-                if self.auto and method not in HF_PEERS:
-                    points.append(GridPoint(method, max(lengths), name, sampling, True,
+            for line in self.lines:
+                lengths = sorted(set(line.lengths))
+                points += [GridPoint(line.variant, k, name, sampling) for k in lengths]
+                if self.auto and line.auto:
+                    points.append(GridPoint(line.variant, max(lengths), name, sampling, True,
                                             tuple(lengths)))
         return points
 
@@ -92,7 +125,8 @@ class SweepRow:
     draft_cost, bound, efficiency: see `add_bounds` (None without a cost profile).
     auto_choice: on a `<method>/auto` row, the candidates' calibration estimates
     (`SizeChoice.as_dict`); auto_vs_best: its speedup over the best fixed row of the method
-    at that sampling (see `add_auto_ratios`)."""
+    at that sampling (see `add_auto_ratios`). variant: the row's variant as fields (`method`
+    is its label, for display); peer_of: on a Hugging Face peer's row, our method's name."""
 
     method: str
     draft_length: int
@@ -135,6 +169,8 @@ class SweepRow:
     efficiency: float | None = None
     auto_choice: dict | None = None
     auto_vs_best: float | None = None
+    variant: dict[str, Any] = field(default_factory=dict)
+    peer_of: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

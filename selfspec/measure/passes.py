@@ -18,7 +18,7 @@ import torch
 
 from selfspec.decode import GenerationResult
 from selfspec.drafters.base import Drafter
-from selfspec.measure.grid import GridPoint, SweepRow
+from selfspec.measure.grid import GridPoint, SweepRow, Variant
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.peers import Decoder, OurDecoder
 from selfspec.metrics import GenerationStats, describe_split
@@ -163,6 +163,7 @@ def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakM
         draft_ms_per_step=(1000 * stats.draft_time_s / stats.steps
                            if method.decoder.measures_draft_time and stats.steps else None),
         time_split=stats.time_split, baseline_time_split=base.stats.time_split,
+        variant=point.variant.as_dict(), peer_of=point.variant.peer_of,
     )
 
 
@@ -217,7 +218,7 @@ def compare_with_plain(
     ours, plain = (OurDecoder(target, d, split_time=split_time, cuda_graphs=cuda_graphs)
                    for d in (drafter, None))
     method = Method("drafter", drafter.max_nodes, ours, plain)
-    point = GridPoint("drafter", drafter.max_nodes, "custom", sampling)
+    point = GridPoint(Variant("drafter"), drafter.max_nodes, "custom", sampling)
     settings = BenchSettings(max_new_tokens=max_new_tokens, seed=seed)
     row, _ = measure_row(method, point, prompts, settings, device=target.embed_tokens.weight.device)
     return Comparison(

@@ -20,18 +20,18 @@ from matplotlib.textpath import text_to_path
 from matplotlib.ticker import MaxNLocator
 
 Row = Mapping[str, Any]
-# One colour per method across every figure.
-COLORS = {"small_model": "tab:blue", "ngram": "tab:orange", "medusa": "tab:green",
-          "hf_assisted": "tab:purple", "hf_prompt_lookup": "tab:brown", "drafter": "tab:gray"}
+Colors = Mapping[str, str]  # a method's colour by its name, the same in every figure
 PANEL_WIDTH = 4.6  # inches per sampling setting
 TITLE_MARGIN = 0.4  # inches of a figure's width its suptitle leaves free
 # A panel's title is centred on its axes, which share the panel with the y label and ticks.
 PANEL_TITLE_WIDTH = PANEL_WIDTH - 1.2
 
 
-def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
+def plot_sweep(rows: Sequence[Row], folder: str | Path, colors: Colors | None = None
+               ) -> dict[str, Path]:
     """Every sweep figure as a PNG in folder; returns {name: path}. speedup_vs_bound only when
-    some row has a bound (the sweep measured a cost profile)."""
+    some row has a bound (the sweep measured a cost profile). colors: each method's colour
+    (the registry's, `from_config.method_colors()`); others get one of matplotlib's."""
     if not rows:
         raise ValueError("plot_sweep: no rows to plot (the sweep measured nothing)")
     folder = Path(folder)
@@ -47,22 +47,22 @@ def plot_sweep(rows: Sequence[Row], folder: str | Path) -> dict[str, Path]:
     paths = {}
     for name, make in makers.items():
         paths[name] = folder / f"{name}.png"
-        make(rows).savefig(paths[name], dpi=110)
+        make(rows, colors or {}).savefig(paths[name], dpi=110)
     return paths
 
 
-def acceptance_vs_draft_length(rows: Sequence[Row]) -> Figure:
+def acceptance_vs_draft_length(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
     """Acceptance rate (accepted / drafted depth) against draft length, a line per method."""
     fig, panels = _panels(rows, "Acceptance rate vs draft length")
     for sampling, ax in panels.items():
         for method, line in _lines(rows, sampling).items():
             ax.plot([r["draft_length"] for r in line], [r["acceptance_rate"] for r in line],
-                    marker="o", color=_color(method), label=method)
+                    marker="o", color=_color(method, colors), label=method)
         ax.set(xlabel="draft length k", ylabel="acceptance rate", ylim=(0, 1.05))
     return _finish(fig, panels)
 
 
-def tokens_per_s_vs_draft_length(rows: Sequence[Row]) -> Figure:
+def tokens_per_s_vs_draft_length(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
     """Median tokens/s against draft length (bars: min..max over repeats), with each
     baseline's median as a dashed line."""
     fig, panels = _panels(rows, "Tokens/s vs draft length (median; bars: min-max over repeats)")
@@ -73,7 +73,7 @@ def tokens_per_s_vs_draft_length(rows: Sequence[Row]) -> Figure:
             spread = [[v - r["tokens_per_s_min"] for v, r in zip(y, line, strict=True)],
                       [r["tokens_per_s_max"] - v for v, r in zip(y, line, strict=True)]]
             ax.errorbar([r["draft_length"] for r in line], y, yerr=spread, marker="o",
-                        capsize=3, color=_color(method), label=method)
+                        capsize=3, color=_color(method, colors), label=method)
         for baseline, style in (("plain", "--"), ("hf_plain", ":")):
             speeds = [r["baseline_tokens_per_s"] for line in lines.values() for r in line
                       if r["baseline"] == baseline]
@@ -85,7 +85,7 @@ def tokens_per_s_vs_draft_length(rows: Sequence[Row]) -> Figure:
     return _finish(fig, panels)
 
 
-def speedup_at_best_draft_length(rows: Sequence[Row]) -> Figure:
+def speedup_at_best_draft_length(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
     """Each method's speedup over its baseline at its best draft length, per sampling setting,
     labelled with that k and the share of repeated 4-grams in its outputs."""
     fig, panels = _panels(rows, "Speedup over plain decoding at each method's best draft length")
@@ -97,7 +97,7 @@ def speedup_at_best_draft_length(rows: Sequence[Row]) -> Figure:
         spread = [[h - r["speedup_min"] for h, r in zip(heights, best, strict=True)],
                   [r["speedup_max"] - h for h, r in zip(heights, best, strict=True)]]
         bars = ax.bar(x, heights, yerr=spread, capsize=3,
-                      color=[_color(r["method"]) for r in best])
+                      color=[_color(r["method"], colors) for r in best])
         labels = [f"k={r['draft_length']}\nrep4 {r['repeated_4gram_share']:.2f}" for r in best]
         ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
@@ -107,20 +107,20 @@ def speedup_at_best_draft_length(rows: Sequence[Row]) -> Figure:
     return _finish(fig, panels, line_plot=False)
 
 
-def acceptance_by_position(rows: Sequence[Row]) -> Figure:
+def acceptance_by_position(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
     """Share of drafts accepted at each draft position, per method at its longest draft."""
     fig, panels = _panels(rows, "Acceptance by draft position (each method at its longest draft)")
     for sampling, ax in panels.items():
         for method, line in _lines(rows, sampling).items():
             rates = line[-1]["acceptance_by_position"]
             if rates:
-                ax.plot(range(1, len(rates) + 1), rates, marker="o", color=_color(method),
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", color=_color(method, colors),
                         label=f"{method} (k={line[-1]['draft_length']})")
         ax.set(xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
     return _finish(fig, panels)
 
 
-def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
+def speedup_vs_bound(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
     """Measured speedup against the bound tau / (c(N + 1) + draft cost), a point per row,
     coloured by method and labelled with its draft length, with y = x: how much of what
     acceptance allows the loop delivers."""
@@ -131,7 +131,7 @@ def speedup_vs_bound(rows: Sequence[Row]) -> Figure:
         for method in dict.fromkeys(r["method"] for r in points):
             mine = [r for r in points if r["method"] == method]
             ax.scatter([r["bound"] for r in mine], [r["speedup"] for r in mine], s=22,
-                       color=_color(method), label=method)
+                       color=_color(method, colors), label=method)
             for r in mine:
                 ax.annotate(f"k={r['draft_length']}", (r["bound"], r["speedup"]), fontsize=6,
                             xytext=(3, 3), textcoords="offset points")
@@ -211,10 +211,10 @@ def _inches(text: str, font: FontProperties) -> float:
     return points / 72
 
 
-def _color(method: str) -> str:
+def _color(method: str, colors: Colors | None) -> str:
     """The method's own color; a method without one (e.g. an early_exit/E4/norm/stop0.6 row)
     gets one of matplotlib's ten cycle colors, the same in every figure."""
-    return COLORS.get(method) or f"C{zlib.crc32(method.encode()) % 10}"
+    return (colors or {}).get(method) or f"C{zlib.crc32(method.encode()) % 10}"
 
 
 def plot_cost_profile(c_of_n: Mapping[int, float], title: str, path: str | Path) -> Path:

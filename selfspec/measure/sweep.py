@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.measure.costs import CostProfile
-from selfspec.measure.grid import HF_PEERS, GridPoint, SweepRow
+from selfspec.measure.grid import GridPoint, SweepRow, Variant
 from selfspec.measure.passes import BenchSettings, Method, measure_row
 
 if TYPE_CHECKING:  # autosize measures through passes
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # autosize measures through passes
 
 def run_sweep(
     points: Sequence[GridPoint],
-    make_method: Callable[[str, int], Method],
+    make_method: Callable[[Variant, int], Method],
     prompts: Sequence[Sequence[int]],
     settings: BenchSettings,
     *,
@@ -31,7 +31,7 @@ def run_sweep(
 ) -> list[SweepRow]:
     """Measure every grid point in this process, in order, with a progress bar.
 
-    make_method(name, k) builds a point's decoders when its turn comes (and they are dropped
+    make_method(variant, k) builds a point's decoders when its turn comes (and they are dropped
     after it, with any draft caches). shared_baseline: measure each baseline once per sampling
     setting instead of beside every row (half the time, less robust to machine drift).
     choose_length(point): an auto point's draft length among point.candidates (calibrated on
@@ -45,7 +45,7 @@ def run_sweep(
         bar.set_postfix_str(f"{point.method} k={'auto' if point.auto else point.draft_length} "
                             f"{point.sampling_name}")
         choice = _choose(choose_length, point) if point.auto else None
-        method = make_method(point.method, choice.size if choice else point.draft_length)
+        method = make_method(point.variant, choice.size if choice else point.draft_length)
         key = (method.baseline_name, point.sampling_name)
         row, base = measure_row(method, point, prompts, settings, shared.get(key), device)
         if shared_baseline:
@@ -81,13 +81,14 @@ def add_auto_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:
 
 
 def add_peer_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:
-    """Set ours_over_hf on every hf_* row whose peer (same draft length and sampling) ran."""
+    """Set ours_over_hf on every Hugging Face peer's row whose counterpart of ours (its
+    `peer_of`, at the same draft length and sampling) ran."""
     speed = {(r.method, r.draft_length, r.sampling): r.tokens_per_s for r in rows}
     out = []
     for r in rows:
-        peer = speed.get((HF_PEERS.get(r.method), r.draft_length, r.sampling))
+        peer = speed.get((r.peer_of, r.draft_length, r.sampling))
         ratio = peer / r.tokens_per_s if peer is not None and r.tokens_per_s else None
-        out.append(SweepRow(**{**r.as_dict(), "ours_over_hf": ratio}))
+        out.append(replace(r, ours_over_hf=ratio))
     return out
 
 

@@ -1,0 +1,89 @@
+"""eval/generate.py's drafter: any method of the registry by name (`drafter=`), at one draft
+length (`num_draft_tokens=`), with the one variant its settings describe."""
+
+from __future__ import annotations
+
+import warnings
+
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.decode import GenerationSettings
+from selfspec.drafters import Drafter
+from selfspec.drafters.confidence import check_confidence_threshold
+from selfspec.from_config.common import device, positive_int, sampling_params
+from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
+from selfspec.from_config.models import resolve_model_path
+from selfspec.measure.grid import Variant
+from selfspec.model import Transformer
+
+PLAIN = "none"  # drafter=none: plain decoding only
+# Settings that moved: the old key (still read, with a warning) and the new one.
+RENAMED = {"confidence_threshold": "small_model.confidence_threshold",
+           "draft_vocab": "small_model.draft_vocab",
+           "first_candidates": "small_model.first_candidates"}
+
+
+def generation_settings(cfg: DictConfig) -> GenerationSettings:
+    """eval/generate.py's settings, checked with its device, target folder and drafter choice
+    before any model loads."""
+    device(cfg)
+    resolve_model_path(cfg.model)
+    drafter_choice(cfg)
+    return GenerationSettings(max_new_tokens=cfg.max_new_tokens,
+                              sampling=sampling_params(cfg.sampling), seed=int(cfg.seed))
+
+
+def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None, int]:
+    """cfg.drafter's method, the one variant its settings describe, and the draft length it
+    runs at (cfg.num_draft_tokens; Medusa: at most its tree's depth), checked; the method's
+    weights must be on disk. drafter=none: (None, None, k)."""
+    renamed_settings(cfg)
+    name, k = str(cfg.drafter), cfg.num_draft_tokens
+    ours = [n for n, e in registry().items() if e.ours]
+    if name != PLAIN and name not in ours:
+        raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(ours)}, {PLAIN}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    if name == PLAIN:
+        return None, None, k
+    method = entry(name)
+    method.check(cfg, (k,))
+    variants = method.variants(cfg, False)
+    if len(variants) != 1:
+        raise ValueError(f"drafter={name}: its settings describe {len(variants)} rows "
+                         f"({', '.join(v.label() for v in variants)}); give one value per "
+                         f"setting here (lists are for eval/sweep.py)")
+    return method, variants[0], method.lengths(cfg, (k,))[0]
+
+
+def renamed_settings(cfg: DictConfig) -> None:
+    """Read the settings given under their old keys into the new ones, with a warning that
+    names the new key."""
+    for old, new in RENAMED.items():
+        value = cfg.get(old)
+        if value is None:
+            continue
+        if old == "first_candidates":
+            positive_int(cfg, old)
+        elif old == "confidence_threshold":
+            check_confidence_threshold("drafter=small_model", value)
+        warnings.warn(f"{old}= is deprecated: use {new}= (read as {new}={value})", FutureWarning,
+                      stacklevel=2)
+        OmegaConf.update(cfg, new, value, force_add=True)
+
+
+def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
+    """The drafter named by cfg.drafter; None = plain decoding."""
+    return drafter_and_target(cfg, target)[0]
+
+
+def drafter_and_target(cfg: DictConfig, target: Transformer
+                       ) -> tuple[Drafter | None, Transformer]:
+    """The drafter named by cfg.drafter (None = plain decoding) and the target it verifies on
+    (a Medusa-2 export: its LoRA-adapted copy of `target`)."""
+    method, variant, k = drafter_choice(cfg)
+    if method is None:
+        return None, target
+    loaded = Loaded(cfg, target)
+    method.load(loaded, (variant,))
+    return method.drafter(loaded, variant, k), method.verified_on(loaded)[0]

@@ -1,0 +1,145 @@
+"""What the registry knows of a method (`MethodEntry`), and what a run's methods load, once
+(`Loaded`). One module per method in this package defines its entries (`ENTRIES`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig
+
+from selfspec.drafters.base import Drafter
+from selfspec.measure.grid import Variant
+from selfspec.measure.passes import Method
+from selfspec.model import Transformer
+
+T = TypeVar("T")
+SHIPPED = "shipped"  # medusa_heads=shipped, ngram.corpus=shipped: what ships with the model
+
+
+@dataclass
+class Loaded:
+    """The run's config, its target, and what its methods loaded (heads, a draft model, a
+    corpus), each once, by key: methods that share weights (Medusa's heads for medusa and
+    ngram+medusa) load them once."""
+
+    cfg: DictConfig
+    target: Transformer
+    _loaded: dict[str, Any] = field(default_factory=dict)
+
+    def once(self, key: str, load: Callable[[], T]) -> T:
+        if key not in self._loaded:
+            self._loaded[key] = load()
+        return self._loaded[key]
+
+
+def _same_lengths(cfg: DictConfig, lengths: tuple[int, ...]) -> tuple[int, ...]:
+    return lengths
+
+
+def _on_the_target(loaded: Loaded) -> tuple[Transformer, str]:
+    return loaded.target, "plain"
+
+
+def _nothing_to_check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+    return None
+
+
+def _never(cfg: DictConfig) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One method, as every entry point sees it.
+
+    variants(cfg, for_sweep): the method's rows besides the draft length, read from its
+        settings and checked (no weights). for_sweep: with the untrained baselines a sweep shows
+        beside them (the n-gram lookup in the context alone, the norm exit); False: for a single
+        generation (eval/generate.py), which takes one variant.
+    check(cfg, lengths): what else must hold before anything loads (folders exist, a tree fits
+        the lengths).
+    load(loaded, variants): what its variants need, loaded into `loaded` before the first row.
+    drafter(loaded, variant, k): our drafter at draft length k; None for a peer that runs
+        another library (then `method` builds its decoders).
+    verified_on(loaded): the target its drafts are verified on, and its baseline's name (a
+        Medusa-2 export verifies on its LoRA-adapted target).
+    lengths(cfg, lengths): the draft lengths it runs at (Medusa folds those beyond its tree).
+    default_when(cfg): whether a sweep with methods=null runs it.
+    head: its trainable head class, if any; color: its colour in the figures; order: where it
+    stands in lists (menus, a sweep's default methods).
+    """
+
+    name: str
+    summary: str
+    variants: Callable[[DictConfig, bool], tuple[Variant, ...]]
+    load: Callable[[Loaded, tuple[Variant, ...]], Any]
+    drafter: Callable[[Loaded, Variant, int], Drafter] | None = None
+    method: Callable[[Loaded, Variant, int], Method] | None = None
+    check: Callable[[DictConfig, tuple[int, ...]], None] = _nothing_to_check
+    verified_on: Callable[[Loaded], tuple[Transformer, str]] = _on_the_target
+    lengths: Callable[[DictConfig, tuple[int, ...]], tuple[int, ...]] = _same_lengths
+    default_when: Callable[[DictConfig], bool] = _never
+    head: type | None = None
+    color: str | None = None
+    order: int = 100
+
+    def __post_init__(self) -> None:
+        if (self.drafter is None) == (self.method is None):
+            raise ValueError(f"method entry {self.name!r}: give a drafter (ours) or a method "
+                             f"(a peer's decoders), exactly one")
+
+    @property
+    def ours(self) -> bool:
+        """Whether it drafts with one of selfspec's drafters (not another library's loop)."""
+        return self.drafter is not None
+
+
+def one_variant(name: str) -> Callable[[DictConfig, bool], tuple[Variant, ...]]:
+    """The variants of a method without settings that make rows: one, named for it."""
+
+    def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[Variant, ...]:
+        return (Variant(name),)
+
+    return variants
+
+
+def is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def head_folder(cfg: DictConfig, key: str) -> Path:
+    """The folder of cfg[key] (medusa_heads, eagle_head): a path, or `shipped` for the heads
+    that ship with the model, in selfspec/assets/heads/<model.name>/<key>/."""
+    if str(cfg[key]) != SHIPPED:
+        return Path(str(cfg[key])).expanduser()
+    name = str(cfg.model.get("name"))
+    folder = Path(str(resources.files("selfspec") / "assets" / "heads" / name / key))
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{key}={SHIPPED}: none ship for model={name}; give the export "
+                                f"folder of a training run (<run>/checkpoints/step_N/export)")
+    return folder
+
+
+def check_head_folder(folder: Path, key: str, trainer: str) -> Path:
+    """`folder` when it holds a head export (head_config.json), else an error naming the
+    setting `key` and the trainer that writes one."""
+    if not (folder / "head_config.json").is_file():
+        raise FileNotFoundError(
+            f"{key}={folder}: no head_config.json there; point it at an export folder "
+            f"of train/{trainer}.py, e.g. outputs/{trainer}/<run>/checkpoints/step_0000200/"
+            f"export")
+    return folder
+
+
+def required_head_folder(cfg: DictConfig, key: str, method: str, trainer: str,
+                         what: str = "trained heads") -> Path:
+    """The head export a method needs (cfg[key]), checked to exist; refused when unset."""
+    if not cfg.get(key):
+        raise ValueError(f"method {method} needs {what}: set {key}=/path/to/run/"
+                         f"checkpoints/step_N/export (an export folder written by "
+                         f"train/{trainer}.py)")
+    return check_head_folder(head_folder(cfg, key), key, trainer)

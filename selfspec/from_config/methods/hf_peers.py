@@ -1,0 +1,73 @@
+"""The Hugging Face peers: transformers' own `generate` on the same weights, as our rows' peers
+(each row compared with plain `generate`, and with our method that does the same thing).
+
+hf_assisted: assisted generation with the small draft model (`assistant_model=`), the peer of
+small_model; hf_prompt_lookup: prompt lookup (`prompt_lookup_num_tokens=k`), the peer of ngram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from selfspec.from_config.common import device
+from selfspec.from_config.methods.entry import Loaded, MethodEntry
+from selfspec.from_config.models import draft_model_config, load_hf_model, resolve_model_path
+from selfspec.measure.grid import Variant
+from selfspec.measure.passes import Method
+from selfspec.measure.peers import HFDecoder
+
+
+@dataclass(frozen=True)
+class PeerVariant(Variant):
+    peer: str = ""  # our method that does what this one does
+
+    @property
+    def peer_of(self) -> str | None:
+        return self.peer
+
+
+def _hf_model(loaded: Loaded, key: str, folder) -> Any:
+    cfg = loaded.cfg
+    return loaded.once(key, lambda: load_hf_model(folder, cfg.model.dtype, device(cfg)))
+
+
+def hf_target(loaded: Loaded) -> Any:
+    return _hf_model(loaded, "hf_target", resolve_model_path(loaded.cfg.model))
+
+
+def hf_draft(loaded: Loaded) -> Any:
+    folder = resolve_model_path(draft_model_config(loaded.cfg), "model.draft")
+    return _hf_model(loaded, "hf_draft", folder)
+
+
+def _peer(name: str, peer: str, summary: str, assisted: bool, order: int) -> MethodEntry:
+    def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[PeerVariant, ...]:
+        return (PeerVariant(name, peer),)
+
+    def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+        if assisted:
+            resolve_model_path(draft_model_config(cfg), "model.draft")
+
+    def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
+        hf_target(loaded)
+        if assisted:
+            hf_draft(loaded)
+
+    def method(loaded: Loaded, variant: Variant, k: int) -> Method:
+        target = hf_target(loaded)
+        decoder = HFDecoder(target, hf_draft(loaded) if assisted else None, num_draft_tokens=k,
+                            prompt_lookup=not assisted)
+        return Method(name, k, decoder, HFDecoder(target), "hf_plain", k)
+
+    return MethodEntry(name, summary, variants, load, method=method, check=check,
+                       color="tab:purple" if assisted else "tab:brown", order=order)
+
+
+ENTRIES = (
+    _peer("hf_assisted", "small_model", "transformers' assisted generation with the draft model",
+          True, 90),
+    _peer("hf_prompt_lookup", "ngram", "transformers' prompt lookup decoding", False, 91),
+)

@@ -1,0 +1,128 @@
+"""The small draft model (`SmallModelDrafter`): a separate, smaller model with the target's
+tokenizer (model.draft), or one cut from the target and trained by train/draft.py.
+
+Rows: small_model[/V{K}][/top{W}][/stop{t}] for each K in small_model.draft_vocab (its K most
+frequent training tokens; null: the whole vocabulary), W in small_model.first_candidates (the
+first token's candidates; 1: a chain) and t in small_model.confidence_threshold (end a draft
+below that top-1 probability; null: never).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from selfspec.draft_vocab import DraftVocab, load_draft_vocab
+from selfspec.drafters import SmallModelDrafter
+from selfspec.drafters.confidence import check_confidence_threshold
+from selfspec.from_config.common import as_list, device
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
+from selfspec.from_config.models import (
+    draft_model_config,
+    load_model,
+    model_config,
+    resolve_model_path,
+)
+from selfspec.measure.grid import Variant
+from selfspec.model import Transformer
+
+
+@dataclass(frozen=True)
+class SmallModelVariant(Variant):
+    method: str = "small_model"
+    draft_vocab: int | None = None
+    first_candidates: int = 1
+    confidence_threshold: float | None = None
+
+    def label(self) -> str:
+        return (self.method + ("" if self.draft_vocab is None else f"/V{self.draft_vocab}")
+                + ("" if self.first_candidates == 1 else f"/top{self.first_candidates}")
+                + ("" if self.confidence_threshold is None
+                   else f"/stop{self.confidence_threshold:g}"))
+
+
+def variants(cfg: DictConfig, with_comparisons: bool = True) -> tuple[SmallModelVariant, ...]:
+    group = cfg.get("small_model", {})
+    sizes = as_list(group.get("draft_vocab")) or [None]
+    widths = as_list(group.get("first_candidates")) or [1]
+    stops = as_list(group.get("confidence_threshold")) or [None]
+    if not all(is_count(k) for k in sizes if k is not None):
+        raise ValueError(f"small_model.draft_vocab: give token counts >= 1 (or null for the "
+                         f"whole vocabulary), got {sizes}")
+    if not all(map(is_count, widths)):
+        raise ValueError(f"small_model.first_candidates: give candidate counts >= 1 (1: a "
+                         f"chain), got {widths}")
+    stops = [check_confidence_threshold("small_model", t) for t in stops]
+    return tuple(SmallModelVariant(draft_vocab=k, first_candidates=w, confidence_threshold=t)
+                 for k in sizes for w in widths for t in stops)
+
+
+def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+    resolve_model_path(draft_model_config(cfg), "model.draft")
+
+
+def draft_model(loaded: Loaded) -> Transformer:
+    """model.draft, loaded once (hf_assisted reads the same folder)."""
+    cfg = loaded.cfg
+    return loaded.once("draft_model", lambda: load_model(
+        draft_model_config(cfg), "model.draft", cfg.model.dtype, device(cfg)))
+
+
+def _vocab(loaded: Loaded, size: int | None) -> DraftVocab | None:
+    if size is None:
+        return None
+    return loaded.once(f"draft_vocab/{size}",
+                       lambda: load_draft_vocab(draft_model(loaded).source, size))
+
+
+def load(loaded: Loaded, chosen: tuple[SmallModelVariant, ...]) -> None:
+    draft_model(loaded)
+    for variant in chosen:
+        _vocab(loaded, variant.draft_vocab)
+
+
+def drafter(loaded: Loaded, variant: SmallModelVariant, k: int) -> SmallModelDrafter:
+    return SmallModelDrafter(draft_model(loaded), num_draft_tokens=k,
+                             draft_vocab=_vocab(loaded, variant.draft_vocab),
+                             confidence_threshold=variant.confidence_threshold,
+                             first_candidates=variant.first_candidates)
+
+
+ENTRIES = (MethodEntry(
+    "small_model", "a separate small draft model with the target's tokenizer", variants, load,
+    drafter, check=check, default_when=lambda cfg: True, color="tab:blue", order=0),)
+
+
+# ---- draft models cut from the target (train/draft.py) ---------------------------------------
+
+
+def check_draft_model_settings(cfg: DictConfig) -> int:
+    """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
+    weights); returns the draft's layer count."""
+    d, target = cfg.draft_model, model_config(cfg.model)
+    for key in ("num_layers", "num_draft_tokens"):
+        if not is_count(d[key]):
+            raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
+    if d.num_layers >= target.num_layers:
+        raise ValueError(f"draft_model.num_layers={d.num_layers}: a draft must be shallower than "
+                         f"the target ({target.num_layers} layers)")
+    if not float(d.hard_weight) >= 0:
+        raise ValueError(f"draft_model.hard_weight must be >= 0, got {d.hard_weight}")
+    size = d.get("draft_vocab")
+    if size is not None and not (isinstance(size, int) and 1 <= size <= target.vocab_size):
+        raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
+    return int(d.num_layers)
+
+
+def draft_from_target(cfg: DictConfig, target: Transformer) -> Transformer:
+    """A fresh draft: the target's first draft_model.num_layers layers, its final norm and LM
+    head (copies), the embedding and LM head frozen unless draft_model.train_embeddings."""
+    return freeze_draft_embeddings(cfg, target.first_layers(int(cfg.draft_model.num_layers)))
+
+
+def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
+    if not cfg.draft_model.get("train_embeddings", False):
+        draft.embed_tokens.requires_grad_(False)
+        draft.lm_head.requires_grad_(False)
+    return draft
