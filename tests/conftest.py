@@ -7,6 +7,15 @@ import torch
 from helpers import suite_threads, tiny_llama
 
 from selfspec import Transformer, generate
+from selfspec.heads import (
+    EagleConfig,
+    EagleHead,
+    MedusaConfig,
+    MedusaHeads,
+    describe_target,
+    save_head,
+)
+from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 
 
 def pytest_configure(config) -> None:
@@ -51,3 +60,48 @@ def plain_greedy(request, target) -> dict:
     module = request.module
     return {tuple(p): generate(target, p, max_new_tokens=module.NEW_TOKENS).tokens
             for p in module.PROMPTS}
+
+
+def lm_head_copies(target: Transformer, num_heads: int = 2) -> MedusaHeads:
+    """Untrained Medusa heads for the target (output layers = its LM head)."""
+    config = MedusaConfig(hidden_size=target.config.hidden_size,
+                          vocab_size=target.config.vocab_size, num_heads=num_heads, num_layers=1)
+    return MedusaHeads(config).init_from_lm_head(target.lm_head.weight.detach())
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, quick_build) -> Path:
+    """Untrained 2-head Medusa export for the toy target."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    heads = lm_head_copies(target)
+    return save_head(tmp_path_factory.mktemp("heads") / "export", heads, heads.config,
+                     describe_target(target))
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def eagle_dir(request, tmp_path_factory, quick_build) -> Path:
+    """A random EAGLE-1 or EAGLE-3 export for the toy target (one layer: EAGLE-3 fuses the
+    streams 0, 1, 1)."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    extra = {"draft_vocab_size": 64, "target_layers": (0, 1, 1)} if request.param == 3 else {}
+    torch.manual_seed(request.param)
+    head = EagleHead(EagleConfig.for_target(target.config, request.param, **extra))
+    folder = tmp_path_factory.mktemp(f"eagle{request.param}") / "export"
+    return save_head(folder, head, head.config, describe_target(target))
+
+
+@pytest.fixture(scope="module")
+def medusa2_dir(tmp_path_factory, quick_build) -> Path:
+    """A Medusa-2 export: untrained heads and a random LoRA adapter (fresh ones are the
+    identity), so its adapted target is another model than the toy target."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    heads, info = lm_head_copies(target), describe_target(target)
+    adapted = add_lora(target, LoraSettings(rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    folder = save_head(tmp_path_factory.mktemp("medusa2") / "export", heads, heads.config, info)
+    save_adapter(adapted, folder / ADAPTER_DIR)
+    return folder

@@ -3,6 +3,7 @@ of weights trained by Adam along two float paths, tiny models."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -239,3 +240,19 @@ def sweep_variant(cfg, label: str):
     from selfspec.from_config import plan_sweep
 
     return plan_sweep(cfg, 1, greedy_only=True).grid.variant(label)
+
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+
+
+def load_entry(name: str):
+    """An eval/ entry point as a module (eval/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"eval_{name}", EVAL / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def toy(quick_build: Path, draft: str = "draft") -> list[str]:
+    return ["model=local", f"model.path={quick_build / 'target'}",
+            f"model.draft.path={quick_build / draft}", "progress=false"]

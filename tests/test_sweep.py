@@ -5,7 +5,6 @@ before any model loads."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import shutil
@@ -15,22 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import suite_threads, sweep_variant
+from helpers import EVAL, load_entry, suite_threads, sweep_variant, toy
 from hydra import compose, initialize_config_dir
 from matplotlib.image import imread
 
 from selfspec import from_config
 from selfspec.decode import GenerationResult
 from selfspec.draft_vocab import save_token_counts
-from selfspec.heads import (
-    EagleConfig,
-    EagleHead,
-    MedusaConfig,
-    MedusaHeads,
-    describe_target,
-    save_head,
-)
-from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 from selfspec.measure.grid import COLUMNS, GridPoint, SweepRow, Variant
 from selfspec.measure.lossless import NEAR_TIE_ULPS, greedy_outputs, lossless_mismatches
 from selfspec.measure.passes import BenchSettings, Method, measure_row
@@ -40,17 +30,8 @@ from selfspec.metrics import OTHER, PHASES, GenerationStats
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
 
-EVAL = Path(__file__).resolve().parents[1] / "eval"
 PLOTS = ("acceptance_vs_draft_length", "tokens_per_s_vs_draft_length",
          "speedup_at_best_draft_length", "acceptance_by_position", "speedup_vs_bound")
-
-
-def load_entry(name: str):
-    """An eval/ entry point as a module (eval/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"eval_{name}", EVAL / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +39,6 @@ def cfg_of():
     """cfg_of(config, *overrides): a conf/ config composed with Hydra's compose API."""
     with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
-
-
-def toy(quick_build: Path, draft: str = "draft") -> list[str]:
-    return ["model=local", f"model.path={quick_build / 'target'}",
-            f"model.draft.path={quick_build / draft}", "progress=false"]
 
 
 @pytest.fixture(scope="module")
@@ -76,51 +52,6 @@ def sweep_dir(tmp_path_factory, quick_build, cfg_of) -> Path:
         mp.setenv("WANDB_MODE", "offline")
         load_entry("sweep").run(cfg)
     return run_dir
-
-
-def lm_head_copies(target: Transformer, num_heads: int = 2) -> MedusaHeads:
-    """Untrained Medusa heads for the target (output layers = its LM head)."""
-    config = MedusaConfig(hidden_size=target.config.hidden_size,
-                          vocab_size=target.config.vocab_size, num_heads=num_heads, num_layers=1)
-    return MedusaHeads(config).init_from_lm_head(target.lm_head.weight.detach())
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tmp_path_factory, quick_build) -> Path:
-    """Untrained 2-head Medusa export for the toy target."""
-    target = Transformer.from_pretrained(quick_build / "target")
-    heads = lm_head_copies(target)
-    return save_head(tmp_path_factory.mktemp("heads") / "export", heads, heads.config,
-                     describe_target(target))
-
-
-@pytest.fixture(scope="module", params=[1, 3])
-def eagle_dir(request, tmp_path_factory, quick_build) -> Path:
-    """A random EAGLE-1 or EAGLE-3 export for the toy target (one layer: EAGLE-3 fuses the
-    streams 0, 1, 1)."""
-    target = Transformer.from_pretrained(quick_build / "target")
-    extra = {"draft_vocab_size": 64, "target_layers": (0, 1, 1)} if request.param == 3 else {}
-    torch.manual_seed(request.param)
-    head = EagleHead(EagleConfig.for_target(target.config, request.param, **extra))
-    folder = tmp_path_factory.mktemp(f"eagle{request.param}") / "export"
-    return save_head(folder, head, head.config, describe_target(target))
-
-
-@pytest.fixture(scope="module")
-def medusa2_dir(tmp_path_factory, quick_build) -> Path:
-    """A Medusa-2 export: untrained heads and a random LoRA adapter (fresh ones are the
-    identity), so its adapted target is another model than the toy target."""
-    target = Transformer.from_pretrained(quick_build / "target")
-    heads, info = lm_head_copies(target), describe_target(target)
-    adapted = add_lora(target, LoraSettings(rank=4))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
-    folder = save_head(tmp_path_factory.mktemp("medusa2") / "export", heads, heads.config, info)
-    save_adapter(adapted, folder / ADAPTER_DIR)
-    return folder
 
 
 # ---- the sweep's outputs ------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Every method of the registry reaches every entry point: eval/generate.py builds each of our
+drafters by name and decodes losslessly with it, the sweeps list every method, and a method's
+settings moved to conf/drafters.yaml still read under their old keys, with a warning."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import load_entry, toy
+from hydra import compose, initialize_config_dir
+
+from selfspec import from_config, generate
+from selfspec.from_config.methods import registry
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
+
+
+@pytest.fixture(scope="module")
+def compose_cfg():
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+        yield lambda config, *overrides: compose(config, overrides=list(overrides))
+
+
+def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
+    """What each of our methods needs, by name: the toy target (one layer) with its heads, or
+    for early exit the shipped tiny target (8 layers), exiting at layer 4."""
+    on_toy = toy(quick_build)[:3]
+    return {"small_model": on_toy, "ngram": on_toy,
+            "medusa": [*on_toy, f"medusa_heads={heads_dir}"],
+            "ngram+medusa": [*on_toy, f"medusa_heads={heads_dir}"],
+            "eagle": [*on_toy, f"eagle_head={eagle_dir}", "eagle.total_tokens=6",
+                      "eagle.top_k=2"],
+            "early_exit": ["model=tiny"]}
+
+
+def test_generate_drafts_losslessly_with_every_method_of_the_registry(
+        quick_build, compose_cfg, heads_dir, eagle_dir):
+    ours = [name for name, e in registry().items() if e.ours]
+    settings = method_settings(quick_build, heads_dir, eagle_dir)
+    assert sorted(ours) == sorted(settings)  # a new method needs a line here, and a test
+    for name in ours:
+        cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2", *settings[name])
+        target = from_config.load_target(cfg)
+        drafter, verified_on = from_config.drafter_and_target(cfg, target)
+        assert verified_on is target
+        drafted = 0
+        for prompt in PROMPTS:
+            result = generate(target, prompt, drafter=drafter, max_new_tokens=12)
+            assert result.tokens == generate(target, prompt, max_new_tokens=12).tokens, name
+            drafted += result.stats.drafted
+        assert drafted > 0, name
+
+
+def test_eval_generate_runs_medusa_heads_by_name(quick_build, compose_cfg, heads_dir, capsys):
+    cfg = compose_cfg("generate", *toy(quick_build)[:3], "drafter=medusa",
+                      f"medusa_heads={heads_dir}", "max_new_tokens=8", "data.num_prompts=1")
+    load_entry("generate").main.__wrapped__(cfg)
+    out = capsys.readouterr().out
+    assert "tau" in out and "over plain decoding" in out
+
+
+def test_generate_refuses_settings_that_describe_several_rows(quick_build, compose_cfg):
+    cfg = compose_cfg("generate", "drafter=early_exit", "early_exit.exit_layers=[1,2]")
+    with pytest.raises(ValueError, match=r"drafter=early_exit: its settings describe 2 rows "
+                                         r"\(early_exit/E1/norm/nostop, early_exit/E2/norm"):
+        from_config.drafter_choice(cfg)
+    with pytest.raises(ValueError, match="unknown drafter 'hf_assisted'"):
+        from_config.drafter_choice(compose_cfg("generate", "drafter=hf_assisted"))
+
+
+def test_an_old_key_is_read_with_a_warning_naming_the_new_one(quick_build, compose_cfg):
+    cfg = compose_cfg("generate", *toy(quick_build)[:3], "first_candidates=3")
+    with pytest.warns(FutureWarning, match=r"first_candidates= is deprecated: use "
+                                           r"small_model.first_candidates="):
+        method, variant, k = from_config.drafter_choice(cfg)
+    assert (method.name, variant.first_candidates, k) == ("small_model", 3, 4)
+
+
+def test_every_method_is_a_sweep_and_lossless_method(quick_build, compose_cfg):
+    names = list(registry())
+    cfg = compose_cfg("sweep", *toy(quick_build), "methods=[nonesuch]")
+    with pytest.raises(ValueError) as info:
+        from_config.plan_sweep(cfg, 1)
+    assert f"choose from {', '.join(names)}" in str(info.value)
