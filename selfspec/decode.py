@@ -12,23 +12,20 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.devices import synchronize
-from selfspec.drafters.base import (
-    DecodeSetup,
-    Draft,
-    DraftContext,
-    Drafter,
-    EarlyLayers,
-    TargetFeatures,
-)
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
 from selfspec.verify import Acceptance, verify_greedy, verify_trusted
+
+if TYPE_CHECKING:  # annotations only
+    from selfspec.drafters.base import Drafter, EarlyLayers
 
 
 @dataclass(frozen=True)

@@ -155,21 +155,13 @@ def _chain(k: int) -> Tree:
     return Tree.chain(k)
 
 
-def _verify(
-    tree: Tree,
-    tokens: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    generator: torch.Generator | None,
-    without_replacement: bool,
-    tokens_name: str,
-) -> Acceptance:
+def _verify(tree: Tree, tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+            generator: torch.Generator | None, without_replacement: bool, tokens_name: str
+            ) -> Acceptance:
     if isinstance(p, torch.Tensor):  # a setup error: refused before the values are read
         check_generator(generator, p.device, "verify")
     _check_inputs(tree, tokens, q, p, without_replacement, tokens_name)
     return verify_trusted(tree, tokens, q, p, generator, without_replacement)
-
-
 
 
 def _proposal(

@@ -36,8 +36,6 @@ from selfspec.model import (
     ModelConfig,
     RMSNorm,
     Transformer,
-    attention_mask,
-    rope_cos_sin,
     rope_inv_freq,
 )
 
@@ -226,11 +224,7 @@ class EagleHead(Head):
     ) -> torch.Tensor:
         """The predicted next features [B, T, h]; with a cache (KVCache-like, one layer) the
         new pairs attend to its slots and it advances by T, as `Transformer.forward` does."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, embeds.dtype)
-        past = 0 if cache is None else cache.length
-        attn_mask = attention_mask(mask, embeds.shape[1], past, embeds.device)
+        cos, sin, attn_mask = self.rope_and_mask(embeds, positions, cache, mask)
         if self.config.version == 1:
             x = self.fc(torch.cat([embeds, feature], dim=-1))  # [B, T, h]
             out = self.layers[0](x, cos, sin, attn_mask, cache)

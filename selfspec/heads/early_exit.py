@@ -28,8 +28,6 @@ from selfspec.model import (
     ModelConfig,
     RMSNorm,
     Transformer,
-    attention_mask,
-    rope_cos_sin,
     rope_inv_freq,
 )
 
@@ -131,11 +129,7 @@ class ExitHead(Head):
         its own layers (writing and advancing `cache` when given)."""
         if self.config.kind == "norm":
             return target_norm(hidden)
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        past = 0 if cache is None else cache.length
-        attn_mask = attention_mask(None, hidden.shape[1], past, hidden.device)
+        cos, sin, attn_mask = self.rope_and_mask(hidden, positions, cache)
         out = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_mask, cache)
         if cache is not None:
             cache.advance(hidden.shape[1])
