@@ -6,7 +6,9 @@ Stages, each reading the previous one's output from ``--out``:
   tokenizer  byte-level BPE on the train split          -> <out>/tokenizer/
   target     selfspec-tiny, LlamaForCausalLM from scratch -> <out>/target/
   draft      selfspec-tiny-draft, distilled from target   -> <out>/draft/
-Training checkpoints go to <out>/_work/ (never shipped); ``--resume`` continues from them.
+Both models train through ``selfspec.training.fit``; its run folders (checkpoints, run config)
+are <out>/_work/target/ and <out>/_work/draft/ (never shipped); ``--resume`` continues them.
+A time budget becomes a step count at a run's start, from the measured speed of a few steps.
 ``--quick`` runs the same recipe in seconds with toy sizes (for tests).
 """
 
@@ -16,20 +18,20 @@ import argparse
 import copy
 import hashlib
 import json
-import math
 import os
 import platform
-import random
 import shlex
+import shutil
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import heldout_loss  # sibling script: scripts/ is on sys.path when run as a script
 import torch
-import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
@@ -42,10 +44,25 @@ from selfspec.data import (
     stdlib_manifest_sha256,
     token_stream,
 )
+from selfspec.errors import SelfspecError
+from selfspec.losses import LossOutput, kl_to_teacher
+from selfspec.training import (
+    CHECKPOINT_PREFIX,
+    RUN_CONFIG,
+    TokenRows,
+    TrainSettings,
+    fit,
+    make_accelerator,
+    record_run_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "selfspec" / "assets" / "tiny"
+HELDOUT_SCRIPT = REPO / "scripts" / "heldout_loss.py"
 MIN_LR_RATIO = 0.1  # cosine decays to a tenth of the peak, not to zero
+BETAS, WEIGHT_DECAY = (0.9, 0.95), 0.1
+NEXT_TOKEN = "next_token_loss"  # the metric both objectives report; fit evaluates it held out
+HELDOUT_METRIC = f"eval/{NEXT_TOKEN}"
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,7 @@ class Recipe:
     log_every: int
     eval_every: int
     eval_tokens: int  # periodic held-out check on a prefix of the held-out stream
-    final_eval_tokens: int  # the model card's number, same as scripts/heldout_loss.py
+    final_eval_tokens: int | None  # the model card's number; None: heldout_loss.py's default
     max_files: int | None = None  # quick: train on a handful of small files only
     target_steps: int | None = None  # quick: fixed step counts instead of time budgets
     draft_steps: int | None = None
@@ -81,7 +98,7 @@ class Recipe:
 FULL = Recipe(vocab_size=4096, seq_len=256, batch_size=16,
               target=ModelSpec(8, 256, 8, 4, 688), draft=ModelSpec(2, 128, 4, 2, 344),
               target_lr=1e-3, draft_lr=2e-3, warmup_steps=50, log_every=10, eval_every=100,
-              eval_tokens=16_384, final_eval_tokens=heldout_loss.DEFAULT_MAX_TOKENS)
+              eval_tokens=16_384, final_eval_tokens=None)
 QUICK = Recipe(vocab_size=384, seq_len=32, batch_size=4,
                target=ModelSpec(1, 32, 2, 1, 64), draft=ModelSpec(1, 16, 2, 1, 32),
                target_lr=3e-3, draft_lr=3e-3, warmup_steps=2, log_every=1, eval_every=2,
@@ -173,19 +190,25 @@ def load_tokenizer(ctx: Ctx):
 
 @dataclass
 class Data:
-    train: torch.Tensor  # [N, T] packed training windows
-    heldout: torch.Tensor  # [M, T] periodic held-out check
-    train_tokens: int
+    train: TokenRows  # [N, T] packed training windows
+    heldout: TokenRows  # [M, T] periodic held-out check
+
+
+def every_token(windows: torch.Tensor) -> TokenRows:
+    """Rows of which every token is to be predicted (plain language modelling)."""
+    return TokenRows(windows, torch.ones_like(windows))
 
 
 def load_data(ctx: Ctx, tokenizer) -> Data:
-    t0 = time.monotonic()
-    ids = token_stream(tokenizer, tqdm(corpus_files(ctx.recipe), desc="tokenize"))
-    train = pack_token_stream(ids, ctx.recipe.seq_len)
-    heldout = heldout_loss.heldout_windows(tokenizer, ctx.recipe.eval_tokens, ctx.recipe.seq_len)
+    t0, r = time.monotonic(), ctx.recipe
+    ids = token_stream(tokenizer, tqdm(corpus_files(r), desc="tokenize"))
+    train = pack_token_stream(ids, r.seq_len)
+    # the held-out stream as scripts/heldout_loss.py reads it, cut short
+    heldout_ids = token_stream(tokenizer, stdlib_files("heldout"), max_tokens=r.eval_tokens)
+    heldout = pack_token_stream(heldout_ids, r.seq_len)
     print(f"[data] {len(ids)} train tokens -> {tuple(train.shape)} windows, held-out check "
           f"{tuple(heldout.shape)} ({time.monotonic() - t0:.0f}s)")
-    return Data(train, heldout, len(ids))
+    return Data(every_token(train), every_token(heldout))
 
 
 def llama_config(spec: ModelSpec, tokenizer):
@@ -199,26 +222,75 @@ def llama_config(spec: ModelSpec, tokenizer):
         tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
 
 
-def new_model(spec: ModelSpec, tokenizer, seed: int) -> torch.nn.Module:
+def new_model(spec: ModelSpec, tokenizer, seed: int) -> nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)  # the initial weights depend on the seed only
     return LlamaForCausalLM(llama_config(spec, tokenizer)).float().train()
 
 
-def n_params(model: torch.nn.Module) -> int:
+def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# ----------------------------------------------------------------------------- training loop
+# ----------------------------------------------------------------------------- objectives
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """AdamW groups for `fit`: weight decay on matrices, none on norms (1-D), which only scale."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY,
+             "betas": BETAS},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "betas": BETAS}]
+
+
+class NextTokenObjective(nn.Module):
+    """The target's objective for `fit`: next-token cross entropy of a causal LM (HF's own
+    loss; a token whose loss_mask is 0 is not predicted)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return decay_groups(self.model)  # every group at fit's lr
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        loss = self.predict(tokens, loss_mask).loss
+        return LossOutput(loss, {NEXT_TOKEN: float(loss.detach())})
+
+    def predict(self, tokens: torch.Tensor, loss_mask: torch.Tensor):
+        labels = tokens.masked_fill(loss_mask == 0, -100)  # -100: HF's loss skips the token
+        return self.model(input_ids=tokens, labels=labels)
+
+
+class DistillObjective(NextTokenObjective):
+    """The draft's objective: (1 - hard_weight) x KL(teacher || draft) of the next-token laws
+    (`kl_to_teacher`) + hard_weight x next-token cross entropy. The teacher is frozen, so fit
+    trains and checkpoints the draft alone."""
+
+    def __init__(self, model: nn.Module, teacher: nn.Module, hard_weight: float):
+        super().__init__(model)
+        self.teacher, self.hard_weight = teacher.requires_grad_(False).eval(), hard_weight
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=tokens).logits  # [B, T, V]
+        out = self.predict(tokens, loss_mask)
+        kl = kl_to_teacher(out.logits, teacher_logits, loss_mask)
+        loss = (1.0 - self.hard_weight) * kl + self.hard_weight * out.loss
+        return LossOutput(loss, {"kl": float(kl.detach()), NEXT_TOKEN: float(out.loss.detach())})
+
+
+# ----------------------------------------------------------------------------- training
 
 
 @dataclass
 class Job:
-    name: str  # "target" or "draft": names the checkpoint file
+    name: str  # "target" or "draft": names the run folder
     peak_lr: float
     warmup_steps: int
-    budget_s: float | None  # either a time budget ...
+    budget_s: float  # either a time budget ...
     max_steps: int | None  # ... or a fixed number of steps (reproducible to the bit)
     batch_size: int
     seed: int
@@ -227,152 +299,166 @@ class Job:
     ckpt_s: float
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A run in steps: its length (the fixed count, or the time budget at the measured speed)
+    and its checkpoint interval."""
+
+    seconds_per_step: float
+    steps: int
+    save_every: int
+
+
+def plan_steps(job: Job, seconds_per_step: float) -> Plan:
+    steps = job.max_steps or max(1, round(job.budget_s / seconds_per_step))
+    return Plan(seconds_per_step, steps, max(1, round(job.ckpt_s / seconds_per_step)))
+
+
+def measure_step_seconds(objective: nn.Module, rows: TokenRows, batch_size: int, accelerator,
+                         repeats: int = 3) -> float:
+    """Seconds of one training step (forward, backward, AdamW) on the training device: the
+    median of `repeats` after a warm-up, on a throwaway copy of the objective."""
+    probe = copy.deepcopy(objective).to(accelerator.device)
+    optimizer = torch.optim.AdamW(p for p in probe.parameters() if p.requires_grad)
+    batch = rows.select(torch.arange(batch_size)).to(accelerator.device)
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with accelerator.autocast():
+            loss = probe(batch.tokens, batch.loss_mask).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss.item()  # waits for the device
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+class TrainingRecord:
+    """`fit`'s tracker here: the loss-curve rows (mean train loss since the previous row; the
+    held-out loss where fit evaluated), training seconds and each session's command. It is
+    saved with every checkpoint (accelerate's custom state), so a resume continues all three
+    where the checkpoint left them."""
+
+    def __init__(self, job: Job, steps: int, tokens_per_step: int, command: str):
+        self.name, self.log_every, self.steps = job.name, job.log_every, steps
+        self.tokens_per_step = tokens_per_step
+        self.step, self.elapsed_s, self.curve, self.commands = 0, 0.0, [], [command]
+        self.losses: list[float] = []
+        self.earlier_s, self.clock = 0.0, time.monotonic()  # earlier sessions, this one's start
+
+    @property
+    def tokens(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "elapsed_s": self.elapsed_s, "curve": self.curve,
+                "commands": self.commands}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.elapsed_s, self.curve = state["step"], state["elapsed_s"], state["curve"]
+        self.commands = [*state["commands"], self.commands[-1]]
+        self.earlier_s, self.clock = self.elapsed_s, time.monotonic()
+
+    def resumed_at(self, step: int) -> None:
+        if step:
+            print(f"[{self.name}] resumed at step {step} ({self.elapsed_s / 60:.1f} min done)")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Called by fit after every step (log_every=1); keeps a row every log_every steps,
+        at every held-out check and at the end."""
+        self.losses.append(metrics["loss"])
+        self.step, self.elapsed_s = step, self.earlier_s + time.monotonic() - self.clock
+        heldout = metrics.get(HELDOUT_METRIC)
+        if step % self.log_every and heldout is None and step < self.steps:
+            return
+        self.curve.append({"step": step, "train_loss": statistics.fmean(self.losses),
+                           "heldout_loss": heldout, "tokens_seen": self.tokens,
+                           "elapsed_s": round(self.elapsed_s, 1), "lr": metrics["lr"]})
+        self.losses.clear()
+        if heldout is not None:
+            tqdm.write(f"[{self.name}] step {step} train {self.curve[-1]['train_loss']:.3f} "
+                       f"held-out {heldout:.3f} tokens {self.tokens} "
+                       f"{self.elapsed_s / 60:.1f} min")
+
+
 @dataclass
-class TrainState:
-    step: int = 0
-    tokens: int = 0
-    elapsed: float = 0.0  # training seconds, summed over every session that resumed
-    curve: list[dict] = field(default_factory=list)
-    commands: list[str] = field(default_factory=list)
-    done: bool = False
-    lr: float = 0.0  # the learning rate of the last step taken
+class Trained:
+    """What the model card says about a finished run."""
+
+    job: Job
+    plan: Plan
+    record: TrainingRecord
+    precision: str
 
 
-def progress(job: Job, state: TrainState) -> float:
-    if job.max_steps is not None:
-        return state.step / job.max_steps
-    return state.elapsed / job.budget_s
+def has_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*"))
 
 
-def lr_at(job: Job, state: TrainState) -> float:
-    """Linear warmup, then cosine over the budget (time or steps) down to MIN_LR_RATIO."""
-    warm = min(1.0, (state.step + 1) / job.warmup_steps)
-    cos = 0.5 * (1.0 + math.cos(math.pi * min(progress(job, state), 1.0)))
-    return job.peak_lr * warm * (MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * cos)
+def run_folder(ctx: Ctx, name: str) -> Path:
+    """<out>/_work/<name>, fit's run folder: a checkpoint there is continued (--resume) or
+    discarded (--fresh), never silently dropped."""
+    folder = ctx.work / name
+    if has_checkpoint(folder) and not (ctx.args.resume or ctx.args.fresh):
+        raise FileExistsError(f"{folder} holds a checkpoint: pass --resume to continue it or "
+                              "--fresh to discard it")
+    if not ctx.args.resume and folder.exists():
+        shutil.rmtree(folder)
+    return folder
 
 
-def batch_at(windows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Batch number `step` of a per-epoch shuffle: a pure function of step, so resume is exact."""
-    per_epoch = len(windows) // batch_size
-    if per_epoch == 0:
-        raise ValueError(f"{len(windows)} windows do not fill one batch of {batch_size}")
-    epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(
-        seed * 1_000_003 + epoch))
-    return windows[order[index * batch_size:(index + 1) * batch_size]]  # [B, T]
+def step_seconds(run_dir: Path, resume: bool, measure: Callable[[], float]) -> float:
+    """The run's speed: measured at its start, then read back from its run config, so that a
+    resume plans the same steps."""
+    saved = run_dir / RUN_CONFIG
+    if resume and saved.is_file():
+        return json.loads(saved.read_text())["seconds_per_step"]
+    return measure()
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms (1-D), which only scale."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+def keep_run_config(run_dir: Path, config: dict, resume: bool) -> None:
+    """fit's run config; a resume that would change it is refused, naming the flags' way out."""
+    try:
+        record_run_config(run_dir, config, resume=resume)
+    except SelfspecError as error:
+        raise SelfspecError(f"{error} (here: rerun with the original flags, or --fresh to "
+                            "start over)") from None
 
 
-def save_checkpoint(path: Path, model, opt, state: TrainState, meta: dict) -> None:
-    """Atomic (write then rename): a stop mid-save leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
-            "meta": meta, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
-    torch.save(blob, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
-
-
-def restore_checkpoint(path: Path, model, opt, meta: dict) -> TrainState:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    if blob["meta"] != meta:
-        diff = {k: (blob["meta"].get(k), v) for k, v in meta.items() if blob["meta"].get(k) != v}
-        raise RuntimeError(f"{path} was made with other settings (saved, now): {diff}; "
-                           "rerun with the original flags, or --fresh to start over")
-    model.load_state_dict(blob["model"])
-    opt.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["torch_rng"])
-    random.setstate(blob["py_rng"])
-    return TrainState(**blob["state"])
-
-
-def start_state(ctx: Ctx, job: Job, model, opt, meta: dict) -> TrainState:
-    """Fresh state, or the checkpoint's under --resume; never silently drops a checkpoint."""
-    path = ctx.work / f"{job.name}.pt"
-    if path.is_file() and ctx.args.fresh:
-        path.unlink()
-    if path.is_file() and not ctx.args.resume:
-        raise FileExistsError(f"{path} exists: pass --resume to continue it or --fresh to "
-                              "discard it")
-    state = restore_checkpoint(path, model, opt, meta) if path.is_file() else TrainState()
-    if path.is_file():
-        print(f"[{job.name}] resumed at step {state.step} ({state.elapsed / 60:.1f} min done)")
-    state.commands.append(ctx.command)
-    return state
-
-
-LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-
-
-def train_step(job: Job, model, opt, loss_fn: LossFn, data: Data, state: TrainState) -> float:
-    state.lr = lr_at(job, state)
-    for group in opt.param_groups:
-        group["lr"] = state.lr
-    batch = batch_at(data.train, state.step, job.batch_size, job.seed)
-    loss = loss_fn(model, batch)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    state.step += 1
-    state.tokens += batch.numel()
-    return loss.item()
-
-
-def log_point(job: Job, model, data: Data, state: TrainState, losses: list[float]) -> None:
-    """Append one loss-curve row (mean train loss since the last row, held-out every so often)."""
-    row = {"step": state.step, "train_loss": sum(losses) / len(losses), "heldout_loss": None,
-           "tokens_seen": state.tokens, "elapsed_s": round(state.elapsed, 1),
-           "lr": state.lr}
-    if state.step % job.eval_every == 0 or progress(job, state) >= 1.0:
-        row["heldout_loss"] = heldout_loss.mean_token_loss(model, data.heldout, progress=False)[0]
-        tqdm.write(f"[{job.name}] step {state.step} train {row['train_loss']:.3f} held-out "
-                   f"{row['heldout_loss']:.3f} tokens {state.tokens} "
-                   f"{state.elapsed / 60:.1f} min")
-    state.curve.append(row)
-    losses.clear()
-
-
-def progress_bar(job: Job, state: TrainState) -> tqdm:
-    # in a log file, one line every 30 s instead of a redraw per step
-    interval = 0.5 if sys.stderr.isatty() else 30.0
-    if job.max_steps is not None:
-        return tqdm(total=job.max_steps, initial=state.step, desc=job.name, unit="step",
-                    mininterval=interval)
-    return tqdm(total=int(job.budget_s), initial=int(state.elapsed), desc=job.name, unit="s",
-                mininterval=interval)
-
-
-def fit(ctx: Ctx, job: Job, model, loss_fn: LossFn, data: Data, meta: dict) -> TrainState:
-    """One training loop for target and draft: budgeted, checkpointed, resumable."""
-    opt = make_optimizer(model, job.peak_lr)
-    state = start_state(ctx, job, model, opt, meta)
-    path, losses = ctx.work / f"{job.name}.pt", []
-    bar, last_save = progress_bar(job, state), time.monotonic()
-    clock = time.monotonic() - state.elapsed
-    while not state.done:
-        losses.append(train_step(job, model, opt, loss_fn, data, state))
-        state.elapsed = time.monotonic() - clock
-        state.done = progress(job, state) >= 1.0
-        bar.update(state.step - bar.n if job.max_steps else int(state.elapsed) - bar.n)
-        bar.set_postfix(step=state.step, loss=f"{losses[-1]:.3f}",
-                        tok_s=f"{state.tokens / max(state.elapsed, 1e-9):.0f}", refresh=False)
-        if state.step % job.log_every == 0 or state.done:
-            log_point(job, model, data, state, losses)
-        if state.done or time.monotonic() - last_save > job.ckpt_s:
-            save_checkpoint(path, model, opt, state, meta)
-            last_save = time.monotonic()
-    bar.close()
-    return state
+def train(ctx: Ctx, run_dir: Path, job: Job, objective: nn.Module, data: Data,
+          config: dict) -> Trained:
+    """Train the objective through `fit` (checkpointed in run_dir, resumed under --resume)."""
+    # one process, no accumulation: the accelerator reads no step counts from its settings
+    accelerator = make_accelerator(TrainSettings(str(run_dir), max_steps=1))
+    seconds = step_seconds(run_dir, ctx.args.resume, lambda: measure_step_seconds(
+        objective, data.train, job.batch_size, accelerator))
+    keep_run_config(run_dir, {**config, "seconds_per_step": seconds}, ctx.args.resume)
+    plan = plan_steps(job, seconds)
+    record = TrainingRecord(job, plan.steps, job.batch_size * ctx.recipe.seq_len, ctx.command)
+    accelerator.register_for_checkpointing(record)
+    settings = TrainSettings(
+        run_dir=str(run_dir), max_steps=plan.steps, micro_batch_size=job.batch_size,
+        lr=job.peak_lr, warmup_steps=job.warmup_steps, min_lr_ratio=MIN_LR_RATIO, clip_grad=1.0,
+        log_every=1, eval_every=job.eval_every, eval_rows=len(data.heldout),
+        save_every=plan.save_every, keep_checkpoints=1, seed=job.seed, resume=ctx.args.resume)
+    fit(objective, data.train, data.heldout, settings, accelerator=accelerator, tracker=record)
+    precision = "fp32" if accelerator.mixed_precision == "no" else accelerator.mixed_precision
+    return Trained(job, plan, record, precision)
 
 
 # ----------------------------------------------------------------------------- export, cards
+
+
+def measure_heldout(folder: Path, recipe: Recipe) -> dict:
+    """The card's held-out numbers, by scripts/heldout_loss.py itself (the command the card
+    tells readers to rerun), run as a program: scripts are not modules to import."""
+    command = [sys.executable, str(HELDOUT_SCRIPT), str(folder), "--json",
+               "--seq-len", str(recipe.seq_len), "--threads", str(torch.get_num_threads())]
+    if recipe.final_eval_tokens is not None:
+        command += ["--max-tokens", str(recipe.final_eval_tokens)]
+    done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(done.stdout)[0]
 
 
 def export(model, tokenizer, folder: Path, recipe: Recipe) -> dict:
@@ -380,7 +466,7 @@ def export(model, tokenizer, folder: Path, recipe: Recipe) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     copy.deepcopy(model).to(torch.float16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    metrics = heldout_loss.measure(folder, recipe.final_eval_tokens, recipe.seq_len)
+    metrics = measure_heldout(folder, recipe)
     return {**metrics, "model": folder.name}  # no build-machine path in shipped files
 
 
@@ -390,10 +476,9 @@ class Card:
 
     name: str
     summary: str
-    model: torch.nn.Module
+    model: nn.Module
     corpus: dict
-    job: Job
-    state: TrainState
+    trained: Trained
     metrics: dict
     training_notes: list[str]
     stage_wall_s: float
@@ -423,17 +508,23 @@ def data_lines(corpus: dict) -> list[str]:
             "documents joined with eos"]
 
 
+def budget_text(job: Job, plan: Plan) -> str:
+    if job.max_steps is not None:
+        return f"{job.max_steps} steps"
+    return (f"{job.budget_s / 60:.0f} min of training time ({plan.steps} steps at "
+            f"{plan.seconds_per_step:.3f} s/step, measured at the start)")
+
+
 def training_lines(card: Card, recipe: Recipe) -> list[str]:
-    job, st = card.job, card.state
-    budget = (f"{job.max_steps} steps" if job.max_steps is not None
-              else f"{job.budget_s / 60:.0f} min of training time")
+    job, plan, rec = card.trained.job, card.trained.plan, card.trained.record
     return [*card.training_notes,
-            f"- {st.step} steps x batch {job.batch_size} x {recipe.seq_len} tokens: "
-            f"{st.tokens:,} tokens seen ({st.tokens / max(st.elapsed, 1e-9):.0f} tok/s)",
-            f"- AdamW (betas 0.9/0.95, wd 0.1), peak lr {job.peak_lr:g}, {job.warmup_steps} "
-            f"warmup steps, cosine to {MIN_LR_RATIO:g}x over a budget of {budget}; "
-            "grad clip 1.0; fp32",
-            f"- training time {st.elapsed / 60:.1f} min over {len(st.commands)} session(s); "
+            f"- {rec.step} steps x batch {job.batch_size} x {recipe.seq_len} tokens: "
+            f"{rec.tokens:,} tokens seen ({rec.tokens / max(rec.elapsed_s, 1e-9):.0f} tok/s)",
+            f"- AdamW (betas {BETAS[0]:g}/{BETAS[1]:g}, wd {WEIGHT_DECAY:g}), peak lr "
+            f"{job.peak_lr:g}, {job.warmup_steps} warmup steps, cosine to {MIN_LR_RATIO:g}x "
+            f"over a budget of {budget_text(job, plan)}; grad clip 1.0; "
+            f"{card.trained.precision}; `selfspec.training.fit`",
+            f"- training time {rec.elapsed_s / 60:.1f} min over {len(rec.commands)} session(s); "
             f"this stage's last session {card.stage_wall_s / 60:.1f} min wall",
             f"- seed {job.seed}, {torch.get_num_threads()} torch thread(s), torch "
             f"{torch.__version__}, transformers {transformers_version()}"]
@@ -451,7 +542,7 @@ def model_card(card: Card, recipe: Recipe) -> str:
               f"**{m['perplexity']:.2f}**, on the first {m['tokens']:,} predicted held-out "
               f"tokens (windows of {m['seq_len']}; rerun with `python scripts/heldout_loss.py "
               "FOLDER`)"]
-    commands = [f"    {c}" for c in card.state.commands]
+    commands = [f"    {c}" for c in card.trained.record.commands]
     sections = [f"# {card.name}", "", card.summary, "", "## Architecture",
                 *architecture_lines(card.model), "", "## Data", *data_lines(card.corpus), "",
                 "## Training", *training_lines(card, recipe), "", "## Results", *result, "",
@@ -468,9 +559,10 @@ def model_card(card: Card, recipe: Recipe) -> str:
 
 def write_card_and_curve(folder: Path, card: Card, recipe: Recipe) -> None:
     (folder / "README.md").write_text(model_card(card, recipe))
-    curve = {"model": card.name, "final": card.metrics, "steps": card.state.step,
-             "tokens_seen": card.state.tokens, "elapsed_s": round(card.state.elapsed, 1),
-             "curve": card.state.curve}
+    rec = card.trained.record
+    curve = {"model": card.name, "final": card.metrics, "steps": rec.step,
+             "tokens_seen": rec.tokens, "elapsed_s": round(rec.elapsed_s, 1),
+             "curve": rec.curve}
     (folder / "loss_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
 
 
@@ -492,68 +584,53 @@ def job_for(ctx: Ctx, name: str) -> Job:
                log_every=r.log_every, eval_every=r.eval_every, ckpt_s=a.ckpt_minutes * 60.0)
 
 
-def run_meta(job: Job, spec: ModelSpec, tokenizer_file: Path, extra: dict) -> dict:
-    """What a checkpoint must agree with to be resumed (budgets may change, sizes may not)."""
+def run_config(job: Job, spec: ModelSpec, tokenizer_file: Path, extra: dict) -> dict:
+    """What a run must agree with to be resumed (budgets may change, sizes may not)."""
     tok_sha = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
     return {"spec": asdict(spec), "seed": job.seed, "batch_size": job.batch_size,
             "peak_lr": job.peak_lr, "max_steps": job.max_steps, "tokenizer_sha256": tok_sha,
             **extra}
 
 
-def causal_lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss
+def kept_under_resume(ctx: Ctx, name: str) -> bool:
+    """--resume keeps a stage whose folder is finished and whose run was checkpointed."""
+    kept = ctx.args.resume and finished(ctx.out / name) and has_checkpoint(ctx.work / name)
+    if kept:
+        print(f"[{name}] kept finished {ctx.out / name} (--resume)")
+    return kept
 
 
 def stage_target(ctx: Ctx) -> None:
     t0, folder = time.monotonic(), ctx.out / "target"
-    if ctx.args.resume and finished(folder) and (ctx.work / "target.pt").is_file():
-        print(f"[target] kept finished {folder} (--resume)")
+    if kept_under_resume(ctx, "target"):
         return
+    run_dir = run_folder(ctx, "target")
     tokenizer, corpus = load_tokenizer(ctx)
     job, spec = job_for(ctx, "target"), ctx.recipe.target
     model = new_model(spec, tokenizer, job.seed)
     print(f"[target] {n_params(model):,} parameters, {spec}")
-    meta = run_meta(job, spec, ctx.out / "tokenizer" / "tokenizer.json", {})
-    state = fit(ctx, job, model, causal_lm_loss, load_data(ctx, tokenizer), meta)
+    config = run_config(job, spec, ctx.out / "tokenizer" / "tokenizer.json", {})
+    trained = train(ctx, run_dir, job, NextTokenObjective(model), load_data(ctx, tokenizer),
+                    config)
     metrics = export(model, tokenizer, folder, ctx.recipe)
     card = Card("selfspec-tiny", "selfspec's default target: a small Llama-family code model "
                 "trained from scratch on the Python standard library, with no model hub.",
-                model, corpus, job, state, metrics, ["- objective: next-token cross entropy "
+                model, corpus, trained, metrics, ["- objective: next-token cross entropy "
                 "on packed windows, from a random init"], time.monotonic() - t0)
     write_card_and_curve(folder, card, ctx.recipe)
     print(f"[target] held-out loss {metrics['heldout_loss']:.4f} "
           f"(ppl {metrics['perplexity']:.2f}) -> {folder}")
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                 ids: torch.Tensor, hard_weight: float) -> torch.Tensor:
-    """KL(teacher || student) per token, optionally mixed with the hard next-token loss."""
-    s = F.log_softmax(student_logits.float(), dim=-1).flatten(0, 1)  # [B*T, V]
-    t = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, 1)  # [B*T, V]
-    kl = F.kl_div(s, t, log_target=True, reduction="batchmean")
-    if hard_weight == 0.0:
-        return kl
-    ce = F.cross_entropy(student_logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    return (1.0 - hard_weight) * kl + hard_weight * ce
+def load_teacher(ctx: Ctx) -> tuple[nn.Module, dict]:
+    """The shipped target (its fp16 weights in fp32: fp16 crawls on CPU) and its measured
+    held-out numbers."""
+    from transformers import AutoModelForCausalLM
 
-
-def distill_loss_fn(teacher: torch.nn.Module, hard_weight: float) -> LossFn:
-    def loss_fn(model, batch: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=batch).logits  # [B, T, V]
-        return distill_loss(model(input_ids=batch).logits, teacher_logits, batch, hard_weight)
-
-    return loss_fn
-
-
-def load_teacher(ctx: Ctx) -> tuple[torch.nn.Module, dict]:
-    """The shipped target (its fp16 weights in fp32) and its measured held-out numbers."""
     folder = ctx.out / "target"
     if not finished(folder):
         raise FileNotFoundError(f"no finished target in {folder}: run --stage target first")
-    teacher = heldout_loss.load_model(folder)
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return teacher, json.loads((folder / "loss_curve.json").read_text())["final"]
 
 
@@ -567,27 +644,27 @@ def compare_lines(draft: dict, target: dict) -> tuple[bool, str]:
 
 def stage_draft(ctx: Ctx) -> None:
     t0, folder = time.monotonic(), ctx.out / "draft"
-    if ctx.args.resume and finished(folder) and (ctx.work / "draft.pt").is_file():
-        print(f"[draft] kept finished {folder} (--resume)")
+    if kept_under_resume(ctx, "draft"):
         return
+    run_dir = run_folder(ctx, "draft")
     tokenizer, corpus = load_tokenizer(ctx)
     teacher, target_metrics = load_teacher(ctx)
-    job, spec = job_for(ctx, "draft"), ctx.recipe.draft
+    job, spec, hard = job_for(ctx, "draft"), ctx.recipe.draft, ctx.args.hard_weight
     model = new_model(spec, tokenizer, job.seed)
     print(f"[draft] {n_params(model):,} parameters, {spec}; teacher {n_params(teacher):,}")
-    meta = run_meta(job, spec, ctx.out / "tokenizer" / "tokenizer.json",
-                    {"hard_weight": ctx.args.hard_weight})
-    loss_fn = distill_loss_fn(teacher, ctx.args.hard_weight)
-    state = fit(ctx, job, model, loss_fn, load_data(ctx, tokenizer), meta)
+    config = run_config(job, spec, ctx.out / "tokenizer" / "tokenizer.json",
+                        {"hard_weight": hard})
+    trained = train(ctx, run_dir, job, DistillObjective(model, teacher, hard),
+                    load_data(ctx, tokenizer), config)
     metrics = export(model, tokenizer, folder, ctx.recipe)
     weaker, comparison = compare_lines(metrics, target_metrics)
     notes = [f"- distilled from selfspec-tiny (`../target`, {n_params(teacher):,} parameters): "
-             f"loss = {1 - ctx.args.hard_weight:g} x KL(target || draft) on the target's "
-             f"softmax + {ctx.args.hard_weight:g} x next-token cross entropy; the curve's "
-             "train loss is that mix", comparison]
+             f"loss = {1 - hard:g} x KL(target || draft) of the next-token laws "
+             f"(`selfspec.losses.kl_to_teacher`) + {hard:g} x next-token cross entropy; the "
+             "curve's train loss is that mix", comparison]
     card = Card("selfspec-tiny-draft", "The small-draft-model baseline for selfspec-tiny: same "
                 "tokenizer, distilled from the target so that it imitates it.", model, corpus,
-                job, state, metrics, notes, time.monotonic() - t0)
+                trained, metrics, notes, time.monotonic() - t0)
     write_card_and_curve(folder, card, ctx.recipe)
     print(f"[draft] {comparison[2:]} -> {folder}")
     if not weaker:
@@ -603,7 +680,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", choices=sorted(STAGES), default="all")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
     p.add_argument("--target-minutes", type=float, default=70.0,
-                   help="training-time budget of the target (summed over resumes)")
+                   help="training-time budget of the target (turned into steps at its start)")
     p.add_argument("--draft-minutes", type=float, default=12.0)
     p.add_argument("--target-steps", type=int, default=None,
                    help="fixed step count instead of the time budget (bit-reproducible)")
@@ -643,4 +720,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if not sys.stderr.isatty():  # a log file: a progress line every 30 s, not every step
+        os.environ.setdefault("TQDM_MININTERVAL", "30")
     sys.exit(exit_on_user_error(main))

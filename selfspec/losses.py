@@ -109,7 +109,8 @@ def kl_to_teacher(
     teacher = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
     per_position = F.kl_div(model, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
     valid = torch.ones_like(per_position) if loss_mask is None else loss_mask[:, 1:].float()
-    return (per_position * valid).sum() / valid.sum().clamp(min=1.0)
+    mean = (per_position * valid).sum() / valid.sum().clamp(min=1.0)
+    return mean.clamp(min=0.0)  # a KL is >= 0; between near-equal laws rounding dips below
 
 
 def eagle_loss(

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from selfspec.errors import SelfspecError
 from selfspec.losses import LossOutput
@@ -64,6 +64,7 @@ class TrainSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
     clip_grad: float = 1.0
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate at the end only
@@ -85,6 +86,8 @@ class TrainSettings:
         for name in ("lr", "clip_grad"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{SETTING_NAMES[name]} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if not self.weight_decay >= 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.seed < 2**32:
@@ -320,8 +323,8 @@ def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings)
     else:
         groups = [{"params": [p for p in objective.parameters() if p.requires_grad]}]
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, settings.warmup_steps, settings.max_steps
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, settings.warmup_steps, settings.max_steps, min_lr_rate=settings.min_lr_ratio
     )
     return optimizer, scheduler
 

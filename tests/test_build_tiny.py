@@ -11,6 +11,7 @@ import torch
 from helpers import suite_threads
 
 from selfspec.data import pack_token_stream, stdlib_files, stdlib_manifest_sha256
+from selfspec.training import checkpoint_problem
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SNIPPET = 'def f(x):\n\t  return  x  +1 \r\n\n    # caf\u00e9 \U0001f642\n  """doc"""  \n'
@@ -68,7 +69,8 @@ def test_cards_and_curves(quick_build):
         assert {"step", "train_loss", "heldout_loss", "tokens_seen", "elapsed_s"} <= set(
             curve["curve"][-1])
         assert curve["curve"][-1]["heldout_loss"] is not None
-    assert (quick_build / "_work" / "target.pt").is_file()
+    checkpoints = (quick_build / "_work" / "target" / "checkpoints").glob("step_*")
+    assert any(checkpoint_problem(folder) is None for folder in checkpoints)  # fit's run folder
 
 
 def test_existing_checkpoint_needs_resume_or_fresh(quick_build):
@@ -77,3 +79,11 @@ def test_existing_checkpoint_needs_resume_or_fresh(quick_build):
     with pytest.raises(FileExistsError, match="--resume"):
         build_tiny.main(["--quick", "--out", str(quick_build), "--stage", "target",
                          "--threads", threads])
+
+
+def test_resume_keeps_finished_stages(quick_build, capsys):
+    build_tiny = importlib.import_module("build_tiny")  # cached by the fixture
+    build_tiny.main(["--quick", "--out", str(quick_build), "--resume",
+                     "--threads", str(suite_threads())])
+    out = capsys.readouterr().out
+    assert all(f"[{stage}] kept" in out for stage in ("tokenizer", "target", "draft"))
