@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -600,26 +601,45 @@ def kept_under_resume(ctx: Ctx, name: str) -> bool:
     return kept
 
 
+@dataclass
+class StageRun:
+    """A stage's trained model and what its card reports."""
+
+    model: nn.Module
+    corpus: Any
+    trained: Any
+    metrics: dict
+    started: float
+
+
+def run_stage(ctx: Ctx, name: str, objective_of: Callable[[nn.Module], nn.Module],
+              config_extra: dict, also: str = "") -> StageRun:
+    """A fresh model of the recipe's `name` spec trained by `fit` on objective_of(model), and
+    exported to <out>/<name>; also: what the first line adds about the stage."""
+    started = time.monotonic()
+    run_dir = run_folder(ctx, name)
+    tokenizer, corpus = load_tokenizer(ctx)
+    job, spec = job_for(ctx, name), getattr(ctx.recipe, name)
+    model = new_model(spec, tokenizer, job.seed)
+    print(f"[{name}] {n_params(model):,} parameters, {spec}{also}")
+    config = run_config(job, spec, ctx.out / "tokenizer" / "tokenizer.json", config_extra)
+    trained = train(ctx, run_dir, job, objective_of(model), load_data(ctx, tokenizer), config)
+    metrics = export(model, tokenizer, ctx.out / name, ctx.recipe)
+    return StageRun(model, corpus, trained, metrics, started)
+
+
 def stage_target(ctx: Ctx) -> None:
-    t0, folder = time.monotonic(), ctx.out / "target"
     if kept_under_resume(ctx, "target"):
         return
-    run_dir = run_folder(ctx, "target")
-    tokenizer, corpus = load_tokenizer(ctx)
-    job, spec = job_for(ctx, "target"), ctx.recipe.target
-    model = new_model(spec, tokenizer, job.seed)
-    print(f"[target] {n_params(model):,} parameters, {spec}")
-    config = run_config(job, spec, ctx.out / "tokenizer" / "tokenizer.json", {})
-    trained = train(ctx, run_dir, job, NextTokenObjective(model), load_data(ctx, tokenizer),
-                    config)
-    metrics = export(model, tokenizer, folder, ctx.recipe)
+    run = run_stage(ctx, "target", NextTokenObjective, {})
     card = Card("selfspec-tiny", "selfspec's default target: a small Llama-family code model "
                 "trained from scratch on the Python standard library, with no model hub.",
-                model, corpus, trained, metrics, ["- objective: next-token cross entropy "
-                "on packed windows, from a random init"], time.monotonic() - t0)
-    write_card_and_curve(folder, card, ctx.recipe)
-    print(f"[target] held-out loss {metrics['heldout_loss']:.4f} "
-          f"(ppl {metrics['perplexity']:.2f}) -> {folder}")
+                run.model, run.corpus, run.trained, run.metrics, ["- objective: next-token "
+                "cross entropy on packed windows, from a random init"],
+                time.monotonic() - run.started)
+    write_card_and_curve(ctx.out / "target", card, ctx.recipe)
+    print(f"[target] held-out loss {run.metrics['heldout_loss']:.4f} "
+          f"(ppl {run.metrics['perplexity']:.2f}) -> {ctx.out / 'target'}")
 
 
 def load_teacher(ctx: Ctx) -> tuple[nn.Module, dict]:
@@ -643,30 +663,22 @@ def compare_lines(draft: dict, target: dict) -> tuple[bool, str]:
 
 
 def stage_draft(ctx: Ctx) -> None:
-    t0, folder = time.monotonic(), ctx.out / "draft"
     if kept_under_resume(ctx, "draft"):
         return
-    run_dir = run_folder(ctx, "draft")
-    tokenizer, corpus = load_tokenizer(ctx)
     teacher, target_metrics = load_teacher(ctx)
-    job, spec, hard = job_for(ctx, "draft"), ctx.recipe.draft, ctx.args.hard_weight
-    model = new_model(spec, tokenizer, job.seed)
-    print(f"[draft] {n_params(model):,} parameters, {spec}; teacher {n_params(teacher):,}")
-    config = run_config(job, spec, ctx.out / "tokenizer" / "tokenizer.json",
-                        {"hard_weight": hard})
-    trained = train(ctx, run_dir, job, DistillObjective(model, teacher, hard),
-                    load_data(ctx, tokenizer), config)
-    metrics = export(model, tokenizer, folder, ctx.recipe)
-    weaker, comparison = compare_lines(metrics, target_metrics)
+    hard = ctx.args.hard_weight
+    run = run_stage(ctx, "draft", lambda model: DistillObjective(model, teacher, hard),
+                    {"hard_weight": hard}, f"; teacher {n_params(teacher):,}")
+    weaker, comparison = compare_lines(run.metrics, target_metrics)
     notes = [f"- distilled from selfspec-tiny (`../target`, {n_params(teacher):,} parameters): "
              f"loss = {1 - hard:g} x KL(target || draft) of the next-token laws "
              f"(`selfspec.losses.kl_to_teacher`) + {hard:g} x next-token cross entropy; the "
              "curve's train loss is that mix", comparison]
     card = Card("selfspec-tiny-draft", "The small-draft-model baseline for selfspec-tiny: same "
-                "tokenizer, distilled from the target so that it imitates it.", model, corpus,
-                trained, metrics, notes, time.monotonic() - t0)
-    write_card_and_curve(folder, card, ctx.recipe)
-    print(f"[draft] {comparison[2:]} -> {folder}")
+                "tokenizer, distilled from the target so that it imitates it.", run.model,
+                run.corpus, run.trained, run.metrics, notes, time.monotonic() - run.started)
+    write_card_and_curve(ctx.out / "draft", card, ctx.recipe)
+    print(f"[draft] {comparison[2:]} -> {ctx.out / 'draft'}")
     if not weaker:
         print("[draft] WARNING: the draft is not weaker than the target", file=sys.stderr)
 

@@ -19,6 +19,7 @@ stopped.
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import hashlib
 import json
@@ -77,62 +78,17 @@ GENERAL_TEMPLATES = (
     "Write a product description for an imaginary gadget that has to do with {topic}.",
     "Outline a five-minute presentation on {topic}: a title and three main points.",
 )
-TOPICS = (
-    "urban gardening", "electric cars", "the water cycle", "chess openings", "remote work",
-    "volcanoes", "jazz music", "recycling plastics", "the Roman Empire", "healthy breakfasts",
-    "public libraries", "solar panels", "honey bees", "learning a second language",
-    "marathon training", "the printing press", "ocean currents", "board games", "coffee brewing",
-    "space telescopes", "mountain hiking", "personal budgeting", "photosynthesis",
-    "ancient Egyptian pyramids", "video game design", "bicycle commuting", "sleep hygiene",
-    "the human immune system", "renaissance painting", "small business marketing",
-    "climate adaptation in cities", "birdwatching", "the stock market", "baking sourdough bread",
-    "machine translation", "antibiotics", "public speaking", "earthquakes", "classical ballet",
-    "composting", "the history of the internet", "desert ecosystems", "time management",
-    "wind turbines", "folk tales", "rainforests", "job interviews", "the Moon landing",
-    "vaccines", "minimalist living", "coral reefs", "open source software", "road trips",
-    "the French Revolution", "smartphone addiction", "volunteering", "glaciers",
-    "the Olympic Games", "home cooking on a budget", "nuclear energy", "pottery",
-    "the Silk Road", "online privacy", "dinosaurs", "yoga", "railways", "the periodic table",
-    "street food", "memory techniques", "black holes", "community theatre", "fermentation",
-    "the Industrial Revolution", "houseplants", "cybersecurity", "migratory birds",
-    "photography for beginners", "tea ceremonies", "3D printing", "rivers and dams",
-    "first aid", "mythology", "electric guitars", "wildfires", "typography", "friendship",
-    "museums", "quantum computers", "beekeeping", "sailing", "the Great Wall of China",
-    "sustainable fashion", "mental health at work", "comets", "origami", "public transport",
-    "spices", "robotics competitions", "the Amazon river", "podcasting", "endangered species",
-    # the second wave (see FIRST_WAVE)
-    "kite flying", "tide pools", "sign language", "street art", "the Renaissance", "wolves",
-    "hot air balloons", "crossword puzzles", "lighthouses", "knitting", "the Vikings",
-    "electric scooters", "rock climbing", "wetlands", "carnivals", "weather forecasting",
-    "stand-up comedy", "the Byzantine Empire", "freshwater fishing", "solar eclipses",
-    "camping with children", "cheese making", "the human heart", "city parks", "chocolate",
-    "ancient Greek theatre", "paper making", "the postal service", "hurricanes", "tango",
-    "bonsai trees", "cave exploration", "container shipping", "the Mongol Empire", "mushrooms",
-    "vertical farming", "classical guitar", "the Arctic", "grocery shopping", "puppetry",
-    "language learning apps", "the metric system", "penguins", "wedding planning", "skateboarding",
-    "earth-friendly cleaning", "the history of medicine", "lunar calendars", "woodworking",
-    "coastal erosion", "magic tricks", "the Great Barrier Reef", "hydroelectric power",
-    "family reunions", "calligraphy", "sand dunes", "the Maya civilization", "kayaking",
-    "urban wildlife", "animation films", "the human brain", "airports", "tomato growing",
-    "gravity", "folk dancing", "watercolour painting", "pet adoption",
-    "fire safety", "ancient China", "orchestras", "digital note-taking", "rainwater harvesting",
-    "submarines", "food trucks", "the Pacific Ocean", "martial arts", "moving to a new city",
-    "bird migration routes", "printmaking", "the Ottoman Empire", "snowflakes", "jigsaw puzzles",
-    "electric bicycles", "the Sahara desert", "choir singing", "home insulation", "octopuses",
-    "historical fiction", "space stations", "farmers markets", "the Andes mountains", "sushi",
-    "the history of money", "tree planting", "mechanical watches", "hiking safety", "owls",
-    "handwriting", "the Nile", "retirement planning", "model trains", "the speed of light",
-    "community gardens", "pirates", "battery technology", "gymnastics", "rice farming",
-    "the history of maps", "hedgehogs", "newspaper journalism", "ice skating", "bread baking",
-    "the Aztec Empire", "telescopes for amateurs", "recycling electronics", "surfing",
-    "theme parks", "the Northern Lights", "dog training", "genealogy", "windmills",
-    "sea turtles", "film photography", "the Cold War", "urban cycling lanes", "poetry slams",
-    "lavender farming", "deep sea creatures", "car maintenance", "the history of chess",
-    "meditation", "cloud computing", "apple orchards", "zoos",
-    "radio broadcasting", "glassblowing", "fossils", "hostels", "the human skeleton",
-    "desalination", "elephants", "escape rooms", "the history of writing", "tidal energy",
-    "stamps", "rain gardens", "opera", "clocks", "spiders",
-)
+TOPICS_FILE = "topics.txt"  # in selfspec/assets/prompts/: one topic a line, `#` comments
+
+
+@functools.cache
+def topics() -> tuple[str, ...]:
+    """The chat topics of the general prompts, in their file's order (which fixes the prompts,
+    and so the answers that ship)."""
+    text = (resources.files("selfspec") / "assets" / "prompts" / TOPICS_FILE).read_text()
+    return tuple(line for line in text.splitlines() if line and not line.startswith("#"))
+
+
 # The lists grew in two waves: the first 16 templates x 101 topics, then the rest. The first
 # wave's pairs keep their place at the head of general_instructions' list.
 FIRST_WAVE = (16, 101)
@@ -162,7 +118,7 @@ def stdlib_instructions(count: int) -> list[str]:
 
 
 def general_instructions(count: int) -> list[str]:
-    """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(TOPICS)),
+    """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(topics())),
     deterministic: every (template, topic) pair in a fixed shuffled order, so that templates
     and topics both vary along the list; a longer list extends a shorter one. The first wave's
     pairs (FIRST_WAVE) come first, in the order they had before the second wave was added, so
@@ -173,10 +129,10 @@ def general_instructions(count: int) -> list[str]:
         raise ValueError(f"general_instructions: count must be >= 0, got {count}")
     first_templates, first_topics = FIRST_WAVE
     first = [(t, topic) for t in GENERAL_TEMPLATES[:first_templates]
-             for topic in TOPICS[:first_topics]]
+             for topic in topics()[:first_topics]]
     random.Random(0).shuffle(first)
     taken = set(first)
-    second = [(t, topic) for t in GENERAL_TEMPLATES for topic in TOPICS
+    second = [(t, topic) for t in GENERAL_TEMPLATES for topic in topics()
               if (t, topic) not in taken]
     random.Random(1).shuffle(second)
     return [template.format(topic=topic) for template, topic in (first + second)[:count]]

@@ -13,10 +13,10 @@ from selfspec import from_config, instructions
 from selfspec.instructions import (
     FIRST_WAVE,
     GENERAL_TEMPLATES,
-    TOPICS,
     general_instructions,
     self_distilled_conversations,
     stdlib_instructions,
+    topics,
 )
 from selfspec.prompts import humaneval_prompts, stdlib_heldout_prompts
 
@@ -62,19 +62,19 @@ def test_prompts_are_deterministic_and_a_longer_list_extends_a_shorter_one():
 
 def test_general_prompts_cross_every_template_with_every_topic_in_a_fixed_mixed_order():
     every = general_instructions(10_000)
-    assert len(every) == len(set(every)) == len(GENERAL_TEMPLATES) * len(TOPICS)
+    assert len(every) == len(set(every)) == len(GENERAL_TEMPLATES) * len(topics())
     assert general_instructions(30) == every[:30] and general_instructions(0) == []
     first = every[:len(GENERAL_TEMPLATES)]  # both vary from the start of the list
-    assert len({next(t for t in TOPICS if t in p) for p in first}) > len(first) // 2
+    assert len({next(t for t in topics() if t in p) for p in first}) > len(first) // 2
     assert len({p.split()[0] for p in first}) > 4
     with pytest.raises(ValueError, match="count must be >= 0"):
         general_instructions(-1)
 
 
 def test_the_first_waves_prompts_keep_their_place_at_the_head_of_the_list():
-    templates, topics = FIRST_WAVE
+    templates, first_topics = FIRST_WAVE
     first_wave = {t.format(topic=topic) for t in GENERAL_TEMPLATES[:templates]
-                  for topic in TOPICS[:topics]}
+                  for topic in topics()[:first_topics]}
     every = general_instructions(10_000)
     assert set(every[:len(first_wave)]) == first_wave
     assert len(every) > len(first_wave)  # the second wave follows

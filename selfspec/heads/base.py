@@ -6,12 +6,47 @@ subclasses of `Head`, so a new head needs no entry in any table: defining it is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from selfspec.model import attention_mask, rope_cos_sin
+from selfspec.model import ModelConfig, attention_mask, rope_cos_sin
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """The shape of a head's own attention layer: the target's sizes, RoPE and biases
+    (hidden_size, vocab_size: the target's), which head configs extend."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+
+    @classmethod
+    def of_target(cls, target: ModelConfig) -> dict:
+        """The target's values of this shape's fields (the attention layer's shape: its own)."""
+        return {f.name: getattr(target, f.name) for f in fields(AttentionShape)}
+
+    def one_layer(self, intermediate_size: int = 1, mlp_bias: bool = False) -> ModelConfig:
+        """A one-layer Llama config of this shape (intermediate_size 1: no MLP is used)."""
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias, attention_out_bias=self.attention_out_bias,
+            mlp_bias=mlp_bias)
 
 
 class Head(nn.Module):

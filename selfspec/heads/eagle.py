@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from selfspec.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
-from selfspec.heads.base import Head
+from selfspec.heads.base import AttentionShape, Head
 from selfspec.model import (
     MLP,
     Attention,
@@ -52,8 +52,8 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
     return layers
 
 
-@dataclass(frozen=True)
-class EagleConfig:
+@dataclass(frozen=True, kw_only=True)
+class EagleConfig(AttentionShape):
     """version: 1 (EAGLE-1 features) or 3 (fused features, own LM head, draft vocabulary).
     hidden_size, vocab_size: the target's. The layer's sizes (intermediate_size, num_heads,
     num_kv_heads, head_dim, RoPE, biases) default to the target's (`for_target`).
@@ -64,21 +64,10 @@ class EagleConfig:
     vLLM builds EAGLE-1's fc without one: train with fc_bias=False to serve a head there."""
 
     version: int
-    hidden_size: int
-    vocab_size: int
     intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     draft_vocab_size: int | None = None
     target_hidden_size: int | None = None
     target_layers: tuple[int, ...] = ()
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False
-    attention_out_bias: bool = False
     mlp_bias: bool = False
     fc_bias: bool | None = None
 
@@ -141,15 +130,7 @@ class EagleConfig:
 
     def layer_config(self) -> ModelConfig:
         """The one-layer Llama config of the head's decoder layer."""
-        return ModelConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            attention_bias=self.attention_bias, attention_out_bias=self.attention_out_bias,
-            mlp_bias=self.mlp_bias,
-        )
+        return self.one_layer(self.intermediate_size, self.mlp_bias)
 
 
 def _check_int(name: str, value) -> None:

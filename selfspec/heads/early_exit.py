@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from selfspec.heads.base import Head
+from selfspec.heads.base import AttentionShape, Head
 from selfspec.heads.io import check_sizes
 from selfspec.model import (
     Attention,
@@ -34,25 +34,14 @@ from selfspec.model import (
 EXIT_KINDS = ("norm", "adapter")
 
 
-@dataclass(frozen=True)
-class ExitConfig:
+@dataclass(frozen=True, kw_only=True)
+class ExitConfig(AttentionShape):
     """kind: `norm` or `adapter`; exit_layer: E, the number of target layers the exit reads
     after (1 <= E < the target's layer count, checked by `for_target` and the drafter);
     the rest are the target's sizes (the adapter's attention is shaped like the target's)."""
 
     kind: str
     exit_layer: int
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False
-    attention_out_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in EXIT_KINDS:
@@ -66,24 +55,11 @@ class ExitConfig:
                    ) -> ExitConfig:
         """An exit after `exit_layer` layers of `target`, sized like it."""
         check_exit_layer(exit_layer, target.num_layers)
-        return cls(kind=kind, exit_layer=exit_layer, hidden_size=target.hidden_size,
-                   vocab_size=target.vocab_size, num_heads=target.num_heads,
-                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                   rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                   rope_scaling=target.rope_scaling,
-                   max_position_embeddings=target.max_position_embeddings,
-                   attention_bias=target.attention_bias,
-                   attention_out_bias=target.attention_out_bias)
+        return cls(kind=kind, exit_layer=exit_layer, **AttentionShape.of_target(target))
 
     def layer_config(self) -> ModelConfig:
         """The adapter attention's shape as a ModelConfig (one layer, no MLP used)."""
-        return ModelConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=1,
-            num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            attention_bias=self.attention_bias, attention_out_bias=self.attention_out_bias)
+        return self.one_layer()
 
 
 def check_exit_layer(exit_layer, num_layers: int | None) -> None:
