@@ -106,13 +106,16 @@ def generate(
     stats.target_forwards += len(prompt) > 1
     clock.lap("prefill")
     new: list[int] = []
+    extra_logits = None
     while len(new) < max_new_tokens and not (new and new[-1] in stop_ids):
-        context = DraftContext(torch.tensor(history, device=prompt.device), features)
+        context = DraftContext(torch.tensor(history, device=prompt.device), features,
+                               extra_logits)
         draft = _checked(drafter.propose(context), drafter) if drafter else Draft.empty()
         clock.lap("draft")
-        acceptance, features = _step(target, steps, history[-1], draft, cache, layers,
-                                     sampling, generator, clock)
-        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted)
+        acceptance, features, extra_logits = _step(target, steps, history[-1], draft, cache,
+                                                   layers, sampling, generator, clock)
+        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted,
+                          rows=draft.rows)
         emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(new))
         new += emitted
         history += emitted
@@ -133,12 +136,11 @@ def _step(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     clock: _PhaseClock,
-) -> tuple[Acceptance, TargetFeatures]:
-    """One verification forward over [root, draft...], exact verification, cache commit."""
-    tree, base = draft.tree, cache.length
-    device = cache.k.device
-    tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])[None]
-    offsets, mask = tree.verification_inputs(device)  # [N+1], [N+1, N+1]
+) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+    """One verification forward over [root, draft..., extra rows...], exact verification of
+    the draft, cache commit; returns the extra rows' logits too."""
+    base, device = cache.length, cache.k.device
+    tokens, offsets, mask = _forward_rows(root, draft, device)
     positions = base + offsets
     if draft.early is not None:
         out = _resume_after_early_layers(target, tokens, positions, cache, mask, layers,
@@ -148,11 +150,34 @@ def _step(
     else:
         out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
     clock.lap("forward")
-    acceptance = _verify_step(out.logits[0], draft, sampling, generator, clock)
+    verified = draft.tree.num_nodes + 1
+    acceptance = _verify_step(out.logits[0, :verified], draft, sampling, generator, clock)
     clock.lap("verify")
     rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=device)
     cache.commit(base + rows)
-    return acceptance, _features(out, tokens[0, rows], rows)
+    extra_logits = out.logits[0, verified:] if draft.extra is not None else None
+    return acceptance, _features(out, tokens[0, rows], rows), extra_logits
+
+
+def _forward_rows(root: int, draft: Draft, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verification forward's tokens [1, T], position offsets [T] and mask [T, T]: the
+    root and the draft's nodes under its tree mask, then any extra rows, which see the root
+    and each other as their mask says and which no node sees."""
+    tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])
+    offsets, mask = draft.tree.verification_inputs(device)  # [N+1], [N+1, N+1]
+    extra = draft.extra
+    if extra is None:
+        return tokens[None], offsets, mask
+    if draft.early is not None:
+        raise ValueError("a draft cannot carry extra rows and early layers at once")
+    nodes, rows = mask.shape[0], extra.rows
+    full = torch.zeros(nodes + rows, nodes + rows, dtype=torch.bool, device=device)
+    full[:nodes, :nodes] = mask
+    full[nodes:, 0] = extra.mask[:, 0].to(device)
+    full[nodes:, nodes:] = extra.mask[:, 1:].to(device)
+    return (torch.cat([tokens, extra.tokens.to(device)])[None],
+            torch.cat([offsets, extra.offsets.to(device)]), full)
 
 
 def _verify_step(
@@ -280,10 +305,11 @@ def _stop_ids(eos_token_id: int | Sequence[int] | None) -> set[int]:
 
 
 def _checked(draft: Draft, drafter: Drafter) -> Draft:
-    if draft.tokens.shape != (draft.tree.num_nodes,) or draft.tree.num_nodes > drafter.max_nodes:
+    if draft.tokens.shape != (draft.tree.num_nodes,) or draft.rows > drafter.max_nodes:
         raise ValueError(
             f"{type(drafter).__name__} proposed {draft.tokens.shape[0]} tokens for a tree of "
-            f"{draft.tree.num_nodes} nodes (its max_nodes is {drafter.max_nodes})"
+            f"{draft.tree.num_nodes} nodes and {draft.rows - draft.tree.num_nodes} extra rows "
+            f"(its max_nodes is {drafter.max_nodes})"
         )
     return draft
 

@@ -30,7 +30,7 @@ class GenerationStats:
     drafted: int = 0  # draft nodes proposed
     accepted: int = 0  # draft tokens accepted
     accept_histogram: list[int] = field(default_factory=list)  # steps by tokens accepted
-    nodes_histogram: list[int] = field(default_factory=list)  # steps by draft nodes verified
+    nodes_histogram: list[int] = field(default_factory=list)  # steps by rows drafts added
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
@@ -42,13 +42,16 @@ class GenerationStats:
     commit_time_s: float = 0.0
     split_steps: int = 0  # steps whose every phase was timed (generate's split_time)
 
-    def record_step(self, draft_nodes: int, draft_depth: int, num_accepted: int) -> None:
+    def record_step(self, draft_nodes: int, draft_depth: int, num_accepted: int,
+                    rows: int | None = None) -> None:
+        """rows: what the draft added to the verification forward (its nodes, and extra rows
+        such as Lookahead's window; default: the nodes), which sizes the forward's cost."""
         self.steps += 1
         self.target_forwards += 1
         self.drafted += draft_nodes
         self.accepted += num_accepted
         _bump(self.accept_histogram, num_accepted)
-        _bump(self.nodes_histogram, draft_nodes)
+        _bump(self.nodes_histogram, draft_nodes if rows is None else rows)
         for depth in range(draft_depth):
             _bump(self.position_drafted, depth)
             _bump(self.position_accepted, depth, by=int(depth < num_accepted))

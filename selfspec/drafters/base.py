@@ -37,17 +37,52 @@ class EarlyLayers:
 
 
 @dataclass(frozen=True)
+class ExtraRows:
+    """Rows a draft adds to the verification forward that are not draft nodes (Lookahead's
+    Jacobi window): they follow the nodes in the forward, are never accepted, and their
+    logits come back to the drafter in the next `DraftContext.extra_logits`.
+
+    tokens [R]; offsets [R]: positions relative to the root's (the root is at 0); mask
+    [R, 1 + R] bool: which of (the root, the extra rows) each row attends to, besides the
+    committed cache. Draft nodes never attend to extra rows, so the verified logits are those
+    of a forward without them."""
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows = self.tokens.shape[0]
+        if self.tokens.dim() != 1 or self.offsets.shape != (rows,) \
+                or self.mask.shape != (rows, rows + 1) or self.mask.dtype != torch.bool:
+            raise ValueError(f"ExtraRows: tokens [R], offsets [R] and a bool mask [R, 1 + R], "
+                             f"got {list(self.tokens.shape)}, {list(self.offsets.shape)}, "
+                             f"{self.mask.dtype} {list(self.mask.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass(frozen=True)
 class Draft:
     """tree: the draft's shape; tokens [N]: node i's token; q [N, V] | None: the law each
     token was drawn from (None = chosen deterministically); without_replacement: siblings
     were sampled without replacement (see `selfspec.verify.verify_tree`); early: the target
-    layers the draft already ran over its first rows (None: verification runs every layer)."""
+    layers the draft already ran over its first rows (None: verification runs every layer);
+    extra: rows the verification forward carries for the drafter that are not nodes."""
 
     tree: Tree
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     without_replacement: bool = False
     early: EarlyLayers | None = None
+    extra: ExtraRows | None = None
+
+    @property
+    def rows(self) -> int:
+        """What the draft adds to the verification forward: its nodes and extra rows."""
+        return self.tree.num_nodes + (self.extra.rows if self.extra is not None else 0)
 
     @classmethod
     def empty(cls) -> Draft:
@@ -115,14 +150,17 @@ class TargetFeatures:
 class DraftContext:
     """tokens [L]: prompt + generated so far; the last one (the root) is not yet in the
     target's cache. features: the target's states for the rows its last forward committed
-    (None before the first forward, e.g. for a one-token prompt)."""
+    (None before the first forward, e.g. for a one-token prompt). extra_logits [R, V]: the
+    target's logits at the previous draft's extra rows (None when it had none)."""
 
     tokens: torch.Tensor
     features: TargetFeatures | None
+    extra_logits: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
-    """max_nodes: the most nodes one draft may have (sizes the target's cache).
+    """max_nodes: the most rows one draft may add to the verification forward, its nodes and
+    any extra rows (sizes the target's cache).
     target_layers: residual-stream layers whose states the drafter needs from the target."""
 
     max_nodes: int
