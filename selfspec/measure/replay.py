@@ -59,7 +59,8 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
     """The counters `generate(target, prompt, drafter=drafter)` would record at temperature 0
     (no timings): each step's draft is accepted along the longest path the recording continues.
     Drafters that run the target's early layers (early exit) are refused: their drafts live in
-    the target's KV cache, which a replay does not keep."""
+    the target's KV cache, which a replay does not keep; so are drafts with extra rows
+    (Lookahead's window), whose logits only the loop's forward computes."""
     prompt, tokens = record.prompt, record.tokens
     device = target.embed_tokens.weight.device
     sequence = torch.tensor(prompt + tokens, device=device)  # moved once, sliced every step
@@ -72,9 +73,10 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
         length = len(prompt) + done  # committed tokens; the last is the step's root
         features = _rows(states, sequence, fed, length - 1)
         draft = drafter.propose(DraftContext(sequence[:length], features))
-        if draft.early is not None:  # its verification would reuse the target's cache
-            raise ValueError(f"replay: {type(drafter).__name__} drafted with the target's early "
-                             f"layers, which only the decode loop verifies: measure it there")
+        if draft.early is not None or draft.extra is not None:  # only the loop runs them
+            what = "the target's early layers" if draft.early is not None else "extra rows"
+            raise ValueError(f"replay: {type(drafter).__name__} drafted with {what}, which only "
+                             f"the decode loop verifies: measure it there (eval/sweep.py)")
         expected = _expected_after_nodes(draft.token_paths(), tokens[done:])
         accepted = verify_greedy(draft.tree, draft.tokens.tolist(), expected).num_accepted
         stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, accepted)

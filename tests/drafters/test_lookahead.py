@@ -118,3 +118,11 @@ def test_bad_settings_are_refused():
         LookaheadDrafter(window=2, ngram=2)
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         LookaheadDrafter(window=0)
+
+
+def test_replay_refuses_a_window_it_cannot_run(target):
+    from selfspec.measure.replay import record_greedy, replay
+
+    record = record_greedy(target, PROMPTS[0], 8)
+    with pytest.raises(ValueError, match="drafted with extra rows, which only the decode loop"):
+        replay(target, LookaheadDrafter(window=2, ngram=3, candidates=1), record)
