@@ -1,12 +1,15 @@
 import importlib
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import suite_threads, tiny_llama
+from helpers import SMALL_ARCH, suite_threads, tiny_llama
+from hydra import compose, initialize_config_dir
+from safetensors.torch import save_file
 
-from selfspec import Transformer, generate
+from selfspec import Transformer, from_config, generate
 from selfspec.heads import (
     EagleConfig,
     EagleHead,
@@ -16,6 +19,7 @@ from selfspec.heads import (
     save_head,
 )
 from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
+from selfspec.model import ModelConfig
 
 
 def pytest_configure(config) -> None:
@@ -104,4 +108,30 @@ def medusa2_dir(tmp_path_factory, quick_build) -> Path:
                 param.normal_(0.0, 0.05)
     folder = save_head(tmp_path_factory.mktemp("medusa2") / "export", heads, heads.config, info)
     save_adapter(adapted, folder / ADAPTER_DIR)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cfg_of():
+    """cfg_of(config, *overrides): a conf/ config composed with Hydra's compose API."""
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+        yield lambda config, *overrides: compose(config, overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory) -> Path:
+    """A random 2-layer Llama saved the Hugging Face way (config.json + model.safetensors)."""
+    folder = tmp_path_factory.mktemp("small")
+    config = ModelConfig(**SMALL_ARCH, head_dim=8, max_position_embeddings=128, bos_token_id=0,
+                         eos_token_ids=(1,))
+    torch.manual_seed(0)
+    model = Transformer(config)
+    state = {k if k.startswith("lm_head") else f"model.{k}": v.contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    hf_config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 0,
+                 "eos_token_id": 1, **{k: SMALL_ARCH[k] for k in
+                                       ("vocab_size", "hidden_size", "intermediate_size")}}
+    (folder / "config.json").write_text(json.dumps(hf_config))
     return folder

@@ -1,11 +1,14 @@
 """Shared test helpers: a goodness-of-fit check for statistical exactness tests, the comparison
-of weights trained by Adam along two float paths, tiny models."""
+of weights trained by Adam along two float paths, tiny models, and the heads, drafters, data and
+published checkpoint folders that tests in several folders build."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -13,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from scipy.stats import chi2
 
 
@@ -256,3 +260,418 @@ def load_entry(name: str):
 def toy(quick_build: Path, draft: str = "draft") -> list[str]:
     return ["model=local", f"model.path={quick_build / 'target'}",
             f"model.draft.path={quick_build / draft}", "progress=false"]
+
+
+# ---- tiny Hugging Face models of each family, and parity with them --------------------------
+
+
+HF_TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    attn_implementation="eager",
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def hf_model(name: str) -> torch.nn.Module:
+    """A seeded tiny HF model (llama, llama3, mistral or qwen2) with weights large enough that
+    logits are far from zero."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    models = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**HF_TINY)),
+        "llama3": lambda: LlamaForCausalLM(
+            LlamaConfig(
+                **HF_TINY,
+                num_key_value_heads=2,
+                rope_scaling=LLAMA3_ROPE,
+                head_dim=16,  # != hidden / heads; wavelengths 6 (kept), 20 (blended), 63+ (scaled)
+                max_position_embeddings=256,
+            )
+        ),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**HF_TINY, num_key_value_heads=2)),
+        "qwen2": lambda: Qwen2ForCausalLM(
+            Qwen2Config(**HF_TINY, num_key_value_heads=2, tie_word_embeddings=True)
+        ),
+    }
+    torch.manual_seed(0)
+    model = models[name]().float().eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.normal_(1.0, 0.2)
+            else:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The HF model's float logits for `tokens`, all attended."""
+    mask = torch.ones_like(tokens)
+    return model(input_ids=tokens, attention_mask=mask).logits.float()
+
+
+def assert_hf_parity(ours, hf: torch.nn.Module, seq_len: int) -> torch.Tensor:
+    """Our model's logits equal the HF model's (1e-4) on random tokens; returns the tokens."""
+    vocab, g = HF_TINY["vocab_size"], torch.Generator().manual_seed(1)
+    tokens = torch.randint(vocab, (2, seq_len), generator=g)
+    with torch.no_grad():
+        logits = ours(tokens, torch.arange(seq_len)).logits
+    expected = hf_logits(hf, tokens)
+    assert expected.abs().max() > 1.0  # a meaningful comparison, not near-zero logits
+    assert (logits - expected).abs().max() < 1e-4
+    return tokens
+
+
+# ---- heads with random or fitted weights ----------------------------------------------------
+
+
+def random_medusa_heads(config, seed: int, std: float = 0.2):
+    """Medusa heads with every weight random (blocks too, so the residual path is exercised)."""
+    from selfspec.heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads(config)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(0.0, std)
+    return heads.eval()
+
+
+def reduced_medusa_heads(target, kept: list[int], num_heads: int = 4):
+    """Fresh Medusa heads for the target that score only the token ids `kept`."""
+    from selfspec.draft_vocab import draft_vocabulary
+    from selfspec.heads import MedusaConfig, MedusaHeads
+
+    config = MedusaConfig(target.config.hidden_size, target.config.vocab_size,
+                          num_heads=num_heads, draft_vocab_size=len(kept))
+    vocab = draft_vocabulary(torch.tensor(kept), target.config.vocab_size, len(kept))
+    return MedusaHeads(config).set_draft_vocab(vocab).init_from_lm_head(target.lm_head.weight)
+
+
+EAGLE3_LAYERS = (0, 1, 2)  # EAGLE-3's fused streams on a 2-layer toy target
+
+
+def eagle_head_config(target, version: int, **overrides):
+    """The EAGLE-`version` head config for the target (EAGLE-3: 48 draft tokens, EAGLE3_LAYERS)."""
+    from selfspec.heads import EagleConfig
+
+    extra = {"draft_vocab_size": 48, "target_layers": EAGLE3_LAYERS} if version == 3 else {}
+    return EagleConfig.for_target(target.config, version, **(extra | overrides))
+
+
+def random_eagle_head(config, seed: int, std: float = 0.2):
+    """An EAGLE head with every weight random (norms around 1) and, for EAGLE-3, a draft vocabulary
+    of every other id first."""
+    from selfspec.heads import EagleHead, draft_vocabulary
+
+    torch.manual_seed(seed)
+    head = EagleHead(config)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, std)
+    if config.version == 3:
+        vocab = config.vocab_size
+        ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])
+        head.set_draft_vocab(draft_vocabulary(ids[: config.draft_vocab_size], config.vocab_size,
+                                              config.draft_vocab_size))
+    return head.eval()
+
+
+def random_exit(target, exit_layer: int, kind: str, seed: int = 1, std: float = 0.2):
+    """An exit with every weight random (norms around 1); the norm exit has none."""
+    from selfspec.heads import ExitConfig, ExitHead
+
+    torch.manual_seed(seed)
+    head = ExitHead(ExitConfig.for_target(target.config, exit_layer, kind))
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, std)
+    return head.eval()
+
+
+def fit_exits(target, continuations: dict, layers=(1, 2, 3), steps: int = 40):
+    """Adapter exits at `layers` fit together (AdamW, full batch) to the target's own greedy
+    continuations; returns ({E: head in eval mode}, the last step's metrics)."""
+    from selfspec.heads import ExitConfig, ExitHead
+    from selfspec.objectives import EarlyExitObjective
+
+    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    torch.manual_seed(0)
+    heads = [ExitHead(ExitConfig.for_target(target.config, e)).init_from_target(target)
+             for e in layers]
+    objective = EarlyExitObjective(target, heads)
+    optimizer = torch.optim.AdamW(objective.heads.parameters(), lr=1e-2)
+    for _ in range(steps):
+        out = objective(tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return {head.exit_layer: head.eval() for head in heads}, out.metrics
+
+
+# ---- Medusa-2: LoRA adapters on the toy target ----------------------------------------------
+
+
+def perturbed_lora(model, seed: int = 0, std: float = 0.05):
+    """Random adapter B matrices (fresh ones are zero), so the adapted target differs."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, std)
+    return model
+
+
+def medusa2_objective(seed: int = 1):
+    """A Medusa-2 objective: 2 fresh heads and rank-4 adapters on the toy target."""
+    from selfspec import Transformer
+    from selfspec.heads import MedusaConfig, MedusaHeads
+    from selfspec.lora import LoraSettings, add_lora
+    from selfspec.objectives import Medusa2Objective
+
+    base = Transformer.from_hf(tiny_llama(0))
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(32, 64, num_heads=2)).init_from_lm_head(base.lm_head.weight)
+    return Medusa2Objective(add_lora(base, LoraSettings(rank=4)), heads)
+
+
+# ---- a tree drafter and the sampled law of decoding through a drafter -----------------------
+
+
+class TopRankTreeDrafter:
+    """Test drafter for tree verification: node i is the choices[i][-1]-th most likely token of
+    a draft model after the node's path (one uncached forward per node: fine at this size)."""
+
+    target_layers = ()
+
+    def __init__(self, model, paths: list[list[int]]):
+        from selfspec import Tree
+
+        self.model, self.tree = model, Tree.from_paths(paths)
+        self.max_nodes = self.tree.num_nodes
+
+    def begin(self, setup) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, context):
+        from selfspec.drafters import Draft
+
+        tokens: list[int] = []
+        for node, parent in enumerate(self.tree.parents):
+            path = [tokens[i] for i in self.tree.path_to(parent)] if parent >= 0 else []
+            ids = context.tokens.tolist() + path
+            logits = self.model(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+            order = torch.sort(logits, descending=True, stable=True).indices
+            tokens.append(int(order[self.tree.choices[node][-1]]))
+        return Draft(self.tree, torch.tensor(tokens))
+
+
+def sampled_pvalue(target, drafter, params, samples: int = 1500) -> float:
+    """Fit of the first two sampled tokens to the target's exact law (`samples` runs)."""
+    from selfspec import generate
+
+    prompt = [2, 3, 4, 2, 3, 4, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    counts, accepted = Counter(), 0
+    for _ in range(samples):
+        out = generate(
+            target, prompt, drafter=drafter, sampling=params, max_new_tokens=2, generator=g
+        )
+        counts[tuple(out.tokens)] += 1
+        accepted += out.stats.accepted
+    assert accepted > samples / 10  # the drafter's tokens were really in play
+    return fit_pvalue(counts, exact_two_token_law(target, prompt, params), samples)
+
+
+# ---- data and models for the trainers -------------------------------------------------------
+
+
+def sharegpt_file(folder: Path) -> Path:
+    """Toy chat data: the loss must fall on the assistant's code only."""
+    records = [
+        {"conversations": [
+            {"from": "human", "value": f"Write a function that adds {i}."},
+            {"from": "gpt", "value": f"def add_{i}(x):\n    return x + {i}\n"},
+        ]}
+        for i in range(60)
+    ]
+    path = folder / "chat.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def three_layer_target(quick_build: Path, folder: Path) -> Path:
+    """A random 3-layer Llama with the toy tokenizer (the toy target has one layer: no E)."""
+    vocab = json.loads((quick_build / "target" / "config.json").read_text())["vocab_size"]
+    model = tiny_llama(0, vocab=vocab, layers=3)
+    model.config.max_position_embeddings = 2048  # room for HumanEval prompts
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (quick_build / "target" / name).is_file():
+            shutil.copy(quick_build / "target" / name, folder / name)
+    return folder
+
+
+# ---- the conf/ tree and a small model folder ------------------------------------------------
+
+
+def group_options(group: str) -> list[str]:
+    """The option names of a conf/ config group."""
+    from selfspec.from_config import CONF_DIR
+
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+# A 2-layer model small enough to save and load in milliseconds.
+SMALL_ARCH = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+              "num_heads": 4, "num_kv_heads": 2}
+SMALL_OVERRIDES = [f"model.arch.{k}={v}" for k, v in SMALL_ARCH.items()]
+
+
+# ---- published head folders, built from the published facts ---------------------------------
+
+
+# The toy target they are built for: 8 layers, so EAGLE-3's defaults are (2, 4, 5).
+PUBLISHED_H, PUBLISHED_V, PUBLISHED_LAYERS = 32, 64, 8
+FP16 = torch.float16
+PUBLISHED_DRAFT_V = 24  # an EAGLE-3 head's draft tokens
+PUBLISHED_PROMPTS = [[3, 9, 4, 17, 5], [8, 8, 8, 2, 40, 41, 42, 8, 8]]
+PUBLISHED_CHAIN = [[0], [0, 0], [0, 0, 0]]
+
+
+def assert_lossless(target, plain, make_drafter):
+    """Greedy decoding through make_drafter() equals `plain` ({prompt: tokens}) and drafts."""
+    from selfspec import generate
+
+    for prompt, expected in plain.items():
+        result = generate(target, list(prompt), drafter=make_drafter(), max_new_tokens=20)
+        assert result.tokens == expected
+        assert result.stats.drafted > 0
+
+
+def rand(*shape, seed, dtype=FP16, std=0.2):
+    """Seeded random weights of `shape`, in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+
+def same_state(a: dict, b: dict) -> None:
+    """The two state dicts hold the same tensors, bit for bit and dtype for dtype."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def medusa_reference_folder(folder, *, heads=3, layers=1, lm_head=True, stated_heads=None,
+                            base="org/toy-target", suffix=".pt"):
+    """A reference Medusa folder: one ResBlock per head under every {i}.{j} (one module applied
+    num_layers times), then the LM head {i}.{num_layers}.weight."""
+    state = {}
+    for i in range(heads):
+        w, b = rand(PUBLISHED_H, PUBLISHED_H, seed=10 + i), rand(PUBLISHED_H, seed=20 + i)
+        for j in range(layers):
+            state[f"{i}.{j}.linear.weight"], state[f"{i}.{j}.linear.bias"] = w, b
+        if lm_head:
+            state[f"{i}.{layers}.weight"] = rand(PUBLISHED_V, PUBLISHED_H, seed=30 + i, std=1.0)
+    folder.mkdir()
+    if suffix == ".pt":
+        torch.save(state, folder / "medusa_lm_head.pt")
+    else:
+        save_file({k: v.clone() for k, v in state.items()},
+                  str(folder / "medusa_lm_head.safetensors"))
+    config = {"medusa_num_heads": stated_heads or heads, "medusa_num_layers": layers,
+              "base_model_name_or_path": base}
+    if not lm_head:
+        config["version"] = "2"
+    (folder / "config.json").write_text(json.dumps(config))
+    return state
+
+
+def trained_like_medusa(config, seed: int = 1):
+    """Medusa heads of `config` with every weight random, as trained ones are."""
+    from selfspec.heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads(config)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    return heads.eval()
+
+
+def llama_head_config(**extra) -> dict:
+    """The config.json of a published one-layer Llama head (EAGLE), with `extra` keys."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": PUBLISHED_H, "intermediate_size": 48, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": PUBLISHED_V,
+            "torch_dtype": "float16", **extra}
+
+
+def layer_state(prefix: str, attn_in: int, seed: int) -> dict:
+    """A published head's decoder layer under `prefix`, its attention reading `attn_in`."""
+    h, kv = PUBLISHED_H, 2 * (PUBLISHED_H // 4)
+    shapes = {"self_attn.q_proj.weight": (h, attn_in), "self_attn.k_proj.weight": (kv, attn_in),
+              "self_attn.v_proj.weight": (kv, attn_in), "self_attn.o_proj.weight": (h, h),
+              "mlp.gate_proj.weight": (48, h), "mlp.up_proj.weight": (48, h),
+              "mlp.down_proj.weight": (h, 48)}
+    state = {f"{prefix}.{k}": rand(*s, seed=seed + n) for n, (k, s) in enumerate(shapes.items())}
+    state[f"{prefix}.post_attention_layernorm.weight"] = (1 + rand(h, seed=seed + 50)).to(FP16)
+    return state
+
+
+def eagle1_folder(folder, *, bias=True, target=None):
+    """A published EAGLE-1 folder; returns its state without the embedding copy."""
+    h = PUBLISHED_H
+    state = {"fc.weight": rand(h, 2 * h, seed=1), **layer_state("layers.0", h, 100)}
+    if bias:
+        state["fc.bias"] = rand(h, seed=2)
+    if target is not None:  # released heads may carry a copy of the target's embedding
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().to(FP16)
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(llama_head_config(bias=bias)))
+    return {k: v for k, v in state.items() if k != "embed_tokens.weight"}
+
+
+def eagle3_folder(folder, config_extra=None):
+    """A published EAGLE-3 folder whose draft vocabulary is every other target token."""
+    h, draft_v = PUBLISHED_H, PUBLISHED_DRAFT_V
+    ids = torch.arange(0, 2 * draft_v, 2)  # every other target token
+    t2d = torch.zeros(PUBLISHED_V, dtype=torch.bool)
+    t2d[ids] = True
+    state = {"fc.weight": rand(h, 3 * h, seed=3), **layer_state("midlayer", 2 * h, 200),
+             "midlayer.hidden_norm.weight": (1 + rand(h, seed=4)).to(FP16),
+             "midlayer.input_layernorm.weight": (1 + rand(h, seed=5)).to(FP16),
+             "norm.weight": (1 + rand(h, seed=6)).to(FP16),
+             "lm_head.weight": rand(draft_v, h, seed=7, std=1.0),
+             "d2t": ids - torch.arange(draft_v), "t2d": t2d}
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    config = llama_head_config(architectures=["LlamaForCausalLMEagle3"],
+                               draft_vocab_size=PUBLISHED_DRAFT_V, target_hidden_size=PUBLISHED_H,
+                               **(config_extra or {}))
+    (folder / "config.json").write_text(json.dumps(config))
+    return state

@@ -1,4 +1,5 @@
-"""Training data: assistant-only loss masks, packing, self-distillation."""
+"""Training data: assistant-only loss masks, packing, self-distillation, and the split of the
+stdlib corpus."""
 
 import json
 
@@ -9,12 +10,15 @@ from transformers import AutoTokenizer
 
 from selfspec.data import (
     load_sharegpt,
+    pack_token_stream,
     packed_chat_dataset,
     render_conversation,
     reply_prompt,
     rows_from_dataset,
     self_distill,
     self_distill_rows,
+    stdlib_files,
+    stdlib_manifest_sha256,
 )
 from selfspec.decode import generate
 from selfspec.model import Transformer
@@ -102,3 +106,20 @@ def test_corpus_self_distillation_continues_rows_with_the_targets_greedy_output(
     assert not torch.equal(fresh.tokens, distilled.tokens)
     with pytest.raises(ValueError, match=r"prompt_tokens must lie in \[1, 20\)"):
         self_distill_rows(rows, target, prompt_tokens=20)
+
+
+def test_split_is_disjoint_sorted_and_about_five_percent():
+    train, heldout = stdlib_files("train"), stdlib_files("heldout")
+    assert train == sorted(train) and heldout == sorted(heldout)
+    assert not set(train) & set(heldout)
+    assert 0.02 < len(heldout) / (len(train) + len(heldout)) < 0.08
+    assert not any(p in ("test", "tests", "idle_test", "site-packages")
+                   for f in train + heldout for p in f.parts[-4:-1])
+    assert stdlib_manifest_sha256() == stdlib_manifest_sha256()
+
+
+def test_pack_token_stream_drops_the_tail():
+    windows = pack_token_stream(list(range(10)), 4)
+    assert windows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="do not fill"):
+        pack_token_stream([1, 2], 4)

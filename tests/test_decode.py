@@ -1,13 +1,12 @@
 """The decode loop: lossless greedy for every drafter, exact sampling end to end, bad input."""
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, exact_two_token_law, first_layers, fit_pvalue, tiny_llama
+from helpers import P_VALUE_FLOOR, TopRankTreeDrafter, first_layers, sampled_pvalue, tiny_llama
 
-from selfspec import SamplingParams, Transformer, Tree, decode, generate
+from selfspec import SamplingParams, Transformer, decode, generate
 from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
 from selfspec.metrics import OTHER, PHASES, GenerationStats
 
@@ -59,31 +58,6 @@ def test_greedy_is_lossless_with_every_drafter(target, draft_model, plain_greedy
             assert result.stats.new_tokens == 24
             accepted += result.stats.accepted
     assert accepted > 0  # the drafts were really used, not all rejected
-
-
-class TopRankTreeDrafter:
-    """Test drafter for tree verification: node i is the choices[i][-1]-th most likely token of
-    a draft model after the node's path (one uncached forward per node: fine at this size)."""
-
-    target_layers = ()
-
-    def __init__(self, model: Transformer, paths: list[list[int]]):
-        self.model, self.tree = model, Tree.from_paths(paths)
-        self.max_nodes = self.tree.num_nodes
-
-    def begin(self, setup) -> None:
-        pass
-
-    @torch.inference_mode()
-    def propose(self, context) -> Draft:
-        tokens: list[int] = []
-        for node, parent in enumerate(self.tree.parents):
-            path = [tokens[i] for i in self.tree.path_to(parent)] if parent >= 0 else []
-            ids = context.tokens.tolist() + path
-            logits = self.model(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
-            order = torch.sort(logits, descending=True, stable=True).indices
-            tokens.append(int(order[self.tree.choices[node][-1]]))
-        return Draft(self.tree, torch.tensor(tokens))
 
 
 TREE_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -175,10 +149,9 @@ def test_a_gpu_synchronizes_at_phase_boundaries_only_when_asked(monkeypatch):
     assert decode._PhaseClock(GenerationStats(), torch.device("cpu"), None).split
 
 
-# ---- sampling exactness end to end --------------------------------------------------------
+# ---- sampling exactness end to end -----------------------------------------------------------
 
 SMALL_VOCAB = 8
-N_SAMPLES = 1500
 
 
 @pytest.fixture(scope="module")
@@ -186,21 +159,6 @@ def small_pair():
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     draft = Transformer.from_hf(tiny_llama(4, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     return target, draft
-
-
-def sampled_pvalue(target, drafter, params) -> float:
-    """Fit of the first two sampled tokens to the target's exact law."""
-    prompt = [2, 3, 4, 2, 3, 4, 2, 3]
-    g = torch.Generator().manual_seed(0)
-    counts, accepted = Counter(), 0
-    for _ in range(N_SAMPLES):
-        out = generate(
-            target, prompt, drafter=drafter, sampling=params, max_new_tokens=2, generator=g
-        )
-        counts[tuple(out.tokens)] += 1
-        accepted += out.stats.accepted
-    assert accepted > N_SAMPLES / 10  # the drafter's tokens were really in play
-    return fit_pvalue(counts, exact_two_token_law(target, prompt, params), N_SAMPLES)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
@@ -249,7 +207,7 @@ def test_the_end_to_end_check_catches_a_verifier_without_residual(small_pair, mo
     assert sampled_pvalue(small_pair[0], NgramDrafter(3), SamplingParams(1.0)) < P_VALUE_FLOOR
 
 
-# ---- bad input ------------------------------------------------------------------------------
+# ---- bad input -------------------------------------------------------------------------------
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(target):

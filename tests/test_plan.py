@@ -1,13 +1,7 @@
-"""Memory plans built on the meta device, and the entry point's dry run."""
-
-from __future__ import annotations
-
-import subprocess
-import sys
+"""Memory plans built on the meta device."""
 
 import pytest
 
-from selfspec.from_config import REPO_ROOT
 from selfspec.model import ModelConfig
 from selfspec.plan import count_parameters, plan_model
 
@@ -43,15 +37,3 @@ def test_plan_memory_figures():
 def test_plan_refuses_a_bad_gpu_count():
     with pytest.raises(ValueError, match="num_gpus must be an integer >= 1"):
         plan_model(SMALL, num_gpus=0)
-
-
-def test_dry_run_prints_the_plan_of_a_70b_model(tmp_path):
-    script = REPO_ROOT / "eval/generate.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "model=llama2-70b", "dry_run=true", "num_gpus=8",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "68,976,648,192" in run.stdout and "68.98 B" in run.stdout
-    assert "8 GPUs" in run.stdout

@@ -1,0 +1,98 @@
+"""The small-model drafter (drafters/small_model.py): reduced vocabularies, first candidates."""
+
+import pytest
+import torch
+from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, tiny_llama
+
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.draft_vocab import draft_vocabulary
+from selfspec.drafters import SmallModelDrafter
+
+PROMPTS = [[2, 3, 4, 5], [9, 8, 7, 6, 5], [11, 12]]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return Transformer.from_hf(tiny_llama(0, layers=3))
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target) -> dict:
+    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
+
+
+def test_greedy_is_lossless_with_a_draft_vocabulary_missing_half_the_output(target,
+                                                                            plain_greedy):
+    produced = sorted({t for tokens in plain_greedy.values() for t in tokens})
+    vocab = draft_vocabulary(torch.tensor(produced[::2]), target.config.vocab_size,
+                             len(produced[::2]))
+    drafter = SmallModelDrafter(target.first_layers(2), num_draft_tokens=4, draft_vocab=vocab)
+    proposed = []
+    original = drafter.propose
+    drafter.propose = lambda context: _recorded(original(context), proposed)
+    for prompt, expected in plain_greedy.items():
+        assert generate(target, list(prompt), drafter=drafter,
+                        max_new_tokens=NEW_TOKENS).tokens == expected
+    assert proposed and set(proposed) <= set(produced[::2])
+
+
+def _recorded(draft, proposed: list[int]):
+    proposed.extend(draft.tokens.tolist())
+    return draft
+
+
+def test_a_full_draft_vocabulary_drafts_as_the_whole_head(target, plain_greedy):
+    whole = draft_vocabulary(torch.arange(64), 64, 64)
+    prompt = list(next(iter(plain_greedy)))
+    runs = [generate(target, prompt, max_new_tokens=NEW_TOKENS,
+                     drafter=SmallModelDrafter(target.first_layers(2), 3, draft_vocab=vocab))
+            for vocab in (None, whole)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats.accept_histogram == runs[1].stats.accept_histogram
+
+
+def test_first_candidates_are_the_drafts_top_tokens_and_stay_lossless(target, plain_greedy):
+    """first_candidates=3: the draft model's three most likely first tokens, the chain under
+    the first; greedy output stays plain greedy's, and the second and third candidates are
+    the target's next token at some steps (they are in play, not decoration)."""
+    draft = target.first_layers(2)
+    drafter = SmallModelDrafter(draft, num_draft_tokens=3, first_candidates=3)
+    seen = []
+    original = drafter.propose
+    drafter.propose = lambda context: _kept(original(context), context.tokens.tolist(), seen)
+    for prompt, expected in plain_greedy.items():
+        assert generate(target, list(prompt), drafter=drafter,
+                        max_new_tokens=NEW_TOKENS).tokens == expected
+    sibling_right = 0
+    for context, proposal in seen:
+        assert proposal.tree.parents == (-1, 0, 1, -1, -1)
+        tokens = proposal.tokens.tolist()
+        with torch.inference_mode():
+            logits = draft(torch.tensor([context]), torch.arange(len(context))).logits[0, -1]
+        assert [tokens[0], *tokens[3:]] == logits.topk(3).indices.tolist()
+        prompt = next(p for p in plain_greedy if tuple(context[:len(p)]) == p)
+        produced = context[len(prompt):]
+        sibling_right += plain_greedy[prompt][len(produced)] in tokens[3:]
+    assert sibling_right > 0
+
+
+def _kept(draft, context: list[int], seen: list):
+    seen.append((context, draft))
+    return draft
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_p=0.9)])
+def test_sampling_through_a_reduced_draft_is_exact(target, params):
+    kept = torch.tensor(sorted(set(SAMPLING_PROMPT)) + [20, 30, 40])
+    vocab = draft_vocabulary(kept, target.config.vocab_size, len(kept))
+    drafter = SmallModelDrafter(target.first_layers(2), 2, draft_vocab=vocab)
+    assert_drafted_sampling_is_exact(target, drafter, params)
+
+
+def test_a_vocabulary_for_another_target_is_refused_before_generating(target):
+    vocab = draft_vocabulary(torch.arange(10), 32, 8)
+    drafter = SmallModelDrafter(target.first_layers(1), 2, draft_vocab=vocab)
+    with pytest.raises(ValueError, match="maps into 32 token ids, the target has 64"):
+        generate(target, PROMPTS[0], drafter=drafter, max_new_tokens=4)

@@ -1,0 +1,145 @@
+"""scripts/export_heads.py: heads exported for every engine, with their target where needed."""
+
+import json
+
+import pytest
+import torch
+from helpers import PUBLISHED_H as H
+from helpers import PUBLISHED_LAYERS as LAYERS
+from helpers import PUBLISHED_V as V
+from helpers import (
+    eagle3_folder,
+    medusa_reference_folder,
+    same_state,
+    tiny_llama,
+    trained_like_medusa,
+)
+from safetensors.torch import load_file
+
+from selfspec import Transformer
+from selfspec.heads import MedusaConfig, MedusaHeads, load_head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer.from_hf(tiny_llama(0, vocab=V, layers=LAYERS, hidden=H)).eval()
+
+
+def run_export(args: list[str], capsys) -> str:
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "export_heads.py"
+    argv, sys.argv = sys.argv, [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return capsys.readouterr().out
+
+
+def test_the_script_exports_a_medusa2_export_with_its_merged_target(tmp_path, quick_build,
+                                                                    capsys):
+    from selfspec.heads import describe_target, save_head
+    from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, merge_adapter, save_adapter
+
+    folder = quick_build / "target"
+    toy = Transformer.from_pretrained(folder)
+    heads = trained_like_medusa(MedusaConfig(hidden_size=toy.config.hidden_size,
+                                             vocab_size=toy.config.vocab_size, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(toy))
+    adapted = add_lora(Transformer.from_pretrained(folder), LoraSettings(rank=2, alpha=4))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained adapter: the merged target differs
+    save_adapter(adapted, export / ADAPTER_DIR)
+    out = run_export([str(export), "--to", "vllm", str(tmp_path / "out")], capsys)
+    assert f"vllm serve {tmp_path / 'out' / 'target'}" in out and '"method": "medusa"' in out
+    assert (tmp_path / "out" / "SERVING.md").read_text().count("vllm serve") == 1
+    served = Transformer.from_pretrained(tmp_path / "out" / "target")
+    merged = merge_adapter(Transformer.from_pretrained(folder), export / ADAPTER_DIR)
+    assert not torch.equal(served.layers[0].self_attn.q_proj.weight,
+                           toy.layers[0].self_attn.q_proj.weight)
+    same_state(served.state_dict(), merged.state_dict())
+    loaded = load_head(tmp_path / "out", target=served)
+    same_state(loaded.state_dict(), heads.state_dict())
+
+
+def test_the_script_rewrites_a_head_in_half_precision_that_loads_as_before(target, tmp_path,
+                                                                           capsys):
+    from selfspec.heads import describe_target, save_head
+
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(target))
+    out = run_export([str(export), "--to", "selfspec", "--dtype", "float16",
+                      str(tmp_path / "half")], capsys)
+    assert str(tmp_path / "half") in out
+    sizes = [(f / "model.safetensors").stat().st_size for f in (export, tmp_path / "half")]
+    assert sizes[1] < 0.6 * sizes[0]
+    loaded = load_head(tmp_path / "half", MedusaHeads, target=target)
+    assert next(loaded.parameters()).dtype == torch.float32  # the target's dtype, as before
+    rounded = {k: v.half().float() if v.is_floating_point() else v
+               for k, v in heads.state_dict().items()}
+    same_state(loaded.state_dict(), rounded)
+
+
+@pytest.fixture(scope="module")
+def target_folder(target, tmp_path_factory):
+    return target.save_pretrained(tmp_path_factory.mktemp("toy") / "target")
+
+
+def run_export_refused(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run_export(args, capsys)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_script_exports_legacy_medusa_heads_with_the_target_given(
+        tmp_path, target, target_folder, capsys):
+    state = medusa_reference_folder(tmp_path / "legacy", lm_head=False, suffix=".safetensors")
+    for engine in ("vllm", "medusa"):
+        err = run_export_refused([str(tmp_path / "legacy"), "--to", engine,
+                                  str(tmp_path / "x")], capsys)
+        assert err.count("\n") == 1 and "no LM head" in err
+        assert err.rstrip().endswith("pass --target MODEL_FOLDER")
+    out = run_export([str(tmp_path / "legacy"), "--to", "medusa", str(tmp_path / "medusa"),
+                      "--target", str(target_folder)], capsys)
+    assert f"--model {tmp_path / 'medusa'}" in out
+    same_state(load_file(str(tmp_path / "medusa" / "medusa_lm_head.safetensors")), state)
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["version"] == "2"
+    out = run_export([str(tmp_path / "legacy"), "--to", "vllm", str(tmp_path / "vllm"),
+                      "--target", str(target_folder)], capsys)
+    assert f"vllm serve {target_folder} --speculative-config" in out
+    weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert torch.equal(weights["lm_heads.0.weight"], target.lm_head.weight)
+    again = load_head(tmp_path / "vllm", target=target)
+    original = load_head(tmp_path / "legacy", target=target)
+    assert again.config.shared_lm_head
+    same_state(again.state_dict(), original.state_dict())
+
+
+def test_the_script_exports_an_eagle3_head_without_layer_ids_to_every_engine(
+        tmp_path, target, target_folder, capsys):
+    state = eagle3_folder(tmp_path / "eagle3")
+    err = run_export_refused([str(tmp_path / "eagle3"), "--to", "sglang", str(tmp_path / "x")],
+                             capsys)
+    assert "does not name its fused layers" in err and "pass --target MODEL_FOLDER" in err
+    commands = {"vllm": "vllm serve", "sglang": "--speculative-algorithm EAGLE3",
+                "eagle": "EaModel.from_pretrained"}
+    for engine, command in commands.items():
+        out = run_export([str(tmp_path / "eagle3"), "--to", engine, str(tmp_path / engine),
+                          "--target", str(target_folder)], capsys)
+        assert command in out and str(target_folder) in out
+        same_state(load_file(str(tmp_path / engine / "model.safetensors")), state)
+        again = load_head(tmp_path / engine, target=target)
+        assert again.config.target_layers == (2, 4, 5)
+
+
+def test_the_script_finds_the_target_a_published_head_records(tmp_path, target_folder, capsys):
+    state = eagle3_folder(tmp_path / "eagle3", {"base_model_name_or_path": str(target_folder)})
+    out = run_export([str(tmp_path / "eagle3"), "--to", "sglang", str(tmp_path / "out")], capsys)
+    assert f"--model-path {target_folder}" in out
+    same_state(load_file(str(tmp_path / "out" / "model.safetensors")), state)

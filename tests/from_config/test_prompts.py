@@ -1,0 +1,30 @@
+"""Prompt configs (from_config/prompts.py): every data config composes, question files resolve."""
+
+import pytest
+from helpers import group_options
+
+from selfspec import from_config
+
+
+@pytest.mark.parametrize("name", group_options("data"))
+def test_every_data_config_composes(cfg_of, name):
+    data = cfg_of("generate", f"data={name}").data
+    assert data.name == name and data.num_prompts >= 1 and data.max_prompt_tokens >= 1
+
+
+def test_question_files_ship_with_the_package_and_data_path_overrides(cfg_of, tmp_path):
+    shipped = from_config.data_path(cfg_of("generate", "data=mt_bench").data)
+    assert shipped.parent.parts[-3:] == ("selfspec", "assets", "prompts")
+    assert shipped.name == "mt_bench_question.jsonl" and shipped.is_file()
+    assert from_config.data_path(cfg_of("generate", "data=spec_bench").data).is_file()
+    assert len(from_config.prompts(cfg_of("generate", "data=mt_bench",
+                                          "data.num_prompts=80").data)) == 80
+    data = cfg_of("generate", "data=spec_bench", f"data.path={tmp_path}/mine.jsonl").data
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/mine.jsonl; set data.path="):
+        from_config.load_prompts(data, tokenizer=None)
+    (tmp_path / "mine.jsonl").write_text('{"question_id": 7, "turns": ["hi"]}\n')
+    assert from_config.data_path(data) == tmp_path / "mine.jsonl"
+    (loaded,) = from_config.load_prompts(data, tokenizer=lambda text: {"input_ids": [len(text)]})
+    assert loaded.prompt.id == "7" and loaded.ids == [2]
+    with pytest.raises(ValueError, match="names no question file"):
+        from_config.data_path(cfg_of("generate", "data=mt_bench", "data.asset=null").data)

@@ -1,0 +1,58 @@
+"""Sweep configs (from_config/sweeps.py): bench configs, auto points, random-weight targets."""
+
+import pytest
+import torch
+from helpers import group_options, toy
+from omegaconf import OmegaConf
+
+from selfspec import from_config
+
+
+@pytest.mark.parametrize("name", group_options("bench"))
+def test_every_bench_config_composes(cfg_of, name):
+    bench = cfg_of("generate", f"+bench={name}").bench
+    assert {"max_new_tokens", "num_prompts", "repeats", "warmup"} <= bench.keys()
+
+
+def test_auto_points_follow_each_of_our_methods_with_its_fixed_lengths(quick_build, cfg_of,
+                                                                       heads_dir):
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[ngram,hf_prompt_lookup,medusa]",
+                 f"medusa_heads={heads_dir}", "tree=chain4", "num_draft_tokens=[1,2,4,auto]",
+                 "samplings=[greedy]")
+    auto = [(p.method, p.candidates) for p in from_config.plan_sweep(cfg, 1).grid.points()
+            if p.auto]
+    assert auto == [("ngram", (1, 2, 4)), ("medusa", (1, 2))]  # no auto row for HF's peers
+
+
+def test_a_missing_draft_model_is_refused_before_loading(tmp_path, quick_build, cfg_of):
+    cfg = cfg_of("sweep", *toy(quick_build, draft="missing"), "methods=[hf_assisted]",
+                 f"run_dir={tmp_path}")
+    with pytest.raises(from_config.ModelNotAvailable, match="model.draft.path"):
+        from_config.plan_sweep(cfg, 2)
+
+
+# ---- the random-weights target of timings ----------------------------------------------------
+
+
+def random_config(**arch):
+    """conf/model/random-7b.yaml shrunk to a toy of the same kind."""
+    cfg = OmegaConf.create({"model": OmegaConf.load(from_config.CONF_DIR / "model/random-7b.yaml"),
+                            "device": "cpu", "seed": 3})
+    cfg.model.dtype = "fp32"
+    cfg.model.arch.update(arch)
+    return cfg
+
+
+def test_a_random_weights_target_shares_its_weights_with_its_transformers_twin():
+    cfg = random_config(vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=2)
+    target, hf_model = from_config.timing_models(cfg)
+    tokens = torch.randint(80, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = target(tokens, torch.arange(9)).logits, hf_model(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5
+    assert target.embed_tokens.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    again, _ = from_config.timing_models(cfg)  # seeded: the same weights again
+    assert torch.equal(again.lm_head.weight, target.lm_head.weight)
+    with pytest.raises(from_config.ModelNotAvailable, match="random weights and no files"):
+        from_config.resolve_model_path(cfg.model)

@@ -1,0 +1,87 @@
+"""Training configs (from_config/training.py): each composes, self-distillation, chat prompts."""
+
+import pytest
+import torch
+from helpers import group_options, tiny_llama
+
+from selfspec import from_config
+from selfspec.heads import MedusaConfig, MedusaHeads
+from selfspec.model import Transformer
+from selfspec.training import TokenRows
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{group}={name}" for group in ("optim", "trainer", "deepspeed", "tree", "model", "data",
+                                     "sampling") for name in group_options(group)],
+)
+def test_every_training_config_composes(cfg_of, override):
+    cfg = cfg_of("train_medusa", override, "run_dir=/tmp/unused")
+    settings = from_config.train_settings(cfg)
+    assert settings.max_steps >= 1 and settings.lr > 0
+    heads = MedusaHeads(MedusaConfig(8, 64, num_heads=int(cfg.medusa.num_heads)))
+    drafter = from_config.medusa_drafter(cfg.tree, heads)
+    depth = from_config.tree_depth(cfg.tree) or 1
+    assert 1 <= drafter.max_nodes and depth <= cfg.medusa.num_heads
+    config = from_config.deepspeed_config(cfg)
+    assert config is None or config["zero_optimization"]["stage"] in (2, 3)
+
+
+@pytest.mark.parametrize("value, source, expected", [
+    ("auto", "stdlib", True), ("auto", "sharegpt", False), ("false", "stdlib", False),
+    ("true", "sharegpt", True)])
+def test_self_distillation_is_automatic_for_the_corpus_only(cfg_of, value, source, expected):
+    cfg = cfg_of("train_medusa", f"train_data.self_distill={value}", f"train_data.source={source}",
+                 "run_dir=/tmp/unused")
+    assert from_config.self_distill_enabled(cfg) is expected
+
+
+def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_path):
+    cfg = cfg_of("train_medusa", "trainer.max_steps=2", "trainer.micro_batch_size=3",
+                 "trainer.grad_accum=2",
+                 "trainer.eval_rows=2", "train_data.self_distill_prompt_tokens=4",
+                 f"train_data.cache_dir={tmp_path}", "run_dir=/tmp/unused")
+    target = Transformer.from_hf(tiny_llama(0))
+    tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))
+    train, heldout = from_config.distilled_corpus(cfg, target, rows, rows)
+    assert len(train) == 2 * 3 * 2 and len(heldout) == 2  # steps x global batch; eval rows
+    assert train.loss_mask[:, :4].sum() == 0 and train.loss_mask[:, 4:].all()
+    with pytest.raises(ValueError, match="self_distill needs the target"):
+        from_config.distilled_corpus(cfg, None, rows, rows)
+
+
+def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of, tmp_path):
+    cfg = cfg_of("train_eagle", "trainer.max_steps=5", "trainer.micro_batch_size=2",
+                 "trainer.eval_rows=2",
+                 "train_data.self_distill_prompt_tokens=4", "train_data.self_distill_rows=3",
+                 f"train_data.cache_dir={tmp_path}", "run_dir=/tmp/unused")
+    assert cfg.trainer.max_steps == 5  # the eagle_quick preset's 600 steps overridden
+    target = Transformer.from_hf(tiny_llama(0))
+    tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))
+    train, _ = from_config.distilled_corpus(cfg, target, rows, rows)
+    assert len(train) == 3  # not the 10 rows the run draws
+    cfg.train_data.self_distill_rows = 0
+    with pytest.raises(ValueError, match="self_distill_rows"):
+        from_config.training_rows(cfg, None, target)
+
+
+def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monkeypatch):
+    from selfspec.from_config import training as build_training
+    from selfspec.instructions import general_instructions, stdlib_instructions
+
+    asked = []
+    monkeypatch.setattr(build_training, "self_distilled_conversations",
+                        lambda prompts, *args, **kwargs: asked.append(prompts) or [])
+    target = Transformer.from_hf(tiny_llama(0))
+    cfg = cfg_of("train_eagle", "train_data.source=instructions", "train_data.num_prompts=3",
+                 "train_data.general_prompts=5", "train_data.cache_dir=null",
+                 "run_dir=/tmp/unused")
+    build_training.instruction_conversations(cfg, target, None)
+    # general first: the held-out twentieth comes from the kind of prompt evaluation asks
+    assert asked == [general_instructions(5) + stdlib_instructions(3)]
+    for bad in (-1, "2", True):
+        cfg.train_data.general_prompts = bad
+        with pytest.raises(ValueError, match="general_prompts must be an integer >= 0"):
+            build_training.instruction_conversations(cfg, target, None)

@@ -1,0 +1,112 @@
+"""Exporting heads (heads/export.py): vLLM's Medusa layout, bias-free EAGLE-1, engine refusals."""
+
+import json
+
+import pytest
+import torch
+from helpers import PUBLISHED_CHAIN as CHAIN
+from helpers import PUBLISHED_H as H
+from helpers import PUBLISHED_LAYERS as LAYERS
+from helpers import (
+    PUBLISHED_PROMPTS,
+    assert_lossless,
+    eagle1_folder,
+    same_state,
+    tiny_llama,
+    trained_like_medusa,
+)
+from helpers import PUBLISHED_V as V
+from safetensors.torch import load_file
+
+from selfspec import Transformer, generate
+from selfspec.drafters.medusa import MedusaDrafter
+from selfspec.heads import MedusaConfig, load_head
+from selfspec.heads.export import ExportRefused, export_head
+from selfspec.heads.io import read_head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer.from_hf(tiny_llama(0, vocab=V, layers=LAYERS, hidden=H)).eval()
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return {tuple(p): generate(target, p, max_new_tokens=20).tokens for p in PUBLISHED_PROMPTS}
+
+
+# ---- Medusa, vLLM layout ---------------------------------------------------------------------
+
+
+def test_medusa_to_vllm_writes_its_layout_and_reimports_bit_exactly(tmp_path, target, plain):
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3,
+                                             num_layers=2, draft_vocab_size=40))
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:40].sort().values
+    heads.set_draft_vocab(type(heads.draft_vocab)(ids - torch.arange(40), torch.isin(
+        torch.arange(V), ids)))
+    exported = export_head(heads, "vllm", tmp_path / "vllm", base_model="org/toy-target")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3
+    assert [k for k in config if "num" in k and "heads" in k] == ["num_heads"]  # vLLM's rule
+    assert config["medusa_fc_bias"] is True and config["truncated_vocab_size"] == 40
+    weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert {"blocks.2.layers.1.weight", "blocks.2.layers.1.bias", "lm_heads.2.weight",
+            "token_map"} <= weights.keys()
+    assert torch.equal(weights["token_map"], ids)
+    assert '"method": "medusa"' in exported.command and '"num_speculative_tokens": 3' in \
+        exported.command
+    assert any("top-1 chains" in note for note in exported.notes)
+    loaded = load_head(tmp_path / "vllm", target=target)
+    same_state(loaded.state_dict(), heads.state_dict())
+    assert_lossless(target, plain, lambda: MedusaDrafter(loaded, CHAIN))
+
+
+def test_shared_lm_head_medusa_to_vllm_carries_the_targets_lm_head(tmp_path, target):
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2,
+                                             shared_lm_head=True))
+    with pytest.raises(ValueError, match="share the target's LM head.*pass the target"):
+        export_head(heads, "vllm", tmp_path / "no")
+    export_head(heads, "vllm", tmp_path / "vllm", target_lm_head=target.lm_head.weight)
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["original_lm_head"] is True
+    loaded = load_head(tmp_path / "vllm", target=target)
+    assert loaded.config.shared_lm_head
+    same_state(loaded.state_dict(), heads.state_dict())
+
+
+@pytest.mark.parametrize("engine", ["sglang", "eagle"])
+def test_medusa_heads_are_refused_where_no_medusa_is_served(tmp_path, engine):
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
+    with pytest.raises(ExportRefused, match="not Medusa heads: export with --to vllm"):
+        export_head(heads, engine, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- EAGLE-1 ---------------------------------------------------------------------------------
+
+
+def test_a_bias_free_eagle1_head_serves_on_vllm_and_sglang(tmp_path, target):
+    state = eagle1_folder(tmp_path / "eagle", bias=False)
+    stored, _ = read_head(tmp_path / "eagle")
+    assert not stored.config.has_fc_bias
+    exported = export_head(stored, "vllm", tmp_path / "vllm", base_model="org/toy")
+    assert '"method": "eagle"' in exported.command
+    same_state(load_file(str(tmp_path / "vllm" / "model.safetensors")), state)
+    export_head(stored, "sglang", tmp_path / "sglang")
+    weights = load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    assert not weights["fc.bias"].any()  # SGLang's fc always has one: zero is exact
+    again, _ = read_head(tmp_path / "sglang")
+    same_state(again.state_dict(), stored.state_dict())
+
+
+# ---- the engines' own loaders, where they are installed --------------------------------------
+
+
+def test_vllm_reads_the_exported_medusa_config(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.medusa import MedusaConfig as VllmMedusaConfig
+
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3))
+    export_head(heads, "vllm", tmp_path / "vllm")
+    config = VllmMedusaConfig.from_pretrained(str(tmp_path / "vllm"))
+    assert (config.num_heads, config.vocab_size, config.hidden_size) == (3, V, H)

@@ -1,0 +1,32 @@
+"""The floor benchmark (measure/floor.py): plain speeds, the cost profile, the oracle's rows."""
+
+import pytest
+from helpers import tiny_llama
+
+from selfspec.measure.floor import FloorSettings, measure_floor
+from selfspec.model import Transformer
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return Transformer.from_hf(tiny_llama(0, vocab=96, layers=2))
+
+
+def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
+    hf_model = tiny_llama(0, vocab=96, layers=2)  # the weights `target` was converted from
+    settings = FloorSettings(prompt_tokens=12, new_tokens=8, num_prompts=1, repeats=1,
+                             draft_lengths=(1, 3), cost_lengths=(1, 2, 4))
+    figures = measure_floor(target, hf_model, settings)
+    assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
+    assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
+    assert list(figures["cost_profile"]["c"]) == [1, 2, 4]
+    assert [r["k"] for r in figures["oracle"]] == [1, 3]
+    for row in figures["oracle"]:
+        assert row["lossless"] is True and row["tau"] > 1
+        assert row["bound"] == pytest.approx(
+            row["tau"] / figures["cost_profile"]["c"][2 if row["k"] == 1 else 4])
+        assert 0 < row["time_split"]["forward"]["share"] < 1  # the oracle's steps, split
+    with pytest.raises(ValueError, match="cost_lengths must reach max"):
+        FloorSettings(draft_lengths=(8,), cost_lengths=(1, 4))
+    with pytest.raises(ValueError, match="cuda_graphs must be true, false or null, got 'yes'"):
+        FloorSettings(cuda_graphs="yes")

@@ -1,0 +1,45 @@
+"""The CPU's few-row products (model/cpu_linear.py): nn.Linear's sums, a packed weight copy."""
+
+import copy
+
+import pytest
+import torch
+
+from selfspec.model import Linear, use_packed_products
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 3, 48), (3, 5, 48), (1, 8, 48),
+                                   (2, 64, 48), (2, 100, 48)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_cpu_linear_computes_what_nn_linear_does(shape, grad):
+    """selfspec's Linear runs few-row CPU products its own way (one row twice, W @ x.T, from
+    three rows oneDNN over a packed copy of W when no gradient is needed): the same sums as
+    nn.Linear, up to float32 rounding, in the input's shape, bias included, row-major as
+    F.linear's (SDPA's fused CPU kernel refuses queries whose last dimension is strided)."""
+    torch.manual_seed(0)
+    layer = Linear(48, 200, bias=True)
+    use_packed_products(layer, True)
+    x = torch.randn(*shape)
+    with torch.set_grad_enabled(grad):
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 200) and out.requires_grad == grad
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_copy_follows_the_weight_and_is_never_copied():
+    torch.manual_seed(0)
+    layer = Linear(48, 200, bias=False)
+    use_packed_products(layer, True)
+    x = torch.randn(4, 48)
+    with torch.no_grad():
+        before = layer(x)
+        assert layer.packed.tensor is not None  # four rows took the packed path
+        layer.weight.mul_(2.0)  # changed in place (an optimizer step, load_state_dict)
+        torch.testing.assert_close(layer(x), 2 * before, rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(-layer.weight)  # replaced
+        torch.testing.assert_close(layer(x), -2 * before, rtol=1e-5, atol=1e-5)
+        twin = copy.deepcopy(layer)
+        assert twin.packed.tensor is None and "packed" not in "".join(twin.state_dict())
+        torch.testing.assert_close(twin(x), -2 * before, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,202 @@
+"""The decoder (model/transformer.py): parity with transformers, cache, tree mask, exits, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import assert_hf_parity, hf_logits, hf_model, tiny_llama
+
+from selfspec.model import ModelConfig, Transformer, rope_inv_freq
+from selfspec.tree import Tree
+
+VOCAB = 64
+
+
+# ---- parity with transformers ----------------------------------------------------------------
+
+
+def test_llama3_rope_scaling_matters_at_tested_positions():
+    hf = hf_model("llama3")
+    ours = Transformer.from_hf(hf).eval()
+    assert ours.config.num_kv_heads == 2 and ours.config.rope_scaling["rope_type"] == "llama3"
+    tokens = assert_hf_parity(ours, hf, seq_len=100)
+    ours.inv_freq = rope_inv_freq(dataclasses.replace(ours.config, rope_scaling=None))
+    with torch.no_grad():
+        unscaled = ours(tokens, torch.arange(100)).logits
+    assert (unscaled - hf_logits(hf, tokens)).abs().max() > 1e-2
+
+
+def test_qwen2_has_qkv_bias_and_tied_head():
+    ours = Transformer.from_hf(hf_model("qwen2"))
+    attn = ours.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.o_proj.bias is None
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+# ---- cache, tree mask, early exit ------------------------------------------------------------
+
+
+def _tiny_model(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    return Transformer(ModelConfig(**{**fields, **overrides})).eval()
+
+
+@torch.no_grad()
+def test_incremental_decoding_equals_full_forward():
+    model = _tiny_model()
+    tokens = torch.randint(VOCAB, (2, 12))
+    full = model(tokens, torch.arange(12)).logits
+    cache = model.new_cache(batch_size=2, max_slots=12)
+    steps = [model(tokens[:, :5], torch.arange(5), cache).logits]
+    for t in range(5, 12):
+        steps.append(model(tokens[:, t : t + 1], torch.tensor([t]), cache).logits)
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+
+
+@torch.no_grad()
+def _tree_forward(model: Transformer, prompt: torch.Tensor, tree_tokens: torch.Tensor):
+    """Prefill the prompt, then one forward over [root, nodes...]; returns (logits, cache)."""
+    cache = model.new_cache(max_slots=32)
+    model(prompt, torch.arange(prompt.shape[1]), cache)
+    positions = prompt.shape[1] + TREE.positions_with_root
+    out = model(tree_tokens[None], positions, cache, mask=TREE.mask_with_root)
+    return out.logits[0], cache  # [N+1, V]
+
+
+@torch.no_grad()
+def test_tree_masked_forward_matches_each_root_to_node_path():
+    model = _tiny_model()
+    prompt, tree_tokens = torch.randint(VOCAB, (1, 7)), torch.randint(VOCAB, (TREE.num_nodes + 1,))
+    logits, cache = _tree_forward(model, prompt, tree_tokens)
+    assert cache.length == 7 + TREE.num_nodes + 1
+    for node in range(-1, TREE.num_nodes):
+        path = [0] + [i + 1 for i in TREE.path_to(node)]
+        seq = torch.cat([prompt[0], tree_tokens[path]])[None]
+        expected = model(seq, torch.arange(seq.shape[1])).logits[0, -1]
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_commit_accepted_path_equals_cache_of_plain_forward():
+    model = _tiny_model()
+    prompt, tree_tokens = torch.randint(VOCAB, (1, 7)), torch.randint(VOCAB, (TREE.num_nodes + 1,))
+    _, cache = _tree_forward(model, prompt, tree_tokens)
+    path = [0] + [i + 1 for i in TREE.path_to(6)]  # root, node 0, node 3, node 6
+    cache.commit(7 + torch.tensor(path))
+    reference = model.new_cache(max_slots=32)
+    model(torch.cat([prompt[0], tree_tokens[path]])[None], torch.arange(7 + len(path)), reference)
+    assert cache.length == reference.length == 11
+    torch.testing.assert_close(cache.k[:, :, :, :11], reference.k[:, :, :, :11])
+    torch.testing.assert_close(cache.v[:, :, :, :11], reference.v[:, :, :, :11])
+    nxt = torch.tensor([[5, 9]])
+    got = model(nxt, torch.arange(11, 13), cache).logits
+    torch.testing.assert_close(got, model(nxt, torch.arange(11, 13), reference).logits)
+
+
+@torch.no_grad()
+def test_exit_layer_uses_shared_norm_and_head():
+    model = _tiny_model()
+    tokens = torch.randint(VOCAB, (2, 6))
+    full = model(tokens, torch.arange(6), return_hidden=(0, 1, 2, 3))
+    early = model(tokens, torch.arange(6), exit_layer=2, return_hidden=(2,))
+    torch.testing.assert_close(early.hidden[0], full.hidden[2])
+    torch.testing.assert_close(early.logits, model.lm_head(model.norm(full.hidden[2])))
+    torch.testing.assert_close(full.hidden[0], model.embed_tokens(tokens))
+    torch.testing.assert_close(full.last_hidden, model.norm(full.hidden[3]))
+
+
+@torch.no_grad()
+def test_resume_from_hidden_equals_full_forward_with_cache():
+    model = _tiny_model()
+    tokens = torch.randint(VOCAB, (1, 6))
+    full = model(tokens, torch.arange(6)).logits
+    cache = model.new_cache(max_slots=6)
+    draft = model(tokens, torch.arange(6), cache, exit_layer=1, return_hidden=(1,))
+    cache.truncate(0)  # the upper layer never saw these tokens; redo them all
+    resumed = model(tokens, torch.arange(6), cache, start_layer=1, hidden_in=draft.hidden[0])
+    torch.testing.assert_close(resumed.logits, full, atol=1e-5, rtol=0)
+
+
+def test_positions_per_batch_row():
+    model = _tiny_model()
+    tokens = torch.randint(VOCAB, (2, 4))
+    positions = torch.stack([torch.arange(4), torch.arange(10, 14)])
+    with torch.no_grad():
+        out = model(tokens, positions).logits
+        row1 = model(tokens[1:], torch.arange(10, 14)).logits
+    torch.testing.assert_close(out[1:], row1, atol=1e-5, rtol=0)
+
+
+# ---- the first layers as a draft model -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target3() -> Transformer:
+    """The 3-layer toy target draft models are cut from."""
+    return Transformer.from_hf(tiny_llama(0, layers=3))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_the_first_layers_are_the_targets_early_exit(target3, layers):
+    draft = target3.first_layers(layers)
+    tokens = torch.tensor([[2, 3, 4, 5]])
+    positions = torch.arange(tokens.shape[1])
+    assert draft.config.num_layers == layers and len(draft.layers) == layers
+    torch.testing.assert_close(draft(tokens, positions).logits,
+                               target3(tokens, positions, exit_layer=layers).logits)
+    draft.layers[0].mlp.up_proj.weight.data.zero_()  # a copy: the target is untouched
+    assert target3.layers[0].mlp.up_proj.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("layers", [0, 4])
+def test_impossible_cuts_are_refused(target3, layers):
+    with pytest.raises(ValueError, match=r"num_layers must be in 1..3"):
+        target3.first_layers(layers)
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_forward_overflowing_cache_raises():
+    model = _tiny_model()
+    cache = model.new_cache(max_slots=4)
+    with pytest.raises(ValueError, match="6 slots needed"):
+        model(torch.zeros(1, 6, dtype=torch.long), torch.arange(6), cache)
+
+
+def test_bad_forward_arguments():
+    model = _tiny_model()
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="hidden_in"):
+        model(tokens, torch.arange(3), start_layer=1)
+    with pytest.raises(ValueError, match="return_hidden"):
+        model(tokens, torch.arange(3), exit_layer=1, return_hidden=(2,))
+    with pytest.raises(ValueError, match="mask"):
+        model(tokens, torch.arange(3), mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+# ---- packed products -------------------------------------------------------------------------
+
+
+def test_only_a_model_whose_weights_outgrow_a_cache_packs_them():
+    small = _tiny_model()  # 0.1 MB
+    with torch.device("meta"):  # 64k x 256 embedding and head: 128 MB in fp32
+        large = Transformer(ModelConfig(vocab_size=1 << 16, hidden_size=256,
+                                        intermediate_size=512, num_layers=1, num_heads=4,
+                                        num_kv_heads=2, head_dim=64))
+    assert not small.lm_head.packed_products and not small.layers[0].mlp.up_proj.packed_products
+    assert large.lm_head.packed_products and large.layers[0].mlp.up_proj.packed_products
