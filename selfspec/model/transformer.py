@@ -9,7 +9,8 @@ which is exact as long as the context is shorter than the window (4096+ tokens).
 
 The forward takes RoPE positions apart from cache slots (see `selfspec.kv_cache`), an optional
 [T, T] attention mask among the new tokens (tree verification), and can run a slice of the
-layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume.
+layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume,
+`skip_layers` to leave a set of layers out (layer-skip drafting: Draft & Verify, SWIFT).
 """
 
 from __future__ import annotations
@@ -272,8 +273,9 @@ class Transformer(nn.Module):
         start_layer: int = 0,
         hidden_in: torch.Tensor | None = None,
         with_logits: bool = True,
+        skip_layers: frozenset[int] | tuple[int, ...] = (),
     ) -> ModelOutput:
-        """Run layers [start_layer, exit_layer) over T new tokens.
+        """Run layers [start_layer, exit_layer) over T new tokens, but those in skip_layers.
 
         tokens: [B, T] ids (only their shape matters when hidden_in is given).
         positions: [T] or [B, T] RoPE position ids.
@@ -290,10 +292,15 @@ class Transformer(nn.Module):
         with_logits: False skips the final norm and LM head (a caller that only needs the
             residual streams, e.g. the early layers of an early-exit draft); logits and
             last_hidden are then None.
+        skip_layers: layer indices that do not run (layer-skip drafting): the residual stream
+            passes them unchanged and they write no K/V, yet their slots count as advanced,
+            as for the layers outside [start_layer, exit_layer) (the drafter rolls the cache
+            length back; verification then writes every layer there).
         """
         end = self._check_forward_args(
             tokens, positions, exit_layer, return_hidden, start_layer, hidden_in
         )
+        skip = self._checked_skip_layers(skip_layers)
         h = self.embed_tokens(tokens) if hidden_in is None else hidden_in  # [B, T, hidden]
         cos, sin = self._rope(positions, h.dtype)
         past = 0 if cache is None else cache.length
@@ -301,7 +308,8 @@ class Transformer(nn.Module):
         saved = {start_layer: h}
         with _pinned_attention(h.device, masked=attn_mask is not None):
             for i in range(start_layer, end):
-                h = self.layers[i](h, cos, sin, attn_mask, cache)
+                if i not in skip:
+                    h = self.layers[i](h, cos, sin, attn_mask, cache)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:
@@ -312,6 +320,22 @@ class Transformer(nn.Module):
         last_hidden = self.norm(h)  # [B, T, hidden]
         logits = self.lm_head(last_hidden).float()  # [B, T, V]
         return ModelOutput(logits, hidden, last_hidden)
+
+    def _checked_skip_layers(self, skip_layers: frozenset[int] | tuple[int, ...]
+                             ) -> frozenset[int]:
+        """skip_layers as a set of layer ids in [0, num_layers), or a clear error."""
+        n = self.config.num_layers
+        try:
+            skip = frozenset(skip_layers)
+        except TypeError:
+            raise ValueError(f"skip_layers must be a set or tuple of layer ids, "
+                             f"got {skip_layers!r}") from None
+        bad = sorted((i for i in skip if isinstance(i, bool) or not isinstance(i, int)
+                      or not 0 <= i < n), key=str)
+        if bad:
+            raise ValueError(f"skip_layers must be layer ids in [0, {n}) (the model's layers), "
+                             f"got {bad}")
+        return skip
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.inv_freq.device != positions.device:
