@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.model import Transformer
+from selfspec.quiet import quiet_imports
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -54,7 +55,8 @@ class LoraSettings:
 def add_lora(target: Transformer, settings: LoraSettings) -> PeftModel:
     """The target wrapped with fresh adapters. Every original weight is frozen; B starts at
     zero, so the adapted target starts out computing exactly the original's outputs."""
-    from peft import LoraConfig, get_peft_model
+    with quiet_imports():
+        from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -102,7 +104,8 @@ def merge_adapter(target: Transformer, folder: str | Path) -> Transformer:
             f"no LoRA adapter in {folder} (no {ADAPTER_CONFIG}); pass the `{ADAPTER_DIR}` folder "
             f"of a Medusa-2 export (train/medusa.py medusa.version=2)"
         )
-    from peft import PeftModel
+    with quiet_imports():
+        from peft import PeftModel
 
     source = target.source
     try:

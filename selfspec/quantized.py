@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from selfspec.model import Linear, Transformer
+from selfspec.quiet import quiet_imports
 
 BITS = (8, 4)
 COMPUTE_DTYPE = torch.bfloat16  # the activations dtype the CPU kernels are vectorized for
@@ -152,7 +151,7 @@ class _Torchao:
     """The torchao names this module uses, imported on first use (no import-time cost)."""
 
     def __init__(self) -> None:
-        with _quiet("torchao", "torch.utils._pytree"):
+        with quiet_imports():
             from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
         self.quantize_ = quantize_
@@ -166,17 +165,3 @@ def _torchao() -> _Torchao:
         return _Torchao()
     except ImportError as exc:
         raise ValueError(f"quantized copy: needs torchao ({exc}); {TORCHAO_FIX}") from None
-
-
-@contextmanager
-def _quiet(*loggers: str) -> Iterator[None]:
-    """Warnings off for these loggers while torchao imports: on a CPU machine it reports each
-    CUDA library of its wheel it cannot load, and torch a deprecated pytree registration."""
-    saved = {name: logging.getLogger(name).level for name in loggers}
-    for name in loggers:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)

@@ -25,10 +25,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from selfspec.errors import SelfspecError
 from selfspec.losses import LossOutput
+from selfspec.quiet import quiet_imports
 from selfspec.tracking import Tracker
 
 CHECKPOINT_PREFIX = "step_"
@@ -323,6 +323,9 @@ def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings)
     else:
         groups = [{"params": [p for p in objective.parameters() if p.requires_grad]}]
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+    with quiet_imports():  # slow, and with torchao installed noisy: only when training
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, settings.warmup_steps, settings.max_steps, min_lr_rate=settings.min_lr_ratio
     )

@@ -21,6 +21,7 @@ from selfspec.from_config.common import device
 from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import ModelPlan, plan_model
+from selfspec.quiet import import_transformers_models
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -217,6 +218,8 @@ def draft_model_config(
 def load_hf_model(folder: str | Path, dtype: str, on: torch.device | str):
     """A transformers causal LM from a model folder, for the Hugging Face peer methods."""
     from transformers import AutoModelForCausalLM  # slow import: only when a peer is swept
+
+    import_transformers_models()
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype(dtype))
     return model.to(on).eval()

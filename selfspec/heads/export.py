@@ -247,6 +247,9 @@ def export_merged_target(target_folder: str | Path, adapter: str | Path, out: st
 
     from selfspec.lora import merge_adapter
     from selfspec.model import Transformer
+    from selfspec.quiet import import_transformers_models
+
+    import_transformers_models()
 
     merged = merge_adapter(Transformer.from_pretrained(target_folder), adapter)
     hf = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32)

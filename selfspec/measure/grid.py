@@ -8,6 +8,7 @@ from typing import Any
 
 from selfspec.sampling import SamplingParams
 
+
 @dataclass(frozen=True)
 class Variant:
     """One kind of row of a method: the method's name and its settings besides the draft

@@ -19,6 +19,7 @@ from selfspec.devices import synchronize
 from selfspec.drafters.base import Drafter
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelConfig, Transformer
+from selfspec.quiet import import_transformers_models
 from selfspec.sampling import SamplingParams
 
 
@@ -156,6 +157,7 @@ def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     `Transformer.from_hf` on it shares its weights, so both libraries run the same tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import_transformers_models()
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf()),
