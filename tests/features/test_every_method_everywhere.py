@@ -22,14 +22,15 @@ def compose_cfg():
 
 def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
     """What each of our methods needs, by name: the toy target (one layer) with its heads, or
-    for early exit the shipped tiny target (8 layers), exiting at layer 4."""
+    for early exit and layer skipping the shipped tiny target (8 layers)."""
     on_toy = toy(quick_build)[:3]
     return {"small_model": on_toy, "ngram": on_toy,
             "medusa": [*on_toy, f"medusa_heads={heads_dir}"],
             "ngram+medusa": [*on_toy, f"medusa_heads={heads_dir}"],
             "eagle": [*on_toy, f"eagle_head={eagle_dir}", "eagle.total_tokens=6",
                       "eagle.top_k=2"],
-            "early_exit": ["model=tiny"]}
+            "early_exit": ["model=tiny"], "layer_skip": ["model=tiny"],
+            "lookahead": ["model=tiny"], "quantized": on_toy}
 
 
 def test_generate_drafts_losslessly_with_every_method_of_the_registry(
