@@ -141,7 +141,8 @@ def _torchao_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
     with torch.device("meta"):  # a holder only: quantize_ works on modules
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     holder.weight = nn.Parameter(weight, requires_grad=False)
-    torchao.quantize_(holder, config)
+    with quiet_imports():  # quantize_ imports torchao's kernels, which warn without triton
+        torchao.quantize_(holder, config)
     if not hasattr(holder.weight, "qdata"):  # torchao skips a shape it cannot quantize
         raise RuntimeError(f"torchao left a {list(weight.shape)} weight unquantized")
     return holder.weight

@@ -17,15 +17,19 @@ TORCHAO_IMPORT = ("torchao", "torch.utils._pytree")  # the loggers torchao's imp
 
 @contextmanager
 def quiet_imports(*loggers: str) -> Iterator[None]:
-    """Records below ERROR of these loggers (default: torchao's import) dropped for the block.
-    A filter, not a level: torch's logging setup, which the import may run, resets levels."""
+    """Records below ERROR of these loggers and their children (default: torchao's import)
+    dropped for the block: by level, which children inherit, and by a filter, which holds
+    when torch's logging setup, run by the import, resets the level."""
     names = loggers or TORCHAO_IMPORT
+    saved = {name: logging.getLogger(name).level for name in names}
     for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
         logging.getLogger(name).addFilter(_errors_only)
     try:
         yield
     finally:
-        for name in names:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
             logging.getLogger(name).removeFilter(_errors_only)
 
 

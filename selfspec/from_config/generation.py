@@ -53,7 +53,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None,
         raise ValueError(f"drafter={name}: its settings describe {len(variants)} rows "
                          f"({', '.join(v.label() for v in variants)}); give one value per "
                          f"setting here (lists are for eval/sweep.py)")
-    return method, variants[0], method.lengths(cfg, (k,))[0]
+    return method, variants[0], method.lengths(cfg, variants[0], (k,))[0]
 
 
 def renamed_settings(cfg: DictConfig) -> None:

@@ -70,8 +70,8 @@ def grid_lines(cfg: DictConfig, method: MethodEntry, lengths: tuple[int, ...]
     """A method's lines of the grid: its variants, each at the lengths it runs at; checked
     (its files, its settings) before any weights load."""
     method.check(cfg, lengths)
-    runs_at = method.lengths(cfg, lengths)
-    return tuple(GridLine(v, runs_at, auto=method.ours) for v in method.variants(cfg, True))
+    return tuple(GridLine(v, method.lengths(cfg, v, lengths), auto=method.ours)
+                 for v in method.variants(cfg, True))
 
 
 def sweep_methods(cfg: DictConfig) -> tuple[MethodEntry, ...]:

@@ -36,7 +36,8 @@ class Loaded:
         return self._loaded[key]
 
 
-def _same_lengths(cfg: DictConfig, lengths: tuple[int, ...]) -> tuple[int, ...]:
+def _same_lengths(cfg: DictConfig, variant: Variant, lengths: tuple[int, ...]
+                  ) -> tuple[int, ...]:
     return lengths
 
 
@@ -67,7 +68,8 @@ class MethodEntry:
         another library (then `method` builds its decoders).
     verified_on(loaded): the target its drafts are verified on, and its baseline's name (a
         Medusa-2 export verifies on its LoRA-adapted target).
-    lengths(cfg, lengths): the draft lengths it runs at (Medusa folds those beyond its tree).
+    lengths(cfg, variant, lengths): the draft lengths a variant runs at (Medusa folds those
+        beyond its tree, Lookahead those beyond its n-grams).
     default_when(cfg): whether a sweep with methods=null runs it.
     head: its trainable head class, if any; color: its colour in the figures; order: where it
     stands in lists (menus, a sweep's default methods).
@@ -81,7 +83,7 @@ class MethodEntry:
     method: Callable[[Loaded, Variant, int], Method] | None = None
     check: Callable[[DictConfig, tuple[int, ...]], None] = _nothing_to_check
     verified_on: Callable[[Loaded], tuple[Transformer, str]] = _on_the_target
-    lengths: Callable[[DictConfig, tuple[int, ...]], tuple[int, ...]] = _same_lengths
+    lengths: Callable[[DictConfig, Variant, tuple[int, ...]], tuple[int, ...]] = _same_lengths
     default_when: Callable[[DictConfig], bool] = _never
     head: type | None = None
     color: str | None = None

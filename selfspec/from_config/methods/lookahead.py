@@ -41,10 +41,10 @@ def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[LookaheadVariant,
                  for n in axes["ngram"] for g in axes["candidates"])
 
 
-def fold_lengths(cfg: DictConfig, lengths: tuple[int, ...]) -> tuple[int, ...]:
+def fold_lengths(cfg: DictConfig, variant: LookaheadVariant, lengths: tuple[int, ...]
+                 ) -> tuple[int, ...]:
     """An n-gram of N tokens drafts N - 1 after the root: longer lengths would repeat it."""
-    deepest = max(as_list(cfg.lookahead.get("ngram"))) - 1
-    return tuple(sorted({min(k, deepest) for k in lengths}))
+    return tuple(sorted({min(k, variant.ngram - 1) for k in lengths}))
 
 
 def drafter(loaded: Loaded, variant: LookaheadVariant, k: int) -> LookaheadDrafter:

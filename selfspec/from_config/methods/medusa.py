@@ -40,7 +40,8 @@ def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     required_head_folder(cfg, HEADS, "medusa", "medusa")
 
 
-def fold_lengths(cfg: DictConfig, lengths: tuple[int, ...]) -> tuple[int, ...]:
+def fold_lengths(cfg: DictConfig, variant: Variant, lengths: tuple[int, ...]
+                 ) -> tuple[int, ...]:
     """At draft length k Medusa drafts the tree's nodes of depth <= k, so lengths beyond the
     tree's depth would repeat the whole tree: they fold into one at that depth."""
     depth = medusa_depth(cfg)
