@@ -126,3 +126,12 @@ def test_replay_refuses_a_window_it_cannot_run(target):
     record = record_greedy(target, PROMPTS[0], 8)
     with pytest.raises(ValueError, match="drafted with extra rows, which only the decode loop"):
         replay(target, LookaheadDrafter(window=2, ngram=3, candidates=1), record)
+
+
+def test_the_window_rides_in_static_steps_too(target):
+    """cuda_graphs=True runs the verification forwards as static steps (eagerly on a CPU): the
+    window's rows pad into a bucket beside the nodes, and the output stays plain greedy's."""
+    for prompt in PROMPTS:
+        drafter = LookaheadDrafter(window=3, ngram=4, candidates=3)
+        result = generate(target, prompt, drafter=drafter, max_new_tokens=24, cuda_graphs=True)
+        assert result.tokens == generate(target, prompt, max_new_tokens=24).tokens

@@ -26,6 +26,8 @@ from selfspec.drafters import (
     SmallModelDrafter,
     UnionDrafter,
 )
+from selfspec.drafters.layer_skip import LayerSkipDrafter
+from selfspec.drafters.lookahead import LookaheadDrafter
 from selfspec.losses import LossOutput
 from selfspec.model import ModelConfig, attention_kernels
 from selfspec.model.transformer import _kv_for_kernels
@@ -40,7 +42,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
 DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "ngram_corpus_tree", "medusa",
-            "medusa_products", "medusa_and_lookup"]
+            "medusa_products", "medusa_and_lookup", "layer_skip", "lookahead"]
 MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
@@ -104,6 +106,8 @@ def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
         "medusa_and_lookup": lambda: UnionDrafter([
             MedusaDrafter(heads, [[0], [1]]),
             NgramDrafter(3, corpus=lookup_corpus, max_nodes=4)], max_nodes=5),
+        "layer_skip": lambda: LayerSkipDrafter(skip_layers=(1,), num_draft_tokens=3),
+        "lookahead": lambda: LookaheadDrafter(window=3, ngram=3, candidates=2),
     }
     return lambda kind: makers[kind]()
 
