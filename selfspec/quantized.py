@@ -30,6 +30,9 @@ COMPUTE_DTYPE = torch.bfloat16  # the activations dtype the CPU kernels are vect
 # int4 scales and zero points per this many input columns (the CPU kernel takes 32-256); the
 # finest group drafts closest to the target at about the same speed (bench_quantized.py).
 INT4_GROUP = 32
+# aten's int8 CPU kernel reads the input width in blocks of 16 once it has 4 rows or more (it
+# crashed the process on widths 8, 24, 40 and 56): narrower weights are widened with zeros.
+INT8_WIDTH_MULTIPLE = 16
 TORCHAO_FIX = "pip install torchao==0.18.0"
 
 
@@ -42,8 +45,9 @@ class QuantizedLinear(nn.Module):
     `_weight_int8pack_mm` on its int8 data (torchao 0.18's own int8 product converts the
     whole weight to float at every call). int4: torchao's `Int4OpaqueTensor` (groups of
     INT4_GROUP, asymmetric), multiplied through `F.linear`, which torchao sends to
-    `_weight_int4pack_mm_for_cpu`. `padding`: zero input columns the int4 weight was widened
-    by so that a group divides its width (the rows get zeros there: the product is unchanged).
+    `_weight_int4pack_mm_for_cpu`. `padding`: zero input columns the weight was widened by so
+    that an int4 group, or the int8 kernel's block of 16, divides its width (the rows get
+    zeros there: the product is unchanged).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
@@ -59,19 +63,52 @@ class QuantizedLinear(nn.Module):
                              weight.scale.reshape(-1).to(COMPUTE_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
-        if self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qdata, self.scale)
+        rows = x.reshape(-1, self.in_features)
+        if torch.is_grad_enabled() and rows.requires_grad:  # training through a frozen target
+            out = _DifferentiableProduct.apply(rows, self)
         else:
-            out = F.linear(F.pad(rows, (0, self.padding)) if self.padding else rows, self.weight)
+            out = self.product(rows)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in_features] times the quantized weight's transpose, [n, out_features]
+        (in COMPUTE_DTYPE; no bias)."""
+        rows = rows.to(COMPUTE_DTYPE).contiguous()
+        if self.padding:
+            rows = F.pad(rows, (0, self.padding))
+        if self.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(rows, self.weight.qdata, self.scale)
+        return F.linear(rows, self.weight)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] in fp32 as the kernel computes with it: its products with the
+        identity's rows (for initialising heads from a quantized LM head, and for gradients)."""
+        identity = torch.eye(self.in_features, dtype=COMPUTE_DTYPE,
+                             device=self.weight.qdata.device)
+        return self.product(identity).float().t()
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits}, bias={self.bias is not None}")
+
+
+class _DifferentiableProduct(torch.autograd.Function):
+    """`QuantizedLinear.product`, differentiable in its rows (the weight is frozen): aten's
+    weight-only kernels have no derivative, so the rows' gradient multiplies by the weight the
+    kernel itself computes with, read back as its product with the identity (W^T = I W^T).
+    What training heads through a quantized frozen target (its LM head) needs."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return layer.product(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.float() @ ctx.layer.dense_weight(), None  # [n, out] @ [out, in]
 
 
 def quantized_copy(target: Transformer, bits: int) -> Transformer:
@@ -127,7 +164,7 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[nn.Module, str, Linear]]:
 
 def _quantized_linear(layer: nn.Linear, bits: int) -> QuantizedLinear:
     weight = layer.weight.detach().to(COMPUTE_DTYPE)
-    padding = 0 if bits == 8 else -weight.shape[1] % INT4_GROUP
+    padding = -weight.shape[1] % (INT8_WIDTH_MULTIPLE if bits == 8 else INT4_GROUP)
     weight = F.pad(weight, (0, padding))  # zero columns, met by zero inputs
     return QuantizedLinear(_torchao_quantized(weight, bits), layer.bias, bits, padding)
 

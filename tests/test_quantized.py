@@ -89,6 +89,25 @@ def test_each_quantized_product_errs_within_the_quantization_step(target, tiny, 
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_gradients_flow_through_a_quantized_product_as_through_the_weight_it_holds(bits):
+    """Heads train through a quantized target's LM head: the rows' gradient is the upstream
+    gradient times the weight the kernel computes with (aten's kernels have no derivative),
+    within one product's quantization error of the full-precision layer's gradient."""
+    generator = torch.Generator().manual_seed(3)
+    for width in (40, 64):  # 40: widened to the kernel's multiple with zero columns
+        layer = Linear(width, 48)
+        quantized = quantized_module._quantized_linear(layer, bits)
+        rows = torch.randn(6, width, generator=generator, requires_grad=True)
+        upstream = torch.randn(6, 48, generator=generator)
+        quantized(rows).backward(upstream)
+        expected = torch.autograd.grad(layer(rows), rows, upstream)[0]
+        assert 0 < relative_error(rows.grad, expected) < ONE_PRODUCT_ERROR[bits]
+        dense = quantized.dense_weight()
+        assert dense.shape == layer.weight.shape
+        assert relative_error(dense, layer.weight.detach()) < ONE_PRODUCT_ERROR[bits]
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_the_trained_targets_logits_err_as_little_as_one_product(tiny, copies, bits):
     """On a trained target the norms and the residual stream keep the copy's logits about as
     close as one product (measured: 0.4% for int8, 4% for int4); twice it bounds them. (The

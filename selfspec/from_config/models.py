@@ -21,6 +21,7 @@ from selfspec.from_config.common import device
 from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
 from selfspec.plan import ModelPlan, plan_model
+from selfspec.quantized import check_quantizable, quantized_copy
 from selfspec.quiet import import_transformers_models
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,6 +69,8 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
 
     key: where the config sits in the tree ("model", "model.draft"), for the message's fix.
     """
+    if key == "model":
+        target_quantization(cfg_model)  # a bad setting is refused with the folder's checks
     if cfg_model.get("random_weights"):
         raise ModelNotAvailable(
             f"model {cfg_model.name!r} has random weights and no files (no tokenizer, nothing "
@@ -147,13 +150,37 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
 
 
 def load_target(cfg: DictConfig) -> Transformer:
-    """The target model of cfg.model, checked against its config's architecture facts."""
+    """The target model of cfg.model, checked against its config's architecture facts; with
+    model.quantize, its weight-only int8/int4 copy (`selfspec.quantized`), which is then the
+    target every output is exact against."""
+    bits = target_quantization(cfg.model)
+    if bits is not None:  # refused before any weights load
+        check_quantizable(bits, device(cfg))
     if cfg.model.get("random_weights"):
-        return random_models(cfg)[0]
-    target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
-    if cfg.model.get("arch") is not None:
+        target = random_models(cfg)[0]
+    else:
+        target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
+    if cfg.model.get("arch") is not None and not cfg.model.get("random_weights"):
         check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
-    return target
+    return target if bits is None else quantized_copy(target, bits)
+
+
+QUANTIZE = {"int8": 8, "int4": 4}  # model.quantize: weight-only, by torchao
+
+
+def target_quantization(cfg_model: DictConfig) -> int | None:
+    """model.quantize (null, int8 or int4) as bits, checked; refused for a dtype the quantized
+    products do not take (they compute in bf16 from fp32 activations)."""
+    value = cfg_model.get("quantize")
+    if value is None:
+        return None
+    if value not in QUANTIZE:
+        raise ValueError(f"model.quantize: choose null, int8 or int4 (weight-only, torchao), "
+                         f"got {value!r}")
+    if cfg_model.get("dtype", "fp32") != "fp32":
+        raise ValueError(f"model.quantize={value} quantizes an fp32 target (its activations "
+                         f"stay fp32); set model.dtype=fp32, got {cfg_model.dtype}")
+    return QUANTIZE[value]
 
 
 def random_models(cfg: DictConfig) -> tuple[Transformer, Any]:

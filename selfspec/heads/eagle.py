@@ -36,6 +36,7 @@ from selfspec.model import (
     ModelConfig,
     RMSNorm,
     Transformer,
+    dense_weight,
     rope_inv_freq,
 )
 
@@ -259,8 +260,8 @@ class EagleHead(Head):
         """EAGLE-3: start the LM head from the target's rows of the draft vocabulary and the
         final norm from the target's (EAGLE-1 reads the target's own LM head: nothing to do)."""
         if self.config.version == 3:
-            ids = self.draft_vocab.target_ids.to(target.lm_head.weight.device)
-            self.lm_head.weight.copy_(target.lm_head.weight[ids])
+            weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
+            self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
             self.norm.weight.copy_(target.norm.weight)
         return self
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from selfspec.heads.base import head_types
 from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
-from selfspec.model import ModelConfig, Transformer
+from selfspec.model import ModelConfig, Transformer, dense_weight
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -146,7 +146,7 @@ def recorded_target(folder: str | Path) -> Path | None:
 
 def _load_published(folder: Path, cls: type | None, target: Transformer,
                     allow_other_base: bool) -> nn.Module:
-    found = read_published(folder, target.config, target.lm_head.weight)
+    found = read_published(folder, target.config, dense_weight(target.lm_head))
     if cls is not None and not isinstance(found.module, cls):
         raise ValueError(f"load_head: {folder} holds a {LAYOUTS[found.layout]} head, not "
                          f"{cls.__name__}; load it where a {type(found.module).__name__} goes")

@@ -2,7 +2,7 @@
 Hugging Face checkpoint I/O (`checkpoint`) and the CPU's few-row products (`cpu_linear`)."""
 
 from selfspec.model.config import ModelConfig
-from selfspec.model.cpu_linear import Linear, aligned, linear, use_packed_products
+from selfspec.model.cpu_linear import Linear, aligned, dense_weight, linear, use_packed_products
 from selfspec.model.transformer import (
     MLP,
     Attention,
@@ -19,4 +19,5 @@ from selfspec.model.transformer import (
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "Linear", "ModelConfig", "ModelOutput", "RMSNorm",
            "Transformer", "aligned", "apply_rope", "attention_kernels", "attention_mask",
+           "dense_weight",
            "linear", "rope_cos_sin", "rope_inv_freq", "use_packed_products"]

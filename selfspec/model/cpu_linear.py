@@ -122,6 +122,13 @@ def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= FEW_ROWS_ON_CPU
 
 
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a plain tensor [out, in]. A layer that stores it another way
+    (a quantized one) gives it through its own `dense_weight()`; any other layer's is its
+    `weight`."""
+    return layer.dense_weight() if hasattr(layer, "dense_weight") else layer.weight
+
+
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor, or a copy of it where torch's allocator puts buffers (64-byte aligned) when
     it lies elsewhere, as tensors read from a safetensors file do. MKL's few-row products (see

@@ -33,13 +33,17 @@ def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
             "lookahead": ["model=tiny"], "quantized": on_toy}
 
 
+@pytest.mark.parametrize("quantize", ["null", "int8"])
 def test_generate_drafts_losslessly_with_every_method_of_the_registry(
-        quick_build, compose_cfg, heads_dir, eagle_dir):
+        quick_build, compose_cfg, heads_dir, eagle_dir, quantize):
+    """Every method, on the target and on its int8 copy (model.quantize: the target that every
+    output is then exact against)."""
     ours = [name for name, e in registry().items() if e.ours]
     settings = method_settings(quick_build, heads_dir, eagle_dir)
     assert sorted(ours) == sorted(settings)  # a new method needs a line here, and a test
     for name in ours:
-        cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2", *settings[name])
+        cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2", *settings[name],
+                          f"model.quantize={quantize}")
         target = from_config.load_target(cfg)
         drafter, verified_on = from_config.drafter_and_target(cfg, target)
         assert verified_on is target

@@ -14,7 +14,12 @@ from omegaconf import DictConfig
 
 from selfspec.from_config.common import device
 from selfspec.from_config.methods.entry import Loaded, MethodEntry
-from selfspec.from_config.models import draft_model_config, load_hf_model, resolve_model_path
+from selfspec.from_config.models import (
+    draft_model_config,
+    load_hf_model,
+    resolve_model_path,
+    target_quantization,
+)
 from selfspec.measure.grid import Variant
 from selfspec.measure.passes import Method
 from selfspec.measure.peers import HFDecoder
@@ -48,6 +53,10 @@ def _peer(name: str, peer: str, summary: str, assisted: bool, order: int) -> Met
         return (PeerVariant(name, peer),)
 
     def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+        if target_quantization(cfg.model) is not None:
+            raise ValueError(f"{name} runs transformers' full-precision copy of the target, not "
+                             f"the model.quantize={cfg.model.quantize} one: leave it out of "
+                             f"methods, or set model.quantize=null")
         if assisted:
             resolve_model_path(draft_model_config(cfg), "model.draft")
 

@@ -24,12 +24,12 @@ from selfspec.from_config.methods.entry import (
     one_variant,
     required_head_folder,
 )
-from selfspec.from_config.models import load_target, model_config
+from selfspec.from_config.models import load_target, model_config, target_quantization
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
 from selfspec.measure.grid import Variant
-from selfspec.model import ModelConfig, Transformer
+from selfspec.model import ModelConfig, Transformer, dense_weight
 from selfspec.training import TokenRows
 from selfspec.tree import Tree
 
@@ -142,6 +142,10 @@ def check_medusa_settings(cfg: DictConfig) -> int:
         raise ValueError(f"medusa.decay must be > 0 (head k weighs decay**k), "
                          f"got {cfg.medusa.decay}")
     if version == 2:
+        if target_quantization(cfg.model) is not None:
+            raise ValueError("medusa.version=2 trains LoRA adapters on the target's linear "
+                             "layers, which a model.quantize target holds quantized: train "
+                             "Medusa-1 heads on it (medusa.version=1), or set model.quantize=null")
         lora_settings(cfg)
         if not float(cfg.medusa.lm_weight) >= 0:
             raise ValueError(f"medusa.lm_weight must be >= 0, got {cfg.medusa.lm_weight}")
@@ -162,7 +166,7 @@ def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None =
         heads.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
                                                config.draft_vocab_size, train.loss_mask))
     if cfg.medusa.init_from_lm_head:
-        heads.init_from_lm_head(target.lm_head.weight.detach())
+        heads.init_from_lm_head(dense_weight(target.lm_head).detach())
     return heads, config
 
 

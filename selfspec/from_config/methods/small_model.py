@@ -23,6 +23,7 @@ from selfspec.from_config.models import (
     load_model,
     model_config,
     resolve_model_path,
+    target_quantization,
 )
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
@@ -101,6 +102,10 @@ def check_draft_model_settings(cfg: DictConfig) -> int:
     """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
     weights); returns the draft's layer count."""
     d, target = cfg.draft_model, model_config(cfg.model)
+    if target_quantization(cfg.model) is not None:
+        raise ValueError("train/draft.py cuts the draft from the target's full-precision "
+                         "weights: set model.quantize=null (a draft trained so can still draft "
+                         "for the quantized target in a sweep)")
     for key in ("num_layers", "num_draft_tokens"):
         if not is_count(d[key]):
             raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
