@@ -122,6 +122,10 @@ def quantized_copy(target: Transformer, bits: int) -> Transformer:
     quantized = copy.deepcopy(target)
     for parent, name, layer in list(linear_layers(quantized)):
         setattr(parent, name, _quantized_linear(layer, bits))
+    # Its products round activations to bf16, so, as a bf16 model, a forward over several rows
+    # may break a near-tie of its logits otherwise than a one-row forward: the lossless check
+    # reads this to count such divergences as the dtype's near-ties (measure.lossless).
+    quantized.products_dtype = COMPUTE_DTYPE
     return quantized.eval()
 
 

@@ -88,6 +88,18 @@ def test_each_quantized_product_errs_within_the_quantization_step(target, tiny, 
             assert 0 < error < ONE_PRODUCT_ERROR[bits], (name, error)
 
 
+def test_a_quantized_models_divergences_count_as_its_products_near_ties(tiny):
+    """Its products round activations to bf16: the lossless check allows bf16's near-ties."""
+    from selfspec.measure.lossless import near_tie_tolerance
+    from selfspec.measure.peers import OurDecoder
+
+    copied = quantized_copy(tiny, 8)
+    logits, rounds_to = OurDecoder(copied).next_token_logits([3, 4, 5])
+    assert copied.products_dtype == rounds_to == torch.bfloat16
+    assert near_tie_tolerance(logits, rounds_to) > 0
+    assert OurDecoder(tiny).next_token_logits([3, 4, 5])[1] == torch.float32  # fp32: none
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_gradients_flow_through_a_quantized_product_as_through_the_weight_it_holds(bits):
     """Heads train through a quantized target's LM head: the rows' gradient is the upstream

@@ -66,11 +66,13 @@ class OurDecoder:
 
     @torch.inference_mode()
     def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.dtype]:
-        """The target's logits [V] for the token after ids (one full forward), its dtype."""
+        """The target's logits [V] for the token after ids (one full forward), and the dtype
+        its products round to: its weights', or a quantized target's `products_dtype`."""
         weight = self.target.embed_tokens.weight
         tokens = torch.tensor([list(ids)], device=weight.device)
         positions = torch.arange(len(ids), device=weight.device)
-        return self.target(tokens, positions).logits[0, -1], weight.dtype
+        rounds_to = getattr(self.target, "products_dtype", weight.dtype)
+        return self.target(tokens, positions).logits[0, -1], rounds_to
 
 
 @dataclass
