@@ -17,15 +17,17 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
+from selfspec.best import KEEP, BestStep
 from selfspec.errors import SelfspecError
 from selfspec.losses import LossOutput
 from selfspec.quiet import quiet_imports
@@ -74,6 +76,8 @@ class TrainSettings:
     seed: int = 0
     resume: bool = False
     stop_after: int | None = None
+    keep_best: str = "last"  # which step's export the run ends with: last, loss or tau
+    stop_after_no_gain: int | None = None  # evaluations without a better keep_best value
 
     def __post_init__(self) -> None:
         at_least = {"max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "save_every": 1,
@@ -94,6 +98,14 @@ class TrainSettings:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"trainer.stop_after must be >= 1 (or null), got {self.stop_after}")
+        if self.keep_best not in KEEP:
+            raise ValueError(f"trainer.keep_best must be one of {', '.join(KEEP)}, got "
+                             f"{self.keep_best!r}")
+        if self.stop_after_no_gain is not None and (
+                self.stop_after_no_gain < 1 or self.keep_best == "last"):
+            raise ValueError(f"trainer.stop_after_no_gain must be >= 1 evaluations (or null) and "
+                             f"needs trainer.keep_best=tau or loss to judge by, got "
+                             f"{self.stop_after_no_gain} with keep_best={self.keep_best}")
 
 
 @dataclass(frozen=True)
@@ -115,9 +127,22 @@ class TokenRows:
 
 @dataclass
 class FitResult:
+    """step: the last step trained; finished: the run reached max_steps or stopped early for
+    want of a gain (not interrupted); best: the judged best step's record (keep_best)."""
+
     step: int
     metrics: dict[str, float]
     checkpoint: Path | None
+    finished: bool = True
+    best: BestStep | None = None
+
+    @property
+    def export(self) -> Path | None:
+        """The export the run ends with: the best step's when one was judged, else the last
+        checkpoint's."""
+        if self.best is not None and self.best.step is not None:
+            return self.best.export
+        return None if self.checkpoint is None else self.checkpoint / "export"
 
 
 def fit(
@@ -129,16 +154,21 @@ def fit(
     accelerator: Accelerator,
     tracker: Tracker | None = None,
     export: Callable[[dict[str, torch.Tensor], Path], None] | None = None,
+    judge: Callable[[Path], dict[str, float]] | None = None,
 ) -> FitResult:
     """Train the objective's trainable parameters; returns the last step and its metrics.
 
     export(trainable_state_dict, folder) is called on the main process at every checkpoint
     with the full (gathered) trainable weights, e.g. to write head-only safetensors.
+    judge(export_folder): metrics of a step's export at every evaluation, e.g. {"eval/tau":
+    its drafter's held-out tau}, logged beside the loss; settings.keep_best then keeps the best
+    step's export (`best.BestStep`), and settings.stop_after_no_gain ends the run early.
     """
     set_seed(settings.seed)
     optimizer, scheduler = _optimizer_and_schedule(objective, settings)
     model, optimizer = accelerator.prepare(objective, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    clock = TrainingClock()
+    accelerator.register_for_checkpointing(scheduler, clock)
     trainable = {n for n, p in objective.named_parameters() if p.requires_grad}
     _drop_frozen_weights_from_checkpoints(accelerator, trainable)
     checkpoints = Path(settings.run_dir) / "checkpoints"
@@ -149,18 +179,81 @@ def fit(
     if settings.stop_after is not None:
         last = min(last, settings.stop_after)
     metrics, saved = {}, _latest_checkpoint(checkpoints)
+    best = _best_step(settings, checkpoints, export, judge)
+    done = start
     bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
+    tokens_per_step = (settings.micro_batch_size * settings.grad_accum
+                       * accelerator.num_processes * train.tokens.shape[1])
     for step in bar:
         metrics = _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
         done = step + 1
-        if evaluation is not None and _due(done, settings.eval_every, end):
+        metrics |= {"minutes": clock.minutes(), "tokens_seen": done * tokens_per_step}
+        evaluated = evaluation is not None and _due(done, settings.eval_every, end)
+        if evaluated:
             metrics |= _evaluate(model, evaluation, settings, accelerator)
-        if tracker is not None and (_due(done, settings.log_every, end) or "eval/loss" in metrics):
+            if judge is not None or best.judges:
+                metrics |= _judge(model, accelerator, trainable, export, judge, best, done,
+                                  metrics)
+        if tracker is not None and (_due(done, settings.log_every, end) or evaluated):
             tracker.log(metrics, step=done)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if _due(done, settings.save_every, end):
+        stop = evaluated and best.should_stop(settings.stop_after_no_gain)
+        if _due(done, settings.save_every, end) or stop:
             saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
-    return FitResult(last, metrics, saved)
+        if stop:
+            log.info("no better %s in %d evaluations: stopping at step %d (best: step %s)",
+                     best.keep, settings.stop_after_no_gain, done, best.step)
+            break
+    finished = done == end or best.should_stop(settings.stop_after_no_gain)
+    return FitResult(done, metrics, saved, finished, best if best.judges else None)
+
+
+class TrainingClock:
+    """Training minutes across interruptions: saved in every checkpoint (accelerate's custom
+    state), so a resumed run's curve against minutes continues where the checkpoint left it
+    (the minutes after the last checkpoint are lost with the steps)."""
+
+    def __init__(self) -> None:
+        self.before, self.started = 0.0, time.monotonic()
+
+    def minutes(self) -> float:
+        return (self.before + time.monotonic() - self.started) / 60
+
+    def state_dict(self) -> dict[str, float]:
+        return {"seconds": self.minutes() * 60}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.before, self.started = float(state["seconds"]), time.monotonic()
+
+
+def _best_step(settings: TrainSettings, checkpoints: Path, export, judge) -> BestStep:
+    """The run's record of its best step (resumed from its checkpoints folder)."""
+    if settings.keep_best != "last" and export is None:
+        raise ValueError(f"trainer.keep_best={settings.keep_best} keeps the best step's export: "
+                         f"this trainer exports nothing")
+    if settings.keep_best == "tau" and judge is None:
+        raise ValueError("trainer.keep_best=tau needs held-out tau at every evaluation: set "
+                         "trainer.tau_prompts >= 1, or keep_best=loss")
+    return BestStep.resumed(settings.keep_best, checkpoints / "best")
+
+
+def _judge(model, accelerator, trainable, export, judge, best: BestStep, step: int,
+           metrics: dict[str, float]) -> dict[str, float]:
+    """Export this step on the main process, judge the export, offer it to `best`; every
+    rank gets the judged metrics and the best record (so that all stop together)."""
+    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; on every rank
+    judged: dict[str, float] = {}
+    if accelerator.is_main_process:
+        folder = best.folder.parent / "judged" / "export"
+        if folder.exists():
+            shutil.rmtree(folder)
+        export({k: v for k, v in state.items() if k in trainable}, folder)
+        judged = judge(folder) if judge is not None else {}
+        if best.judges:
+            best.offer(step, metrics | judged, folder)
+    judged, best.step, best.value, best.since_gain = broadcast_object_list(
+        [judged, best.step, best.value, best.since_gain])
+    return judged
 
 
 def state_part(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

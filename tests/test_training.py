@@ -50,7 +50,7 @@ def rows(n: int = 32, length: int = 24) -> TokenRows:
     return TokenRows(tokens, torch.ones_like(tokens))
 
 
-def run(run_dir: Path, **overrides) -> tuple:
+def run(run_dir: Path, judge=None, **overrides) -> tuple:
     settings = TrainSettings(**{"run_dir": str(run_dir), "max_steps": 6, "micro_batch_size": 4,
                                 "lr": 3e-3, "log_every": 1, "save_every": 2, **overrides})
     accelerator = make_accelerator(settings)
@@ -63,9 +63,70 @@ def run(run_dir: Path, **overrides) -> tuple:
         exported.append(folder)
 
     result = fit(objective(), rows(), rows(8), settings, accelerator=accelerator,
-                 tracker=tracker, export=export)
+                 tracker=tracker, export=export, judge=judge)
     AcceleratorState._reset_state(True)
     return result, exported
+
+
+def scripted_judge(taus: dict[int, float]):
+    """A judge that gives step s's export the held-out tau taus[s] (read from the step the
+    export's state reached: each export is judged as it is written), and records its calls."""
+    calls = []
+
+    def judge(folder: Path) -> dict[str, float]:
+        calls.append(folder)
+        return {"eval/tau": taus[len(calls) * 2]}  # evaluations at steps 2, 4, 6, ...
+
+    return judge, calls
+
+
+def test_keep_best_tau_ends_with_the_export_of_the_best_judged_step(tmp_path):
+    judge, calls = scripted_judge({2: 1.4, 4: 1.9, 6: 1.7})
+    result, _ = run(tmp_path, judge=judge, eval_every=2, keep_best="tau")
+    assert len(calls) == 3 and result.best.step == 4 and result.best.value == 1.9
+    assert result.export == tmp_path / "checkpoints" / "best" / "export"
+    kept = torch.load(result.export / "state.pt")
+    judged_at_4 = torch.load(tmp_path / "checkpoints" / "step_0000004" / "export" / "state.pt")
+    assert all(torch.equal(kept[k], judged_at_4[k]) for k in kept)  # step 4's weights
+    assert [(r["step"], r["eval/tau"]) for r in read_metrics(tmp_path) if "eval/tau" in r] == [
+        (2, 1.4), (4, 1.9), (6, 1.7)]
+
+
+def test_keep_best_loss_and_last(tmp_path):
+    result, _ = run(tmp_path / "loss", eval_every=2, keep_best="loss")
+    losses = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path / "loss")
+              if "eval/loss" in r}
+    assert result.best.step == min(losses, key=losses.get)
+    last, _ = run(tmp_path / "last", eval_every=2)
+    assert last.best is None and last.export == last.checkpoint / "export"
+
+
+def test_a_resumed_run_keeps_the_best_it_had(tmp_path):
+    judge, _ = scripted_judge({2: 2.5, 4: 1.1, 6: 1.2})
+    stopped, _ = run(tmp_path, judge=judge, eval_every=2, keep_best="tau", stop_after=4)
+    assert stopped.best.step == 2 and not stopped.finished
+    judge, calls = scripted_judge({2: 0.0, 4: 0.0, 6: 1.2})  # resumed: only step 6 is judged
+    resumed, _ = run(tmp_path, judge=judge, eval_every=2, keep_best="tau", resume=True)
+    assert resumed.finished and len(calls) == 1
+    assert (resumed.best.step, resumed.best.value) == (2, 2.5)
+    assert [step for step, _ in resumed.best.history] == [2, 4, 6]
+
+
+def test_training_stops_after_evaluations_without_a_gain(tmp_path):
+    judge, calls = scripted_judge({2: 1.5, 4: 1.4, 6: 1.3, 8: 1.9, 10: 2.0, 12: 2.1})
+    result, _ = run(tmp_path, judge=judge, eval_every=2, keep_best="tau", max_steps=12,
+                    stop_after_no_gain=2)
+    assert len(calls) == 3 and result.step == 6 and result.finished  # no gain at 4 and 6
+    assert result.best.step == 2 and result.checkpoint.name == "step_0000006"
+
+
+def test_judging_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="trainer.keep_best must be one of last, loss, tau"):
+        TrainSettings(run_dir=str(tmp_path), max_steps=2, keep_best="accuracy")
+    with pytest.raises(ValueError, match="stop_after_no_gain .* needs trainer.keep_best"):
+        TrainSettings(run_dir=str(tmp_path), max_steps=2, stop_after_no_gain=2)
+    with pytest.raises(ValueError, match="keep_best=tau needs held-out tau"):
+        run(tmp_path, eval_every=2, keep_best="tau")
 
 
 def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):

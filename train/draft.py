@@ -14,6 +14,7 @@ for transformers' assisted generation alike.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ def main(cfg: DictConfig) -> None:
     settings, target, tokenizer = from_config.start_training(
         cfg, from_config.check_draft_model_settings)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
+    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg))
     draft = from_config.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
@@ -63,7 +65,7 @@ def main(cfg: DictConfig) -> None:
         save_token_counts(folder, counts)
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
-                 export=export)
+                 export=export, judge=judge)
     from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
@@ -79,15 +81,22 @@ def dry_run(cfg: DictConfig) -> None:
                          f"layers and final norm)", count, int(cfg.num_gpus)))
 
 
-def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
-    """tau, speedup and draft time share of the exported draft over plain decoding of the
-    target, on fresh weights, whatever DeepSpeed did to the trained ones."""
-    target = from_config.load_target(cfg)
+def drafters_of(cfg: DictConfig, target: Transformer, export: Path
+                ) -> dict[str, tuple[SmallModelDrafter, Transformer]]:
+    """The exported draft, drafting draft_model.num_draft_tokens tokens for `target`."""
     draft = Transformer.from_pretrained(export, dtype=target.embed_tokens.weight.dtype,
                                         device=target.embed_tokens.weight.device)
     size = cfg.draft_model.draft_vocab
     vocab = None if size is None else load_draft_vocab(export, int(size))
-    drafter = SmallModelDrafter(draft, int(cfg.draft_model.num_draft_tokens), draft_vocab=vocab)
+    k = int(cfg.draft_model.num_draft_tokens)
+    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab), target)}
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the exported draft over plain decoding of the
+    target, on fresh weights, whatever DeepSpeed did to the trained ones."""
+    target = from_config.load_target(cfg)
+    (drafter, _), size = drafters_of(cfg, target, export)[""], cfg.draft_model.draft_vocab
     comparison = from_config.compare_on_final_eval(cfg, target, drafter)
     top1 = metrics.get("eval/draft/top1")
     tracker.log_summary({**comparison.as_dict(), "draft": str(export),

@@ -13,6 +13,7 @@ plain decoding and draft time share on held-out prompts.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,8 +21,10 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.drafters import EarlyExitDrafter
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, save_head
+from selfspec.model import Transformer
 from selfspec.objectives import EarlyExitObjective
 from selfspec.plan import trainable_line
 from selfspec.tracking import Tracker
@@ -36,6 +39,7 @@ def main(cfg: DictConfig) -> None:
         return dry_run(cfg)
     settings, target, tokenizer = from_config.start_training(
         cfg, from_config.check_early_exit_settings)
+    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg), replayable=False)
     heads = from_config.early_exit_heads(cfg, target)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
@@ -52,7 +56,7 @@ def main(cfg: DictConfig) -> None:
             save_head(folder / f"E{config.exit_layer}", trained, config, target_info)
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
-                 export=export)
+                 export=export, judge=judge)
     from_config.report_and_finish(cfg, settings, result, tracker, report)
 
 
@@ -68,17 +72,26 @@ def dry_run(cfg: DictConfig) -> None:
                          int(cfg.num_gpus)))
 
 
+def drafters_of(cfg: DictConfig, target: Transformer, export: Path
+                ) -> dict[str, tuple[EarlyExitDrafter, Transformer]]:
+    """The exported adapter of each exit layer E, drafting for `target` (named E{E})."""
+    exits = {e: from_config.load_early_exit(export / f"E{e}", target, exit_layer=e)
+             for e in from_config.early_exit_layers(cfg, target.config.num_layers)}
+    return {f"E{e}": (from_config.early_exit_drafter(cfg, head), target)
+            for e, head in exits.items()}
+
+
 def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
     """For each trained E: tau, speedup and draft time share of the adapter and of the norm
     exit over plain decoding of the target, on fresh weights, whatever DeepSpeed did to the
     trained ones."""
     target = from_config.load_target(cfg)
     summary, lines = {"exits": str(export)}, []
+    adapters = drafters_of(cfg, target, export)
     for e in from_config.early_exit_layers(cfg, target.config.num_layers):
-        adapter = from_config.load_early_exit(export / f"E{e}", target, exit_layer=e)
-        for kind, head in (("norm", from_config.norm_exit(target, e)), ("adapter", adapter)):
-            comparison = from_config.compare_on_final_eval(cfg, target,
-                                                     from_config.early_exit_drafter(cfg, head))
+        norm = from_config.early_exit_drafter(cfg, from_config.norm_exit(target, e))
+        for kind, drafter in (("norm", norm), ("adapter", adapters[f"E{e}"][0])):
+            comparison = from_config.compare_on_final_eval(cfg, target, drafter)
             summary |= {f"E{e}/{kind}/{k}": v for k, v in comparison.as_dict().items()}
             lines.append(f"E={e} {kind:<7}: {comparison.describe(cfg.data.name)}")
         top1 = metrics.get(f"eval/exit/E{e}_top1")

@@ -122,6 +122,8 @@ from selfspec.from_config.training import (  # noqa: F401
     run_tracker,
     self_distill_enabled,
     start_training,
+    tau_judge,
+    tau_prompts,
     train_settings,
     training_rows,
 )

@@ -4,7 +4,9 @@ self-distillation), and the objective that `selfspec.training.fit` trains."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from selfspec.data import (
     self_distill_rows,
     weights_fingerprint,
 )
+from selfspec.decode import generate
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import device, positive_int, sampling_params
 from selfspec.from_config.methods.eagle import eagle_version
@@ -42,6 +45,8 @@ from selfspec.instructions import (
 )
 from selfspec.lora import add_lora
 from selfspec.measure.passes import Comparison, compare_with_plain
+from selfspec.measure.replay import GreedyRecord, record_greedy, replay
+from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
 from selfspec.objectives import (
     Eagle3Objective,
@@ -96,21 +101,30 @@ def run_tracker(cfg: DictConfig, settings: TrainSettings, is_main_process: bool
                    config=OmegaConf.to_container(cfg, resolve=True))
 
 
-def report_due(cfg: DictConfig, settings: TrainSettings, step: int) -> bool:
-    """Whether a training run that stopped at `step` reports on held-out prompts (it finished,
-    and final_eval asks for prompts)."""
-    return step == settings.max_steps and int(cfg.final_eval.num_prompts) > 0
+def report_due(cfg: DictConfig, result: FitResult) -> bool:
+    """Whether a training run reports on held-out prompts (it finished, not interrupted, and
+    final_eval asks for prompts)."""
+    return result.finished and int(cfg.final_eval.num_prompts) > 0
 
 
 def report_and_finish(cfg: DictConfig, settings: TrainSettings, result: FitResult,
                       tracker: Tracker | None, report: Callable[..., None]) -> None:
     """Every trainer's last act: on the main process (the one with a tracker), a run that
-    finished reports on held-out prompts (report(cfg, export folder, metrics, tracker)), then
-    the tracker closes."""
+    finished reports on held-out prompts (report(cfg, export folder, metrics, tracker)) for
+    the export it ends with (the best step's under trainer.keep_best), says which step that
+    is beside the last, then the tracker closes."""
     if tracker is None:
         return
-    if report_due(cfg, settings, result.step):
-        report(cfg, result.checkpoint / "export", result.metrics, tracker)
+    if report_due(cfg, result):
+        if result.best is not None:
+            best = result.best
+            line = (f"kept step {best.step} ({best.keep} {best.value:.4g}, the best of "
+                    f"{len(best.history)} evaluations) of {result.step}; its export: "
+                    f"{best.export}")
+            print(line)
+            tracker.log_summary({"best_step": best.step, f"best_{best.keep}": best.value,
+                                 "last_step": result.step, "best_export": str(best.export)})
+        report(cfg, result.export, result.metrics, tracker)
     tracker.finish()
 
 
@@ -118,6 +132,70 @@ def final_eval_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
     """The first final_eval.num_prompts prompts of cfg.data, as the target's token ids."""
     prompts = load_prompts(cfg.data, load_tokenizer(target.source))
     return [p.ids for p in prompts[: int(cfg.final_eval.num_prompts)]]
+
+
+def tau_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
+    """trainer.tau_prompts prompts of cfg.data after the final_eval ones: held out from the
+    training rows (another data set) and from the final report's prompts."""
+    first, count = int(cfg.final_eval.num_prompts), int(cfg.trainer.tau_prompts)
+    prompts = load_prompts(cfg.data, load_tokenizer(target.source))[first : first + count]
+    if len(prompts) < count:
+        raise ValueError(f"trainer.tau_prompts={count}: {cfg.data.name} has {len(prompts)} "
+                         f"prompts after the {first} final_eval ones; lower it or raise "
+                         f"data.num_prompts")
+    return [p.ids for p in prompts]
+
+
+DraftersOf = Callable[[Transformer, Path], dict[str, tuple[Drafter, Transformer]]]
+
+
+def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
+              replayable: bool = True) -> Callable[[Path], dict[str, float]] | None:
+    """A trainer's judge of its exports (`training.fit`'s `judge`): the greedy tau of each
+    drafter an export makes (drafters_of(target, folder) -> {name: (drafter, the target it
+    verifies on)}) over the target's greedy answers to `tau_prompts`, recorded once here,
+    trainer.tau_new_tokens each. Replayed (one target forward per answer: `measure.replay`)
+    where `replayable` and the drafts verify on the target itself, else decoded. Returns
+    eval/tau (the mean over the drafters), eval/tau/<name> for named ones and
+    eval/tau_seconds (what judging took). None when trainer.tau_prompts is 0."""
+    if not int(cfg.trainer.get("tau_prompts") or 0):
+        return None
+    if _zero3(cfg):  # the trainer's target is partitioned across ranks: judge a whole copy
+        target = load_target(cfg)
+    new_tokens = positive_int(cfg, "trainer.tau_new_tokens")
+    stops = tuple(target.config.eos_token_ids)
+    records = [record_greedy(target, p, new_tokens, stops) for p in tau_prompts(cfg, target)]
+
+    def judge(folder: Path) -> dict[str, float]:
+        start = time.perf_counter()
+        taus = {name: heldout_tau(target, drafter, verified, records, replayable)
+                for name, (drafter, verified) in drafters_of(target, folder).items()}
+        named = {f"eval/tau/{name}": tau for name, tau in taus.items() if name}
+        seconds = time.perf_counter() - start  # what judging costs the run, beside its steps
+        return {"eval/tau": sum(taus.values()) / len(taus), "eval/tau_seconds": seconds} | named
+
+    return judge
+
+
+def _zero3(cfg: DictConfig) -> bool:
+    config = deepspeed_config(cfg) or {}
+    return config.get("zero_optimization", {}).get("stage") == 3
+
+
+def heldout_tau(target: Transformer, drafter: Drafter, verified: Transformer,
+                records: list[GreedyRecord], replayable: bool) -> float:
+    """The drafter's greedy tau over the records' prompts: replayed over the recorded answers,
+    or decoded by `generate` on `verified` (a Medusa-2 export's adapted target, or a drafter
+    that drafts in the target's own cache, which a replay does not keep)."""
+    stats = GenerationStats()
+    for record in records:
+        if replayable and verified is target:
+            stats.merge(replay(target, drafter, record))
+        else:
+            stats.merge(generate(verified, record.prompt, drafter=drafter,
+                                 max_new_tokens=record.answer_length,
+                                 eos_token_id=list(target.config.eos_token_ids)).stats)
+    return stats.tau
 
 
 def compare_on_final_eval(cfg: DictConfig, target: Transformer, drafter: Drafter) -> Comparison:
@@ -140,6 +218,9 @@ def train_settings(cfg: DictConfig) -> TrainSettings:
         eval_rows=int(t.eval_rows), save_every=int(t.save_every),
         keep_checkpoints=int(t.keep_checkpoints), seed=int(cfg.seed), resume=bool(t.resume),
         stop_after=None if t.stop_after is None else int(t.stop_after),
+        keep_best=str(t.get("keep_best", "last")),
+        stop_after_no_gain=(None if t.get("stop_after_no_gain") is None
+                            else int(t.stop_after_no_gain)),
     )
 
 

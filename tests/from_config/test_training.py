@@ -85,3 +85,71 @@ def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monk
         cfg.train_data.general_prompts = bad
         with pytest.raises(ValueError, match="general_prompts must be an integer >= 0"):
             build_training.instruction_conversations(cfg, target, None)
+
+
+# ---- held-out tau during training -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return Transformer.from_pretrained(from_config.resolve_model_path(
+        __import__("omegaconf").OmegaConf.create({"name": "tiny", "asset": "tiny/target"})))
+
+
+def tiny_drafters(target: Transformer, records=()) -> dict:
+    """One drafter of each kind a replay can judge: Medusa heads and an EAGLE-1 head fit to
+    the records' answers (briefly: they must accept something), and the shipped draft model."""
+    from helpers import fit_eagle_head, fit_medusa_heads
+
+    from selfspec.drafters import EagleDrafter, MedusaDrafter, SmallModelDrafter
+
+    answers = {tuple(r.prompt): r.tokens for r in records} or {(1, 2, 3): [4, 5, 6, 7]}
+    medusa, _ = fit_medusa_heads(target, answers, num_heads=2)
+    eagle, _ = fit_eagle_head(target, answers)
+    draft = Transformer.from_pretrained(from_config.resolve_model_path(
+        __import__("omegaconf").OmegaConf.create({"name": "tiny-draft", "asset": "tiny/draft"})))
+    return {"medusa": MedusaDrafter(medusa, [[0], [0, 0], [1]]),
+            "eagle": EagleDrafter(eagle, total_tokens=4, depth=2, top_k=2),
+            "small_model": SmallModelDrafter(draft, 3)}
+
+
+def test_replayed_tau_equals_the_tau_generate_measures_on_the_same_answers(cfg_of,
+                                                                           tiny_target):
+    from selfspec.from_config.training import heldout_tau
+    from selfspec.measure.replay import record_greedy
+
+    cfg = cfg_of("train_medusa", "trainer.tau_prompts=3", "trainer.tau_new_tokens=32",
+                 "run_dir=/tmp/unused")
+    prompts = from_config.tau_prompts(cfg, tiny_target)
+    records = [record_greedy(tiny_target, p, 32, tuple(tiny_target.config.eos_token_ids))
+               for p in prompts]
+    for name, drafter in tiny_drafters(tiny_target, records).items():
+        replayed = heldout_tau(tiny_target, drafter, tiny_target, records, replayable=True)
+        decoded = heldout_tau(tiny_target, drafter, tiny_target, records, replayable=False)
+        assert replayed == pytest.approx(decoded, abs=1e-9), name
+        assert replayed > 1.0, name  # drafts were accepted: the equality is not trivial
+
+
+def test_tau_is_judged_on_prompts_held_out_from_the_final_report(cfg_of, tiny_target):
+    cfg = cfg_of("train_medusa", "trainer.tau_prompts=4", "final_eval.num_prompts=3",
+                 "run_dir=/tmp/unused")
+    judged, reported = (from_config.tau_prompts(cfg, tiny_target),
+                        from_config.final_eval_prompts(cfg, tiny_target))
+    assert len(judged) == 4 and len(reported) == 3
+    assert not {tuple(p) for p in judged} & {tuple(p) for p in reported}
+    with pytest.raises(ValueError, match="trainer.tau_prompts=999: humaneval has"):
+        from_config.tau_prompts(cfg_of("train_medusa", "trainer.tau_prompts=999",
+                                       "run_dir=/tmp/unused"), tiny_target)
+
+
+def test_the_judge_names_each_drafter_and_averages_them(cfg_of, tiny_target, tmp_path):
+    drafters = tiny_drafters(tiny_target)
+    cfg = cfg_of("train_medusa", "trainer.tau_prompts=2", "trainer.tau_new_tokens=16",
+                 "run_dir=/tmp/unused")
+    judge = from_config.tau_judge(cfg, tiny_target, lambda target, folder: {
+        name: (drafter, target) for name, drafter in drafters.items()})
+    judged = judge(tmp_path)
+    named = [judged[f"eval/tau/{name}"] for name in drafters]
+    assert judged["eval/tau"] == pytest.approx(sum(named) / len(named))
+    off = cfg_of("train_medusa", "trainer.tau_prompts=0", "run_dir=/tmp/unused")
+    assert from_config.tau_judge(off, tiny_target, lambda target, folder: {}) is None
