@@ -41,6 +41,8 @@ def main(cfg: DictConfig) -> None:
 def report(figures: dict) -> str:
     profile = figures["cost_profile"]
     graphs = "CUDA graphs" if figures["cuda_graphs"] else "eager"
+    if figures.get("compiled") and figures["cuda_graphs"]:
+        graphs += f", compiled; {figures['setup_seconds']:.0f} s compiling and capturing"
     lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}, {graphs}): plain "
              f"{figures['plain_tokens_per_s']:.1f} tokens/s (Hugging Face generate "
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "

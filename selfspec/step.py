@@ -15,10 +15,17 @@ with fixed shapes and fixed memory. So `StaticSteps` keeps, per target:
 Graphs are captured on CUDA; on another device the same static forward runs eagerly, which
 is how the CPU tests check it against the eager path. Prefill and forwards of more than the
 largest bucket stay eager.
+
+A compiled step (`Transformer.compile_steps = True`, off by default) fuses each layer's q/k/v and
+gate/up products into one product each and runs the work around attention through inductor
+(`selfspec.model.compiled_stages`), inside the same graphs. A bucket compiles on its first use,
+so a run compiles only the buckets it uses; `StaticSteps.setup_seconds` holds the time that
+compiling and capturing took, which no timed figure should hold.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -26,6 +33,7 @@ import torch
 
 from selfspec.kv_cache import KVCache
 from selfspec.model import ModelOutput, Transformer
+from selfspec.model.transformer import EAGER_STAGES, compiled_stages, fuse_projections
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _SLOT_GRANULE = 256  # caches are sized in steps of this, so most generations reuse one
@@ -80,6 +88,7 @@ class _Bucket:
     causal: torch.Tensor  # [b, b] bool: the mask of a chain (no mask given)
     graph: torch.cuda.CUDAGraph | None = None
     out: ModelOutput | None = None
+    ready: bool = False  # compiled (and captured) already
 
 
 class StaticSteps:
@@ -89,6 +98,12 @@ class StaticSteps:
         self.target = target
         self.cache = target.new_cache(max_slots=max_slots)
         self.capture = self.cache.k.device.type == "cuda"  # elsewhere: the same step, eagerly
+        self.compiled = _compiled_setting(target)
+        if self.compiled and not fuse_projections(target):
+            raise ValueError("compile: a quantized target's products cannot be fused; "
+                             "set compile: false")
+        self.stages = compiled_stages() if self.compiled else EAGER_STAGES
+        self.setup_seconds = 0.0  # compiling and capturing: never inside a timed figure
         self._weights = _weights_of(target)
         self._slots = torch.arange(max_slots, device=self.cache.k.device)
         self._buckets: dict[tuple[int, tuple[int, ...], bool], _Bucket] = {}
@@ -97,7 +112,8 @@ class StaticSteps:
         """Whether these steps serve a generation needing max_slots: a cache as large, and the
         target's weights the very tensors the graphs read (weights replaced, moved, cast or
         wrapped since then would be missed by a replay)."""
-        return self.cache.max_slots >= max_slots and _weights_of(self.target) == self._weights
+        return (self.cache.max_slots >= max_slots and _weights_of(self.target) == self._weights
+                and _compiled_setting(self.target) == self.compiled)
 
     @torch.inference_mode()
     def forward(
@@ -114,8 +130,8 @@ class StaticSteps:
                                with_logits=with_logits)
         key = (b, layers, with_logits)
         bucket = self._load(key, tokens, positions, mask, base)
-        if bucket.graph is None and self.capture:
-            self._capture(bucket, key)
+        if bucket.graph is None and (self.capture or self.compiled) and not bucket.ready:
+            self._set_up(bucket, key)
         if bucket.graph is not None:
             bucket.graph.replay()
             out = bucket.out
@@ -149,11 +165,23 @@ class StaticSteps:
         mask = (self._slots < bucket.base)[None].repeat(b, 1)  # [b, S]: the valid past
         mask.scatter_(1, slots[None].expand(b, b), bucket.tree)  # the new rows among themselves
         return self.target(bucket.tokens, bucket.positions, _SlotView(self.cache, slots),
-                           mask=mask, return_hidden=layers, with_logits=with_logits)
+                           mask=mask, return_hidden=layers, with_logits=with_logits,
+                           stages=self.stages)
+
+    def _set_up(self, bucket: _Bucket, key: tuple) -> None:
+        """Compile the bucket's step (a warm-up run) and capture its graph, timed apart."""
+        start = time.perf_counter()
+        if self.capture:
+            self._capture(bucket, key)
+            torch.cuda.synchronize(self.cache.k.device)
+        else:
+            self._static_forward(bucket, key)  # compiles; writes the K/V the real run rewrites
+        bucket.ready = True
+        self.setup_seconds += time.perf_counter() - start
 
     def _capture(self, bucket: _Bucket, key: tuple) -> None:
-        # Warm up on a side stream first (kernels chosen, workspaces allocated), as capture
-        # requires; these runs write the same K/V the replay writes.
+        # Warm up on a side stream first (kernels chosen, workspaces allocated, the step
+        # compiled), as capture requires; these runs write the same K/V the replay writes.
         stream = torch.cuda.Stream(device=self.cache.k.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -164,6 +192,12 @@ class StaticSteps:
         with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
             bucket.out = self._static_forward(bucket, key)
         bucket.graph = graph
+
+
+def _compiled_setting(model: Transformer) -> bool:
+    if not isinstance(model.compile_steps, bool):
+        raise ValueError(f"compile_steps must be True or False, got {model.compile_steps!r}")
+    return model.compile_steps
 
 
 def _weights_of(model: Transformer) -> tuple:
@@ -183,9 +217,17 @@ def kept_or_new(steps: StaticSteps | None, model: Transformer, max_length: int) 
     else new ones for the model; reset to length 0. Kept steps keep their captured graphs."""
     slots = padded_slots(max_length)
     if steps is None or not steps.fits(slots):
+        earlier = steps.setup_seconds if steps is not None else 0.0
         steps = StaticSteps(model, slots)
+        steps.setup_seconds = earlier  # the model's total, across the steps it had
     steps.cache.reset()
     return steps
+
+
+def setup_seconds(target: Transformer) -> float:
+    """Seconds the target's static steps have spent compiling and capturing so far."""
+    steps = _STEPS.get(target)
+    return 0.0 if steps is None else steps.setup_seconds
 
 
 def static_steps(target: Transformer, max_length: int) -> StaticSteps:

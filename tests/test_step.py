@@ -1,7 +1,8 @@
 """The static-shape step (`selfspec.step`): the same logits, hidden states and cache as the
 eager forward, step after step, with padding rows, tree masks, commits and rollbacks; and the
 same tokens through `generate(cuda_graphs=True)` with every drafter. On a CPU the static step
-runs eagerly; where CUDA is present the same tests replay captured CUDA graphs."""
+runs eagerly; where CUDA is present the same tests replay captured CUDA graphs. Each test runs
+the step as written and compiled (inductor, over fused products: `compile_steps`)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,27 @@ from selfspec import SamplingParams, Transformer, generate
 from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import NgramDrafter, SmallModelDrafter
 from selfspec.measure.oracle import OracleDrafter
-from selfspec.step import BUCKETS, StaticSteps, bucket_of, static_steps, use_cuda_graphs
+from selfspec.step import (
+    BUCKETS,
+    StaticSteps,
+    bucket_of,
+    static_steps,
+    use_cuda_graphs,
+)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, compile_steps)
+DEVICES = [("cpu", False), ("cpu", True)] + ([("cuda", False), ("cuda", True)]
+                                             if torch.cuda.is_available() else [])
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 
 
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=DEVICES,
+                ids=lambda p: p[0] + ("-compiled" if p[1] else ""))
 def target(request) -> Transformer:
-    return Transformer.from_hf(tiny_llama(0), device=request.param)
+    device, compiled = request.param
+    model = Transformer.from_hf(tiny_llama(0), device=device)
+    model.compile_steps = compiled
+    return model
 
 
 def device_of(target: Transformer) -> torch.device:
@@ -35,6 +48,10 @@ def test_buckets_and_the_auto_setting():
     assert use_cuda_graphs(False, torch.device("cuda:0")) is False
     with pytest.raises(ValueError, match="cuda_graphs must be None .*, True or False, got 'no'"):
         generate(Transformer.from_hf(tiny_llama(0)), [3, 4], max_new_tokens=2, cuda_graphs="no")
+    model = Transformer.from_hf(tiny_llama(0))
+    model.compile_steps = "yes"
+    with pytest.raises(ValueError, match="compile_steps must be True or False, got 'yes'"):
+        generate(model, [3, 4], max_new_tokens=2, cuda_graphs=True)
 
 
 def test_a_static_step_gives_the_eager_forward_step_after_step(target):
@@ -71,6 +88,7 @@ def test_a_static_step_gives_the_eager_forward_step_after_step(target):
                                    rtol=1e-5, atol=1e-5)
     if device.type == "cuda":
         assert all(bucket.graph is not None for bucket in steps._buckets.values())
+    assert (steps.setup_seconds > 0) == (steps.capture or steps.compiled)
 
 
 def test_padding_rows_leave_nothing_unusable_in_the_cache(target):
@@ -159,3 +177,19 @@ def test_a_draft_model_runs_static_steps_of_its_own_when_the_target_does(target,
         assert any(b.graph is not None for b in steps._buckets.values())
     eager = generate(target, PROMPT, drafter=drafter, max_new_tokens=24, cuda_graphs=False)
     assert eager.tokens == plain and drafter._steps is None
+
+
+def test_one_compiled_graph_per_bucket_serves_every_layer():
+    """The compiled stages take a layer's weights as inputs: a new bucket adds one graph per
+    stage, however many layers run it (a guard on the layer would add one per layer)."""
+    from torch._dynamo.utils import counters
+
+    model = Transformer.from_hf(tiny_llama(0, layers=3, hidden=40))
+    model.compile_steps = True
+    steps = StaticSteps(model, max_slots=256 + max(BUCKETS))
+    model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), steps.cache)
+    graphs = counters["stats"]["unique_graphs"]
+    steps.forward(torch.tensor([[3, 4, 5]]), len(PROMPT) + torch.arange(3), None)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    steps.forward(torch.tensor([[3, 4, 6, 7]]), len(PROMPT) + 3 + torch.arange(4), None)  # 4 again
+    assert counters["stats"]["unique_graphs"] - graphs == 2

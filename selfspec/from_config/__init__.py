@@ -67,6 +67,7 @@ from selfspec.from_config.models import (  # noqa: F401
     TOKENIZER_FILES,
     ModelNotAvailable,
     check_architecture,
+    compile_steps,
     draft_model_config,
     load_hf_model,
     load_model,

@@ -12,7 +12,7 @@ from selfspec.drafters import Drafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import device, positive_int, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
-from selfspec.from_config.models import resolve_model_path
+from selfspec.from_config.models import compile_steps, resolve_model_path
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
 
@@ -28,6 +28,7 @@ def generation_settings(cfg: DictConfig) -> GenerationSettings:
     before any model loads."""
     device(cfg)
     resolve_model_path(cfg.model)
+    compile_steps(cfg)
     drafter_choice(cfg)
     return GenerationSettings(max_new_tokens=cfg.max_new_tokens,
                               sampling=sampling_params(cfg.sampling), seed=int(cfg.seed))

@@ -154,6 +154,7 @@ def load_target(cfg: DictConfig) -> Transformer:
     model.quantize, its weight-only int8/int4 copy (`selfspec.quantized`), which is then the
     target every output is exact against."""
     bits = target_quantization(cfg.model)
+    compiled = compile_steps(cfg)
     if bits is not None:  # refused before any weights load
         check_quantizable(bits, device(cfg))
     if cfg.model.get("random_weights"):
@@ -162,7 +163,21 @@ def load_target(cfg: DictConfig) -> Transformer:
         target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
     if cfg.model.get("arch") is not None and not cfg.model.get("random_weights"):
         check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
-    return target if bits is None else quantized_copy(target, bits)
+    target = target if bits is None else quantized_copy(target, bits)
+    target.compile_steps = compiled
+    return target
+
+
+def compile_steps(cfg: DictConfig) -> bool:
+    """cfg.compile (default false): whether the static decode steps run compiled over fused
+    products (`Transformer.compile_steps`)."""
+    value = cfg.get("compile", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"compile must be true or false, got {value!r}")
+    if value and target_quantization(cfg.model) is not None:
+        raise ValueError("compile=true: a quantized target's products cannot be fused and "
+                         "compiled; set compile=false (or model.quantize=null)")
+    return value
 
 
 QUANTIZE = {"int8": 8, "int4": 4}  # model.quantize: weight-only, by torchao
@@ -188,14 +203,19 @@ def random_models(cfg: DictConfig) -> tuple[Transformer, Any]:
     and the transformers model it shares them with."""
     hf_model = random_hf_model(model_config(cfg.model), torch_dtype(cfg.model.dtype), device(cfg),
                                seed=int(cfg.get("seed", 0)))
-    return Transformer.from_hf(hf_model), hf_model
+    target = Transformer.from_hf(hf_model)
+    target.compile_steps = compile_steps(cfg)
+    return target, hf_model
 
 
 def load_model(
-    cfg_model: DictConfig, key: str, dtype: str, on: torch.device
+    cfg_model: DictConfig, key: str, dtype: str, on: torch.device, compiled: bool = False
 ) -> Transformer:
+    """compiled: its `compile_steps` (cfg.compile)."""
     folder = resolve_model_path(cfg_model, key)
-    return Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
+    model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
+    model.compile_steps = compiled
+    return model
 
 
 def check_architecture(

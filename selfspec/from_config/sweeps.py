@@ -13,6 +13,7 @@ from selfspec.drafters import Drafter
 from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
 from selfspec.from_config.models import (
+    compile_steps,
     load_hf_model,
     load_target,
     random_models,
@@ -53,7 +54,7 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     mode = str(cfg.get("baseline", "interleaved"))
     if mode not in BASELINE_MODES:
         raise ValueError(f"unknown baseline mode {mode!r}: choose {' or '.join(BASELINE_MODES)}")
-    split_time(cfg), cuda_graphs(cfg)  # these are checked now and used after loading
+    split_time(cfg), cuda_graphs(cfg), compile_steps(cfg)  # checked now, used after loading
     if not _flag(cfg, "cost_profile") and wants_auto(cfg):
         raise ValueError("num_draft_tokens=auto predicts speedups from the cost profile: set "
                          "cost_profile=true, or drop auto")
@@ -266,6 +267,7 @@ def _flag(cfg: DictConfig, key: str) -> bool:
 
 def floor_settings(cfg: DictConfig) -> FloorSettings:
     """eval/bench_decode.py's settings, checked before any model loads."""
+    compile_steps(cfg)  # used when the target loads
     lengths = {key: tuple(int(v) for v in as_list(cfg[key]))
                for key in ("draft_lengths", "cost_lengths")}
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),

@@ -16,7 +16,7 @@ from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passe
 from selfspec.measure.peers import HFDecoder, OurDecoder
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
-from selfspec.step import use_cuda_graphs
+from selfspec.step import setup_seconds, use_cuda_graphs
 
 
 @dataclass(frozen=True)
@@ -79,5 +79,7 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cuda_graphs": use_cuda_graphs(graphs, target.embed_tokens.weight.device),
+            "compiled": target.compile_steps,
+            "setup_seconds": setup_seconds(target),
             "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
             "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}

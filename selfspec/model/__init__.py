@@ -7,17 +7,20 @@ from selfspec.model.transformer import (
     MLP,
     Attention,
     DecoderLayer,
+    LayerStages,
     ModelOutput,
     RMSNorm,
     Transformer,
     apply_rope,
     attention_kernels,
     attention_mask,
+    compiled_stages,
+    fuse_projections,
     rope_cos_sin,
     rope_inv_freq,
 )
 
-__all__ = ["MLP", "Attention", "DecoderLayer", "Linear", "ModelConfig", "ModelOutput", "RMSNorm",
-           "Transformer", "aligned", "apply_rope", "attention_kernels", "attention_mask",
-           "dense_weight",
-           "linear", "rope_cos_sin", "rope_inv_freq", "use_packed_products"]
+__all__ = ["MLP", "Attention", "DecoderLayer", "LayerStages", "Linear", "ModelConfig",
+           "ModelOutput", "RMSNorm", "Transformer", "aligned", "apply_rope", "attention_kernels",
+           "attention_mask", "compiled_stages", "dense_weight", "fuse_projections", "linear",
+           "rope_cos_sin", "rope_inv_freq", "use_packed_products"]

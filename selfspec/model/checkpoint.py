@@ -35,6 +35,12 @@ def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str
     return _read_safetensors(_weight_files(folder), device)
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, copied where it is a slice of a larger storage (fused q/k/v or gate/up
+    weights), which safetensors refuses to save."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
 def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: ModelConfig,
                  dtype: torch.dtype) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors, HF names) that
@@ -42,7 +48,8 @@ def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: Mod
     our parameter names (a tied LM head is left out)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_key(name): tensor.contiguous().cpu() for name, tensor in state.items()
+    tensors = {hf_key(name): _own_storage(tensor.contiguous().cpu())
+               for name, tensor in state.items()
                if not (config.tie_word_embeddings and name == "lm_head.weight")}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf() | {"architectures": [ARCHITECTURES[config.model_type]],

@@ -15,11 +15,13 @@ layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in`
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -129,11 +131,30 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None,  # [T, S] bool, None = causal without past
         cache: KVCache | None,
     ) -> torch.Tensor:
+        q, k, v = self.projections(x)
+        attended = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attn_mask,
+                               cache)
+        return self.o_proj(attended)
+
+    def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of x [B, T, input_size]; fused: as one
+        product over the weight that `fuse_projections` made q/k/v views of."""
         batch, t, _ = x.shape
-        q = self.q_proj(x).view(batch, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, H, T, D], [B, H_kv, T, D]
+        if fused:
+            q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
+            q, k, v = F.linear(x, self.fused.weight, self.fused.bias).split(
+                (q_dim, kv_dim, kv_dim), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        """[B, T, H * D]: the new rows' attention over the cache (where k and v are written
+        first) and themselves, before the output product."""
+        batch, _, t, _ = q.shape
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
         k, v, grouped = _kv_for_kernels(k.to(q.dtype), v.to(q.dtype), self.num_heads,
@@ -141,7 +162,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=grouped
         )  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, t, -1))
+        return out.transpose(1, 2).reshape(batch, t, -1)
 
 
 class MLP(nn.Module):
@@ -152,8 +173,14 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """fused: gate and up as one product over the weight `fuse_projections` made them
+        views of."""
+        if fused:
+            gate, up = F.linear(x, self.fused.weight, self.fused.bias).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -175,9 +202,113 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
         cache: KVCache | None,
+        stages: LayerStages | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """stages: how the pointwise-heavy work around attention runs (default eagerly)."""
+        stages = stages or EAGER_STAGES
+        q, k, v = stages.attention_inputs(self, x, cos, sin)
+        return stages.layer_output(self, x, self.self_attn.attend(q, k, v, attn_mask, cache))
+
+
+def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     fused: bool = False) -> tuple[torch.Tensor, ...]:
+    """A layer's work before attention: the input norm, the q/k/v products and RoPE."""
+    q, k, v = layer.self_attn.projections(layer.input_layernorm(x), fused)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
+                 fused: bool = False) -> torch.Tensor:
+    """A layer's work after attention: the output product, both residual adds, the second
+    norm and the MLP."""
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x), fused)
+
+
+class LayerStages(NamedTuple):
+    """The two stages of a decoder layer around its attention (which writes the cache and
+    stays eager): as plain functions, or compiled (`compiled_stages`)."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, ...]]
+    layer_output: Callable[..., torch.Tensor]
+
+
+EAGER_STAGES = LayerStages(attention_inputs, layer_output)
+
+
+@functools.cache
+def compiled_stages() -> LayerStages:
+    """Both stages compiled by inductor over fused q/k/v and gate/up products: it fuses the
+    norms, RoPE, the residual adds and SiLU-times-up into a few kernels. One compiled graph
+    serves every layer (its weights are the graph's inputs), one per shape: a static step's
+    bucket. Only for a model that went through `fuse_projections`."""
+    # Each bucket, model width and dtype is a graph of its own: more than dynamo's default 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # A row's result must not depend on its bucket: for few rows inductor splits a norm's sum
+    # over blocks, which sums in another order, and in bf16 a bucket of one and one of k then
+    # round apart and break the target's near-ties differently (plain and speculative greedy
+    # part ways; on a 7B model with random weights at 9 tokens in 10).
+    from torch._inductor import config as inductor
+
+    inductor.split_reductions = False
+    return LayerStages(
+        functools.partial(torch.compile(attention_inputs, dynamic=False), fused=True),
+        functools.partial(torch.compile(layer_output, dynamic=False), fused=True))
+
+
+class FusedWeight(NamedTuple):
+    """One weight (and bias) that several Linear layers' parameters are row slices of."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def fuse_projections(model: nn.Module) -> bool:
+    """Lay each layer's q/k/v weights, and its gate/up weights, out as one tensor of which the
+    original parameters become views (no extra memory; the names, state dict and training
+    are unchanged), so that one product computes them (`projections(x, fused=True)`,
+    `MLP.forward(x, fused=True)`). Idempotent. False, and nothing changed, where a projection
+    is not a plain Linear (a quantized target's)."""
+    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.layers]
+    groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.layers]
+    if not all(type(getattr(module, name)) is Linear and
+               type(getattr(module, name).weight) is nn.Parameter
+               for module, names in groups for name in names):
+        return False
+    for module, names in groups:
+        linears = [getattr(module, name) for name in names]
+        if not _is_fused(getattr(module, "fused", None), linears):
+            module.fused = _fused(linears)
+    return True
+
+
+def _fused(linears: list[nn.Linear]) -> FusedWeight:
+    # Not inference tensors, even when a decode under inference_mode fuses: the parameters
+    # become views of these, and training through the model (a LoRA adapter) saves them.
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = (torch.cat([linear.bias for linear in linears])
+                if linears[0].bias is not None else None)
+    offset = 0
+    for linear in linears:
+        rows = slice(offset, offset + linear.out_features)
+        linear.weight = nn.Parameter(weight[rows], requires_grad=linear.weight.requires_grad)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[rows], requires_grad=linear.bias.requires_grad)
+        offset += linear.out_features
+    return FusedWeight(weight, bias)
+
+
+def _is_fused(fused: FusedWeight | None, linears: list[nn.Linear]) -> bool:
+    """Whether each linear's weight is still its row slice of fused (not replaced since)."""
+    if fused is None:
+        return False
+    offset, row_bytes = 0, fused.weight.stride(0) * fused.weight.element_size()
+    for linear in linears:
+        if linear.weight.data_ptr() != fused.weight.data_ptr() + offset * row_bytes:
+            return False
+        offset += linear.out_features
+    return offset == fused.weight.shape[0]
 
 
 def attention_mask(
@@ -256,6 +387,8 @@ class Transformer(nn.Module):
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(config)  # [D/2]
         self.source: str | None = None  # the folder it was loaded from, if any
+        # Whether its static decode steps (`selfspec.step`) run compiled, over fused products.
+        self.compile_steps = False
         fp32_bytes = 4 * sum(p.numel() for p in self.parameters())
         use_packed_products(self, fp32_bytes >= PACKED_FROM_MODEL_BYTES)
 
@@ -274,6 +407,7 @@ class Transformer(nn.Module):
         hidden_in: torch.Tensor | None = None,
         with_logits: bool = True,
         skip_layers: frozenset[int] | tuple[int, ...] = (),
+        stages: LayerStages | None = None,
     ) -> ModelOutput:
         """Run layers [start_layer, exit_layer) over T new tokens, but those in skip_layers.
 
@@ -296,6 +430,8 @@ class Transformer(nn.Module):
             passes them unchanged and they write no K/V, yet their slots count as advanced,
             as for the layers outside [start_layer, exit_layer) (the drafter rolls the cache
             length back; verification then writes every layer there).
+        stages: how each layer runs around its attention (default eagerly; a static step
+            passes `compiled_stages()`).
         """
         end = self._check_forward_args(
             tokens, positions, exit_layer, return_hidden, start_layer, hidden_in
@@ -309,7 +445,7 @@ class Transformer(nn.Module):
         with _pinned_attention(h.device, masked=attn_mask is not None):
             for i in range(start_layer, end):
                 if i not in skip:
-                    h = self.layers[i](h, cos, sin, attn_mask, cache)
+                    h = self.layers[i](h, cos, sin, attn_mask, cache, stages)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:

@@ -282,9 +282,10 @@ def enabled_kernels() -> set[str]:
 
 
 def kernels_during_attention(model: Transformer, **forward) -> set[str]:
-    """The kernels enabled while the first layer's attention runs in model(**forward)."""
+    """The kernels enabled while the first layer (its attention with it) runs in
+    model(**forward)."""
     seen = []
-    hook = model.layers[0].self_attn.register_forward_pre_hook(
+    hook = model.layers[0].register_forward_pre_hook(
         lambda module, args: seen.append(enabled_kernels()))
     try:
         model(**forward)

@@ -34,6 +34,8 @@ def test_model_quantize_loads_the_targets_quantized_copy(cfg_of):
 @pytest.mark.parametrize("overrides, message", [
     (["model.quantize=int2"], "model.quantize: choose null, int8 or int4"),
     (["model.quantize=int8", "model.dtype=bf16"], "model.quantize=int8 quantizes an fp32"),
+    (["model.quantize=int4", "+compile=true"], "compile=true: a quantized target's products"),
+    (["+compile=maybe"], "compile must be true or false"),
 ])
 def test_bad_quantize_settings_are_refused_before_any_weights_load(cfg_of, monkeypatch,
                                                                    overrides, message):

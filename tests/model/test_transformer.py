@@ -200,3 +200,66 @@ def test_only_a_model_whose_weights_outgrow_a_cache_packs_them():
                                         num_kv_heads=2, head_dim=64))
     assert not small.lm_head.packed_products and not small.layers[0].mlp.up_proj.packed_products
     assert large.lm_head.packed_products and large.layers[0].mlp.up_proj.packed_products
+
+
+# ---- fused products (a compiled static step's) -----------------------------------------------
+
+
+def test_fused_products_give_the_separate_ones_and_leave_the_model_as_it_was(tmp_path):
+    """Qwen2's q/k/v biases fuse too; the parameters become views (same names, values, state
+    dict, and a folder that saves and loads), and the fused products equal the separate
+    ones."""
+    from selfspec.model import fuse_projections
+    from selfspec.model.transformer import EAGER_STAGES, LayerStages, attention_inputs, layer_output
+
+    model = Transformer.from_hf(hf_model("qwen2")).eval()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    tokens = torch.randint(model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        expected = model(tokens, torch.arange(9)).logits
+    assert fuse_projections(model) and fuse_projections(model)  # idempotent
+    attn = model.layers[0].self_attn
+    assert attn.fused.bias is not None and attn.q_proj.weight.data_ptr() == \
+        attn.fused.weight.data_ptr()
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+
+    def fused(function):
+        return lambda *args: function(*args, fused=True)
+
+    with torch.no_grad():
+        got = model(tokens, torch.arange(9),
+                    stages=LayerStages(fused(attention_inputs), fused(layer_output))).logits
+        plain = model(tokens, torch.arange(9), stages=EAGER_STAGES).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(plain, expected)
+    again = Transformer.from_pretrained(model.save_pretrained(tmp_path / "saved"))
+    assert all(torch.equal(again.state_dict()[n], t) for n, t in before.items())
+
+
+def test_a_replaced_weight_is_fused_anew():
+    from selfspec.model import fuse_projections
+
+    model = Transformer.from_hf(tiny_llama(0))
+    fuse_projections(model)
+    mlp = model.layers[1].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(torch.ones_like(mlp.up_proj.weight))
+    old = mlp.fused.weight
+    fuse_projections(model)
+    assert mlp.fused.weight is not old
+    assert torch.equal(mlp.fused.weight[mlp.gate_proj.out_features:], mlp.up_proj.weight)
+
+
+def test_weights_fused_during_inference_still_train():
+    """A decode (under inference_mode) that fuses must leave parameters autograd can save:
+    Medusa-2 trains LoRA adapters through the target it decodes with."""
+    from selfspec.model import fuse_projections
+
+    model = Transformer.from_hf(tiny_llama(0))
+    with torch.inference_mode():
+        fuse_projections(model)
+    assert not model.layers[0].self_attn.q_proj.weight.is_inference()
+    hidden = torch.randn(1, 3, model.config.hidden_size, requires_grad=True)
+    model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3),
+          hidden_in=hidden).logits.sum().backward()
+    assert hidden.grad is not None

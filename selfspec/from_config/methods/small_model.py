@@ -19,6 +19,7 @@ from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list, device
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
 from selfspec.from_config.models import (
+    compile_steps,
     draft_model_config,
     load_model,
     model_config,
@@ -67,7 +68,8 @@ def draft_model(loaded: Loaded) -> Transformer:
     """model.draft, loaded once (hf_assisted reads the same folder)."""
     cfg = loaded.cfg
     return loaded.once("draft_model", lambda: load_model(
-        draft_model_config(cfg), "model.draft", cfg.model.dtype, device(cfg)))
+        draft_model_config(cfg), "model.draft", cfg.model.dtype, device(cfg),
+        compile_steps(cfg)))
 
 
 def _vocab(loaded: Loaded, size: int | None) -> DraftVocab | None:
