@@ -18,7 +18,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 # Where each setting lives in the Hydra configs (conf/trainer, conf/optim), for messages.
 SETTING_NAMES = {name: f"trainer.{name}" for name in (
     "max_steps", "micro_batch_size", "grad_accum", "save_every", "log_every", "eval_rows",
-    "keep_checkpoints", "eval_every")} | {name: f"optim.{name}" for name in (
+    "keep_checkpoints", "eval_every", "max_minutes")} | {name: f"optim.{name}" for name in (
     "lr", "clip_grad", "warmup_steps", "weight_decay")}
 
 
@@ -57,6 +58,8 @@ class TrainSettings:
     """max_steps: optimizer steps. micro_batch_size: rows per process per micro-step; the
     global batch is micro_batch_size * processes * grad_accum rows. stop_after: end the run
     early after that many steps, as an interruption would (the schedule still spans max_steps).
+    max_minutes: a training-time budget (evaluations not counted): the run evaluates, saves
+    and finishes at the first step past it (the schedule still spans max_steps).
     """
 
     run_dir: str
@@ -78,6 +81,7 @@ class TrainSettings:
     stop_after: int | None = None
     keep_best: str = "last"  # which step's export the run ends with: last, loss or tau
     stop_after_no_gain: int | None = None  # evaluations without a better keep_best value
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
         at_least = {"max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "save_every": 1,
@@ -96,6 +100,8 @@ class TrainSettings:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"trainer.stop_after must be >= 1 (or null), got {self.stop_after}")
         if self.keep_best not in KEEP:
@@ -127,8 +133,9 @@ class TokenRows:
 
 @dataclass
 class FitResult:
-    """step: the last step trained; finished: the run reached max_steps or stopped early for
-    want of a gain (not interrupted); best: the judged best step's record (keep_best)."""
+    """step: the last step trained; finished: the run reached max_steps or max_minutes, or
+    stopped early for want of a gain (not interrupted); best: the judged best step's record
+    (keep_best)."""
 
     step: int
     metrics: dict[str, float]
@@ -184,27 +191,36 @@ def fit(
     bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
     tokens_per_step = (settings.micro_batch_size * settings.grad_accum
                        * accelerator.num_processes * train.tokens.shape[1])
+    out_of_time = False
     for step in bar:
         metrics = _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
         done = step + 1
         metrics |= {"minutes": clock.minutes(), "tokens_seen": done * tokens_per_step}
-        evaluated = evaluation is not None and _due(done, settings.eval_every, end)
+        out_of_time = _out_of_time(clock, settings.max_minutes, accelerator)
+        evaluated = evaluation is not None and (_due(done, settings.eval_every, end)
+                                                or out_of_time)
         if evaluated:
-            metrics |= _evaluate(model, evaluation, settings, accelerator)
-            if judge is not None or best.judges:
-                metrics |= _judge(model, accelerator, trainable, export, judge, best, done,
-                                  metrics)
+            with clock.paused():
+                metrics |= _evaluate(model, evaluation, settings, accelerator)
+                if judge is not None or best.judges:
+                    metrics |= _judge(model, accelerator, trainable, export, judge, best, done,
+                                      metrics)
         if tracker is not None and (_due(done, settings.log_every, end) or evaluated):
             tracker.log(metrics, step=done)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        stop = evaluated and best.should_stop(settings.stop_after_no_gain)
-        if _due(done, settings.save_every, end) or stop:
-            saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
-        if stop:
+        no_gain = evaluated and best.should_stop(settings.stop_after_no_gain)
+        if _due(done, settings.save_every, end) or no_gain or out_of_time:
+            with clock.paused():
+                saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
+        if no_gain:
             log.info("no better %s in %d evaluations: stopping at step %d (best: step %s)",
                      best.keep, settings.stop_after_no_gain, done, best.step)
+        if out_of_time:
+            log.info("trainer.max_minutes=%s reached: stopping at step %d", settings.max_minutes,
+                     done)
+        if no_gain or out_of_time:
             break
-    finished = done == end or best.should_stop(settings.stop_after_no_gain)
+    finished = done == end or out_of_time or best.should_stop(settings.stop_after_no_gain)
     return FitResult(done, metrics, saved, finished, best if best.judges else None)
 
 
@@ -219,11 +235,32 @@ class TrainingClock:
     def minutes(self) -> float:
         return (self.before + time.monotonic() - self.started) / 60
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside does not count (evaluation, tau replay, checkpoints): the minutes are
+        training minutes, comparable between methods whose evaluations cost differently."""
+        stopped = time.monotonic()
+        try:
+            yield
+        finally:
+            self.started += time.monotonic() - stopped
+
     def state_dict(self) -> dict[str, float]:
         return {"seconds": self.minutes() * 60}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.before, self.started = float(state["seconds"]), time.monotonic()
+
+
+def _out_of_time(clock: TrainingClock, max_minutes: float | None, accelerator) -> bool:
+    """Whether the budget is spent, by the main process's clock (all processes stop at the
+    same step)."""
+    if max_minutes is None:
+        return False
+    spent = [clock.minutes() >= max_minutes]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(spent, from_process=0)
+    return spent[0]
 
 
 def _best_step(settings: TrainSettings, checkpoints: Path, export, judge) -> BestStep:

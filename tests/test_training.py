@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import distributed_fit
@@ -326,3 +327,30 @@ def test_medusa2_under_zero3_on_two_processes_matches_one_process(tmp_path):
     for fault in (exported_adapter(double, 3), first_halves(got)):
         with pytest.raises(AssertionError):
             assert_same_adam_training(fault, expected, adapter_rates, betas)
+
+
+def test_a_time_budget_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path):
+    """trainer.max_minutes: the first step past the budget is evaluated, saved, and the run
+    finishes; the minutes count training only (the judge's time is paused out)."""
+    naps = []
+
+    def slow_judge(folder: Path) -> dict[str, float]:
+        time.sleep(0.2)
+        naps.append(0.2)
+        return {"eval/tau": 1.0 + len(naps) / 100}
+
+    start = time.monotonic()
+    result, _ = run(tmp_path, judge=slow_judge, eval_every=5, keep_best="tau",
+                    max_steps=100_000, max_minutes=0.01)
+    wall = time.monotonic() - start
+    records = read_metrics(tmp_path)
+    assert result.finished and result.step < 100_000
+    assert records[-1]["step"] == result.step and "eval/tau" in records[-1]
+    assert result.checkpoint.name == f"step_{result.step:07d}"
+    assert records[-1]["minutes"] >= 0.01 > records[-2]["minutes"]
+    assert records[-1]["minutes"] * 60 <= wall - sum(naps) + 0.05
+
+
+def test_a_time_budget_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.max_minutes must be > 0 \(or null\), got 0"):
+        TrainSettings(run_dir=str(tmp_path), max_steps=2, max_minutes=0)

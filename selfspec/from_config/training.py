@@ -221,6 +221,7 @@ def train_settings(cfg: DictConfig) -> TrainSettings:
         keep_best=str(t.get("keep_best", "last")),
         stop_after_no_gain=(None if t.get("stop_after_no_gain") is None
                             else int(t.stop_after_no_gain)),
+        max_minutes=None if t.get("max_minutes") is None else float(t.max_minutes),
     )
 
 

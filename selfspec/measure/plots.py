@@ -241,3 +241,22 @@ def cost_profile_figure(c_of_n: Mapping[int, float], title: str) -> Figure:
     figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
     axes.grid(True, alpha=0.3)
     return figure
+
+
+def learning_curves_figure(curves: Mapping[str, Sequence[Row]], title: str,
+                           colors: Colors | None = None) -> Figure:
+    """Held-out tau against training minutes and against tokens seen, a line per method.
+    curves: {label: [{"minutes", "tokens_seen", "tau"}, ...]} in step order."""
+    width = 2 * PANEL_WIDTH
+    figure = Figure(figsize=(width, 3.8), layout="constrained")
+    panels = figure.subplots(1, 2)
+    figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
+    for axes, x, label in ((panels[0], "minutes", "training minutes"),
+                           (panels[1], "tokens_seen", "training tokens seen")):
+        for name, points in curves.items():
+            axes.plot([p[x] for p in points], [p["tau"] for p in points], marker="o",
+                      markersize=3, color=_color(name.split(" ")[0], colors), label=name)
+        axes.set(xlabel=label, ylabel="held-out tau (greedy)")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    return figure

@@ -1,0 +1,45 @@
+"""`python train/learning_curves.py` end to end: two methods on the toy target for the same
+short budget, their curves, figure and table."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import sharegpt_file, three_layer_target
+
+ENTRY = Path(__file__).resolve().parents[2] / "train" / "learning_curves.py"
+
+
+def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, quick_build):
+    model = three_layer_target(quick_build, tmp_path / "model")
+    run_dir = tmp_path / "run"
+    extra = ["train_data.source=sharegpt",
+             f"train_data.path={sharegpt_file(tmp_path)}", "trainer.micro_batch_size=4",
+             "trainer.seq_len=32", "trainer.threads=1", "final_eval.num_prompts=2",
+             "final_eval.max_new_tokens=12", "trainer.tau_new_tokens=16", "wandb.enabled=false"]
+    done = subprocess.run(
+        [sys.executable, str(ENTRY), "model=local", f"model.path={model}", "minutes=0.05",
+         "eval_every=3",
+         "tau_prompts=2",
+         "methods=[medusa,draft]",
+         f"train_overrides=[{','.join(repr(o) for o in extra)}]", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    curves = json.loads((run_dir / "curves.json").read_text())
+    assert set(curves) == {"medusa", "draft"}
+    for name, result in curves.items():
+        minutes = [p["minutes"] for p in result["curve"]]
+        assert len(minutes) >= 2 and minutes == sorted(minutes), name
+        assert minutes[-1] >= 0.05 > minutes[-2]  # the budget ended the run, evaluated
+        assert result["speedup"] > 0 and result["tau"] >= 1
+    assert (run_dir / "learning_curves.png").stat().st_size > 10_000
+    assert "medusa" in done.stdout and "rising" in done.stdout
+
+
+def test_a_bad_method_list_is_one_line():
+    done = subprocess.run([sys.executable, str(ENTRY), "methods=[medusa,eagle4]"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: methods: give a list of "
+                                                           "medusa, eagle1")
