@@ -253,10 +253,11 @@ def learning_curves_figure(curves: Mapping[str, Sequence[Row]], title: str,
     figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
     for axes, x, label in ((panels[0], "minutes", "training minutes"),
                            (panels[1], "tokens_seen", "training tokens seen")):
-        for name, points in curves.items():
+        for i, (name, points) in enumerate(curves.items()):
+            color = (colors or {}).get(name.split(" ")[0]) or f"C{i}"  # distinct, in order
             axes.plot([p[x] for p in points], [p["tau"] for p in points], marker="o",
-                      markersize=3, color=_color(name.split(" ")[0], colors), label=name)
+                      markersize=3, color=color, label=name)
         axes.set(xlabel=label, ylabel="held-out tau (greedy)")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+    panels[0].legend(fontsize=7)
     return figure
