@@ -121,7 +121,7 @@ def packed_stdlib_dataset(tokenizer, split: Split, seq_len: int, cache_dir: str 
 
     paths = [str(p) for p in stdlib_files(split)]
     manifest = stdlib_manifest_sha256(split)
-    key = _cache_key("stdlib", split, manifest, seq_len, _vocab_hash(tokenizer))
+    key = cache_key("stdlib", split, manifest, seq_len, _vocab_hash(tokenizer))
     docs = datasets.Dataset.from_dict({"path": paths})
     docs = docs.map(
         lambda batch: {"ids": [_document_ids(tokenizer, Path(p)) for p in batch["path"]]},
@@ -253,7 +253,8 @@ def _vocab_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def _cache_key(*parts) -> str:
+def cache_key(*parts) -> str:
+    """A short hash of the parts: a cached file's name, which changes with any of them."""
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
@@ -314,7 +315,7 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
                          f"length), got {prompt_tokens}; set train_data.self_distill_prompt_tokens")
     count = len(rows) if count is None else min(count, len(rows))
     picked = rows.select(torch.linspace(0, len(rows) - 1, count).round().long())
-    key = _cache_key("distill", weights_fingerprint(target), _rows_hash(picked), prompt_tokens)
+    key = cache_key("distill", weights_fingerprint(target), _rows_hash(picked), prompt_tokens)
     cached = None if cache_dir is None else Path(cache_dir) / f"{key}-distilled.safetensors"
     if cached is not None and cached.is_file():
         return TokenRows(**load_file(str(cached)))

@@ -45,7 +45,7 @@ from selfspec.instructions import (
 )
 from selfspec.lora import add_lora
 from selfspec.measure.passes import Comparison, compare_with_plain
-from selfspec.measure.replay import GreedyRecord, record_greedy, replay
+from selfspec.measure.replay import GreedyRecord, cached_records, replay
 from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
 from selfspec.objectives import (
@@ -153,9 +153,10 @@ def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
               replayable: bool = True) -> Callable[[Path], dict[str, float]] | None:
     """A trainer's judge of its exports (`training.fit`'s `judge`): the greedy tau of each
     drafter an export makes (drafters_of(target, folder) -> {name: (drafter, the target it
-    verifies on)}) over the target's greedy answers to `tau_prompts`, recorded once here,
-    trainer.tau_new_tokens each. Replayed (one target forward per answer: `measure.replay`)
-    where `replayable` and the drafts verify on the target itself, else decoded. Returns
+    verifies on)}) over the target's greedy answers to `tau_prompts`, trainer.tau_new_tokens
+    each, recorded once (cached in train_data.cache_dir, like the training answers).
+    Replayed (one target forward per answer: `measure.replay`) where `replayable` and the
+    drafts verify on the target itself, else decoded. Returns
     eval/tau (the mean over the drafters), eval/tau/<name> for named ones and
     eval/tau_seconds (what judging took). None when trainer.tau_prompts is 0."""
     if not int(cfg.trainer.get("tau_prompts") or 0):
@@ -164,7 +165,8 @@ def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
         target = load_target(cfg)
     new_tokens = positive_int(cfg, "trainer.tau_new_tokens")
     stops = tuple(target.config.eos_token_ids)
-    records = [record_greedy(target, p, new_tokens, stops) for p in tau_prompts(cfg, target)]
+    records = cached_records(target, tau_prompts(cfg, target), new_tokens, stops,
+                             cfg.train_data.get("cache_dir"))
 
     def judge(folder: Path) -> dict[str, float]:
         start = time.perf_counter()

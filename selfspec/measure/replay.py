@@ -16,8 +16,11 @@ forward sees those positions too).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,27 @@ class GreedyRecord:
     @property
     def answer(self) -> list[int]:
         return self.tokens[: self.answer_length]
+
+
+def cached_records(target: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   stop_ids: Sequence[int] = (), cache_dir: str | Path | None = None
+                   ) -> list[GreedyRecord]:
+    """`record_greedy` of every prompt, written once to cache_dir (JSON) and read back by later
+    runs, keyed by the target's weights and these settings (as the training answers are)."""
+    from selfspec.data import cache_key, weights_fingerprint
+
+    key = cache_key("greedy", weights_fingerprint(target), [list(p) for p in prompts],
+                    max_new_tokens, list(stop_ids), LOOKAHEAD)
+    path = None if cache_dir is None else Path(cache_dir) / f"{key}-greedy.json"
+    if path is not None and path.is_file():
+        return [GreedyRecord(**r) for r in json.loads(path.read_text())]
+    records = [record_greedy(target, p, max_new_tokens, stop_ids) for p in prompts]
+    if path is not None:  # written whole, then renamed: another run never reads half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps([asdict(r) for r in records]))
+        os.replace(partial, path)
+    return records
 
 
 def record_greedy(target: Transformer, prompt: Sequence[int], max_new_tokens: int,

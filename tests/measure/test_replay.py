@@ -100,3 +100,21 @@ def test_replay_reads_no_more_than_one_forward(target, make_drafter, monkeypatch
     monkeypatch.setattr(Transformer, "forward", counted)
     replay(target, make_drafter("medusa"), record)
     assert calls == [torch.Size([1, len(PROMPTS[1]) + len(record.tokens) - 1])]
+
+
+def test_recorded_answers_are_cached_and_a_new_target_records_anew(tmp_path, monkeypatch):
+    from selfspec.measure import replay as replay_module
+
+    target = Transformer.from_hf(tiny_llama(0))
+    first = replay_module.cached_records(target, PROMPTS, NEW_TOKENS, [STOP], tmp_path)
+    assert first == [record_greedy(target, p, NEW_TOKENS, [STOP]) for p in PROMPTS]
+
+    def no_recording(*args, **kwargs):
+        raise AssertionError("recorded again")
+
+    monkeypatch.setattr(replay_module, "record_greedy", no_recording)
+    assert replay_module.cached_records(target, PROMPTS, NEW_TOKENS, [STOP], tmp_path) == first
+    with torch.no_grad():
+        target.norm.weight.mul_(1.01)  # other weights: another key
+    with pytest.raises(AssertionError, match="recorded again"):
+        replay_module.cached_records(target, PROMPTS, NEW_TOKENS, [STOP], tmp_path)
