@@ -123,3 +123,20 @@ def test_pack_token_stream_drops_the_tail():
     assert windows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="do not fill"):
         pack_token_stream([1, 2], 4)
+
+
+def test_a_quantized_targets_weights_have_a_fingerprint_of_their_own():
+    """Cached answers are keyed by the weights: a quantized target's (torchao tensors have no
+    sum) count as the weights its kernels compute with; a plain model's key is its parameter
+    sum, as ever (the shipped answers' keys stay valid)."""
+    from helpers import tiny_llama
+
+    from selfspec.data import weights_fingerprint
+    from selfspec.model import Transformer
+    from selfspec.quantized import quantized_copy
+
+    full = Transformer.from_hf(tiny_llama(0, hidden=64))
+    total = sum(float(p.detach().double().sum()) for p in full.parameters())
+    assert weights_fingerprint(full) == f"{full.config}|{total:.12e}"
+    int8, int4 = (weights_fingerprint(quantized_copy(full, bits)) for bits in (8, 4))
+    assert len({int8, int4, weights_fingerprint(full)}) == 3
