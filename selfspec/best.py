@@ -13,6 +13,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from selfspec.files import write_atomically
+
 KEEP = ("last", "loss", "tau")  # trainer.keep_best
 METRIC = {"loss": "eval/loss", "tau": "eval/tau"}  # what each judges by
 BEST_FILE = "best.json"
@@ -81,6 +83,4 @@ class BestStep:
     def _save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         record = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
-        partial = self.folder / (BEST_FILE + ".partial")
-        partial.write_text(json.dumps(record, indent=2) + "\n")
-        partial.replace(self.folder / BEST_FILE)
+        write_atomically(self.folder / BEST_FILE, json.dumps(record, indent=2) + "\n")

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from selfspec.best import KEEP, BestStep
 from selfspec.errors import SelfspecError
+from selfspec.files import write_atomically
 from selfspec.losses import LossOutput
 from selfspec.quiet import quiet_imports
 from selfspec.tracking import Tracker
@@ -488,7 +489,7 @@ def record_run_config(
         return
     if int(os.environ.get("RANK", "0")) == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, text)
+        write_atomically(path, text)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -547,7 +548,7 @@ def _latest_checkpoint(checkpoints: Path, *, warn: bool = False) -> Path | None:
 def _mark_complete(folder: Path, step: int) -> None:
     files = {str(f.relative_to(folder)): f.stat().st_size
              for f in sorted(folder.rglob("*")) if f.is_file()}
-    _write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": step, "files": files}))
+    write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": step, "files": files}))
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -567,13 +568,6 @@ def checkpoint_problem(folder: Path) -> str | None:
         if path.stat().st_size != size:
             return f"{name} is cut short or damaged ({path.stat().st_size} of {size} bytes)"
     return None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write then rename: a reader sees the whole file or none."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 def _prune(checkpoints: Path, keep: int) -> None:

@@ -17,7 +17,6 @@ forward sees those positions too).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from selfspec.decode import generate
 from selfspec.drafters.base import DecodeSetup, DraftContext, Drafter, TargetFeatures
+from selfspec.files import write_atomically
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams
@@ -61,11 +61,9 @@ def cached_records(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
     if path is not None and path.is_file():
         return [GreedyRecord(**r) for r in json.loads(path.read_text())]
     records = [record_greedy(target, p, max_new_tokens, stop_ids) for p in prompts]
-    if path is not None:  # written whole, then renamed: another run never reads half a file
+    if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps([asdict(r) for r in records]))
-        os.replace(partial, path)
+        write_atomically(path, json.dumps([asdict(r) for r in records]))
     return records
 
 
