@@ -4,6 +4,7 @@ still rising (more data or steps would help).
 
     python train/learning_curves.py                              # tiny target, CPU
     python train/learning_curves.py minutes=10 'methods=[medusa,draft]'
+    python train/learning_curves.py --config-name learning_curves_smollm2   # SmolLM2, one core
 
 Runs each trainer in turn (`train/<trainer>.py`, its run in <run_dir>/<method>), then writes
 curves.json and learning_curves.png into the run folder and prints a table.
@@ -40,7 +41,8 @@ def main(cfg: DictConfig) -> None:
         run_dir = folder / name
         print(f"== {name}: train/{trainer}.py for {cfg.minutes} minutes", flush=True)
         done = subprocess.run([sys.executable, str(TRAIN / f"{trainer}.py"),
-                               *trainer_overrides(cfg, run_dir), *settings])
+                               *trainer_overrides(cfg, run_dir), *settings,
+                               *method_overrides(cfg, name)])
         if done.returncode != 0:
             raise SelfspecError(f"{name}: train/{trainer}.py failed (exit {done.returncode}); "
                                 f"its log is in {run_dir}")
@@ -61,6 +63,10 @@ def checked_methods(cfg: DictConfig) -> dict[str, list[str]]:
     if not cfg.minutes > 0 or not int(cfg.eval_every) >= 1:
         raise SelfspecError(f"minutes must be > 0 and eval_every >= 1, got {cfg.minutes} and "
                             f"{cfg.eval_every}")
+    unknown = set(cfg.method_overrides or {}) - set(METHODS)
+    if unknown:
+        raise SelfspecError(f"method_overrides: unknown methods {sorted(unknown)}; give some of "
+                            f"{', '.join(METHODS)}")
     return {name: METHODS[name] for name in methods}
 
 
@@ -76,6 +82,11 @@ def trainer_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:
     if cfg.threads is not None:
         overrides.append(f"trainer.threads={cfg.threads}")
     return overrides + list(cfg.train_overrides)
+
+
+def method_overrides(cfg: DictConfig, name: str) -> list[str]:
+    """The overrides of one method alone (its own keys: a draft vocabulary, exit layers)."""
+    return list(cfg.method_overrides.get(name) or [])
 
 
 def model_overrides() -> list[str]:
