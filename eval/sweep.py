@@ -5,6 +5,7 @@ against plain decoding of the same target in the same process, on the same promp
     python eval/sweep.py bench=full medusa_heads=<train/medusa.py run>/checkpoints/step_N/export
     python eval/sweep.py methods=[small_model,hf_assisted] num_draft_tokens=[2,4] samplings=[greedy]
     python eval/sweep.py -m methods=ngram,small_model num_draft_tokens=2,4   # a folder per job
+    python eval/sweep.py model=llama2-70b model.device_map=auto device=cuda:0 dry_run=true
 
 Writes to the run folder: results.json, results.csv, *.png plots, metrics.jsonl, summary.json
 and a W&B run (offline unless logged in). results.json holds the cost profile c(N) of the
@@ -44,6 +45,9 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> None:
     """The whole sweep; bad settings are refused before any weights load."""
     from_config.set_threads(cfg)
+    if cfg.dry_run:
+        print(from_config.sweep_dry_run(cfg))
+        return
     plan = from_config.plan_sweep(cfg, int(cfg.bench.num_prompts))
     from_config.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
     models = from_config.load_sweep_models(cfg, plan.grid.variants)

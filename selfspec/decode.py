@@ -90,7 +90,7 @@ def generate(
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
     max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
-    steps = (static_steps(target, max_length) if use_cuda_graphs(cuda_graphs, prompt.device)
+    steps = (static_steps(target, max_length) if use_cuda_graphs(cuda_graphs, target)
              else None)
     cache = target.new_cache(max_slots=max_length) if steps is None else steps.cache
     if drafter is not None:
@@ -139,7 +139,7 @@ def _step(
 ) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
     """One verification forward over [root, draft..., extra rows...], exact verification of
     the draft, cache commit; returns the extra rows' logits too."""
-    base, device = cache.length, cache.k.device
+    base, device = cache.length, target.embed_tokens.weight.device
     tokens, offsets, mask = _forward_rows(root, draft, device)
     positions = base + offsets
     if draft.early is not None:

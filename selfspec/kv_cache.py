@@ -104,6 +104,52 @@ class KVCache:
         return end
 
 
+class SegmentedKVCache:
+    """The cache of a target whose layers lie on several devices (`selfspec.placement`): one
+    KVCache per run of layers on one device, beside those layers, all of one length. It speaks
+    KVCache's protocol (write, advance, truncate, commit, reset, length, max_slots); it has no
+    single k and v, so static steps (`selfspec.step`) do not take it."""
+
+    def __init__(self, parts: list[tuple[int, KVCache]]) -> None:
+        """parts: (first layer, the cache of that run of layers), in layer order."""
+        self.parts = [cache for _, cache in parts]
+        self._where = [(cache, layer - first) for first, cache in parts
+                       for layer in range(first, first + cache.k.shape[0])]
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].length
+
+    @property
+    def max_slots(self) -> int:
+        return self.parts[0].max_slots
+
+    def __repr__(self) -> str:
+        return f"SegmentedKVCache({', '.join(f'{c.k.device}: {c!r}' for c in self.parts)})"
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, local = self._where[layer]
+        return cache.write(local, k, v)
+
+    def advance(self, t: int) -> None:
+        for cache in self.parts:
+            cache.advance(t)
+
+    def truncate(self, n: int) -> None:
+        for cache in self.parts:
+            cache.truncate(n)
+
+    def commit(self, accepted_slots: torch.Tensor | Sequence[int]) -> None:
+        slots = torch.as_tensor(accepted_slots, dtype=torch.long)
+        for cache in self.parts:
+            cache.commit(slots.to(cache.k.device))
+
+    def reset(self) -> None:
+        for cache in self.parts:
+            cache.reset()
+
+
 def _check_commit_slots(slots: torch.Tensor, length: int) -> list[int]:
     """Validate commit slots; returns them as a python list (one device sync)."""
     if slots.dim() != 1 or slots.numel() == 0:

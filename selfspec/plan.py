@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.model import ModelConfig, Transformer
+from selfspec.placement import Placement
 
 GIB = 1024**3
 BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -25,6 +26,8 @@ class ModelPlan:
     kv_bytes_per_1k: K and V of every layer for 1024 tokens, per cache dtype (bf16, fp32).
     zero3_bytes_per_gpu: bf16 weights partitioned num_gpus ways (ZeRO-3), activations,
         KV cache and gathered layers excluded.
+    placement: where model.device_map puts the layers for decoding (None: one device), its
+        memory counted in placement_dtype.
     """
 
     name: str
@@ -34,6 +37,8 @@ class ModelPlan:
     kv_bytes_per_1k: dict[str, int]
     num_gpus: int
     zero3_bytes_per_gpu: int
+    placement: Placement | None = None
+    placement_dtype: str = "bf16"
 
     def format(self) -> str:
         """A readable table (GiB = 2**30 bytes)."""
@@ -49,10 +54,15 @@ class ModelPlan:
             f"plan for {self.name}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}"
         )
-        return "\n".join([head, *(f"  {label:<{width}}  {value:>12}" for label, value in rows)])
+        lines = [head, *(f"  {label:<{width}}  {value:>12}" for label, value in rows)]
+        if self.placement is not None:
+            lines.append(self.placement.format(c, BYTES_PER_PARAM[self.placement_dtype],
+                                               BYTES_PER_PARAM[self.placement_dtype]))
+        return "\n".join(lines)
 
 
-def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8) -> ModelPlan:
+def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8,
+               placement: Placement | None = None, placement_dtype: str = "bf16") -> ModelPlan:
     """The plan of `config` without weights (the model is built on the meta device)."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise ValueError(f"plan_model: num_gpus must be an integer >= 1, got {num_gpus!r}")
@@ -70,6 +80,8 @@ def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8) -> M
         },
         num_gpus=num_gpus,
         zero3_bytes_per_gpu=-(-bf16_weights // num_gpus),  # ceil: ZeRO pads the last shard
+        placement=placement,
+        placement_dtype=placement_dtype,
     )
 
 

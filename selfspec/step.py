@@ -50,11 +50,18 @@ def padded_slots(max_length: int) -> int:
     return -(-(max_length + max(BUCKETS)) // _SLOT_GRANULE) * _SLOT_GRANULE
 
 
-def use_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
-    """cuda_graphs: None = auto (on for CUDA devices), True or False."""
+def use_cuda_graphs(setting: bool | None, target: Transformer) -> bool:
+    """cuda_graphs: None = auto (on for a CUDA target), True or False. A target placed over
+    several devices (`selfspec.placement`) decodes eagerly: one graph cannot span devices,
+    and a graph per device segment is not built."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"cuda_graphs must be None (on for CUDA), True or False, got {setting!r}")
-    return device.type == "cuda" if setting is None else setting
+    placed = target.placement is not None and target.placement.spans_devices
+    if placed and setting:
+        raise ValueError("cuda_graphs=True: a target placed over several devices decodes "
+                         "eagerly (model.device_map); leave cuda_graphs unset or False")
+    device = target.embed_tokens.weight.device
+    return device.type == "cuda" and not placed if setting is None else setting
 
 
 class _SlotView:

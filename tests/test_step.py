@@ -6,6 +6,8 @@ the step as written and compiled (inductor, over fused products: `compile_steps`
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import first_layers, tiny_llama
@@ -14,6 +16,7 @@ from selfspec import SamplingParams, Transformer, generate
 from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import NgramDrafter, SmallModelDrafter
 from selfspec.measure.oracle import OracleDrafter
+from selfspec.placement import Placement
 from selfspec.step import (
     BUCKETS,
     StaticSteps,
@@ -41,11 +44,23 @@ def device_of(target: Transformer) -> torch.device:
     return target.embed_tokens.weight.device
 
 
+def on(*devices: str) -> SimpleNamespace:
+    """A stand-in target: its home device, and its layers over `devices` (placed if several)."""
+    home = torch.device(devices[0])
+    placement = Placement(home, tuple(map(torch.device, devices))) if len(devices) > 1 else None
+    return SimpleNamespace(placement=placement,
+                           embed_tokens=SimpleNamespace(weight=SimpleNamespace(device=home)))
+
+
 def test_buckets_and_the_auto_setting():
     assert [bucket_of(n) for n in (1, 2, 3, 5, 9, 128, 129)] == [1, 2, 4, 8, 16, 128, None]
-    assert use_cuda_graphs(None, torch.device("cuda:0")) is True
-    assert use_cuda_graphs(None, torch.device("cpu")) is False
-    assert use_cuda_graphs(False, torch.device("cuda:0")) is False
+    assert use_cuda_graphs(None, on("cuda:0")) is True
+    assert use_cuda_graphs(None, on("cpu")) is False
+    assert use_cuda_graphs(False, on("cuda:0")) is False
+    # Placed over several devices: eager, and graphs asked for are refused.
+    assert use_cuda_graphs(None, on("cuda:0", "cuda:1")) is False
+    with pytest.raises(ValueError, match="placed over several devices decodes eagerly"):
+        use_cuda_graphs(True, on("cuda:0", "cuda:1"))
     with pytest.raises(ValueError, match="cuda_graphs must be None .*, True or False, got 'no'"):
         generate(Transformer.from_hf(tiny_llama(0)), [3, 4], max_new_tokens=2, cuda_graphs="no")
     model = Transformer.from_hf(tiny_llama(0))

@@ -104,6 +104,7 @@ from selfspec.from_config.sweeps import (  # noqa: F401
     size_chooser,
     split_time,
     sweep_cost_profile,
+    sweep_dry_run,
     sweep_methods,
     timing_models,
     verified_target,

@@ -20,6 +20,7 @@ from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.from_config.common import device
 from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
+from selfspec.placement import Placement, check_present, place, plan_placement
 from selfspec.plan import ModelPlan, plan_model
 from selfspec.quantized import check_quantizable, quantized_copy
 from selfspec.quiet import import_transformers_models
@@ -54,8 +55,28 @@ def model_config(cfg_model: DictConfig) -> ModelConfig:
 
 
 def model_plan(cfg: DictConfig) -> ModelPlan:
-    """The memory plan of cfg.model over cfg.num_gpus GPUs, built on the meta device."""
-    return plan_model(model_config(cfg.model), cfg.model.name, int(cfg.num_gpus))
+    """The memory plan of cfg.model over cfg.num_gpus GPUs, built on the meta device, with
+    the placement model.device_map asks for (no GPU needed)."""
+    dtype = "int8" if cfg.model.get("quantize") else cfg.model.dtype
+    return plan_model(model_config(cfg.model), cfg.model.name, int(cfg.num_gpus),
+                      target_placement(cfg), dtype)
+
+
+def target_placement(cfg: DictConfig) -> Placement | None:
+    """model.device_map and model.max_memory as a placement of the target's layers, its
+    embedding, norm and LM head on cfg.device (`selfspec.placement`); None without a map."""
+    cfg_model = cfg.model
+    plain = {key: OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+             for key in ("device_map", "max_memory") if (value := cfg_model.get(key)) is not None}
+    if "device_map" not in plain:
+        if "max_memory" in plain:
+            raise ValueError("model.max_memory is read only with model.device_map; set "
+                             "model.device_map=auto (or a mapping) beside it")
+        return None
+    # A quantized target's layers are counted at a byte a weight (int4 too: a bound).
+    dtype = torch.int8 if cfg_model.get("quantize") else torch_dtype(cfg_model.dtype)
+    return plan_placement(model_config(cfg_model), plain["device_map"], plain.get("max_memory"),
+                          dtype, home=cfg.get("device", "cpu"))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -157,10 +178,14 @@ def load_target(cfg: DictConfig) -> Transformer:
     compiled = compile_steps(cfg)
     if bits is not None:  # refused before any weights load
         check_quantizable(bits, device(cfg))
+    placement = target_placement(cfg)
+    if placement is not None:
+        check_present(placement)
     if cfg.model.get("random_weights"):
-        target = random_models(cfg)[0]
+        target = place(random_models(cfg)[0], placement)
     else:
-        target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg))
+        target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg),
+                            placement=placement)
     if cfg.model.get("arch") is not None and not cfg.model.get("random_weights"):
         check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
     target = target if bits is None else quantized_copy(target, bits)
@@ -209,11 +234,14 @@ def random_models(cfg: DictConfig) -> tuple[Transformer, Any]:
 
 
 def load_model(
-    cfg_model: DictConfig, key: str, dtype: str, on: torch.device, compiled: bool = False
+    cfg_model: DictConfig, key: str, dtype: str, on: torch.device, compiled: bool = False,
+    placement: Placement | None = None,
 ) -> Transformer:
-    """compiled: its `compile_steps` (cfg.compile)."""
+    """compiled: its `compile_steps` (cfg.compile); placement: its layers spread over
+    devices (`selfspec.placement`)."""
     folder = resolve_model_path(cfg_model, key)
-    model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
+    model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on,
+                                        placement=placement)
     model.compile_steps = compiled
     return model
 

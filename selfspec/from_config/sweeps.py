@@ -16,6 +16,8 @@ from selfspec.from_config.models import (
     compile_steps,
     load_hf_model,
     load_target,
+    model_config,
+    model_plan,
     random_models,
     resolve_model_path,
 )
@@ -27,6 +29,7 @@ from selfspec.measure.grid import GridLine, GridPoint, SweepGrid, SweepRow, Vari
 from selfspec.measure.passes import BenchSettings, Method
 from selfspec.measure.peers import OurDecoder
 from selfspec.model import Transformer
+from selfspec.plan import plan_model
 from selfspec.prompts import Prompt
 from selfspec.sampling import SamplingParams
 
@@ -73,6 +76,21 @@ def grid_lines(cfg: DictConfig, method: MethodEntry, lengths: tuple[int, ...]
     method.check(cfg, lengths)
     return tuple(GridLine(v, method.lengths(cfg, v, lengths), auto=method.ours)
                  for v in method.variants(cfg, True))
+
+
+def sweep_dry_run(cfg: DictConfig) -> str:
+    """What a sweep would put where, without weights: the target's memory plan and placement,
+    and the draft model's plan where a method runs it (beside the LM head, on cfg.device)."""
+    names = {method.name for method in sweep_methods(cfg)}
+    text = [model_plan(cfg).format()]
+    draft = cfg.model.get("draft")
+    if names & DRAFT_MODEL_METHODS and draft is not None and draft.get("arch") is not None:
+        plan = plan_model(model_config(draft), draft.name, int(cfg.num_gpus))
+        text += [f"draft model (on {cfg.device}, beside the LM head):", plan.format()]
+    return "\n".join(text)
+
+
+DRAFT_MODEL_METHODS = {"small_model", "hf_assisted"}  # the methods that run model.draft
 
 
 def sweep_methods(cfg: DictConfig) -> tuple[MethodEntry, ...]:

@@ -103,7 +103,7 @@ def measure_cost_profile(
         return torch.randint(vocab, (1, n), generator=generator, device=weight.device)
 
     steps = (static_steps(target, cache_length + lengths[-1])
-             if use_cuda_graphs(cuda_graphs, weight.device) else None)
+             if use_cuda_graphs(cuda_graphs, target) else None)
     cache = target.new_cache(max_slots=cache_length + lengths[-1]) if steps is None \
         else steps.cache
     target(random_tokens(cache_length), torch.arange(cache_length, device=weight.device), cache)

@@ -78,7 +78,7 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                            "lossless": row.lossless, "time_split": row.time_split})
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
-            "cuda_graphs": use_cuda_graphs(graphs, target.embed_tokens.weight.device),
+            "cuda_graphs": use_cuda_graphs(graphs, target),
             "compiled": target.compile_steps,
             "setup_seconds": setup_seconds(target),
             "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,

@@ -21,17 +21,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from selfspec.kv_cache import KVCache
+from selfspec.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
+
+if TYPE_CHECKING:  # annotations only
+    from selfspec.placement import Placement
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -58,6 +61,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
     return torch.where(is_medium, blended, scaled)
+
+
+def _moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple:
+    """tensors (None kept) on device: a layer of a placed model on another device than the
+    one before it."""
+    return tuple(None if t is None else t.to(device) for t in tensors)
 
 
 # ---- building blocks -----------------------------------------------------------------------
@@ -387,6 +396,8 @@ class Transformer(nn.Module):
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(config)  # [D/2]
         self.source: str | None = None  # the folder it was loaded from, if any
+        # Layers spread over several devices (`selfspec.placement`); None: all on one device.
+        self.placement: Placement | None = None
         # Whether its static decode steps (`selfspec.step`) run compiled, over fused products.
         self.compile_steps = False
         fp32_bytes = 4 * sum(p.numel() for p in self.parameters())
@@ -442,15 +453,20 @@ class Transformer(nn.Module):
         past = 0 if cache is None else cache.length
         attn_mask = attention_mask(mask, tokens.shape[1], past, h.device)
         saved = {start_layer: h}
+        home = h.device
         with _pinned_attention(h.device, masked=attn_mask is not None):
             for i in range(start_layer, end):
                 if i not in skip:
+                    if self.placement is not None and self.placement.layers[i] != h.device:
+                        h, cos, sin, attn_mask = _moved(self.placement.layers[i], h, cos, sin,
+                                                        attn_mask)
                     h = self.layers[i](h, cos, sin, attn_mask, cache, stages)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:
             cache.advance(tokens.shape[1])
-        hidden = tuple(saved[i] for i in return_hidden)
+        hidden = tuple(saved[i].to(home) for i in return_hidden)
+        h = h.to(home)
         if not with_logits:
             return ModelOutput(None, hidden, None)
         last_hidden = self.norm(h)  # [B, T, hidden]
@@ -522,15 +538,14 @@ class Transformer(nn.Module):
         """A KVCache for this model; max_slots defaults to max_position_embeddings, which for
         long-context models is a lot of memory: pass what the generation actually needs."""
         weight = self.embed_tokens.weight
-        return KVCache(
-            self.config.num_layers,
-            batch_size,
-            self.config.num_kv_heads,
-            max_slots or self.config.max_position_embeddings,
-            self.config.head_dim,
-            dtype=dtype or weight.dtype,
-            device=weight.device,
-        )
+        sizes = (batch_size, self.config.num_kv_heads,
+                 max_slots or self.config.max_position_embeddings, self.config.head_dim)
+        if self.placement is not None and self.placement.spans_devices:
+            return SegmentedKVCache([
+                (first, KVCache(end - first, *sizes, dtype=dtype or weight.dtype, device=device))
+                for first, end, device in self.placement.segments()])
+        return KVCache(self.config.num_layers, *sizes, dtype=dtype or weight.dtype,
+                       device=weight.device)
 
     @classmethod
     def from_pretrained(
@@ -539,13 +554,18 @@ class Transformer(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        placement: Placement | None = None,
     ) -> Transformer:
-        """Load a local HF model folder: config.json + model.safetensors (or sharded)."""
+        """Load a local HF model folder: config.json + model.safetensors (or sharded).
+        placement: each tensor read straight onto its device (`selfspec.placement`); device
+        is then ignored."""
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {folder}")
         config = ModelConfig.from_folder(folder)
-        model = cls._from_tensors(config, checkpoint.read_tensors(folder, device), dtype, device)
+        read_to = "cpu" if placement is not None else device
+        model = cls._from_tensors(config, checkpoint.read_tensors(folder, read_to), dtype,
+                                  device, placement)
         model.source = str(folder)
         return model
 
@@ -595,15 +615,18 @@ class Transformer(nn.Module):
         tensors: Iterator[tuple[str, torch.Tensor]],
         dtype: torch.dtype,
         device: torch.device | str,
+        placement: Placement | None = None,
     ) -> Transformer:
-        """Build on the meta device, then adopt the HF-named tensors (assign=True, no copy)."""
+        """Build on the meta device, then adopt the HF-named tensors (assign=True, no copy),
+        each on its device: `device`, or where `placement` puts it."""
         with torch.device("meta"):
             model = cls(config)
         state = {}
         for name, tensor in tensors:
             key = checkpoint.our_key(name, config.tie_word_embeddings)
             if key is not None:
-                state[key] = aligned(tensor.to(device=device, dtype=dtype))
+                on = device if placement is None else placement.device_of(key)
+                state[key] = aligned(tensor.to(device=on, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             missing = [key for key in missing if key != "lm_head.weight"]
@@ -613,4 +636,5 @@ class Transformer(nn.Module):
                 f"checkpoint does not match the {config.model_type} architecture: "
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
+        model.placement = placement
         return model
