@@ -1,9 +1,10 @@
 """The single generation loop: prefill, propose, verify-forward, verify, commit, repeat.
 
-`drafter=None` is plain autoregressive decoding through the same loop and cache. Batch size
-is one. The root of each step is the last committed token, which is not yet in the target's
-cache: the verification forward feeds [root, draft nodes...] in one pass, so its row 0 gives
-the target's law after the root and row i+1 the law after node i.
+`drafter=None` is plain autoregressive decoding through the same loop and cache. The loop
+runs over the rows of a batch (one prompt is a batch of one): each row's root is its last
+committed token, which is not yet in the target's cache, so the verification forward feeds
+[root, draft nodes...] in one pass: its row 0 gives the target's law after the root and row
+i+1 the law after node i.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.devices import synchronize
-from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures
-from selfspec.metrics import GenerationStats
+from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures, fork
+from selfspec.kv_cache import KVCache, RowSlots
+from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
@@ -54,7 +56,7 @@ class GenerationResult:
 @torch.inference_mode()
 def generate(
     target: Transformer,
-    prompt_ids: torch.Tensor | Sequence[int],
+    prompt_ids: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
     *,
     drafter: Drafter | None = None,
     sampling: SamplingParams = SamplingParams(),
@@ -63,67 +65,162 @@ def generate(
     generator: torch.Generator | None = None,
     split_time: bool | None = None,
     cuda_graphs: bool | None = None,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids` ([L] ids, batch of one).
+) -> GenerationResult | list[GenerationResult]:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids`: one prompt ([L] ids) gives
+    one GenerationResult; a list of prompts (each a sequence or 1-D tensor of ids, of any
+    lengths) gives a list of results in their order, decoded together as a batch.
 
     With a drafter, every step verifies its draft exactly (`selfspec.verify`), so the output
     law equals plain decoding's; at temperature 0 the tokens are identical. Stops after an EOS
     token or exactly at max_new_tokens.
 
+    A batch runs the same loop: each row has its own drafter (the one given for row 0, a
+    `fork` of it for the others), cache length, positions, draft, acceptance, commit and
+    stop, and its output is what it would be decoded alone (at temperature 0 the same
+    tokens). One forward verifies every row's draft, each padded to the longest with rows
+    that attend to themselves alone and are never accepted. A row that stops rides along
+    with one such row until the batch ends. Drafts that ran the target's early layers
+    (early exit) are verified row by row.
+
     generator: a torch.Generator on the target's device, e.g.
     `torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)`; one on
     another device is refused (ValueError). An unseeded sampling run makes one there from a
-    fresh seed.
+    fresh seed. A batch's rows draw from it in turn.
 
     split_time: time every phase of every step into stats (`GenerationStats.time_split`).
     None: only where it is free, on the CPU; True: on any device, synchronizing it at every
-    phase boundary; False: never (drafting time is measured in every case).
+    phase boundary; False: never (drafting time is measured in every case). A batch's rows
+    share its phases' times; each row's wall time ends at its last token.
 
-    cuda_graphs: None (auto) = on for a CUDA target. On, the verification forwards of up to
-    128 tokens run as static-shape steps over a persistent cache, replayed from one CUDA graph
-    per bucket of T (`selfspec.step`); on another device True runs the same static step
-    eagerly. A draft model (`SmallModelDrafter`) runs static steps of its own alike; prefill,
-    early-layer resumes and the other drafters' forwards stay eager.
+    cuda_graphs: None (auto) = on for a CUDA target decoding one prompt. On, the
+    verification forwards of up to 128 tokens run as static-shape steps over a persistent
+    cache, replayed from one CUDA graph per bucket of T (`selfspec.step`); on another device
+    True runs the same static step eagerly. A draft model (`SmallModelDrafter`) runs static
+    steps of its own alike; prefill, early-layer resumes and the other drafters' forwards
+    stay eager. A batch decodes eagerly (True is refused).
     """
-    prompt = _check_arguments(target, prompt_ids, sampling, max_new_tokens)
-    check_generator(generator, prompt.device, "generate")
+    batch = _is_batch(prompt_ids)
+    prompts = _check_prompts(target, prompt_ids if batch else [prompt_ids], sampling,
+                             max_new_tokens)
+    check_generator(generator, prompts[0].device, "generate")
     if generator is None and not sampling.greedy:
-        generator = torch.Generator(device=prompt.device).manual_seed(secrets.randbits(63))
-    max_length = len(prompt) + max_new_tokens + (drafter.max_nodes if drafter else 0) + 1
-    steps = (static_steps(target, max_length) if use_cuda_graphs(cuda_graphs, target)
-             else None)
-    cache = target.new_cache(max_slots=max_length) if steps is None else steps.cache
-    if drafter is not None:
-        drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length, cache,
-                                  static_steps=steps is not None))
-        cache.reset()  # begin may have generated with this target, in the same persistent cache
+        generator = torch.Generator(device=prompts[0].device).manual_seed(secrets.randbits(63))
+    results = _decode(target, prompts, drafter, sampling, max_new_tokens,
+                      _stop_ids(eos_token_id), generator, split_time,
+                      _static_steps(target, prompts, drafter, max_new_tokens, cuda_graphs))
+    return results if batch else results[0]
+
+
+@dataclass
+class _Row:
+    """One prompt of a batch as the loop carries it: its drafter, its own view of the
+    batch's cache, what it generated, and what its last verification left for its drafter."""
+
+    drafter: Drafter | None
+    cache: KVCache
+    history: list[int]
+    new: list[int] = field(default_factory=list)
+    features: TargetFeatures | None = None
+    extra_logits: torch.Tensor | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    done: bool = False
+
+    def context(self, device: torch.device) -> DraftContext:
+        return DraftContext(torch.tensor(self.history, device=device), self.features,
+                            self.extra_logits)
+
+
+def _decode(
+    target: Transformer,
+    prompts: list[torch.Tensor],
+    drafter: Drafter | None,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    generator: torch.Generator | None,
+    split_time: bool | None,
+    steps: StaticSteps | None,
+) -> list[GenerationResult]:
+    """The loop: prefill, propose, verify-forward, verify, commit, repeat, for every row."""
+    device = prompts[0].device
+    max_length = _max_length(prompts, drafter, max_new_tokens)
+    cache = (steps.cache if steps is not None
+             else target.new_cache(batch_size=len(prompts), max_slots=max_length))
+    rows = [_Row(row_drafter, _row_cache(cache, b, len(prompts)), prompt.tolist())
+            for b, (prompt, row_drafter) in enumerate(zip(prompts, _drafters(drafter, prompts),
+                                                          strict=True))]
+    for row, prompt in zip(rows, prompts, strict=True):
+        if row.drafter is not None:
+            row.drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length,
+                                          row.cache, static_steps=steps is not None))
+    for row in rows:
+        row.cache.reset()  # begin may have generated with this target, in the same cache
     layers = drafter.target_layers if drafter is not None else ()
-    stop_ids = _stop_ids(eos_token_id)
-    stats, history = GenerationStats(), prompt.tolist()
-    clock = _PhaseClock(stats, prompt.device, split_time)
+    timing = GenerationStats()
+    clock = _PhaseClock(timing, device, split_time)
     start = clock.last
-    features = _prefill(target, prompt[:-1], cache, layers) if len(prompt) > 1 else None
-    stats.target_forwards += len(prompt) > 1
+    for row, prompt in zip(rows, prompts, strict=True):
+        if len(prompt) > 1:
+            row.features = _prefill(target, prompt[:-1], row.cache, layers)
+            row.stats.target_forwards += 1
     clock.lap("prefill")
-    new: list[int] = []
-    extra_logits = None
-    while len(new) < max_new_tokens and not (new and new[-1] in stop_ids):
-        context = DraftContext(torch.tensor(history, device=prompt.device), features,
-                               extra_logits)
-        draft = _checked(drafter.propose(context), drafter) if drafter else Draft.empty()
+    while not all(row.done for row in rows):
+        drafts = [_checked(row.drafter.propose(row.context(device)), row.drafter)
+                  if row.drafter is not None and not row.done else Draft.empty() for row in rows]
         clock.lap("draft")
-        acceptance, features, extra_logits = _step(target, steps, history[-1], draft, cache,
-                                                   layers, sampling, generator, clock)
-        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted,
-                          rows=draft.rows)
-        emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(new))
-        new += emitted
-        history += emitted
+        outcomes = _verify_rows(target, steps, rows, drafts, cache, layers, sampling,
+                                generator, clock)
+        for row, draft, outcome in zip(rows, drafts, outcomes, strict=True):
+            if outcome is not None:
+                _commit(row, draft, *outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
-        stats.split_steps += clock.split
-    stats.wall_time_s = time.perf_counter() - start
-    stats.new_tokens = len(new)
-    return GenerationResult(new, stats)
+        timing.split_steps += clock.split
+        for row in rows:  # a row's wall time ends with the step that finished it
+            if row.done and not row.stats.wall_time_s:
+                row.stats.wall_time_s = clock.last - start
+    return [GenerationResult(row.new, _finished(row, timing)) for row in rows]
+
+
+def _commit(row: _Row, draft: Draft, acceptance: Acceptance, features: TargetFeatures,
+            extra_logits: torch.Tensor | None, stop_ids: set[int], max_new_tokens: int) -> None:
+    """A row's step outcome into its history and stats; the row stops at a stop token or its
+    budget."""
+    row.stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted,
+                          rows=draft.rows)
+    emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(row.new))
+    row.new += emitted
+    row.history += emitted
+    row.features, row.extra_logits = features, extra_logits
+    row.done = len(row.new) >= max_new_tokens or bool(row.new and row.new[-1] in stop_ids)
+
+
+def _finished(row: _Row, timing: GenerationStats) -> GenerationStats:
+    """A row's stats, with the batch's phase times (its rows share them)."""
+    stats = row.stats
+    for phase in PHASES:
+        setattr(stats, f"{phase}_time_s", getattr(timing, f"{phase}_time_s"))
+    stats.split_steps, stats.new_tokens = timing.split_steps, len(row.new)
+    return stats
+
+
+def _verify_rows(
+    target: Transformer,
+    steps: StaticSteps | None,
+    rows: list[_Row],
+    drafts: list[Draft],
+    cache: KVCache,
+    layers: tuple[int, ...],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    clock: _PhaseClock,
+) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None] | None]:
+    """Every unfinished row's step outcome (None for a finished row): one forward over the
+    batch, or, for one row or drafts that ran early layers, a forward per row."""
+    if len(rows) > 1 and not any(draft.early is not None for draft in drafts):
+        return _batched_step(target, rows, drafts, cache, layers, sampling, generator, clock)
+    return [None if row.done else
+            _step(target, steps, row.history[-1], draft, row.cache, layers, sampling,
+                  generator, clock) for row, draft in zip(rows, drafts, strict=True)]
 
 
 def _step(
@@ -150,13 +247,78 @@ def _step(
     else:
         out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
     clock.lap("forward")
+    return _verified(out, 0, tokens[0], draft, base, cache, sampling, generator, clock)
+
+
+def _batched_step(
+    target: Transformer,
+    rows: list[_Row],
+    drafts: list[Draft],
+    cache: KVCache,
+    layers: tuple[int, ...],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    clock: _PhaseClock,
+) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None] | None]:
+    """One verification forward over every row's [root, draft..., extra rows...], padded to
+    the longest; then each unfinished row's verification and commit, as `_step` does."""
+    device = target.embed_tokens.weight.device
+    inputs = [_forward_rows(row.history[-1], draft, device) for row, draft in zip(rows, drafts,
+                                                                                 strict=True)]
+    # A finished row's cache is done with: its padding row may write over its first slot.
+    lengths = [0 if row.done else row.cache.length for row in rows]
+    tokens, positions, mask = _padded_rows(inputs, lengths, device)
+    out = target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]), mask=mask,
+                 return_hidden=layers)
+    clock.lap("forward")
+    outcomes = []
+    for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+        if row.done:
+            outcomes.append(None)
+            continue
+        row.cache.advance(tokens.shape[1])  # its slots [length, length + T) were written
+        outcomes.append(_verified(out, b, tokens[b], draft, lengths[b], row.cache, sampling,
+                                  generator, clock))
+    return outcomes
+
+
+def _padded_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 lengths: list[int], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's (tokens [1, T_b], offsets [T_b], mask [T_b, T_b]) as one forward's tokens
+    [B, T], positions [B, T] and mask [B, T, max length + T]: row b sees its own cached
+    slots [0, length_b) and its new rows at [length_b, length_b + T); its padding rows see
+    only themselves."""
+    t = max(row_tokens.shape[1] for row_tokens, _, _ in inputs)
+    width = max(lengths) + t
+    tokens = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
+    positions = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
+    mask = torch.zeros(len(inputs), t, width, dtype=torch.bool, device=device)
+    pads = torch.arange(t, device=device)
+    for b, ((row_tokens, offsets, row_mask), length) in enumerate(zip(inputs, lengths,
+                                                                       strict=True)):
+        n = row_tokens.shape[1]
+        tokens[b, :n] = row_tokens[0]
+        positions[b] = length + torch.cat([offsets, offsets.new_zeros(t - n)])
+        mask[b, :n, :length] = True
+        mask[b, :n, length:length + n] = row_mask
+        mask[b, pads[n:], length + pads[n:]] = True
+    return tokens, positions, mask
+
+
+def _verified(out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft, base: int, cache,
+              sampling: SamplingParams, generator: torch.Generator | None,
+              clock: _PhaseClock) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+    """Row b of a verification forward: exact verification of its draft, its cache commit,
+    the target's states at the kept rows, and the extra rows' logits."""
     verified = draft.tree.num_nodes + 1
-    acceptance = _verify_step(out.logits[0, :verified], draft, sampling, generator, clock)
+    acceptance = _verify_step(out.logits[b, :verified], draft, sampling, generator, clock)
     clock.lap("verify")
-    rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=device)
+    rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=tokens.device)
     cache.commit(base + rows)
-    extra_logits = out.logits[0, verified:] if draft.extra is not None else None
-    return acceptance, _features(out, tokens[0, rows], rows), extra_logits
+    extra_logits = (out.logits[b, verified:verified + draft.extra.rows]
+                    if draft.extra is not None else None)
+    return acceptance, _features(out, tokens[rows], rows, b), extra_logits
 
 
 def _forward_rows(root: int, draft: Draft, device: torch.device
@@ -281,12 +443,13 @@ def _prefill(
     return _features(out, tokens, torch.arange(len(tokens), device=tokens.device))
 
 
-def _features(out: ModelOutput, tokens: torch.Tensor, rows: torch.Tensor) -> TargetFeatures:
-    """The target's states at the committed rows of a forward (batch row 0)."""
+def _features(out: ModelOutput, tokens: torch.Tensor, rows: torch.Tensor,
+              b: int = 0) -> TargetFeatures:
+    """The target's states at the committed rows of a forward (of its batch row b)."""
     return TargetFeatures(
         tokens=tokens,
-        last_hidden=out.last_hidden[0, rows],
-        hidden=tuple(h[0, rows] for h in out.hidden),
+        last_hidden=out.last_hidden[b, rows],
+        hidden=tuple(h[b, rows] for h in out.hidden),
     )
 
 
@@ -314,24 +477,77 @@ def _checked(draft: Draft, drafter: Drafter) -> Draft:
     return draft
 
 
-def _check_arguments(
-    target: Transformer, prompt_ids, sampling: SamplingParams, max_new_tokens: int
-) -> torch.Tensor:
-    """The prompt as a 1-D LongTensor on the target's device, or a clear error."""
+def _is_batch(prompt_ids) -> bool:
+    """A list (or tuple) of prompts, rather than one prompt's ids (an empty list is an empty
+    prompt)."""
+    return isinstance(prompt_ids, list | tuple) and any(
+        isinstance(p, torch.Tensor | list | tuple) for p in prompt_ids)
+
+
+def _check_prompts(
+    target: Transformer, prompts: Sequence, sampling: SamplingParams, max_new_tokens: int
+) -> list[torch.Tensor]:
+    """The prompts as 1-D LongTensors on the target's device, or a clear error."""
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"generate: sampling must be a SamplingParams, got {sampling!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    devices = {str(p.device) for p in prompts if isinstance(p, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"generate: the prompts lie on different devices "
+                         f"({', '.join(sorted(devices))}); put them on one")
+    if len(prompts) > 1 and target.placement is not None and target.placement.spans_devices:
+        raise ValueError("generate: a target placed over several devices (model.device_map) "
+                         "decodes one prompt at a time; pass the prompts one by one")
+    where = " (prompt {})" if len(prompts) > 1 else ""
+    return [_check_prompt(target, p, max_new_tokens, where.format(i))
+            for i, p in enumerate(prompts)]
+
+
+def _check_prompt(target: Transformer, prompt_ids, max_new_tokens: int, where: str
+                  ) -> torch.Tensor:
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     if prompt.numel() == 0:
-        raise ValueError("generate: the prompt is empty; give at least one token (e.g. BOS)")
+        raise ValueError(f"generate: the prompt{where} is empty; give at least one token "
+                         f"(e.g. BOS)")
     vocab, limit = target.config.vocab_size, target.config.max_position_embeddings
     if prompt.min() < 0 or prompt.max() >= vocab:
-        raise ValueError(f"generate: prompt ids must lie in [0, {vocab}) (the vocab size)")
+        raise ValueError(f"generate: prompt ids{where} must lie in [0, {vocab}) (the vocab "
+                         f"size)")
     if len(prompt) + max_new_tokens > limit:
         raise ValueError(
-            f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"the model's {limit} positions (max_position_embeddings); shorten the prompt or "
-            f"lower max_new_tokens"
+            f"generate: prompt{where} ({len(prompt)} tokens) + max_new_tokens "
+            f"({max_new_tokens}) exceeds the model's {limit} positions "
+            f"(max_position_embeddings); shorten the prompt or lower max_new_tokens"
         )
     return prompt.to(target.embed_tokens.weight.device)
+
+
+def _max_length(prompts: list[torch.Tensor], drafter: Drafter | None, max_new_tokens: int
+                ) -> int:
+    """The most slots a row can reach: its prompt, its tokens and one draft's rows."""
+    return (max(len(p) for p in prompts) + max_new_tokens
+            + (drafter.max_nodes if drafter is not None else 0) + 1)
+
+
+def _static_steps(target: Transformer, prompts: list[torch.Tensor], drafter: Drafter | None,
+                  max_new_tokens: int, cuda_graphs: bool | None) -> StaticSteps | None:
+    """The target's static steps for a one-prompt generation that runs them (None: eager)."""
+    if len(prompts) > 1:
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True: a batch of prompts decodes eagerly; leave "
+                             "cuda_graphs unset or False, or decode one prompt")
+        return None
+    if not use_cuda_graphs(cuda_graphs, target):
+        return None
+    return static_steps(target, _max_length(prompts, drafter, max_new_tokens))
+
+
+def _drafters(drafter: Drafter | None, prompts: list[torch.Tensor]) -> list[Drafter | None]:
+    """A drafter per row: the one given for the first, forks of it for the others."""
+    return [drafter] + [None if drafter is None else fork(drafter) for _ in prompts[1:]]
+
+
+def _row_cache(cache: KVCache, b: int, batch: int) -> KVCache:
+    """Row b's own cache: the cache itself for one row, else a view of its row."""
+    return cache if batch == 1 else cache.row(b)

@@ -93,6 +93,16 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def row(self, b: int) -> KVCache:
+        """Batch row b as a cache of its own, with its own length: views of this cache's
+        tensors, so what it writes and commits lands here (a batch's rows reach different
+        lengths)."""
+        if not 0 <= b < self.k.shape[1]:
+            raise ValueError(f"KVCache.row: b must be in [0, {self.k.shape[1]}), got {b}")
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.length = self.k[:, b:b + 1], self.v[:, b:b + 1], self.length
+        return view
+
     def _end_after(self, t: int) -> int:
         end = self.length + t
         if end > self.max_slots:
@@ -102,6 +112,31 @@ class KVCache:
                 f"(e.g. model.new_cache(max_slots={end}) or KVCache(..., max_slots=...))"
             )
         return end
+
+
+class RowSlots:
+    """A batch's cache as one forward over all its rows sees it, each row at its own length:
+    row b's T new K/V go to its slots [lengths[b], lengths[b] + T), and K/V return over slots
+    [0, max(lengths) + T), which the forward's [B, T, max(lengths) + T] mask spans (`length`
+    makes `Transformer.forward` take that mask whole). The caller advances each row."""
+
+    def __init__(self, cache: KVCache, lengths: Sequence[int], t: int) -> None:
+        self.cache, self.length, self._end = cache, max(lengths), max(lengths) + t
+        if self._end > cache.max_slots:
+            cache._end_after(self._end - cache.length)  # the overflow error, stated there
+        starts = torch.tensor(list(lengths), device=cache.k.device)
+        self._slots = starts[:, None] + torch.arange(t, device=cache.k.device)  # [B, T]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # [B, H_kv, S, D]
+        index = self._slots[:, None, :, None].expand(k.shape)
+        keys.scatter_(2, index, k.to(keys.dtype))
+        values.scatter_(2, index, v.to(values.dtype))
+        return keys[:, :, :self._end], values[:, :, :self._end]
+
+    def advance(self, t: int) -> None:
+        pass  # each row's own cache advances
 
 
 class SegmentedKVCache:

@@ -8,11 +8,13 @@ through hooks on modules.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from selfspec.sampling import SamplingParams
 from selfspec.tree import Tree
@@ -171,3 +173,31 @@ class Drafter(Protocol):
 
     def propose(self, context: DraftContext) -> Draft:
         """A draft to follow context.tokens."""
+
+
+def fork(drafter: Drafter) -> Drafter:
+    """Another instance of `drafter` for another row of a batch: the same weights and models
+    (every module and generator it holds is shared, not copied, and so is read-only data
+    whose class sets `shared_by_forks = True`, such as a lookup corpus), its own
+    per-generation state (`begin` then resets it for its row)."""
+    shared: dict[int, object] = {}
+    _collect_shared(drafter, shared, set())
+    return copy.deepcopy(drafter, shared)
+
+
+def _collect_shared(value: object, shared: dict[int, object], seen: set[int]) -> None:
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, nn.Module | torch.Generator) or getattr(type(value), "shared_by_forks",
+                                                                  False):
+        shared[id(value)] = value
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_shared(item, shared, seen)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            _collect_shared(item, shared, seen)
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        for item in vars(value).values():
+            _collect_shared(item, shared, seen)

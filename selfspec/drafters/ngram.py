@@ -21,6 +21,8 @@ class LookupCorpus:
     continuations (up to `length` tokens) of its last `max_places` occurrences, counted once
     per n-gram on first lookup. No continuation crosses from one sequence into the next."""
 
+    shared_by_forks = True  # read-only once built: a batch's rows share one
+
     def __init__(self, sequences: Iterable[Sequence[int]], *, max_ngram: int = 3,
                  min_ngram: int = 1, length: int = 8, max_places: int = 4096):
         if not 1 <= min_ngram <= max_ngram or length < 1 or max_places < 1:

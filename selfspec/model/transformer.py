@@ -325,9 +325,14 @@ def attention_mask(
 ) -> torch.Tensor | None:
     """[T, past + T] bool: every cached slot, then `mask` (default causal) among the new tokens.
 
-    A mask [T, past + T] is taken as it is (a drafter's own tree over cached draft slots).
-    None means plain causal with no past, which SDPA handles with is_causal.
+    A mask [T, past + T] is taken as it is (a drafter's own tree over cached draft slots), and
+    so is a batch's [B, T, past + T], one per row (`selfspec.kv_cache.RowSlots`): it becomes
+    [B, 1, T, past + T]. None means plain causal with no past, which SDPA handles with
+    is_causal.
     """
+    if mask is not None and mask.dim() == 3 and mask.dtype == torch.bool \
+            and mask.shape[1:] == (t, past + t):
+        return mask[:, None].to(device)
     if mask is None:
         if past == 0:
             return None

@@ -1,0 +1,207 @@
+"""A batch of prompts through `generate` (`selfspec.decode`): every row's output is what that
+prompt gives decoded alone, under every drafter, at greedy token for token and when sampling
+in law; each row's cache stays the recomputation of its committed tokens; bad batches are
+clear errors; a planted cross-row bug is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    eagle_head_config,
+    exact_two_token_law,
+    first_layers,
+    fit_pvalue,
+    random_eagle_head,
+    random_exit,
+    random_medusa_heads,
+    tiny_llama,
+)
+
+import selfspec.decode
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.drafters import (
+    EagleDrafter,
+    EarlyExitDrafter,
+    LookupCorpus,
+    MedusaDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+    UnionDrafter,
+)
+from selfspec.drafters.layer_skip import LayerSkipDrafter
+from selfspec.drafters.lookahead import LookaheadDrafter
+from selfspec.heads import MedusaConfig
+from selfspec.kv_cache import RowSlots
+from selfspec.measure.oracle import OracleDrafter
+
+LAYERS = 4
+# Mixed lengths, a one-token prompt, and repeats that lookup drafts from.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 4, 17, 5, 3, 9, 4], [11],
+           [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [20, 21, 22, 23, 24]]
+NEW_TOKENS = 20
+STATIC_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    return tiny_llama(0, layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def target(hf_target) -> Transformer:
+    return Transformer.from_hf(hf_target)
+
+
+@pytest.fixture(scope="module")
+def drafters(hf_target, target) -> dict:
+    """Each drafter kind, made anew per call, at draft length k."""
+    draft_model = Transformer.from_hf(first_layers(hf_target, 1))
+    medusa = random_medusa_heads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=3), seed=1)
+    eagle = {v: random_eagle_head(eagle_head_config(target, v), seed=2) for v in (1, 3)}
+    corpus = LookupCorpus([generate(target, p, max_new_tokens=NEW_TOKENS).tokens
+                           for p in PROMPTS[:2]])
+    return {
+        "ngram": lambda k: NgramDrafter(num_draft_tokens=k, max_ngram=3),
+        "ngram corpus": lambda k: NgramDrafter(num_draft_tokens=k, max_ngram=3, corpus=corpus),
+        "draft model": lambda k: SmallModelDrafter(draft_model, k),
+        "medusa static tree": lambda k: MedusaDrafter(
+            medusa, [p for p in STATIC_TREE if len(p) <= min(k, 3)]),
+        "eagle-1 static tree": lambda k: EagleDrafter(
+            eagle[1], [p for p in STATIC_TREE if len(p) <= k]),
+        "eagle-2 dynamic tree": lambda k: EagleDrafter(eagle[1], total_tokens=k + 2, depth=k,
+                                                       top_k=2),
+        "eagle-3 chain": lambda k: EagleDrafter(eagle[3], total_tokens=k, depth=k, top_k=1),
+        "early exit": lambda k: EarlyExitDrafter(random_exit(target, 2, "adapter"), k, None),
+        "layer skip": lambda k: LayerSkipDrafter((1,), k),
+        "lookahead": lambda k: LookaheadDrafter(window=3, ngram=3, candidates=2),
+        "union": lambda k: UnionDrafter([NgramDrafter(num_draft_tokens=k, max_ngram=3),
+                                         SmallModelDrafter(draft_model, k)]),
+        "oracle": lambda k: OracleDrafter(k),
+    }
+
+
+@pytest.fixture(scope="module")
+def alone(target) -> dict:
+    """Each prompt's plain greedy output, decoded alone."""
+    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
+
+
+KINDS = ["ngram", "ngram corpus", "draft model", "medusa static tree", "eagle-1 static tree",
+         "eagle-2 dynamic tree", "eagle-3 chain", "early exit", "layer skip", "lookahead",
+         "union", "oracle"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("rows", "k"), [(2, 1), (3, 3), (5, 6)])
+def test_every_drafters_batched_greedy_output_is_each_prompts_own(target, drafters, alone,
+                                                                  kind, rows, k):
+    prompts = PROMPTS[:rows]
+    results = generate(target, prompts, drafter=drafters[kind](k), max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in results] == [alone[tuple(p)] for p in prompts]
+    assert sum(r.stats.drafted for r in results) > 0 or kind == "lookahead"
+
+
+def test_rows_stop_at_their_own_eos_and_the_others_go_on(target, drafters, alone):
+    # A stop token that ends some rows early (not all at the same step).
+    eos = alone[tuple(PROMPTS[0])][6]
+    expected = []
+    for prompt in PROMPTS:
+        tokens = alone[tuple(prompt)]
+        expected.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    assert len({len(e) for e in expected}) > 1
+    for kind in ("ngram", "draft model", "eagle-2 dynamic tree", "early exit"):
+        results = generate(target, PROMPTS, drafter=drafters[kind](3),
+                           max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+        assert [r.tokens for r in results] == expected, kind
+        assert [r.stats.new_tokens for r in results] == [len(e) for e in expected]
+
+
+def test_a_batch_of_one_is_one_prompt(target, drafters, alone):
+    [result] = generate(target, [PROMPTS[1]], drafter=drafters["ngram"](3),
+                        max_new_tokens=NEW_TOKENS)
+    single = generate(target, PROMPTS[1], drafter=drafters["ngram"](3), max_new_tokens=NEW_TOKENS)
+    assert result.tokens == single.tokens == alone[tuple(PROMPTS[1])]
+    assert result.stats.steps == single.stats.steps
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=1.0, top_p=0.8)])
+def test_each_rows_two_token_law_is_the_targets_whatever_the_other_rows(target, drafters,
+                                                                       params):
+    """Row 0's first two tokens, drawn in a batch beside another prompt, follow the target's
+    exact two-token law (chi-square, p > 0.001), for a draft model's sampled drafts."""
+    prompt, beside = PROMPTS[0], PROMPTS[3]
+    law = exact_two_token_law(target, prompt, params)
+    generator = torch.Generator().manual_seed(0)
+    drafter = drafters["draft model"](2)
+    samples = 1200
+    counts: dict = {}
+    for _ in range(samples):
+        first = generate(target, [prompt, beside], drafter=drafter, sampling=params,
+                         max_new_tokens=2, generator=generator)[0].tokens
+        counts[tuple(first)] = counts.get(tuple(first), 0) + 1
+    from collections import Counter
+
+    assert fit_pvalue(Counter(counts), law, samples) > 1e-3
+
+
+class CacheProbe:
+    """Wraps a drafter; at every proposal checks that its row's target cache holds exactly the
+    K/V of a fresh forward over the row's committed tokens (all but the root)."""
+
+    def __init__(self, inner, target):
+        self.inner, self.target, self.checked = inner, target, 0
+        self.max_nodes, self.target_layers = inner.max_nodes, inner.target_layers
+
+    def begin(self, setup):
+        self.cache = setup.target_cache
+        self.inner.begin(setup)
+
+    def propose(self, context):
+        committed = context.tokens[:-1]
+        if len(committed) == 0:  # a one-token prompt's first step: nothing cached yet
+            assert self.cache.length == 0
+            return self.inner.propose(context)
+        fresh = self.target.new_cache(max_slots=len(committed))
+        self.target(committed[None], torch.arange(len(committed)), fresh)
+        n = self.cache.length
+        assert n == len(committed)
+        torch.testing.assert_close(self.cache.k[:, :, :, :n], fresh.k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(self.cache.v[:, :, :, :n], fresh.v, atol=1e-5, rtol=0)
+        self.checked += 1
+        return self.inner.propose(context)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "medusa static tree", "eagle-2 dynamic tree",
+                                  "early exit"])
+def test_each_rows_cache_is_the_recomputation_of_its_committed_tokens(target, drafters,
+                                                                      alone, kind):
+    probe = CacheProbe(drafters[kind](3), target)
+    results = generate(target, PROMPTS, drafter=probe, max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in results] == [alone[tuple(p)] for p in PROMPTS]
+    assert probe.checked > 0  # the probe of row 0; its forks checked the other rows
+
+
+def test_bad_batches_are_one_clear_line(target):
+    with pytest.raises(ValueError, match=r"the prompt \(prompt 1\) is empty"):
+        generate(target, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(target, [], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompts lie on different devices \(cpu, meta\)"):
+        generate(target, [torch.tensor([1, 2]), torch.tensor([3], device="meta")],
+                 max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt ids \(prompt 0\) must lie in \[0, 64\)"):
+        generate(target, [[99], [3]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="a batch of prompts decodes eagerly"):
+        generate(target, [[1], [3]], max_new_tokens=4, cuda_graphs=True)
+
+
+def test_a_planted_bug_rows_written_at_another_rows_slots_is_caught(monkeypatch, target, alone):
+    class SameSlots(RowSlots):  # every row's new K/V at row 0's length
+        def __init__(self, cache, lengths, t):
+            super().__init__(cache, [lengths[0]] * len(lengths), t)
+
+    monkeypatch.setattr(selfspec.decode, "RowSlots", SameSlots)
+    results = generate(target, PROMPTS[:3], max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in results] != [alone[tuple(p)] for p in PROMPTS[:3]]
