@@ -71,17 +71,20 @@ def run(cfg: DictConfig) -> None:
         ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
         progress=bool(cfg.progress), choose_length=chooser,
     )
-    if profile is None:
-        longest = from_config.longest_forward(rows)
-        profile = from_config.sweep_cost_profile(cfg, models.target, ids, longest)
-    if profile is not None:
-        rows = add_bounds(rows, profile)
+    longest = from_config.longest_forward(rows)
+    profiles = {b: profile if b == 1 and profile is not None else
+                from_config.sweep_cost_profile(cfg, models.target, ids, longest, b)
+                for b in plan.grid.batch_sizes}
+    profiles = {b: cost for b, cost in profiles.items() if cost is not None}
+    if profiles:
+        rows = add_bounds(rows, profiles)
     machine = machine_facts()
     write_results(rows, cfg.run_dir, {
         "machine": machine, "settings": asdict(settings), "shared_baseline": plan.shared_baseline,
         "prompt_ids": [p.prompt.id for p in prompts], "config": config,
         "calibration_prompt_ids": [p.id for p in plan.calibration],
-        "cost_profile": profile.as_dict() if profile else None,
+        "cost_profile": profiles[1].as_dict() if 1 in profiles else None,
+        "cost_profiles": {b: p.as_dict() for b, p in profiles.items()},
     })
     figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir, from_config.method_colors())
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
@@ -89,8 +92,8 @@ def run(cfg: DictConfig) -> None:
     print(format_table(rows))
     if plan.grid.auto:
         print(describe_auto(rows))
-    if profile is not None:
-        print(describe_profile(profile))
+    for cost in profiles.values():
+        print(describe_profile(cost))
     print(f"results, plots and W&B run in {Path(cfg.run_dir).resolve()}")
 
 

@@ -175,6 +175,7 @@ def _decode(
                 _commit(row, draft, *outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
         timing.split_steps += clock.split
+        timing.loop_steps += 1
         for row in rows:  # a row's wall time ends with the step that finished it
             if row.done and not row.stats.wall_time_s:
                 row.stats.wall_time_s = clock.last - start
@@ -199,7 +200,8 @@ def _finished(row: _Row, timing: GenerationStats) -> GenerationStats:
     stats = row.stats
     for phase in PHASES:
         setattr(stats, f"{phase}_time_s", getattr(timing, f"{phase}_time_s"))
-    stats.split_steps, stats.new_tokens = timing.split_steps, len(row.new)
+    stats.split_steps, stats.loop_steps = timing.split_steps, timing.loop_steps
+    stats.new_tokens = len(row.new)
     return stats
 
 

@@ -41,6 +41,9 @@ class GenerationStats:
     verify_time_s: float = 0.0
     commit_time_s: float = 0.0
     split_steps: int = 0  # steps whose every phase was timed (generate's split_time)
+    # Verification forwards of the loop: a batch's steps, which its rows share (one row's
+    # steps: as many as it took part in); for one prompt, steps.
+    loop_steps: int = 0
 
     def record_step(self, draft_nodes: int, draft_depth: int, num_accepted: int,
                     rows: int | None = None) -> None:
@@ -59,7 +62,8 @@ class GenerationStats:
     def merge(self, other: GenerationStats) -> None:
         """Add another generation's counters to these (a pass over many prompts)."""
         for name in ("new_tokens", "steps", "target_forwards", "drafted", "accepted",
-                     "wall_time_s", "split_steps", *(f"{p}_time_s" for p in PHASES)):
+                     "wall_time_s", "split_steps", "loop_steps",
+                     *(f"{p}_time_s" for p in PHASES)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("accept_histogram", "nodes_histogram", "position_drafted",
                      "position_accepted"):
@@ -116,6 +120,11 @@ class GenerationStats:
             "tokens_per_s": self.tokens_per_s,
             "time_split": self.time_split,
         }
+
+
+# What a batch's rows share (`generate` gives each row the batch's figures): counted once
+# when their stats are merged.
+SHARED_BY_ROWS = ("split_steps", "loop_steps", *(f"{p}_time_s" for p in PHASES))
 
 
 def describe_split(split: dict[str, dict[str, float]] | None) -> str:

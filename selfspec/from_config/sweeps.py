@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
+from selfspec.from_config.methods.hf_peers import ONE_PROMPT
 from selfspec.from_config.models import (
     compile_steps,
     load_hf_model,
@@ -64,8 +65,10 @@ def plan_sweep(cfg: DictConfig, num_prompts: int, *, greedy_only: bool = False) 
     texts = sweep_prompt_texts(cfg.data, num_prompts)
     resolve_model_path(cfg.model)
     lines = tuple(line for method in methods for line in grid_lines(cfg, method, lengths))
+    batches = (1,) if greedy_only else batch_sizes(cfg, methods)
     # The lossless check (greedy_only) needs no auto rows: they repeat a fixed length.
-    grid = SweepGrid(lines, samplings, auto=wants_auto(cfg) and not greedy_only)
+    grid = SweepGrid(lines, samplings, auto=wants_auto(cfg) and not greedy_only,
+                     batch_sizes=batches)
     return SweepPlan(grid, texts, mode == "shared", calibration_texts(cfg, num_prompts, grid))
 
 
@@ -121,6 +124,20 @@ def draft_lengths(cfg: DictConfig) -> tuple[int, ...]:
 
 
 AUTO = "auto"
+
+
+def batch_sizes(cfg: DictConfig, methods: Sequence[MethodEntry]) -> tuple[int, ...]:
+    """bench.batch_sizes (default [1]): prompts decoded together, each batch size a set of
+    rows; transformers' assisted generation and prompt lookup take one prompt."""
+    sizes = tuple(as_list(cfg.bench.get("batch_sizes")) or (1,))
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"bench.batch_sizes: give integers >= 1, e.g. [1,2,4,8], got "
+                         f"{list(sizes)}")
+    one_prompt = [m.name for m in methods if m.name in ONE_PROMPT]
+    if max(sizes) > 1 and one_prompt:
+        raise ValueError(f"{', '.join(one_prompt)} decode one prompt at a time (transformers); "
+                         f"leave them out of methods or set bench.batch_sizes=[1]")
+    return tuple(dict.fromkeys(sizes))
 
 
 def wants_auto(cfg: DictConfig) -> bool:
@@ -256,18 +273,19 @@ def _true_false_or_null(cfg: DictConfig, key: str, default: bool | None) -> bool
 
 def sweep_cost_profile(
     cfg: DictConfig, target: Transformer, prompts: Sequence[Sequence[int]], longest: int,
+    batch_size: int = 1,
 ) -> CostProfile | None:
     """c(N) of the target, measured once in the sweep's process (None when cfg.cost_profile
     is false): over a cache as long as the sweep's steps see on average (the mean prompt
     length + half of bench.max_new_tokens), at every forward length up to `longest` (capped
     at costs.PROFILE_MAX_TOKENS): `longest_forward(rows)` after the rows, or the cap before
-    them when auto rows need it."""
+    them when auto rows need it; at batch_size rows a forward."""
     if not _flag(cfg, "cost_profile"):
         return None
     mean_prompt = sum(len(p) for p in prompts) / len(prompts)
     cache_length = round(mean_prompt + int(cfg.bench.max_new_tokens) / 2)
     return measure_cost_profile(target, covering_lengths(longest), cache_length=cache_length,
-                                cuda_graphs=cuda_graphs(cfg))
+                                cuda_graphs=cuda_graphs(cfg), batch_size=batch_size)
 
 
 def longest_forward(rows: Sequence[SweepRow]) -> int:

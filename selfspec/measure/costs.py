@@ -37,12 +37,14 @@ def covering_lengths(tokens: int, cap: int = PROFILE_MAX_TOKENS) -> tuple[int, .
 
 @dataclass(frozen=True)
 class CostProfile:
-    """seconds[N]: median seconds of a forward over N new tokens after cache_length tokens."""
+    """seconds[N]: median seconds of a forward over N new tokens after cache_length tokens,
+    for each of batch_size rows (c_B(N) at batch B: a batch's step against its plain step)."""
 
     seconds: dict[int, float]
     cache_length: int
     device: str
     dtype: str
+    batch_size: int = 1
 
     def c(self, n: float) -> float:
         """c(n) = seconds(n) / seconds(1); between measured lengths (or at a fractional n, a
@@ -70,7 +72,7 @@ class CostProfile:
 
     def as_dict(self) -> dict:
         return {"cache_length": self.cache_length, "device": self.device, "dtype": self.dtype,
-                "one_token_ms": 1000 * self.seconds[1],
+                "batch_size": self.batch_size, "one_token_ms": 1000 * self.seconds[1],
                 "c": {n: self.c(n) for n in sorted(self.seconds)}}
 
 
@@ -84,9 +86,11 @@ def measure_cost_profile(
     warmup: int = 2,
     seed: int = 0,
     cuda_graphs: bool | None = None,
+    batch_size: int = 1,
 ) -> CostProfile:
     """Time target forwards of every N in lengths over a cache of cache_length random tokens,
-    as `generate` runs them: cuda_graphs as its (None: replayed CUDA graphs on a CUDA target).
+    as `generate` runs them: cuda_graphs as its (None: replayed CUDA graphs on a CUDA target;
+    a batch runs eagerly), over batch_size rows of N tokens each.
 
     The lengths are measured in interleaved rounds, so drift of the machine's speed hits all
     of them alike; each figure is the median over `repeats` rounds after `warmup` rounds.
@@ -100,12 +104,12 @@ def measure_cost_profile(
     vocab = target.config.vocab_size
 
     def random_tokens(n: int) -> torch.Tensor:
-        return torch.randint(vocab, (1, n), generator=generator, device=weight.device)
+        return torch.randint(vocab, (batch_size, n), generator=generator, device=weight.device)
 
     steps = (static_steps(target, cache_length + lengths[-1])
-             if use_cuda_graphs(cuda_graphs, target) else None)
-    cache = target.new_cache(max_slots=cache_length + lengths[-1]) if steps is None \
-        else steps.cache
+             if batch_size == 1 and use_cuda_graphs(cuda_graphs, target) else None)
+    cache = (target.new_cache(batch_size, max_slots=cache_length + lengths[-1])
+             if steps is None else steps.cache)
     target(random_tokens(cache_length), torch.arange(cache_length, device=weight.device), cache)
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor) -> None:
@@ -121,7 +125,7 @@ def measure_cost_profile(
             if round_ >= warmup:
                 times[n].append(seconds)
     return CostProfile({n: statistics.median(t) for n, t in times.items()}, cache_length,
-                       str(weight.device), str(weight.dtype).removeprefix("torch."))
+                       str(weight.device), str(weight.dtype).removeprefix("torch."), batch_size)
 
 
 def _timed_forward(forward, tokens: torch.Tensor, cache, cache_length: int) -> float:

@@ -59,6 +59,7 @@ class GridPoint:
     sampling: SamplingParams
     auto: bool = False
     candidates: tuple[int, ...] = ()
+    batch_size: int = 1  # prompts decoded together (its baseline: plain decoding of them)
 
     @property
     def method(self) -> str:
@@ -68,13 +69,14 @@ class GridPoint:
 
 @dataclass(frozen=True)
 class SweepGrid:
-    """lines (a variant and its draft lengths) x named sampling settings. auto: after each
-    line's fixed rows, a row at the length chosen among them (`num_draft_tokens=[1,2,4,auto]`),
-    where the line allows one."""
+    """lines (a variant and its draft lengths) x named sampling settings x batch sizes. auto:
+    after each line's fixed rows, a row at the length chosen among them
+    (`num_draft_tokens=[1,2,4,auto]`), where the line allows one, at batch size 1."""
 
     lines: tuple[GridLine, ...]
     samplings: tuple[tuple[str, SamplingParams], ...]
     auto: bool = False
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         if not self.lines:
@@ -82,6 +84,10 @@ class SweepGrid:
                              "methods=[small_model,ngram])")
         if not self.samplings:
             raise ValueError("no sampling settings: give at least one (e.g. samplings=[greedy])")
+        if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                       for b in self.batch_sizes):
+            raise ValueError(f"bench.batch_sizes: give integers >= 1, e.g. [1,2,4,8], got "
+                             f"{list(self.batch_sizes)}")
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -101,13 +107,15 @@ class SweepGrid:
 
     def points(self) -> list[GridPoint]:
         points = []
-        for name, sampling in self.samplings:
-            for line in self.lines:
-                lengths = sorted(set(line.lengths))
-                points += [GridPoint(line.variant, k, name, sampling) for k in lengths]
-                if self.auto and line.auto:
-                    points.append(GridPoint(line.variant, max(lengths), name, sampling, True,
-                                            tuple(lengths)))
+        for batch in self.batch_sizes:
+            for name, sampling in self.samplings:
+                for line in self.lines:
+                    lengths = sorted(set(line.lengths))
+                    points += [GridPoint(line.variant, k, name, sampling, batch_size=batch)
+                               for k in lengths]
+                    if self.auto and line.auto and batch == 1:
+                        points.append(GridPoint(line.variant, max(lengths), name, sampling,
+                                                True, tuple(lengths)))
         return points
 
 
@@ -172,6 +180,11 @@ class SweepRow:
     auto_vs_best: float | None = None
     variant: dict[str, Any] = field(default_factory=dict)
     peer_of: str | None = None
+    batch_size: int = 1
+    latency_s_mean: float | None = None
+    latency_s_p90: float | None = None
+    baseline_latency_s_mean: float | None = None
+    baseline_latency_s_p90: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

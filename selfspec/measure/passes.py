@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.measure.grid import GridPoint, SweepRow, Variant
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.peers import Decoder, OurDecoder
-from selfspec.metrics import GenerationStats, describe_split
+from selfspec.metrics import SHARED_BY_ROWS, GenerationStats, describe_split
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
 
@@ -69,16 +69,34 @@ class Pass:
     seconds: list[float] = field(default_factory=list)  # per repeat
     stats: GenerationStats = field(default_factory=GenerationStats)
     outputs: list[list[int]] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # each prompt's, every repeat
 
     def add(self, repeat: int, result: GenerationResult) -> None:
+        self.add_batch(repeat, [result], result.stats.wall_time_s)
+
+    def add_batch(self, repeat: int, results: Sequence[GenerationResult],
+                  seconds: float) -> None:
+        """A batch's results (each row's wall time: its latency) and the batch's seconds."""
         if repeat == len(self.seconds):
             self.new_tokens.append(0)
             self.seconds.append(0.0)
-        self.new_tokens[repeat] += result.stats.new_tokens
-        self.seconds[repeat] += result.stats.wall_time_s
-        self.stats.merge(result.stats)
-        if repeat == 0:
-            self.outputs.append(result.tokens)
+        self.seconds[repeat] += seconds
+        for j, result in enumerate(results):
+            self.new_tokens[repeat] += result.stats.new_tokens
+            self.latencies.append(result.stats.wall_time_s)
+            # The batch's time, and the phase times its rows share, count once.
+            shared = {} if j == 0 else dict.fromkeys(SHARED_BY_ROWS, 0)
+            self.stats.merge(replace(result.stats, wall_time_s=0.0, **shared))
+            if repeat == 0:
+                self.outputs.append(result.tokens)
+        self.stats.wall_time_s += seconds
+
+    def latency(self, quantile: float) -> float | None:
+        """A quantile of the prompts' latencies (0.5: the median), None without any."""
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
     @property
     def tokens_per_s(self) -> list[float]:
@@ -90,24 +108,45 @@ def run_passes(
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams,
     settings: BenchSettings,
+    batch_size: int = 1,
 ) -> list[Pass]:
-    """Warm every decoder up, then time them interleaved prompt by prompt, repeat by repeat.
+    """Warm every decoder up, then time them interleaved prompt by prompt (batch by batch:
+    consecutive prompts, the last batch as many as are left), repeat by repeat.
 
-    Prompt i is generated with seed `settings.seed + i` in every repeat and by every decoder.
+    Prompt i (a batch: its first prompt i) is generated with seed `settings.seed + i` in every
+    repeat and by every decoder.
     """
     if not prompts:
         raise ValueError("run_passes: no prompts to measure on")
     warm_tokens = min(16, settings.max_new_tokens)
     for decoder in decoders:
         for w in range(settings.warmup):
-            decoder(prompts[w % len(prompts)], sampling, warm_tokens, settings.seed, ())
+            _decode(decoder, _batch_at(prompts, w * batch_size, batch_size), sampling,
+                    warm_tokens, settings.seed, ())
     passes = [Pass() for _ in decoders]
     for repeat in range(settings.repeats):
-        for i, prompt in enumerate(prompts):
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i:i + batch_size]
             for decoder, summary in zip(decoders, passes, strict=True):
-                summary.add(repeat, decoder(prompt, sampling, settings.max_new_tokens,
-                                            settings.seed + i, settings.stop_ids))
+                summary.add_batch(repeat, *_decode(decoder, batch, sampling,
+                                                   settings.max_new_tokens, settings.seed + i,
+                                                   settings.stop_ids))
     return passes
+
+
+def _batch_at(prompts: Sequence[Sequence[int]], start: int, size: int) -> list[Sequence[int]]:
+    return [prompts[(start + j) % len(prompts)] for j in range(size)]
+
+
+def _decode(decoder: Decoder, batch: Sequence[Sequence[int]], sampling: SamplingParams,
+            max_new_tokens: int, seed: int, stop_ids: Sequence[int]
+            ) -> tuple[list[GenerationResult], float]:
+    """One prompt through decoder(...), several through decoder.batch(...): the results
+    and the seconds the call took."""
+    if len(batch) == 1:
+        result = decoder(batch[0], sampling, max_new_tokens, seed, stop_ids)
+        return [result], result.stats.wall_time_s
+    return decoder.batch(batch, sampling, max_new_tokens, seed, stop_ids)
 
 
 def measure_row(
@@ -123,12 +162,13 @@ def measure_row(
     baseline: a pass of the baseline measured earlier (shared mode); None = measure it here,
     interleaved with the method prompt by prompt.
     """
+    batch = point.batch_size
     with PeakMemory(device) as memory:
         if baseline is None:
             baseline, ours = run_passes([method.baseline, method.decoder], prompts,
-                                        point.sampling, settings)
+                                        point.sampling, settings, batch)
         else:
-            (ours,) = run_passes([method.decoder], prompts, point.sampling, settings)
+            (ours,) = run_passes([method.decoder], prompts, point.sampling, settings, batch)
     lossless = ours.outputs == baseline.outputs if point.sampling.greedy else None
     row = _row(method, point, ours, baseline, memory, lossless)
     return row, baseline
@@ -160,11 +200,18 @@ def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakM
         baseline_repeated_4gram_share=repeated_ngram_share(base.outputs, 4),
         lossless=lossless, nodes_per_step=stats.nodes_per_step,
         nodes_histogram=list(stats.nodes_histogram),
-        draft_ms_per_step=(1000 * stats.draft_time_s / stats.steps
+        draft_ms_per_step=(1000 * stats.draft_time_s / (stats.loop_steps or stats.steps)
                            if method.decoder.measures_draft_time and stats.steps else None),
         time_split=stats.time_split, baseline_time_split=base.stats.time_split,
         variant=point.variant.as_dict(), peer_of=point.variant.peer_of,
+        batch_size=point.batch_size, latency_s_mean=_mean(ours.latencies),
+        latency_s_p90=ours.latency(0.9), baseline_latency_s_mean=_mean(base.latencies),
+        baseline_latency_s_p90=base.latency(0.9),
     )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 # ---- one drafter against plain decoding (train/medusa.py's final report) -------------------

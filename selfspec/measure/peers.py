@@ -25,6 +25,8 @@ from selfspec.sampling import SamplingParams
 
 class Decoder(Protocol):
     """One way to generate a continuation; wall_time_s is measured around the whole call.
+    `batch` decodes several prompts together: their results (each one's wall_time_s: its
+    latency, until its last token) and the seconds the whole call took.
 
     measures_draft_time: whether stats.draft_time_s holds the drafting time (False: unknown).
     """
@@ -35,6 +37,11 @@ class Decoder(Protocol):
         self, prompt: Sequence[int], sampling: SamplingParams, max_new_tokens: int, seed: int,
         stop_ids: Sequence[int],
     ) -> GenerationResult: ...
+
+    def batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, max_new_tokens: int,
+        seed: int, stop_ids: Sequence[int],
+    ) -> tuple[list[GenerationResult], float]: ...
 
 
 @dataclass
@@ -53,16 +60,30 @@ class OurDecoder:
         self, prompt: Sequence[int], sampling: SamplingParams, max_new_tokens: int, seed: int,
         stop_ids: Sequence[int],
     ) -> GenerationResult:
+        [result], seconds = self._generate(list(prompt), sampling, max_new_tokens, seed,
+                                           stop_ids)
+        result.stats.wall_time_s = seconds  # timed like every decoder
+        return result
+
+    def batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, max_new_tokens: int,
+        seed: int, stop_ids: Sequence[int],
+    ) -> tuple[list[GenerationResult], float]:
+        return self._generate([list(p) for p in prompts], sampling, max_new_tokens, seed,
+                              stop_ids)
+
+    def _generate(self, prompts, sampling: SamplingParams, max_new_tokens: int, seed: int,
+                  stop_ids: Sequence[int]) -> tuple[list[GenerationResult], float]:
         device = self.target.embed_tokens.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
         start = time.perf_counter()
-        result = generate(self.target, list(prompt), drafter=self.drafter, sampling=sampling,
-                          max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
-                          generator=generator, split_time=self.split_time,
-                          cuda_graphs=self.cuda_graphs)
+        results = generate(self.target, prompts, drafter=self.drafter, sampling=sampling,
+                           max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids) or None,
+                           generator=generator, split_time=self.split_time,
+                           cuda_graphs=self.cuda_graphs)
         synchronize(device)
-        result.stats.wall_time_s = time.perf_counter() - start  # timed like every decoder
-        return result
+        seconds = time.perf_counter() - start
+        return (results if isinstance(results, list) else [results]), seconds
 
     @torch.inference_mode()
     def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.dtype]:
@@ -116,6 +137,38 @@ class HFDecoder:
         stats.wall_time_s = seconds
         return GenerationResult(tokens, stats)
 
+    def batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, max_new_tokens: int,
+        seed: int, stop_ids: Sequence[int],
+    ) -> tuple[list[GenerationResult], float]:
+        """Plain `generate` over the prompts left-padded to one length (its attention mask
+        hides the padding); every row's latency is the whole call's. Assisted generation and
+        prompt lookup take one prompt in transformers: refused."""
+        if self.assistant is not None or self.prompt_lookup:
+            raise ValueError("transformers' assisted generation and prompt lookup decode one "
+                             "prompt at a time; sweep hf_assisted and hf_prompt_lookup at "
+                             "bench.batch_sizes=[1]")
+        width, pad = max(len(p) for p in prompts), _pad_id(self.model)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts],
+                           dtype=torch.long, device=self.model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            dtype=torch.long, device=self.model.device)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                  eos_token_id=list(stop_ids) or None, pad_token_id=pad,
+                                  **_hf_sampling_kwargs(sampling))
+        synchronize(ids.device)
+        seconds = time.perf_counter() - start
+        results = []
+        for row in out[:, width:].tolist():
+            tokens = _until_stop(row, set(stop_ids))
+            stats = GenerationStats(new_tokens=len(tokens), wall_time_s=seconds)
+            for _ in tokens:
+                stats.record_step(0, 0, 0)
+            results.append(GenerationResult(tokens, stats))
+        return results, seconds
+
     @torch.inference_mode()
     def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.dtype]:
         """The model's logits [V] for the token after ids (one full forward), its dtype."""
@@ -165,6 +218,14 @@ def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.devic
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf()),
                                                  dtype=dtype)
     return model.eval()
+
+
+def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """A row's tokens up to its first stop token (kept); the padding after it dropped."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:i + 1]
+    return tokens
 
 
 def _pad_id(model) -> int:

@@ -30,12 +30,16 @@ PANEL_TITLE_WIDTH = PANEL_WIDTH - 1.2
 def plot_sweep(rows: Sequence[Row], folder: str | Path, colors: Colors | None = None
                ) -> dict[str, Path]:
     """Every sweep figure as a PNG in folder; returns {name: path}. speedup_vs_bound only when
-    some row has a bound (the sweep measured a cost profile). colors: each method's colour
-    (the registry's, `from_config.method_colors()`); others get one of matplotlib's."""
+    some row has a bound (the sweep measured a cost profile); with several batch sizes, the
+    figures against draft length show the smallest batch and speedup_vs_batch_size all.
+    colors: each method's colour (the registry's, `from_config.method_colors()`); others get
+    one of matplotlib's."""
     if not rows:
         raise ValueError("plot_sweep: no rows to plot (the sweep measured nothing)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    batches = sorted({r.get("batch_size", 1) for r in rows})
+    every_batch, rows = rows, [r for r in rows if r.get("batch_size", 1) == batches[0]]
     makers = {
         "acceptance_vs_draft_length": acceptance_vs_draft_length,
         "tokens_per_s_vs_draft_length": tokens_per_s_vs_draft_length,
@@ -48,7 +52,36 @@ def plot_sweep(rows: Sequence[Row], folder: str | Path, colors: Colors | None = 
     for name, make in makers.items():
         paths[name] = folder / f"{name}.png"
         make(rows, colors or {}).savefig(paths[name], dpi=110)
+    if len(batches) > 1:
+        paths["speedup_vs_batch_size"] = folder / "speedup_vs_batch_size.png"
+        speedup_vs_batch_size(every_batch, colors or {}).savefig(
+            paths["speedup_vs_batch_size"], dpi=110)
     return paths
+
+
+def speedup_vs_batch_size(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
+    """Each method's speedup over plain decoding of the same batch against the batch size, at
+    its best draft length for each size, a line per method."""
+    fig, panels = _panels(rows, "Speedup over plain decoding of the same batch vs batch size "
+                                "(each method at its best draft length)")
+    for sampling, ax in panels.items():
+        best: dict[str, dict[int, float]] = {}
+        for r in rows:
+            if r["sampling"] == sampling:
+                line = best.setdefault(r["method"], {})
+                line[r["batch_size"]] = max(line.get(r["batch_size"], 0.0), r["speedup"])
+        for method, line in best.items():
+            sizes = sorted(line)
+            ax.plot(sizes, [line[b] for b in sizes], marker="o", color=_color(method, colors),
+                    label=method)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({b for line in best.values() for b in line})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set(xlabel="batch size", ylabel="speedup (x)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return fig
 
 
 def acceptance_vs_draft_length(rows: Sequence[Row], colors: Colors | None = None) -> Figure:

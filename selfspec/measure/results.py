@@ -67,7 +67,7 @@ def format_table(rows: Sequence[SweepRow]) -> str:
     """A plain-text summary, one line per row, for the terminal: the figures, the bound and
     efficiency (blank without a cost profile), and the time split in percent of wall time."""
     split_head = "/".join(("pre", "draft", "fwd", "probs", "verify", "commit", "other"))
-    head = (f"{'method':<17}{'k':>3} {'sampling':<8}{'tau':>6}{'acc':>6}{'tok/s':>9}"
+    head = (f"{'method':<17}{'k':>3}{'B':>3} {'sampling':<8}{'tau':>6}{'acc':>6}{'tok/s':>9}"
             f"{'speedup':>9}{'bound':>8}{'eff':>6}{'rep4':>6}  {'lossless':<9}"
             f"time % {split_head}")
     lines = [head]
@@ -75,7 +75,7 @@ def format_table(rows: Sequence[SweepRow]) -> str:
         bound = "" if r.bound is None else f"{r.bound:.2f}x"
         efficiency = "" if r.efficiency is None else f"{r.efficiency:.2f}"
         lines.append(
-            f"{r.method:<17}{r.draft_length:>3} {r.sampling:<8}{r.tau:>6.2f}"
+            f"{r.method:<17}{r.draft_length:>3}{r.batch_size:>3} {r.sampling:<8}{r.tau:>6.2f}"
             f"{r.acceptance_rate:>6.2f}{r.tokens_per_s:>9.1f}{r.speedup:>8.2f}x{bound:>8}"
             f"{efficiency:>6}{r.repeated_4gram_share:>6.2f}  "
             f"{'' if r.lossless is None else str(r.lossless):<9}{split_percent(r.time_split)}"
@@ -106,8 +106,9 @@ def describe_auto(rows: Sequence[SweepRow]) -> str:
 def describe_profile(profile: CostProfile) -> str:
     """The cost profile as one line: the one-token forward and c(N) at every measured N."""
     c = profile.as_dict()["c"]
+    batch = f", batch {profile.batch_size}" if profile.batch_size > 1 else ""
     return (f"cost profile ({profile.device}, {profile.dtype}, cache length "
-            f"{profile.cache_length}): one-token forward {1000 * profile.seconds[1]:.2f} ms; "
+            f"{profile.cache_length}{batch}): one-token forward {1000 * profile.seconds[1]:.2f} ms; "
             "c(N) " + ", ".join(f"{n}: {v:.2f}" for n, v in c.items()))
 
 

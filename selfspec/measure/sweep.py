@@ -5,7 +5,7 @@ package's job: `run_sweep` receives a function that makes them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -92,20 +92,27 @@ def add_peer_ratios(rows: Sequence[SweepRow]) -> list[SweepRow]:
     return out
 
 
-def add_bounds(rows: Sequence[SweepRow], profile: CostProfile) -> list[SweepRow]:
+def add_bounds(rows: Sequence[SweepRow],
+               profiles: CostProfile | Mapping[int, CostProfile]) -> list[SweepRow]:
     """Every row's bound and efficiency from a cost profile of its target (docs/design.md,
     "Every speedup is explained"): bound = tau / (c(N + 1) + draft cost), c(N + 1) being its
     mean over the row's steps (N: each step's draft nodes, from nodes_histogram), the draft
     cost = draft time per step in one-token forwards of the profile (0 where the draft time
     is not measured: the bound is then an upper one); efficiency = speedup / bound. A row
     without drafts has bound 1 / (1 + its draft cost). The hf_* rows use c(N) of our forward.
-    A row with a step beyond the profile's lengths keeps None."""
-    one_token_ms = 1000 * profile.seconds[1]
+    A row at batch size B takes c_B(N) and the one-token forward of the profile at B
+    (profiles: one per batch size; a single profile serves batch size 1). A row with a step
+    beyond the profile's lengths, or without a profile at its batch size, keeps None."""
+    if isinstance(profiles, CostProfile):
+        profiles = {profiles.batch_size: profiles}
     out = []
     for r in rows:
-        if not r.nodes_histogram or len(r.nodes_histogram) > max(profile.seconds):
+        profile = profiles.get(r.batch_size)
+        if profile is None or not r.nodes_histogram \
+                or len(r.nodes_histogram) > max(profile.seconds):
             out.append(r)
             continue
+        one_token_ms = 1000 * profile.seconds[1]
         cost = None if r.draft_ms_per_step is None else r.draft_ms_per_step / one_token_ms
         bound = profile.bound(r.tau, r.nodes_histogram, cost or 0.0)
         out.append(replace(r, draft_cost=cost, bound=bound, efficiency=r.speedup / bound))

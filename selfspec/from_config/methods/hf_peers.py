@@ -22,7 +22,7 @@ from selfspec.from_config.models import (
 )
 from selfspec.measure.grid import Variant
 from selfspec.measure.passes import Method
-from selfspec.measure.peers import HFDecoder
+from selfspec.measure.peers import HFDecoder, OurDecoder
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class PeerVariant(Variant):
 
     @property
     def peer_of(self) -> str | None:
-        return self.peer
+        return self.peer or None
 
 
 def _hf_model(loaded: Loaded, key: str, folder) -> Any:
@@ -48,9 +48,13 @@ def hf_draft(loaded: Loaded) -> Any:
     return _hf_model(loaded, "hf_draft", folder)
 
 
-def _peer(name: str, peer: str, summary: str, assisted: bool, order: int) -> MethodEntry:
+def _peer(name: str, peer: str | None, summary: str, kind: str, order: int) -> MethodEntry:
+    """kind: assisted (with the draft model), lookup (prompt lookup) or plain (no drafts: a
+    peer of our plain decoding, which is its baseline)."""
+    assisted = kind == "assisted"
+
     def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[PeerVariant, ...]:
-        return (PeerVariant(name, peer),)
+        return (PeerVariant(name, peer or ""),)
 
     def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
         if target_quantization(cfg.model) is not None:
@@ -67,16 +71,22 @@ def _peer(name: str, peer: str, summary: str, assisted: bool, order: int) -> Met
 
     def method(loaded: Loaded, variant: Variant, k: int) -> Method:
         target = hf_target(loaded)
+        if kind == "plain":
+            return Method(name, k, HFDecoder(target), OurDecoder(loaded.target), "plain", 0)
         decoder = HFDecoder(target, hf_draft(loaded) if assisted else None, num_draft_tokens=k,
-                            prompt_lookup=not assisted)
+                            prompt_lookup=kind == "lookup")
         return Method(name, k, decoder, HFDecoder(target), "hf_plain", k)
 
+    colors = {"assisted": "tab:purple", "lookup": "tab:brown", "plain": "tab:gray"}
     return MethodEntry(name, summary, variants, load, method=method, check=check,
-                       color="tab:purple" if assisted else "tab:brown", order=order)
+                       color=colors[kind], order=order)
 
 
 ENTRIES = (
     _peer("hf_assisted", "small_model", "transformers' assisted generation with the draft model",
-          True, 90),
-    _peer("hf_prompt_lookup", "ngram", "transformers' prompt lookup decoding", False, 91),
+          "assisted", 90),
+    _peer("hf_prompt_lookup", "ngram", "transformers' prompt lookup decoding", "lookup", 91),
+    _peer("hf_plain", None, "transformers' plain generate (a batch left-padded), against our "
+          "plain decoding", "plain", 92),
 )
+ONE_PROMPT = ("hf_assisted", "hf_prompt_lookup")  # transformers decodes them one at a time
