@@ -161,6 +161,31 @@ def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, head
     assert lookup["draft_cost"] is None and lookup["bound"] > 0  # a draft that costs nothing
 
 
+def test_a_sweep_over_batch_sizes_compares_each_batch_with_its_own_plain_decoding(
+        tmp_path, quick_build, cfg_of):
+    """bench.batch_sizes=[1,2,3]: rows per batch size, lossless at each, every row's bound
+    from c_B(N) of its own batch size, per-prompt latencies, the Hugging Face plain peer of
+    the same batch, and the speedup-against-batch-size figure."""
+    cfg = cfg_of("sweep", *toy(quick_build), "methods=[ngram,small_model,hf_plain]",
+                 "num_draft_tokens=[2]", "samplings=[greedy]", "bench.num_prompts=3",
+                 "bench.max_new_tokens=10", "bench.batch_sizes=[1,2,3]", "wandb.enabled=false",
+                 f"run_dir={tmp_path}")
+    load_entry("sweep").run(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["method"], r["batch_size"]): r for r in results["rows"]}
+    assert set(rows) == {(m, b) for m in ("ngram", "small_model", "hf_plain") for b in (1, 2, 3)}
+    profiles = results["cost_profiles"]
+    assert sorted(map(int, profiles)) == [1, 2, 3]
+    for (method, batch), row in rows.items():
+        assert row["lossless"] is True, (method, batch)  # every row its prompt's own output
+        assert row["prompts"] == 3 and 0 < row["latency_s_mean"] <= row["latency_s_p90"]
+        if method != "hf_plain":
+            assert row["bound"] == pytest.approx(saved_bound(row, profiles[str(batch)]))
+            assert row["tau"] == rows[method, 1]["tau"]  # the same outputs, batched or not
+    assert rows["hf_plain", 2]["baseline"] == "plain"
+    assert (tmp_path / "speedup_vs_batch_size.png").stat().st_size > 10_000
+
+
 def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
     env = {**os.environ, "WANDB_MODE": "offline"}
     done = subprocess.run(
@@ -259,6 +284,9 @@ def test_a_sweep_adds_an_auto_row_chosen_on_other_prompts(tmp_path, quick_build,
         (["methods=[ngram+medusa]", "medusa_heads={empty_dir}", "ngram.medusa_choices=[[1,0]]"],
          "ngram.medusa_choices: give Medusa choices"),
         (["cost_profile=2"], "cost_profile must be true or false"),
+        (["bench.batch_sizes=[1,0]"], "bench.batch_sizes: give integers >= 1"),
+        (["methods=[hf_assisted]", "bench.batch_sizes=[1,2]"],
+         "hf_assisted decode one prompt at a time"),
         (["num_draft_tokens=[auto]"], "num_draft_tokens must be integers >= 1 (and optionally"),
         (["num_draft_tokens=[2,auto]", "cost_profile=false"], "predicts speedups from the cost"),
         (["num_draft_tokens=[2,auto]", "data.num_prompts=4", "bench.num_prompts=4"],
