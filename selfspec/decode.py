@@ -78,9 +78,9 @@ def generate(
     `fork` of it for the others), cache length, positions, draft, acceptance, commit and
     stop, and its output is what it would be decoded alone (at temperature 0 the same
     tokens). One forward verifies every row's draft, each padded to the longest with rows
-    that attend to themselves alone and are never accepted. A row that stops rides along
-    with one such row until the batch ends. Drafts that ran the target's early layers
-    (early exit) are verified row by row.
+    that attend to themselves alone and are never accepted. A row that stops leaves: the
+    others move to the first rows of the cache and go on. Drafts that ran the target's early
+    layers (early exit) are verified row by row.
 
     generator: a torch.Generator on the target's device, e.g.
     `torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)`; one on
@@ -119,6 +119,7 @@ class _Row:
     drafter: Drafter | None
     cache: KVCache
     history: list[int]
+    slot: int  # its row of the batch's cache (unfinished rows are packed first)
     new: list[int] = field(default_factory=list)
     features: TargetFeatures | None = None
     extra_logits: torch.Tensor | None = None
@@ -146,7 +147,7 @@ def _decode(
     max_length = _max_length(prompts, drafter, max_new_tokens)
     cache = (steps.cache if steps is not None
              else target.new_cache(batch_size=len(prompts), max_slots=max_length))
-    rows = [_Row(row_drafter, _row_cache(cache, b, len(prompts)), prompt.tolist())
+    rows = [_Row(row_drafter, _row_cache(cache, b, len(prompts)), prompt.tolist(), b)
             for b, (prompt, row_drafter) in enumerate(zip(prompts, _drafters(drafter, prompts),
                                                           strict=True))]
     for row, prompt in zip(rows, prompts, strict=True):
@@ -164,22 +165,34 @@ def _decode(
             row.features = _prefill(target, prompt[:-1], row.cache, layers)
             row.stats.target_forwards += 1
     clock.lap("prefill")
-    while not all(row.done for row in rows):
+    active = list(rows)
+    while active:
         drafts = [_checked(row.drafter.propose(row.context(device)), row.drafter)
-                  if row.drafter is not None and not row.done else Draft.empty() for row in rows]
+                  if row.drafter is not None else Draft.empty() for row in active]
         clock.lap("draft")
-        outcomes = _verify_rows(target, steps, rows, drafts, cache, layers, sampling,
+        outcomes = _verify_rows(target, steps, active, drafts, cache, layers, sampling,
                                 generator, clock)
-        for row, draft, outcome in zip(rows, drafts, outcomes, strict=True):
-            if outcome is not None:
-                _commit(row, draft, *outcome, stop_ids, max_new_tokens)
+        for row, draft, outcome in zip(active, drafts, outcomes, strict=True):
+            _commit(row, draft, *outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
         timing.split_steps += clock.split
         timing.loop_steps += 1
-        for row in rows:  # a row's wall time ends with the step that finished it
-            if row.done and not row.stats.wall_time_s:
-                row.stats.wall_time_s = clock.last - start
+        if any(row.done for row in active):
+            for row in active:  # a row's wall time ends with the step that finished it
+                if row.done:
+                    row.stats.wall_time_s = clock.last - start
+            active = _packed(cache, [row for row in active if not row.done])
     return [GenerationResult(row.new, _finished(row, timing)) for row in rows]
+
+
+def _packed(cache: KVCache, active: list[_Row]) -> list[_Row]:
+    """The unfinished rows moved to the batch cache's first rows, in order, so that the next
+    forwards run over them alone (a finished row's slots are free)."""
+    for i, row in enumerate(active):
+        if row.slot != i:  # i < row.slot: row i's former owner has finished or moved
+            cache.move_row(row.cache, row.slot, i)
+            row.slot = i
+    return active
 
 
 def _commit(row: _Row, draft: Draft, acceptance: Acceptance, features: TargetFeatures,
@@ -215,13 +228,13 @@ def _verify_rows(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     clock: _PhaseClock,
-) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None] | None]:
-    """Every unfinished row's step outcome (None for a finished row): one forward over the
-    batch, or, for one row or drafts that ran early layers, a forward per row."""
+) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
+    """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
+    for one row or drafts that ran early layers, a forward per row."""
     if len(rows) > 1 and not any(draft.early is not None for draft in drafts):
-        return _batched_step(target, rows, drafts, cache, layers, sampling, generator, clock)
-    return [None if row.done else
-            _step(target, steps, row.history[-1], draft, row.cache, layers, sampling,
+        return _batched_step(target, rows, drafts, cache.rows(0, len(rows)), layers, sampling,
+                             generator, clock)
+    return [_step(target, steps, row.history[-1], draft, row.cache, layers, sampling,
                   generator, clock) for row, draft in zip(rows, drafts, strict=True)]
 
 
@@ -261,23 +274,20 @@ def _batched_step(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     clock: _PhaseClock,
-) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None] | None]:
+) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
     """One verification forward over every row's [root, draft..., extra rows...], padded to
-    the longest; then each unfinished row's verification and commit, as `_step` does."""
+    the longest (`cache`: their rows of the batch cache, in order); then each row's
+    verification and commit, as `_step` does."""
     device = target.embed_tokens.weight.device
     inputs = [_forward_rows(row.history[-1], draft, device) for row, draft in zip(rows, drafts,
                                                                                  strict=True)]
-    # A finished row's cache is done with: its padding row may write over its first slot.
-    lengths = [0 if row.done else row.cache.length for row in rows]
+    lengths = [row.cache.length for row in rows]
     tokens, positions, mask = _padded_rows(inputs, lengths, device)
     out = target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]), mask=mask,
                  return_hidden=layers)
     clock.lap("forward")
     outcomes = []
     for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
-        if row.done:
-            outcomes.append(None)
-            continue
         row.cache.advance(tokens.shape[1])  # its slots [length, length + T) were written
         outcomes.append(_verified(out, b, tokens[b], draft, lengths[b], row.cache, sampling,
                                   generator, clock))

@@ -97,11 +97,24 @@ class KVCache:
         """Batch row b as a cache of its own, with its own length: views of this cache's
         tensors, so what it writes and commits lands here (a batch's rows reach different
         lengths)."""
-        if not 0 <= b < self.k.shape[1]:
-            raise ValueError(f"KVCache.row: b must be in [0, {self.k.shape[1]}), got {b}")
+        return self.rows(b, b + 1)
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Batch rows [start, stop) as a cache of their own (views, as `row`)."""
+        if not 0 <= start < stop <= self.k.shape[1]:
+            raise ValueError(f"KVCache.rows: need 0 <= start < stop <= {self.k.shape[1]}, got "
+                             f"{start}, {stop}")
         view = KVCache.__new__(KVCache)
-        view.k, view.v, view.length = self.k[:, b:b + 1], self.v[:, b:b + 1], self.length
+        view.k, view.v, view.length = self.k[:, start:stop], self.v[:, start:stop], self.length
         return view
+
+    def move_row(self, view: KVCache, source: int, to: int) -> None:
+        """Copy row `source`'s valid slots into row `to` and point `view` (row source's own
+        cache, which its holders keep) at row `to`: a batch packs its unfinished rows first."""
+        n = view.length
+        self.k[:, to, :, :n] = self.k[:, source, :, :n]
+        self.v[:, to, :, :n] = self.v[:, source, :, :n]
+        view.k, view.v = self.k[:, to:to + 1], self.v[:, to:to + 1]
 
     def _end_after(self, t: int) -> int:
         end = self.length + t

@@ -102,14 +102,20 @@ def test_every_drafters_batched_greedy_output_is_each_prompts_own(target, drafte
     assert sum(r.stats.drafted for r in results) > 0 or kind == "lookahead"
 
 
-def test_rows_stop_at_their_own_eos_and_the_others_go_on(target, drafters, alone):
-    # A stop token that ends some rows early (not all at the same step).
+def stopping_early(alone: dict) -> tuple[int, list[list[int]]]:
+    """A stop token that ends some rows early, not all at the same step, and each prompt's
+    output cut there."""
     eos = alone[tuple(PROMPTS[0])][6]
     expected = []
     for prompt in PROMPTS:
         tokens = alone[tuple(prompt)]
         expected.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
     assert len({len(e) for e in expected}) > 1
+    return eos, expected
+
+
+def test_rows_stop_at_their_own_eos_and_the_others_go_on(target, drafters, alone):
+    eos, expected = stopping_early(alone)
     for kind in ("ngram", "draft model", "eagle-2 dynamic tree", "early exit"):
         results = generate(target, PROMPTS, drafter=drafters[kind](3),
                            max_new_tokens=NEW_TOKENS, eos_token_id=eos)
@@ -177,9 +183,13 @@ class CacheProbe:
                                   "early exit"])
 def test_each_rows_cache_is_the_recomputation_of_its_committed_tokens(target, drafters,
                                                                       alone, kind):
+    """Checked at every step of every row, also after rows that stopped early left the
+    batch and the others moved up in the cache."""
+    eos, expected = stopping_early(alone)
     probe = CacheProbe(drafters[kind](3), target)
-    results = generate(target, PROMPTS, drafter=probe, max_new_tokens=NEW_TOKENS)
-    assert [r.tokens for r in results] == [alone[tuple(p)] for p in PROMPTS]
+    results = generate(target, PROMPTS, drafter=probe, max_new_tokens=NEW_TOKENS,
+                       eos_token_id=eos)
+    assert [r.tokens for r in results] == expected
     assert probe.checked > 0  # the probe of row 0; its forks checked the other rows
 
 
