@@ -22,7 +22,8 @@ if [[ $what == bench || $what == all ]]; then
 fi
 
 if [[ $what == tests || $what == all ]]; then
-    python -m pytest tests/test_step.py tests/test_placement.py tests/features/test_every_device.py \
+    python -m pytest tests/test_step.py tests/test_placement.py tests/test_batch.py \
+        tests/features/test_every_device.py \
         tests/features/test_train_on_cuda.py tests/measure/test_costs.py \
         tests/measure/test_oracle.py tests/measure/test_floor.py \
         tests/measure/test_passes.py::test_a_training_report_line_says_where_the_drafters_time_went \

@@ -92,12 +92,12 @@ def generate(
     phase boundary; False: never (drafting time is measured in every case). A batch's rows
     share its phases' times; each row's wall time ends at its last token.
 
-    cuda_graphs: None (auto) = on for a CUDA target decoding one prompt. On, the
-    verification forwards of up to 128 tokens run as static-shape steps over a persistent
-    cache, replayed from one CUDA graph per bucket of T (`selfspec.step`); on another device
-    True runs the same static step eagerly. A draft model (`SmallModelDrafter`) runs static
-    steps of its own alike; prefill, early-layer resumes and the other drafters' forwards
-    stay eager. A batch decodes eagerly (True is refused).
+    cuda_graphs: None (auto) = on for a CUDA target. On, the verification forwards of up to
+    128 tokens run as static-shape steps over a persistent cache, replayed from one CUDA
+    graph per bucket of (rows, T) (`selfspec.step`); on another device True runs the same
+    static step eagerly. A draft model (`SmallModelDrafter`) decoding one prompt runs static
+    steps of its own alike; prefill, early-layer resumes, the other drafters' forwards and a
+    batch's drafters stay eager.
     """
     batch = _is_batch(prompt_ids)
     prompts = _check_prompts(target, prompt_ids if batch else [prompt_ids], sampling,
@@ -152,8 +152,10 @@ def _decode(
                                                           strict=True))]
     for row, prompt in zip(rows, prompts, strict=True):
         if row.drafter is not None:
+            # A batch's drafters run eagerly: a row's static steps would be its own.
             row.drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length,
-                                          row.cache, static_steps=steps is not None))
+                                          row.cache, static_steps=steps is not None
+                                          and len(rows) == 1))
     for row in rows:
         row.cache.reset()  # begin may have generated with this target, in the same cache
     layers = drafter.target_layers if drafter is not None else ()
@@ -230,12 +232,13 @@ def _verify_rows(
     clock: _PhaseClock,
 ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
     """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
-    for one row or drafts that ran early layers, a forward per row."""
-    if len(rows) > 1 and not any(draft.early is not None for draft in drafts):
-        return _batched_step(target, rows, drafts, cache.rows(0, len(rows)), layers, sampling,
-                             generator, clock)
-    return [_step(target, steps, row.history[-1], draft, row.cache, layers, sampling,
-                  generator, clock) for row, draft in zip(rows, drafts, strict=True)]
+    for one prompt or drafts that ran early layers, a forward per row (eager in a batch)."""
+    batch = steps is not None and steps.batch_size > 1 or len(rows) > 1
+    if batch and not any(draft.early is not None for draft in drafts):
+        return _batched_step(target, steps, rows, drafts, cache.rows(0, len(rows)), layers,
+                             sampling, generator, clock)
+    return [_step(target, None if batch else steps, row.history[-1], draft, row.cache, layers,
+                  sampling, generator, clock) for row, draft in zip(rows, drafts, strict=True)]
 
 
 def _step(
@@ -267,6 +270,7 @@ def _step(
 
 def _batched_step(
     target: Transformer,
+    steps: StaticSteps | None,
     rows: list[_Row],
     drafts: list[Draft],
     cache: KVCache,
@@ -276,15 +280,18 @@ def _batched_step(
     clock: _PhaseClock,
 ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
     """One verification forward over every row's [root, draft..., extra rows...], padded to
-    the longest (`cache`: their rows of the batch cache, in order); then each row's
-    verification and commit, as `_step` does."""
+    the longest (`cache`: their rows of the batch cache, in order): the batch's static step,
+    or eagerly; then each row's verification and commit, as `_step` does."""
     device = target.embed_tokens.weight.device
     inputs = [_forward_rows(row.history[-1], draft, device) for row, draft in zip(rows, drafts,
                                                                                  strict=True)]
     lengths = [row.cache.length for row in rows]
-    tokens, positions, mask = _padded_rows(inputs, lengths, device)
-    out = target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]), mask=mask,
-                 return_hidden=layers)
+    tokens, positions, masks = _padded_rows(inputs, lengths, device)
+    out = None if steps is None else steps.forward_rows(tokens, positions, masks, lengths,
+                                                        layers)
+    if out is None:
+        out = target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]),
+                     mask=_wide_mask(masks, lengths), return_hidden=layers)
     clock.lap("forward")
     outcomes = []
     for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
@@ -297,25 +304,31 @@ def _batched_step(
 def _padded_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                  lengths: list[int], device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's (tokens [1, T_b], offsets [T_b], mask [T_b, T_b]) as one forward's tokens
-    [B, T], positions [B, T] and mask [B, T, max length + T]: row b sees its own cached
-    slots [0, length_b) and its new rows at [length_b, length_b + T); its padding rows see
-    only themselves."""
+    """Each row's (tokens [1, T_b], offsets [T_b], mask [T_b, T_b]) padded to one forward's
+    tokens [B, T], positions [B, T] and masks [B, T, T] among the new rows: a padding row
+    sees only itself."""
     t = max(row_tokens.shape[1] for row_tokens, _, _ in inputs)
-    width = max(lengths) + t
     tokens = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
     positions = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
-    mask = torch.zeros(len(inputs), t, width, dtype=torch.bool, device=device)
-    pads = torch.arange(t, device=device)
+    masks = torch.eye(t, dtype=torch.bool, device=device).repeat(len(inputs), 1, 1)
     for b, ((row_tokens, offsets, row_mask), length) in enumerate(zip(inputs, lengths,
                                                                        strict=True)):
         n = row_tokens.shape[1]
         tokens[b, :n] = row_tokens[0]
         positions[b] = length + torch.cat([offsets, offsets.new_zeros(t - n)])
-        mask[b, :n, :length] = True
-        mask[b, :n, length:length + n] = row_mask
-        mask[b, pads[n:], length + pads[n:]] = True
-    return tokens, positions, mask
+        masks[b, :n, :n] = row_mask
+    return tokens, positions, masks
+
+
+def _wide_mask(masks: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, T, max length + T]: row b sees its own cached slots [0, length_b) and, at
+    [length_b, length_b + T), its new rows as masks[b] says (`RowSlots` writes them there)."""
+    rows, t, _ = masks.shape
+    wide = torch.zeros(rows, t, max(lengths) + t, dtype=torch.bool, device=masks.device)
+    for b, length in enumerate(lengths):
+        wide[b, :, :length] = True
+        wide[b, :, length:length + t] = masks[b]
+    return wide
 
 
 def _verified(out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft, base: int, cache,
@@ -544,15 +557,10 @@ def _max_length(prompts: list[torch.Tensor], drafter: Drafter | None, max_new_to
 
 def _static_steps(target: Transformer, prompts: list[torch.Tensor], drafter: Drafter | None,
                   max_new_tokens: int, cuda_graphs: bool | None) -> StaticSteps | None:
-    """The target's static steps for a one-prompt generation that runs them (None: eager)."""
-    if len(prompts) > 1:
-        if cuda_graphs:
-            raise ValueError("cuda_graphs=True: a batch of prompts decodes eagerly; leave "
-                             "cuda_graphs unset or False, or decode one prompt")
-        return None
+    """The target's static steps for the generation, where it runs them (None: eager)."""
     if not use_cuda_graphs(cuda_graphs, target):
         return None
-    return static_steps(target, _max_length(prompts, drafter, max_new_tokens))
+    return static_steps(target, _max_length(prompts, drafter, max_new_tokens), len(prompts))
 
 
 def _drafters(drafter: Drafter | None, prompts: list[torch.Tensor]) -> list[Drafter | None]:

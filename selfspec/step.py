@@ -67,16 +67,22 @@ def use_cuda_graphs(setting: bool | None, target: Transformer) -> bool:
 class _SlotView:
     """The cache as a static forward sees it: K/V written at a slot tensor and every slot
     returned, so attention spans the whole cache under a [T, S] mask. `length` is what makes
-    `Transformer.forward` take that mask whole; advancing is left to the host."""
+    `Transformer.forward` take that mask whole; advancing is left to the host. slots: [b]
+    (one row), or [n, b] for a batch's rows, each at its own length."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor) -> None:
         self.cache, self.slots = cache, slots
-        self.length = cache.max_slots - slots.numel()
+        self.length = cache.max_slots - slots.shape[-1]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [B, H_kv, S, D]
-        keys.index_copy_(2, self.slots, k.to(keys.dtype))
-        values.index_copy_(2, self.slots, v.to(values.dtype))
+        if self.slots.dim() == 1:
+            keys.index_copy_(2, self.slots, k.to(keys.dtype))
+            values.index_copy_(2, self.slots, v.to(values.dtype))
+        else:
+            index = self.slots[:, None, :, None].expand(k.shape)
+            keys.scatter_(2, index, k.to(keys.dtype))
+            values.scatter_(2, index, v.to(values.dtype))
         return keys, values
 
     def advance(self, t: int) -> None:
@@ -87,10 +93,10 @@ class _SlotView:
 class _Bucket:
     """Static inputs of one bucket and, once captured, its graph and output."""
 
-    tokens: torch.Tensor  # [1, b]
-    positions: torch.Tensor  # [b]
+    tokens: torch.Tensor  # [1, b] (a batch's rows: [n, b])
+    positions: torch.Tensor  # [b] ([n, b])
     tree: torch.Tensor  # [b, b] bool: the draft's mask, extra rows attending to themselves
-    base: torch.Tensor  # [1]: the cache length the step starts at
+    base: torch.Tensor  # [1]: the cache length the step starts at ([n]: each row's)
     eye: torch.Tensor  # [b, b] bool: every row attending to itself alone
     causal: torch.Tensor  # [b, b] bool: the mask of a chain (no mask given)
     graph: torch.cuda.CUDAGraph | None = None
@@ -99,11 +105,14 @@ class _Bucket:
 
 
 class StaticSteps:
-    """The decode loop's target forwards over one persistent cache, in static shapes."""
+    """The decode loop's target forwards over one persistent cache, in static shapes: one
+    prompt's (`forward`), or a batch's rows', each at its own length (`forward_rows`)."""
 
-    def __init__(self, target: Transformer, max_slots: int) -> None:
+    shared_by_forks = True  # a batch's drafters run eagerly: never copied for a row
+
+    def __init__(self, target: Transformer, max_slots: int, batch_size: int = 1) -> None:
         self.target = target
-        self.cache = target.new_cache(max_slots=max_slots)
+        self.cache = target.new_cache(batch_size, max_slots=max_slots)
         self.capture = self.cache.k.device.type == "cuda"  # elsewhere: the same step, eagerly
         self.compiled = _compiled_setting(target)
         if self.compiled and not fuse_projections(target):
@@ -113,7 +122,11 @@ class StaticSteps:
         self.setup_seconds = 0.0  # compiling and capturing: never inside a timed figure
         self._weights = _weights_of(target)
         self._slots = torch.arange(max_slots, device=self.cache.k.device)
-        self._buckets: dict[tuple[int, tuple[int, ...], bool], _Bucket] = {}
+        self._buckets: dict[tuple, _Bucket] = {}
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache.k.shape[1]
 
     def fits(self, max_slots: int) -> bool:
         """Whether these steps serve a generation needing max_slots: a cache as large, and the
@@ -137,13 +150,7 @@ class StaticSteps:
                                with_logits=with_logits)
         key = (b, layers, with_logits)
         bucket = self._load(key, tokens, positions, mask, base)
-        if bucket.graph is None and (self.capture or self.compiled) and not bucket.ready:
-            self._set_up(bucket, key)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            out = bucket.out
-        else:
-            out = self._static_forward(bucket, key)
+        out = self._run(bucket, lambda: self._static_forward(bucket, key))
         self.cache.advance(n)
         return ModelOutput(_rows(out.logits, n), tuple(h[:, :n].clone() for h in out.hidden),
                            _rows(out.last_hidden, n))
@@ -175,30 +182,88 @@ class StaticSteps:
                            mask=mask, return_hidden=layers, with_logits=with_logits,
                            stages=self.stages)
 
-    def _set_up(self, bucket: _Bucket, key: tuple) -> None:
+    def _run(self, bucket: _Bucket, step) -> ModelOutput:
+        """The bucket's step: its graph replayed (set up on first use), or run as is."""
+        if bucket.graph is None and (self.capture or self.compiled) and not bucket.ready:
+            self._set_up(bucket, step)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            return bucket.out
+        return step()
+
+    def _set_up(self, bucket: _Bucket, step) -> None:
         """Compile the bucket's step (a warm-up run) and capture its graph, timed apart."""
         start = time.perf_counter()
         if self.capture:
-            self._capture(bucket, key)
+            self._capture(bucket, step)
             torch.cuda.synchronize(self.cache.k.device)
         else:
-            self._static_forward(bucket, key)  # compiles; writes the K/V the real run rewrites
+            step()  # compiles; writes the K/V the real run rewrites
         bucket.ready = True
         self.setup_seconds += time.perf_counter() - start
 
-    def _capture(self, bucket: _Bucket, key: tuple) -> None:
+    def _capture(self, bucket: _Bucket, step) -> None:
         # Warm up on a side stream first (kernels chosen, workspaces allocated, the step
         # compiled), as capture requires; these runs write the same K/V the replay writes.
         stream = torch.cuda.Stream(device=self.cache.k.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._static_forward(bucket, key)
+                step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
-            bucket.out = self._static_forward(bucket, key)
+            bucket.out = step()
         bucket.graph = graph
+
+    # ---- a batch's rows ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, masks: torch.Tensor,
+        lengths: list[int], layers: tuple[int, ...] = (),
+    ) -> ModelOutput | None:
+        """The forward of the cache's first n rows: row r's T new tokens (tokens, positions
+        [n, T]; masks [n, T, T] among them) after its lengths[r] cached slots, each written at
+        its own slots; the outputs are copies. None where no bucket holds T tokens or the
+        cache lacks room: the caller runs it eagerly. Lengths are advanced by the caller."""
+        n, t = tokens.shape
+        b = bucket_of(t)
+        if b is None or max(lengths) + b > self.cache.max_slots:
+            return None
+        key = ("rows", n, b, layers)
+        bucket = self._load_rows(key, tokens, positions, masks, lengths)
+        out = self._run(bucket, lambda: self._static_rows_forward(bucket, key))
+        return ModelOutput(_rows(out.logits, t), tuple(h[:, :t].clone() for h in out.hidden),
+                           _rows(out.last_hidden, t))
+
+    def _load_rows(self, key, tokens, positions, masks, lengths) -> _Bucket:
+        device, (_, n, b, _) = self.cache.k.device, key
+        t = tokens.shape[1]
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            eye = torch.eye(b, dtype=torch.bool, device=device)
+            bucket = self._buckets[key] = _Bucket(
+                torch.zeros(n, b, dtype=torch.long, device=device),
+                torch.zeros(n, b, dtype=torch.long, device=device),
+                eye.repeat(n, 1, 1), torch.zeros(n, dtype=torch.long, device=device), eye,
+                eye)
+        bucket.tokens[:, :t].copy_(tokens)
+        bucket.positions[:, :t].copy_(positions)
+        bucket.tree.copy_(bucket.eye.expand(n, b, b))
+        bucket.tree[:, :t, :t] = masks
+        bucket.base.copy_(torch.tensor(lengths))
+        return bucket
+
+    def _static_rows_forward(self, bucket: _Bucket, key: tuple) -> ModelOutput:
+        """`_static_forward` for n rows, each with its own base."""
+        _, n, b, layers = key
+        slots = bucket.base[:, None] + self._slots[:b]  # [n, b]
+        mask = (self._slots[None] < bucket.base[:, None])[:, None].repeat(1, b, 1)  # [n, b, S]
+        mask.scatter_(2, slots[:, None].expand(n, b, b), bucket.tree)
+        return self.target(bucket.tokens, bucket.positions,
+                           _SlotView(self.cache.rows(0, n), slots), mask=mask,
+                           return_hidden=layers, stages=self.stages)
 
 
 def _compiled_setting(model: Transformer) -> bool:
@@ -216,16 +281,20 @@ def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if tensor is None else tensor[:, :n].clone()
 
 
-_STEPS: weakref.WeakKeyDictionary[Transformer, StaticSteps] = weakref.WeakKeyDictionary()
+# Each target's static steps, by batch size.
+_STEPS: weakref.WeakKeyDictionary[Transformer, dict[int, StaticSteps]] = \
+    weakref.WeakKeyDictionary()
 
 
-def kept_or_new(steps: StaticSteps | None, model: Transformer, max_length: int) -> StaticSteps:
-    """`steps` if they serve a generation of up to max_length tokens (+ a bucket's padding),
-    else new ones for the model; reset to length 0. Kept steps keep their captured graphs."""
+def kept_or_new(steps: StaticSteps | None, model: Transformer, max_length: int,
+                batch_size: int = 1) -> StaticSteps:
+    """`steps` if they serve a generation of up to max_length tokens (+ a bucket's padding)
+    of batch_size rows, else new ones for the model; reset to length 0. Kept steps keep their
+    captured graphs."""
     slots = padded_slots(max_length)
-    if steps is None or not steps.fits(slots):
+    if steps is None or not steps.fits(slots) or steps.batch_size != batch_size:
         earlier = steps.setup_seconds if steps is not None else 0.0
-        steps = StaticSteps(model, slots)
+        steps = StaticSteps(model, slots, batch_size)
         steps.setup_seconds = earlier  # the model's total, across the steps it had
     steps.cache.reset()
     return steps
@@ -233,12 +302,12 @@ def kept_or_new(steps: StaticSteps | None, model: Transformer, max_length: int) 
 
 def setup_seconds(target: Transformer) -> float:
     """Seconds the target's static steps have spent compiling and capturing so far."""
-    steps = _STEPS.get(target)
-    return 0.0 if steps is None else steps.setup_seconds
+    return sum(steps.setup_seconds for steps in _STEPS.get(target, {}).values())
 
 
-def static_steps(target: Transformer, max_length: int) -> StaticSteps:
-    """The target's StaticSteps for a generation of up to max_length tokens, kept between
-    generations so that graphs are captured once."""
-    _STEPS[target] = kept_or_new(_STEPS.get(target), target, max_length)
-    return _STEPS[target]
+def static_steps(target: Transformer, max_length: int, batch_size: int = 1) -> StaticSteps:
+    """The target's StaticSteps for a generation of up to max_length tokens of batch_size
+    prompts, kept between generations so that graphs are captured once."""
+    kept = _STEPS.setdefault(target, {})
+    kept[batch_size] = kept_or_new(kept.get(batch_size), target, max_length, batch_size)
+    return kept[batch_size]

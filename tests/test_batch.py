@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import selfspec.decode
+import selfspec.step
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import (
     EagleDrafter,
@@ -123,6 +124,25 @@ def test_rows_stop_at_their_own_eos_and_the_others_go_on(target, drafters, alone
         assert [r.stats.new_tokens for r in results] == [len(e) for e in expected]
 
 
+@pytest.mark.parametrize("kind", ["ngram", "medusa static tree", "eagle-2 dynamic tree",
+                                  "early exit", "lookahead"])
+def test_a_batch_in_static_steps_gives_each_prompts_own_output(target, drafters, alone, kind):
+    """cuda_graphs=True: the batch's verification forwards run as static steps per bucket of
+    (rows, T) over one persistent cache (replayed CUDA graphs on CUDA; here the same step,
+    eagerly), as rows stop and the others move up; early-exit drafts stay eager."""
+    eos, expected = stopping_early(alone)
+    selfspec.step._STEPS.pop(target, None)
+    results = generate(target, PROMPTS, drafter=drafters[kind](3), max_new_tokens=NEW_TOKENS,
+                       eos_token_id=eos, cuda_graphs=True)
+    assert [r.tokens for r in results] == expected
+    steps = selfspec.step._STEPS[target][len(PROMPTS)]
+    rows_run = {key[1] for key in steps._buckets if key[0] == "rows"}
+    if kind == "early exit":
+        assert rows_run == set()
+    else:  # all rows, then fewer as rows stopped
+        assert len(PROMPTS) in rows_run and len(rows_run) > 1
+
+
 def test_a_batch_of_one_is_one_prompt(target, drafters, alone):
     [result] = generate(target, [PROMPTS[1]], drafter=drafters["ngram"](3),
                         max_new_tokens=NEW_TOKENS)
@@ -203,8 +223,6 @@ def test_bad_batches_are_one_clear_line(target):
                  max_new_tokens=4)
     with pytest.raises(ValueError, match=r"prompt ids \(prompt 0\) must lie in \[0, 64\)"):
         generate(target, [[99], [3]], max_new_tokens=4)
-    with pytest.raises(ValueError, match="a batch of prompts decodes eagerly"):
-        generate(target, [[1], [3]], max_new_tokens=4, cuda_graphs=True)
 
 
 def test_a_planted_bug_rows_written_at_another_rows_slots_is_caught(monkeypatch, target, alone):
@@ -215,3 +233,15 @@ def test_a_planted_bug_rows_written_at_another_rows_slots_is_caught(monkeypatch,
     monkeypatch.setattr(selfspec.decode, "RowSlots", SameSlots)
     results = generate(target, PROMPTS[:3], max_new_tokens=NEW_TOKENS)
     assert [r.tokens for r in results] != [alone[tuple(p)] for p in PROMPTS[:3]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_batch_on_cuda_replays_its_graphs_and_gives_each_prompts_own_output(hf_target):
+    target = Transformer.from_hf(hf_target, device="cuda")
+    alone_cuda = [generate(target, p, max_new_tokens=NEW_TOKENS, cuda_graphs=False).tokens
+                  for p in PROMPTS]
+    for drafter in (None, NgramDrafter(num_draft_tokens=3, max_ngram=3)):
+        results = generate(target, PROMPTS, drafter=drafter, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens for r in results] == alone_cuda
+    steps = selfspec.step._STEPS[target][len(PROMPTS)]
+    assert any(bucket.graph is not None for bucket in steps._buckets.values())
