@@ -161,6 +161,7 @@ def _decode(
     layers = drafter.target_layers if drafter is not None else ()
     timing = GenerationStats()
     clock = _PhaseClock(timing, device, split_time)
+    loop = _Loop(target, steps, layers, sampling, generator, clock)
     start = clock.last
     for row, prompt in zip(rows, prompts, strict=True):
         if len(prompt) > 1:
@@ -172,8 +173,7 @@ def _decode(
         drafts = [_checked(row.drafter.propose(row.context(device)), row.drafter)
                   if row.drafter is not None else Draft.empty() for row in active]
         clock.lap("draft")
-        outcomes = _verify_rows(target, steps, active, drafts, cache, layers, sampling,
-                                generator, clock)
+        outcomes = _verify_rows(loop, active, drafts, cache)
         for row, draft, outcome in zip(active, drafts, outcomes, strict=True):
             _commit(row, draft, *outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
@@ -220,40 +220,34 @@ def _finished(row: _Row, timing: GenerationStats) -> GenerationStats:
     return stats
 
 
-def _verify_rows(
-    target: Transformer,
-    steps: StaticSteps | None,
-    rows: list[_Row],
-    drafts: list[Draft],
-    cache: KVCache,
-    layers: tuple[int, ...],
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-    clock: _PhaseClock,
-) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
+@dataclass(frozen=True)
+class _Loop:
+    """What every step of one generation shares."""
+
+    target: Transformer
+    steps: StaticSteps | None
+    layers: tuple[int, ...]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    clock: _PhaseClock
+
+
+def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
+                 ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
     """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
     for one prompt or drafts that ran early layers, a forward per row (eager in a batch)."""
-    batch = steps is not None and steps.batch_size > 1 or len(rows) > 1
+    batch = loop.steps is not None and loop.steps.batch_size > 1 or len(rows) > 1
     if batch and not any(draft.early is not None for draft in drafts):
-        return _batched_step(target, steps, rows, drafts, cache.rows(0, len(rows)), layers,
-                             sampling, generator, clock)
-    return [_step(target, None if batch else steps, row.history[-1], draft, row.cache, layers,
-                  sampling, generator, clock) for row, draft in zip(rows, drafts, strict=True)]
+        return _batched_step(loop, rows, drafts, cache.rows(0, len(rows)))
+    return [_step(loop, row.history[-1], draft, row.cache, None if batch else loop.steps)
+            for row, draft in zip(rows, drafts, strict=True)]
 
 
-def _step(
-    target: Transformer,
-    steps: StaticSteps | None,
-    root: int,
-    draft: Draft,
-    cache,
-    layers: tuple[int, ...],
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-    clock: _PhaseClock,
-) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
-    """One verification forward over [root, draft..., extra rows...], exact verification of
-    the draft, cache commit; returns the extra rows' logits too."""
+def _step(loop: _Loop, root: int, draft: Draft, cache, steps: StaticSteps | None
+          ) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+    """One verification forward over [root, draft..., extra rows...] (in `steps`, if any),
+    exact verification of the draft, cache commit; returns the extra rows' logits too."""
+    target, layers = loop.target, loop.layers
     base, device = cache.length, target.embed_tokens.weight.device
     tokens, offsets, mask = _forward_rows(root, draft, device)
     positions = base + offsets
@@ -264,40 +258,30 @@ def _step(
         out = steps.forward(tokens, positions, mask, layers)
     else:
         out = target(tokens, positions, cache, mask=mask, return_hidden=layers)
-    clock.lap("forward")
-    return _verified(out, 0, tokens[0], draft, base, cache, sampling, generator, clock)
+    loop.clock.lap("forward")
+    return _verified(loop, out, 0, tokens[0], draft, base, cache)
 
 
-def _batched_step(
-    target: Transformer,
-    steps: StaticSteps | None,
-    rows: list[_Row],
-    drafts: list[Draft],
-    cache: KVCache,
-    layers: tuple[int, ...],
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-    clock: _PhaseClock,
-) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
+def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
+                  ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
     """One verification forward over every row's [root, draft..., extra rows...], padded to
     the longest (`cache`: their rows of the batch cache, in order): the batch's static step,
     or eagerly; then each row's verification and commit, as `_step` does."""
-    device = target.embed_tokens.weight.device
+    device = loop.target.embed_tokens.weight.device
     inputs = [_forward_rows(row.history[-1], draft, device) for row, draft in zip(rows, drafts,
                                                                                  strict=True)]
     lengths = [row.cache.length for row in rows]
     tokens, positions, masks = _padded_rows(inputs, lengths, device)
-    out = None if steps is None else steps.forward_rows(tokens, positions, masks, lengths,
-                                                        layers)
+    out = (None if loop.steps is None
+           else loop.steps.forward_rows(tokens, positions, masks, lengths, loop.layers))
     if out is None:
-        out = target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]),
-                     mask=_wide_mask(masks, lengths), return_hidden=layers)
-    clock.lap("forward")
+        out = loop.target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]),
+                          mask=_wide_mask(masks, lengths), return_hidden=loop.layers)
+    loop.clock.lap("forward")
     outcomes = []
     for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
         row.cache.advance(tokens.shape[1])  # its slots [length, length + T) were written
-        outcomes.append(_verified(out, b, tokens[b], draft, lengths[b], row.cache, sampling,
-                                  generator, clock))
+        outcomes.append(_verified(loop, out, b, tokens[b], draft, lengths[b], row.cache))
     return outcomes
 
 
@@ -331,14 +315,14 @@ def _wide_mask(masks: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return wide
 
 
-def _verified(out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft, base: int, cache,
-              sampling: SamplingParams, generator: torch.Generator | None,
-              clock: _PhaseClock) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft,
+              base: int, cache) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
     """Row b of a verification forward: exact verification of its draft, its cache commit,
     the target's states at the kept rows, and the extra rows' logits."""
     verified = draft.tree.num_nodes + 1
-    acceptance = _verify_step(out.logits[b, :verified], draft, sampling, generator, clock)
-    clock.lap("verify")
+    acceptance = _verify_step(out.logits[b, :verified], draft, loop.sampling, loop.generator,
+                              loop.clock)
+    loop.clock.lap("verify")
     rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=tokens.device)
     cache.commit(base + rows)
     extra_logits = (out.logits[b, verified:verified + draft.extra.rows]
