@@ -33,7 +33,8 @@ def run_sweep(
 
     make_method(variant, k) builds a point's decoders when its turn comes (and they are dropped
     after it, with any draft caches). shared_baseline: measure each baseline once per sampling
-    setting instead of beside every row (half the time, less robust to machine drift).
+    setting and batch size instead of beside every row (half the time, less robust to
+    machine drift).
     choose_length(point): an auto point's draft length among point.candidates (calibrated on
     prompts other than these); its row is named `<method>/auto`.
     """
@@ -46,7 +47,7 @@ def run_sweep(
                             f"{point.sampling_name}")
         choice = _choose(choose_length, point) if point.auto else None
         method = make_method(point.variant, choice.size if choice else point.draft_length)
-        key = (method.baseline_name, point.sampling_name)
+        key = (method.baseline_name, point.sampling_name, point.batch_size)
         row, base = measure_row(method, point, prompts, settings, shared.get(key), device)
         if shared_baseline:
             shared[key] = base

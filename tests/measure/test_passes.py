@@ -1,13 +1,14 @@
-"""Methods against their baselines (measure/passes.py): report lines, shared baselines."""
+"""Methods against their baselines (measure/passes.py): report lines, shared baselines, batches."""
 
 import pytest
 from helpers import tiny_llama
 
 from selfspec import SamplingParams
-from selfspec.measure.grid import GridPoint, Variant
+from selfspec.measure.grid import GridLine, GridPoint, SweepGrid, Variant
 from selfspec.measure.oracle import OracleDrafter
 from selfspec.measure.passes import BenchSettings, Method, compare_with_plain, measure_row
 from selfspec.measure.peers import OurDecoder
+from selfspec.measure.sweep import run_sweep
 from selfspec.model import Transformer
 
 
@@ -32,3 +33,20 @@ def test_shared_baseline_measures_plain_once_per_sampling(quick_build):
     first, base = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings)
     again, same = measure_row(Method("ngram", 2, plain, plain), greedy, prompts, settings, base)
     assert same is base and again.baseline_tokens_per_s == first.baseline_tokens_per_s
+
+
+def test_a_shared_baseline_is_measured_once_per_batch_size(quick_build):
+    """Batch 2's rows compare with plain decoding of batches of 2, not with batch 1's."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6], [7, 8, 9, 7]]
+    grid = SweepGrid((GridLine(Variant("ngram"), (1, 2)),), (("greedy", SamplingParams()),),
+                     batch_sizes=(1, 2))
+    plain = OurDecoder(target)
+    rows = run_sweep(grid.points(), lambda variant, k: Method("ngram", k, plain, plain),
+                     prompts, BenchSettings(max_new_tokens=6, warmup=0), shared_baseline=True,
+                     progress=False)
+    assert [(r.batch_size, r.draft_length) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    by_batch = {b: {r.baseline_tokens_per_s for r in rows if r.batch_size == b} for b in (1, 2)}
+    assert len(by_batch[1]) == len(by_batch[2]) == 1  # measured once per batch size
+    assert by_batch[1] != by_batch[2]
+    assert all(r.lossless for r in rows) and rows[2].prompts == 3

@@ -77,9 +77,12 @@ def _peer(name: str, peer: str | None, summary: str, kind: str, order: int) -> M
                             prompt_lookup=kind == "lookup")
         return Method(name, k, decoder, HFDecoder(target), "hf_plain", k)
 
+    def lengths(cfg: DictConfig, variant: Variant, lengths: tuple[int, ...]) -> tuple[int, ...]:
+        return lengths[:1] if kind == "plain" else lengths  # plain decoding drafts nothing
+
     colors = {"assisted": "tab:purple", "lookup": "tab:brown", "plain": "tab:gray"}
     return MethodEntry(name, summary, variants, load, method=method, check=check,
-                       color=colors[kind], order=order)
+                       lengths=lengths, color=colors[kind], order=order)
 
 
 ENTRIES = (
