@@ -19,7 +19,7 @@ import torch
 
 from selfspec.devices import synchronize
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures, fork
-from selfspec.kv_cache import KVCache, RowSlots
+from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
@@ -150,12 +150,14 @@ def _decode(
     rows = [_Row(row_drafter, _row_cache(cache, b, len(prompts)), prompt.tolist(), b)
             for b, (prompt, row_drafter) in enumerate(zip(prompts, _drafters(drafter, prompts),
                                                           strict=True))]
-    for row, prompt in zip(rows, prompts, strict=True):
+    shared: dict = {}
+    for b, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
         if row.drafter is not None:
             # A batch's drafters run eagerly: a row's static steps would be its own.
             row.drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length,
                                           row.cache, static_steps=steps is not None
-                                          and len(rows) == 1))
+                                          and len(rows) == 1, row=b, rows=len(rows),
+                                          shared=shared))
     for row in rows:
         row.cache.reset()  # begin may have generated with this target, in the same cache
     layers = drafter.target_layers if drafter is not None else ()
@@ -170,8 +172,7 @@ def _decode(
     clock.lap("prefill")
     active = list(rows)
     while active:
-        drafts = [_checked(row.drafter.propose(row.context(device)), row.drafter)
-                  if row.drafter is not None else Draft.empty() for row in active]
+        drafts = _proposed(active, device)
         clock.lap("draft")
         outcomes = _verify_rows(loop, active, drafts, cache)
         for row, draft, outcome in zip(active, drafts, outcomes, strict=True):
@@ -185,6 +186,19 @@ def _decode(
                     row.stats.wall_time_s = clock.last - start
             active = _packed(cache, [row for row in active if not row.done])
     return [GenerationResult(row.new, _finished(row, timing)) for row in rows]
+
+
+def _proposed(rows: list[_Row], device: torch.device) -> list[Draft]:
+    """Each row's draft: from its drafter, or from the first's `propose_rows` for all."""
+    first = rows[0].drafter
+    if first is None:
+        return [Draft.empty() for _ in rows]
+    contexts = [row.context(device) for row in rows]
+    together = getattr(first, "propose_rows", None) if len(rows) > 1 else None
+    drafts = (together([row.drafter for row in rows], contexts) if together is not None
+              else [row.drafter.propose(context) for row, context in zip(rows, contexts,
+                                                                            strict=True)])
+    return [_checked(draft, row.drafter) for draft, row in zip(drafts, rows, strict=True)]
 
 
 def _packed(cache: KVCache, active: list[_Row]) -> list[_Row]:
@@ -271,48 +285,19 @@ def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVC
     inputs = [_forward_rows(row.history[-1], draft, device) for row, draft in zip(rows, drafts,
                                                                                  strict=True)]
     lengths = [row.cache.length for row in rows]
-    tokens, positions, masks = _padded_rows(inputs, lengths, device)
+    tokens, positions, masks = pad_rows(inputs, lengths, device)
     out = (None if loop.steps is None
            else loop.steps.forward_rows(tokens, positions, masks, lengths, loop.layers))
     if out is None:
-        out = loop.target(tokens, positions, RowSlots(cache, lengths, tokens.shape[1]),
-                          mask=_wide_mask(masks, lengths), return_hidden=loop.layers)
+        slots = RowSlots(cache, lengths, tokens.shape[1])
+        out = loop.target(tokens, positions, slots, mask=slots.mask(masks),
+                          return_hidden=loop.layers)
     loop.clock.lap("forward")
     outcomes = []
     for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
         row.cache.advance(tokens.shape[1])  # its slots [length, length + T) were written
         outcomes.append(_verified(loop, out, b, tokens[b], draft, lengths[b], row.cache))
     return outcomes
-
-
-def _padded_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 lengths: list[int], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's (tokens [1, T_b], offsets [T_b], mask [T_b, T_b]) padded to one forward's
-    tokens [B, T], positions [B, T] and masks [B, T, T] among the new rows: a padding row
-    sees only itself."""
-    t = max(row_tokens.shape[1] for row_tokens, _, _ in inputs)
-    tokens = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
-    positions = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
-    masks = torch.eye(t, dtype=torch.bool, device=device).repeat(len(inputs), 1, 1)
-    for b, ((row_tokens, offsets, row_mask), length) in enumerate(zip(inputs, lengths,
-                                                                       strict=True)):
-        n = row_tokens.shape[1]
-        tokens[b, :n] = row_tokens[0]
-        positions[b] = length + torch.cat([offsets, offsets.new_zeros(t - n)])
-        masks[b, :n, :n] = row_mask
-    return tokens, positions, masks
-
-
-def _wide_mask(masks: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[B, T, max length + T]: row b sees its own cached slots [0, length_b) and, at
-    [length_b, length_b + T), its new rows as masks[b] says (`RowSlots` writes them there)."""
-    rows, t, _ = masks.shape
-    wide = torch.zeros(rows, t, max(lengths) + t, dtype=torch.bool, device=masks.device)
-    for b, length in enumerate(lengths):
-        wide[b, :, :length] = True
-        wide[b, :, length:length + t] = masks[b]
-    return wide
 
 
 def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft,

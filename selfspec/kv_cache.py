@@ -137,8 +137,20 @@ class RowSlots:
         self.cache, self.length, self._end = cache, max(lengths), max(lengths) + t
         if self._end > cache.max_slots:
             cache._end_after(self._end - cache.length)  # the overflow error, stated there
-        starts = torch.tensor(list(lengths), device=cache.k.device)
+        self.lengths = list(lengths)
+        starts = torch.tensor(self.lengths, device=cache.k.device)
         self._slots = starts[:, None] + torch.arange(t, device=cache.k.device)  # [B, T]
+
+    def mask(self, masks: torch.Tensor) -> torch.Tensor:
+        """The forward's mask [B, T, max(lengths) + T] from each row's mask among its new
+        rows, masks [B, T, T]: row b sees its cached slots [0, lengths[b]) and, where its new
+        K/V go, [lengths[b], lengths[b] + T), what masks[b] says."""
+        rows, t, _ = masks.shape
+        wide = torch.zeros(rows, t, self._end, dtype=torch.bool, device=masks.device)
+        for b, length in enumerate(self.lengths):
+            wide[b, :, :length] = True
+            wide[b, :, length:length + t] = masks[b]
+        return wide
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +162,25 @@ class RowSlots:
 
     def advance(self, t: int) -> None:
         pass  # each row's own cache advances
+
+
+def pad_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 lengths: list[int], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's new tokens (tokens [1, T_b], position offsets [T_b] from its length, mask
+    [T_b, T_b] among them) padded to one forward's tokens [B, T], positions [B, T] and masks
+    [B, T, T] (`RowSlots.mask` widens them): a padding row sees only itself."""
+    t = max(row_tokens.shape[1] for row_tokens, _, _ in inputs)
+    tokens = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
+    positions = torch.zeros(len(inputs), t, dtype=torch.long, device=device)
+    masks = torch.eye(t, dtype=torch.bool, device=device).repeat(len(inputs), 1, 1)
+    for b, ((row_tokens, offsets, row_mask), length) in enumerate(zip(inputs, lengths,
+                                                                       strict=True)):
+        n = row_tokens.shape[1]
+        tokens[b, :n] = row_tokens[0]
+        positions[b] = length + torch.cat([offsets, offsets.new_zeros(t - n)])
+        masks[b, :n, :n] = row_mask
+    return tokens, positions, masks
 
 
 class SegmentedKVCache:

@@ -245,3 +245,19 @@ def test_a_batch_on_cuda_replays_its_graphs_and_gives_each_prompts_own_output(hf
         assert [r.tokens for r in results] == alone_cuda
     steps = selfspec.step._STEPS[target][len(PROMPTS)]
     assert any(bucket.graph is not None for bucket in steps._buckets.values())
+
+
+def test_a_draft_model_drafts_every_row_in_one_forward_per_token(hf_target, target, alone):
+    """propose_rows: a step of a batch costs the draft model k forwards over all the rows (the
+    first catches each row up), not k per row; the drafts are each row's own."""
+    draft_model = Transformer.from_hf(first_layers(hf_target, 1))
+    calls = []
+    hook = draft_model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        results = generate(target, PROMPTS, drafter=SmallModelDrafter(draft_model, 3),
+                           max_new_tokens=NEW_TOKENS)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in results] == [alone[tuple(p)] for p in PROMPTS]
+    assert len(calls) == 3 * results[0].stats.loop_steps < 3 * sum(r.stats.steps
+                                                                   for r in results)

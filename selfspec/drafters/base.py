@@ -123,6 +123,9 @@ class DecodeSetup:
     layers itself (its draft's K/V there are then reused by verification: `EarlyLayers`).
     static_steps: whether the target runs static steps (CUDA graphs on CUDA, `selfspec.step`);
     a drafter with a model of its own runs that model the same way.
+    row, rows, shared: the drafter's row of a batch of `rows` prompts, and a dict every row's
+    drafter of that batch receives (for state they share, e.g. one batch cache of their
+    model, when they draft together: `propose_rows`).
     """
 
     target: Transformer
@@ -132,6 +135,9 @@ class DecodeSetup:
     max_length: int
     target_cache: KVCache | None = None
     static_steps: bool = False
+    row: int = 0
+    rows: int = 1
+    shared: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,12 @@ class Drafter(Protocol):
         """Reset per-generation state; refuse a target it cannot draft for (clear error)."""
 
     def propose(self, context: DraftContext) -> Draft:
-        """A draft to follow context.tokens."""
+        """A draft to follow context.tokens.
+
+        A drafter may also draft a batch's rows together: `propose_rows(drafters, contexts)`
+        on the first row's drafter, given every unfinished row's drafter (itself first, then
+        its forks) and context, returns their drafts in order; the loop calls it where it
+        exists."""
 
 
 def fork(drafter: Drafter) -> Drafter:

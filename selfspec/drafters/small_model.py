@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.drafters.ranking import ranked
 from selfspec.model import ModelOutput, Transformer, linear
@@ -68,6 +70,9 @@ class SmallModelDrafter:
         self._greedy_candidates = min(first_candidates, scored)
         self._cache = None
         self._steps: StaticSteps | None = None  # its own, when the target runs static steps
+        self._batch: KVCache | None = None  # in a batch: the cache its rows share
+        self._row = 0  # its row there
+        self._family = next(_FAMILIES)  # the same in its forks: whose batch cache it shares
         self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
         self._checked_target: Transformer | None = None  # the vocabularies agree for it
 
@@ -88,31 +93,77 @@ class SmallModelDrafter:
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
+        chain = self._started(self._next_logits(self._pending(context)))
+        while chain.goes_on(self):
+            chain.extend(self, self._next_logits([chain.tokens[-1]]))
+        return self._draft(chain)
+
+    @torch.inference_mode()
+    def propose_rows(self, drafters: list[SmallModelDrafter],
+                     contexts: list[DraftContext]) -> list[Draft]:
+        """A batch's drafts (`Drafter.propose`, the rows' drafters in order, this one first),
+        each row's the same as it drafts alone: each forward of the draft model runs over
+        every row at once, over the batch cache the rows share, each at its own length."""
+        if self._batch is None:  # its own static steps, or no batch cache: row by row
+            return [d.propose(c) for d, c in zip(drafters, contexts, strict=True)]
+        self._pack(drafters)
+        logits = _next_logits_of_rows(drafters, [d._pending(c) for d, c in
+                                                 zip(drafters, contexts, strict=True)])
+        chains = [d._started(row_logits) for d, row_logits in zip(drafters, logits, strict=True)]
+        while any(chain.goes_on(d) for d, chain in zip(drafters, chains, strict=True)):
+            going = [chain.goes_on(d) for d, chain in zip(drafters, chains, strict=True)]
+            logits = _next_logits_of_rows(drafters, [[chain.tokens[-1]] if on else []
+                                                     for chain, on in zip(chains, going,
+                                                                          strict=True)])
+            for d, chain, row_logits, on in zip(drafters, chains, logits, going, strict=True):
+                if on:
+                    chain.extend(d, row_logits)
+        return [d._draft(chain) for d, chain in zip(drafters, chains, strict=True)]
+
+    def _pending(self, context: DraftContext) -> list[int]:
+        """The tokens to feed before drafting: those after the longest prefix its cache
+        shares with the committed tokens (at least the root)."""
         history = context.tokens.tolist()
-        pending = history[self._rollback_to_common_prefix(history) :]  # at least the root
-        logits = self._next_logits(pending)
+        return history[self._rollback_to_common_prefix(history):]
+
+    def _started(self, logits: torch.Tensor) -> _Chain:
+        """A draft's first token (and its sibling candidates) from the logits after the
+        committed tokens."""
         probs = logits_to_probs(logits, self.sampling)
         first = self._first_tokens(logits, probs)  # the first token's candidates, best first
-        chain, rows = [first[0]], [probs]
-        while (len(chain) < self.num_draft_tokens
-               and not below_confidence(logits, self.confidence_threshold)):
-            logits = self._next_logits([chain[-1]])
-            probs = logits_to_probs(logits, self.sampling)
-            chain.append(sample(probs, self.generator))
-            rows.append(probs)
-        siblings = first[1:]
-        tokens = torch.tensor(chain + siblings, device=self._device)
+        return _Chain([first[0]], [probs], first[1:], logits)
+
+    def _draft(self, chain: _Chain) -> Draft:
+        tokens = torch.tensor(chain.tokens + chain.siblings, device=self._device)
         # [k + W - 1, V] on the draft's device: each node's law (the siblings share the first's)
-        q = None if self.sampling.greedy else torch.stack(rows + [rows[0]] * len(siblings))
-        if not siblings:
+        q = (None if self.sampling.greedy
+             else torch.stack(chain.laws + [chain.laws[0]] * len(chain.siblings)))
+        if not chain.siblings:
             return Draft.chain(tokens, q)
-        tree = Tree.from_parents([-1, *range(len(chain) - 1), *[-1] * len(siblings)])
+        tree = Tree.from_parents([-1, *range(len(chain.tokens) - 1),
+                                  *[-1] * len(chain.siblings)])
         return Draft(tree, tokens, q, without_replacement=q is not None)
+
+    def _pack(self, drafters: list[SmallModelDrafter]) -> None:
+        """The rows still drafting moved to the batch cache's first rows, in order."""
+        for i, drafter in enumerate(drafters):
+            if drafter._row != i:
+                self._batch.move_row(drafter._cache, drafter._row, i)
+                drafter._row = i
 
     def _begin_cache(self, setup: DecodeSetup) -> None:
         """The draft's cache for this generation: its own static steps' when the target runs
         static steps (CUDA graphs on CUDA: a launch-bound eager draft would cost more than
-        the graphed step it saves), else a plain cache; either kept while large enough."""
+        the graphed step it saves); in a batch, its row of a batch cache the rows share
+        (`propose_rows`); else a plain cache, kept while large enough."""
+        self._batch, self._row = None, setup.row
+        if setup.rows > 1 and setup.shared is not None and not setup.static_steps:
+            self._steps = None
+            self._batch = setup.shared.setdefault(
+                ("draft cache", self._family),
+                self.model.new_cache(setup.rows, max_slots=setup.max_length))
+            self._cache = self._batch.row(setup.row)
+            return
         if not setup.static_steps:
             self._steps = None
             if self._cache is None or self._cache.max_slots < setup.max_length:
@@ -159,11 +210,7 @@ class SmallModelDrafter:
         """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
         vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
         start = self._cache.length
-        if max(tokens) >= self.model.config.vocab_size:
-            raise ValueError(
-                f"token id {max(tokens)} is outside the draft model's vocabulary "
-                f"({self.model.config.vocab_size}): it only exists in the target's padded table"
-            )
+        _check_draft_ids(tokens, self.model)
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=self._device)  # [T]
         self._fed.extend(tokens)
@@ -173,6 +220,75 @@ class SmallModelDrafter:
                             return_hidden=(self.model.config.num_layers,))
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
         return self.draft_vocab.scatter(scores.float())
+
+
+_FAMILIES = itertools.count()
+
+
+class _Chain:
+    """A draft being grown: its chain of tokens, the law each was drawn from, the first
+    token's sibling candidates and the logits after the last token."""
+
+    def __init__(self, tokens: list[int], laws: list[torch.Tensor], siblings: list[int],
+                 logits: torch.Tensor) -> None:
+        self.tokens, self.laws, self.siblings, self.logits = tokens, laws, siblings, logits
+
+    def goes_on(self, drafter: SmallModelDrafter) -> bool:
+        """Whether the chain takes another token: shorter than the draft length, and the last
+        one confident enough."""
+        return (len(self.tokens) < drafter.num_draft_tokens
+                and not below_confidence(self.logits, drafter.confidence_threshold))
+
+    def extend(self, drafter: SmallModelDrafter, logits: torch.Tensor) -> None:
+        """The next token, from the logits after the chain's last."""
+        probs = logits_to_probs(logits, drafter.sampling)
+        self.tokens.append(sample(probs, drafter.generator))
+        self.laws.append(probs)
+        self.logits = logits
+
+
+def _next_logits_of_rows(drafters: list[SmallModelDrafter], fed: list[list[int]]
+                         ) -> list[torch.Tensor]:
+    """`SmallModelDrafter._next_logits` for a batch's rows in one forward of the draft model
+    over the first len(drafters) rows of their batch cache: row i's tokens fed[i] after its
+    own length (a row fed nothing rides along, its cache unchanged); [V] each (None for a
+    row fed nothing)."""
+    first = drafters[0]
+    model, device = first.model, first._device
+    for tokens in fed:
+        _check_draft_ids(tokens, model)
+    lengths = [d._cache.length for d in drafters]
+    inputs = [(torch.tensor([tokens], dtype=torch.long, device=device),
+               torch.arange(len(tokens), device=device),
+               torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril())
+              for tokens in fed]
+    tokens, positions, masks = pad_rows(inputs, lengths, device)
+    slots = RowSlots(first._batch.rows(0, len(drafters)), lengths, tokens.shape[1])
+    last = [max(len(t), 1) - 1 for t in fed]
+    rows = torch.arange(len(fed), device=device)
+    if first.draft_vocab is None:
+        out = model(tokens, positions, slots, mask=slots.mask(masks))
+        logits = out.logits[rows, last]  # [n, V_draft]
+    else:
+        out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
+                    return_hidden=(model.config.num_layers,))
+        scores = linear(model.norm(out.hidden[0][rows, last]), first._head_rows)  # [n, K]
+        logits = first.draft_vocab.scatter(scores.float())
+    result = []
+    for drafter, tokens, row_logits in zip(drafters, fed, logits, strict=True):
+        drafter._cache.advance(len(tokens))
+        drafter._fed.extend(tokens)
+        result.append(F.pad(row_logits, (0, drafter._padding), value=float("-inf"))
+                      if tokens else None)
+    return result
+
+
+def _check_draft_ids(tokens: list[int], model: Transformer) -> None:
+    if tokens and max(tokens) >= model.config.vocab_size:
+        raise ValueError(
+            f"token id {max(tokens)} is outside the draft model's vocabulary "
+            f"({model.config.vocab_size}): it only exists in the target's padded table"
+        )
 
 
 def check_same_vocabulary(target: Transformer, draft: Transformer) -> None:
