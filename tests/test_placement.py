@@ -237,3 +237,11 @@ def test_the_config_keys_place_the_shipped_target_and_keep_its_tokens(cfg_of):
     prompt = [1, 100, 200, 300, 400]
     assert (generate(placed, prompt, max_new_tokens=16).tokens
             == generate(plain, prompt, max_new_tokens=16).tokens)
+
+
+def test_a_target_over_several_devices_refuses_a_batch_in_one_line():
+    placed = Transformer.from_hf(tiny_llama(0, layers=LAYERS))
+    placed.placement = Placement(CPU, (CPU, CPU, torch.device("meta"), torch.device("meta")))
+    with pytest.raises(ValueError, match="placed over several devices .* decodes one prompt at "
+                                         "a time"):
+        generate(placed, [PROMPTS[0], PROMPTS[1]], max_new_tokens=4)
