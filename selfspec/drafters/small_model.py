@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.drafters.ranking import ranked
+from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.sampling import logits_to_probs, sample, sample_without_replacement
 from selfspec.step import StaticSteps, kept_or_new

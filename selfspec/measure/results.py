@@ -108,8 +108,9 @@ def describe_profile(profile: CostProfile) -> str:
     c = profile.as_dict()["c"]
     batch = f", batch {profile.batch_size}" if profile.batch_size > 1 else ""
     return (f"cost profile ({profile.device}, {profile.dtype}, cache length "
-            f"{profile.cache_length}{batch}): one-token forward {1000 * profile.seconds[1]:.2f} ms; "
-            "c(N) " + ", ".join(f"{n}: {v:.2f}" for n, v in c.items()))
+            f"{profile.cache_length}{batch}): one-token forward "
+            f"{1000 * profile.seconds[1]:.2f} ms; c(N) "
+            + ", ".join(f"{n}: {v:.2f}" for n, v in c.items()))
 
 
 def split_percent(split: Mapping[str, Mapping[str, float]] | None) -> str:
