@@ -108,6 +108,21 @@ class KVCache:
         view.k, view.v, view.length = self.k[:, start:stop], self.v[:, start:stop], self.length
         return view
 
+    def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, H_kv, T, D] at slot tensor `slots` ([T] for every row, or [B, T]:
+        each row's own) and return the layer's whole K, V [B, H_kv, S, D]; `length` is
+        unchanged (static and batched forwards, whose caller advances)."""
+        keys, values = self.k[layer], self.v[layer]
+        if slots.dim() == 1:
+            keys.index_copy_(2, slots, k.to(keys.dtype))
+            values.index_copy_(2, slots, v.to(values.dtype))
+        else:
+            index = slots[:, None, :, None].expand(k.shape)
+            keys.scatter_(2, index, k.to(keys.dtype))
+            values.scatter_(2, index, v.to(values.dtype))
+        return keys, values
+
     def move_row(self, view: KVCache, source: int, to: int) -> None:
         """Copy row `source`'s valid slots into row `to` and point `view` (row source's own
         cache, which its holders keep) at row `to`: a batch packs its unfinished rows first."""
@@ -137,36 +152,38 @@ class RowSlots:
         self.cache, self.length, self._end = cache, max(lengths), max(lengths) + t
         if self._end > cache.max_slots:
             cache._end_after(self._end - cache.length)  # the overflow error, stated there
-        self.lengths = list(lengths)
-        starts = torch.tensor(self.lengths, device=cache.k.device)
-        self._slots = starts[:, None] + torch.arange(t, device=cache.k.device)  # [B, T]
+        self._starts = torch.tensor(list(lengths), device=cache.k.device)  # [B]
+        self._slots = self._starts[:, None] + torch.arange(t, device=cache.k.device)  # [B, T]
 
     def mask(self, masks: torch.Tensor) -> torch.Tensor:
         """The forward's mask [B, T, max(lengths) + T] from each row's mask among its new
         rows, masks [B, T, T]: row b sees its cached slots [0, lengths[b]) and, where its new
         K/V go, [lengths[b], lengths[b] + T), what masks[b] says."""
-        rows, t, _ = masks.shape
-        wide = torch.zeros(rows, t, self._end, dtype=torch.bool, device=masks.device)
-        for b, length in enumerate(self.lengths):
-            wide[b, :, :length] = True
-            wide[b, :, length:length + t] = masks[b]
-        return wide
+        return rows_mask(self._starts, self._slots, self._end, masks)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.cache.k[layer], self.cache.v[layer]  # [B, H_kv, S, D]
-        index = self._slots[:, None, :, None].expand(k.shape)
-        keys.scatter_(2, index, k.to(keys.dtype))
-        values.scatter_(2, index, v.to(values.dtype))
+        keys, values = self.cache.write_at(layer, self._slots, k, v)  # [B, H_kv, S, D]
         return keys[:, :, :self._end], values[:, :, :self._end]
 
     def advance(self, t: int) -> None:
         pass  # each row's own cache advances
 
 
+def rows_mask(starts: torch.Tensor, slots: torch.Tensor, width: int, masks: torch.Tensor
+              ) -> torch.Tensor:
+    """[B, T, width] bool: row b sees the slots below starts[b], and at its new rows' slots
+    slots[b] ([B, T]) what masks[b] ([B, T, T]) says; nothing else. Tensor ops only, so a
+    captured step builds it too."""
+    rows, t, _ = masks.shape
+    past = torch.arange(width, device=starts.device)[None] < starts[:, None]  # [B, width]
+    mask = past[:, None].repeat(1, t, 1)
+    return mask.scatter_(2, slots[:, None].expand(rows, t, t), masks)
+
+
 def pad_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 lengths: list[int], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             lengths: list[int], device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's new tokens (tokens [1, T_b], position offsets [T_b] from its length, mask
     [T_b, T_b] among them) padded to one forward's tokens [B, T], positions [B, T] and masks
     [B, T, T] (`RowSlots.mask` widens them): a padding row sees only itself."""

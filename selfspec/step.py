@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.kv_cache import KVCache
+from selfspec.kv_cache import KVCache, rows_mask
 from selfspec.model import ModelOutput, Transformer
 from selfspec.model.transformer import EAGER_STAGES, compiled_stages, fuse_projections
 
@@ -75,15 +75,7 @@ class _SlotView:
         self.length = cache.max_slots - slots.shape[-1]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        keys, values = self.cache.k[layer], self.cache.v[layer]  # [B, H_kv, S, D]
-        if self.slots.dim() == 1:
-            keys.index_copy_(2, self.slots, k.to(keys.dtype))
-            values.index_copy_(2, self.slots, v.to(values.dtype))
-        else:
-            index = self.slots[:, None, :, None].expand(k.shape)
-            keys.scatter_(2, index, k.to(keys.dtype))
-            values.scatter_(2, index, v.to(values.dtype))
-        return keys, values
+        return self.cache.write_at(layer, self.slots, k, v)
 
     def advance(self, t: int) -> None:
         pass  # StaticSteps advances the real cache by the step's true row count
@@ -259,8 +251,7 @@ class StaticSteps:
         """`_static_forward` for n rows, each with its own base."""
         _, n, b, layers = key
         slots = bucket.base[:, None] + self._slots[:b]  # [n, b]
-        mask = (self._slots[None] < bucket.base[:, None])[:, None].repeat(1, b, 1)  # [n, b, S]
-        mask.scatter_(2, slots[:, None].expand(n, b, b), bucket.tree)
+        mask = rows_mask(bucket.base, slots, self.cache.max_slots, bucket.tree)  # [n, b, S]
         return self.target(bucket.tokens, bucket.positions,
                            _SlotView(self.cache.rows(0, n), slots), mask=mask,
                            return_hidden=layers, stages=self.stages)
