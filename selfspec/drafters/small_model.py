@@ -110,8 +110,8 @@ class SmallModelDrafter:
         logits = _next_logits_of_rows(drafters, [d._pending(c) for d, c in
                                                  zip(drafters, contexts, strict=True)])
         chains = [d._started(row_logits) for d, row_logits in zip(drafters, logits, strict=True)]
-        while any(chain.goes_on(d) for d, chain in zip(drafters, chains, strict=True)):
-            going = [chain.goes_on(d) for d, chain in zip(drafters, chains, strict=True)]
+        while any(going := [chain.goes_on(d) for d, chain in zip(drafters, chains,
+                                                                  strict=True)]):
             logits = _next_logits_of_rows(drafters, [[chain.tokens[-1]] if on else []
                                                      for chain, on in zip(chains, going,
                                                                           strict=True)])
@@ -159,9 +159,10 @@ class SmallModelDrafter:
         self._batch, self._row = None, setup.row
         if setup.rows > 1 and setup.shared is not None and not setup.static_steps:
             self._steps = None
-            self._batch = setup.shared.setdefault(
-                ("draft cache", self._family),
-                self.model.new_cache(setup.rows, max_slots=setup.max_length))
+            key = ("draft cache", self._family)
+            if key not in setup.shared:  # the first row allocates it for all
+                setup.shared[key] = self.model.new_cache(setup.rows, max_slots=setup.max_length)
+            self._batch = setup.shared[key]
             self._cache = self._batch.row(setup.row)
             return
         if not setup.static_steps:
