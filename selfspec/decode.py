@@ -24,7 +24,8 @@ from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
-from selfspec.verify import Acceptance, verify_greedy, verify_trusted
+from selfspec.tree import DeviceTree, Tree, host_tree
+from selfspec.verify import greedy_path, verify_trusted
 
 if TYPE_CHECKING:  # annotations only
     from selfspec.drafters.base import Drafter, EarlyLayers
@@ -211,13 +212,23 @@ def _packed(cache: KVCache, active: list[_Row]) -> list[_Row]:
     return active
 
 
-def _commit(row: _Row, draft: Draft, acceptance: Acceptance, features: TargetFeatures,
+@dataclass(frozen=True)
+class _Kept:
+    """What a row's verification keeps, as host values: the tree it verified, the tokens it
+    emits (the accepted nodes', then one corrected or bonus token) and the accepted nodes."""
+
+    tree: Tree
+    tokens: list[int]
+    path: list[int]
+
+
+def _commit(row: _Row, draft: Draft, kept: _Kept, features: TargetFeatures,
             extra_logits: torch.Tensor | None, stop_ids: set[int], max_new_tokens: int) -> None:
     """A row's step outcome into its history and stats; the row stops at a stop token or its
     budget."""
-    row.stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, acceptance.num_accepted,
+    row.stats.record_step(kept.tree.num_nodes, kept.tree.max_depth, len(kept.path),
                           rows=draft.rows)
-    emitted = _until_stop(acceptance.tokens.tolist(), stop_ids, max_new_tokens - len(row.new))
+    emitted = _until_stop(kept.tokens, stop_ids, max_new_tokens - len(row.new))
     row.new += emitted
     row.history += emitted
     row.features, row.extra_logits = features, extra_logits
@@ -247,7 +258,7 @@ class _Loop:
 
 
 def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
-                 ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
+                 ) -> list[tuple[_Kept, TargetFeatures, torch.Tensor | None]]:
     """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
     for one prompt or drafts that ran early layers, a forward per row (eager in a batch)."""
     batch = loop.steps is not None and loop.steps.batch_size > 1 or len(rows) > 1
@@ -258,7 +269,7 @@ def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCa
 
 
 def _step(loop: _Loop, root: int, draft: Draft, cache, steps: StaticSteps | None
-          ) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+          ) -> tuple[_Kept, TargetFeatures, torch.Tensor | None]:
     """One verification forward over [root, draft..., extra rows...] (in `steps`, if any),
     exact verification of the draft, cache commit; returns the extra rows' logits too."""
     target, layers = loop.target, loop.layers
@@ -277,7 +288,7 @@ def _step(loop: _Loop, root: int, draft: Draft, cache, steps: StaticSteps | None
 
 
 def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
-                  ) -> list[tuple[Acceptance, TargetFeatures, torch.Tensor | None]]:
+                  ) -> list[tuple[_Kept, TargetFeatures, torch.Tensor | None]]:
     """One verification forward over every row's [root, draft..., extra rows...], padded to
     the longest (`cache`: their rows of the batch cache, in order): the batch's static step,
     or eagerly; then each row's verification and commit, as `_step` does."""
@@ -301,18 +312,19 @@ def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVC
 
 
 def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft,
-              base: int, cache) -> tuple[Acceptance, TargetFeatures, torch.Tensor | None]:
+              base: int, cache) -> tuple[_Kept, TargetFeatures, torch.Tensor | None]:
     """Row b of a verification forward: exact verification of its draft, its cache commit,
     the target's states at the kept rows, and the extra rows' logits."""
     verified = draft.tree.num_nodes + 1
-    acceptance = _verify_step(out.logits[b, :verified], draft, loop.sampling, loop.generator,
-                              loop.clock)
+    kept = _verify_step(out.logits[b, :verified], draft, loop.sampling, loop.generator,
+                        loop.clock)
     loop.clock.lap("verify")
-    rows = torch.tensor([0, *(i + 1 for i in acceptance.path.tolist())], device=tokens.device)
-    cache.commit(base + rows)
+    committed = [0, *(i + 1 for i in kept.path)]  # forward rows: the root, the accepted nodes
+    rows = torch.tensor(committed, device=tokens.device)
+    cache.commit([base + row for row in committed])
     extra_logits = (out.logits[b, verified:verified + draft.extra.rows]
                     if draft.extra is not None else None)
-    return acceptance, _features(out, tokens[rows], rows, b), extra_logits
+    return kept, _features(out, tokens[rows], rows, b), extra_logits
 
 
 def _forward_rows(root: int, draft: Draft, device: torch.device
@@ -342,23 +354,37 @@ def _verify_step(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     clock: _PhaseClock,
-) -> Acceptance:
-    """What the step keeps. Greedy: the argmax rows, read back once, decide (the one-hot
-    probabilities they stand for are never built); otherwise the target's law from
-    `logits_to_probs` and recursive rejection sampling. Drafts and laws built by this loop
-    are well-formed, so the public verifier's input checks are not repeated every step."""
+) -> _Kept:
+    """What the step keeps. Greedy: the argmax rows decide (the one-hot probabilities they
+    stand for are never built), read back with the draft's tokens (and a device tree's
+    parents) in the step's one host read; otherwise the target's law from `logits_to_probs`
+    and recursive rejection sampling. Drafts and laws built by this loop are well-formed, so
+    the public verifier's input checks are not repeated every step."""
     if sampling.greedy:
-        target_tokens = logits.float().argmax(dim=-1).tolist()  # the one device read
-        clock.lap("probs")
-        return verify_greedy(draft.tree, draft.tokens.tolist(), target_tokens)
+        return _greedy_kept(logits, draft, clock)
     p = logits_to_probs(logits, sampling)  # [N+1, V]
     clock.lap("probs")
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
-        token = torch.tensor([sample(p[0], generator)], device=p.device)
-        return Acceptance(token, 0, torch.empty(0, dtype=torch.long, device=p.device))
+        return _Kept(draft.tree, [sample(p[0], generator)], [])
     q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
-    return verify_trusted(draft.tree, draft.tokens.to(p.device), q, p, generator,
-                          draft.without_replacement)
+    tree = host_tree(draft.tree)
+    acceptance = verify_trusted(tree, draft.tokens.to(p.device), q, p, generator,
+                                draft.without_replacement)
+    return _Kept(tree, acceptance.tokens.tolist(), acceptance.path.tolist())
+
+
+def _greedy_kept(logits: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
+    """Greedy verification from one host read: the target's argmax rows [N+1], the draft's
+    tokens [N] and, for a tree known only on the device, its parents [N]."""
+    n, device = draft.tree.num_nodes, logits.device
+    parts = [logits.float().argmax(dim=-1), draft.tokens.to(device)]
+    if isinstance(draft.tree, DeviceTree):
+        parts.append(draft.tree.parents.to(device))
+    values = torch.cat(parts).tolist()  # the step's one host read
+    clock.lap("probs")
+    tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.on_host(values[2 * n + 1:])
+    path, last = greedy_path(tree, values[n + 1: 2 * n + 1], values[: n + 1])
+    return _Kept(tree, [*(values[n + 1 + i] for i in path), last], path)
 
 
 class _PhaseClock:

@@ -45,3 +45,34 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReads:
+    """Counts the calls that bring a tensor's values back to the host (on CUDA each waits for
+    the device): `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, and a tensor used as a bool,
+    int, float or index. Inside `with HostReads() as reads:` every such call adds one to
+    `reads.count`, on any device, so a CPU run counts what a GPU run would synchronise on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> HostReads:
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+            setattr(torch.Tensor, name, self._counted(original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+    def _counted(self, original):
+        def read(tensor, *args, **kwargs):
+            self.count += 1
+            return original(tensor, *args, **kwargs)
+        return read

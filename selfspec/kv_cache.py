@@ -81,10 +81,10 @@ class KVCache:
         accepted_slots: [n] strictly increasing slot indices below `length` (the root and the
         accepted tree nodes). Afterwards length == accepted_slots[0] + n.
         """
-        slots = torch.as_tensor(accepted_slots, dtype=torch.long, device=self.k.device)
-        values = _check_commit_slots(slots, self.length)
+        values = _check_commit_slots(accepted_slots, self.length)  # a tensor is read once
         start, n = values[0], len(values)
         if values != list(range(start, start + n)):  # already contiguous: nothing to move
+            slots = torch.tensor(values, dtype=torch.long, device=self.k.device)
             # index_select copies first, so overlapping source/target slots are safe.
             self.k[:, :, :, start : start + n] = self.k.index_select(3, slots)
             self.v[:, :, :, start : start + n] = self.v.index_select(3, slots)
@@ -237,23 +237,24 @@ class SegmentedKVCache:
             cache.truncate(n)
 
     def commit(self, accepted_slots: torch.Tensor | Sequence[int]) -> None:
-        slots = torch.as_tensor(accepted_slots, dtype=torch.long)
         for cache in self.parts:
-            cache.commit(slots.to(cache.k.device))
+            cache.commit(accepted_slots)
 
     def reset(self) -> None:
         for cache in self.parts:
             cache.reset()
 
 
-def _check_commit_slots(slots: torch.Tensor, length: int) -> list[int]:
-    """Validate commit slots; returns them as a python list (one device sync)."""
-    if slots.dim() != 1 or slots.numel() == 0:
+def _check_commit_slots(slots: torch.Tensor | Sequence[int], length: int) -> list[int]:
+    """Validate commit slots; returns them as a python list (a tensor's read back: one device
+    sync; the decode loop passes a list it already holds)."""
+    shape = list(slots.shape) if isinstance(slots, torch.Tensor) else [len(slots)]
+    if len(shape) != 1 or shape[0] == 0:
         raise ValueError(
             f"KVCache.commit: accepted_slots must be a non-empty 1-D tensor of slot indices, "
-            f"got shape {list(slots.shape)}"
+            f"got shape {shape}"
         )
-    values = slots.tolist()
+    values = slots.tolist() if isinstance(slots, torch.Tensor) else [int(v) for v in slots]
     if values[0] < 0 or values[-1] >= length:
         raise ValueError(
             f"KVCache.commit: accepted slots must lie in [0, {length}) (the valid slots), "

@@ -64,7 +64,7 @@ def use_cuda_graphs(setting: bool | None, target: Transformer) -> bool:
     return device.type == "cuda" and not placed if setting is None else setting
 
 
-class _SlotView:
+class SlotView:
     """The cache as a static forward sees it: K/V written at a slot tensor and every slot
     returned, so attention spans the whole cache under a [T, S] mask. `length` is what makes
     `Transformer.forward` take that mask whole; advancing is left to the host. slots: [b]
@@ -170,7 +170,7 @@ class StaticSteps:
         slots = bucket.base + self._slots[:b]  # [b]
         mask = (self._slots < bucket.base)[None].repeat(b, 1)  # [b, S]: the valid past
         mask.scatter_(1, slots[None].expand(b, b), bucket.tree)  # the new rows among themselves
-        return self.target(bucket.tokens, bucket.positions, _SlotView(self.cache, slots),
+        return self.target(bucket.tokens, bucket.positions, SlotView(self.cache, slots),
                            mask=mask, return_hidden=layers, with_logits=with_logits,
                            stages=self.stages)
 
@@ -195,18 +195,7 @@ class StaticSteps:
         self.setup_seconds += time.perf_counter() - start
 
     def _capture(self, bucket: _Bucket, step) -> None:
-        # Warm up on a side stream first (kernels chosen, workspaces allocated, the step
-        # compiled), as capture requires; these runs write the same K/V the replay writes.
-        stream = torch.cuda.Stream(device=self.cache.k.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a pool of its own: buckets replay in any order
-            bucket.out = step()
-        bucket.graph = graph
+        bucket.graph, bucket.out = capture(step, self.cache.k.device)
 
     # ---- a batch's rows ----------------------------------------------------------------
 
@@ -253,8 +242,26 @@ class StaticSteps:
         slots = bucket.base[:, None] + self._slots[:b]  # [n, b]
         mask = rows_mask(bucket.base, slots, self.cache.max_slots, bucket.tree)  # [n, b, S]
         return self.target(bucket.tokens, bucket.positions,
-                           _SlotView(self.cache.rows(0, n), slots), mask=mask,
+                           SlotView(self.cache.rows(0, n), slots), mask=mask,
                            return_hidden=layers, stages=self.stages)
+
+
+def capture(step, device: torch.device):
+    """(graph, output) of `step` captured on a CUDA device: replaying the graph reruns the
+    step's kernels over the same tensors and rewrites the output in place. The step must run
+    on static shapes and read no host value. It is first warmed up on a side stream (kernels
+    chosen, workspaces allocated, anything compiled), as capture requires; these runs write
+    what the replay writes."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a pool of its own: graphs replay in any order
+        out = step()
+    return graph, out
 
 
 def _compiled_setting(model: Transformer) -> bool:

@@ -186,6 +186,48 @@ class Tree:
         return on_device[key]
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceTree:
+    """A draft tree whose shape is known only on the device, as a tensor drafter grows it
+    (EAGLE-2 in static steps): parents [N] long (-1 = the root, topologically ordered), no
+    deeper than `max_depth_bound`. The verification forward's inputs come from it by tensor
+    ops; the decode loop reads the parents back with the target's argmax, in the step's one
+    host read, and verifies over `on_host(parents)`."""
+
+    parents: torch.Tensor
+    max_depth_bound: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def on_host(self, parents: Sequence[int]) -> Tree:
+        """The host Tree, given the parents as read back."""
+        return Tree.from_parents(parents)
+
+    def verification_inputs(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions_with_root [N+1], mask_with_root [N+1, N+1]), as `Tree` gives them, by
+        tensor ops: each hop adds the parent's ancestors, and after max_depth_bound hops every
+        node holds its whole path."""
+        n, parents = self.num_nodes, self.parents.to(device)
+        eye = torch.eye(n + 1, dtype=torch.bool, device=device)  # row 0: the root
+        up = torch.cat([parents.new_zeros(1), parents + 1])  # [N+1] each row's parent row
+        mask = eye.clone()
+        mask[:, 0] = True
+        for _ in range(self.max_depth_bound):
+            mask = eye | mask[up]
+            mask[:, 0] = True
+        return mask.sum(dim=-1) - 1, mask
+
+
+def host_tree(tree: Tree | DeviceTree) -> Tree:
+    """The tree on the host: itself, or a DeviceTree's parents read back (one host read)."""
+    return tree if isinstance(tree, Tree) else tree.on_host(tree.parents.tolist())
+
+
 @lru_cache(maxsize=512)
 def _tree_from_parents(cls: type[Tree], parents: tuple[int, ...]) -> Tree:
     return cls._build_from_parents(parents)

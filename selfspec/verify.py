@@ -101,16 +101,23 @@ def verify_greedy(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int
     on the host, with no per-node device reads. Trusted input (the loop builds it). The
     result lives on the CPU, where its inputs are (lists).
     """
+    path, last = greedy_path(tree, tokens, target_tokens)
+    return Acceptance(tokens=torch.tensor([*(tokens[i] for i in path), last]),
+                      num_accepted=len(path), path=torch.tensor(path, dtype=torch.long))
+
+
+def greedy_path(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int]
+                ) -> tuple[list[int], int]:
+    """`verify_greedy`'s walk, all on the host: the accepted nodes, root to leaf, and the
+    target's token where the walk stops."""
     node, path = -1, []
     while True:
         want = target_tokens[node + 1]
         child = next((c for c in tree.children_of(node) if tokens[c] == want), None)
         if child is None:
-            break
+            return path, want
         node = child
         path.append(child)
-    return Acceptance(tokens=torch.tensor([*(tokens[i] for i in path), want]),
-                      num_accepted=len(path), path=torch.tensor(path, dtype=torch.long))
 
 
 def verify_trusted(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from selfspec.tree import Tree
+from selfspec.tree import DeviceTree, Tree, host_tree
 
 
 def test_chain_is_a_linear_draft():
@@ -59,3 +59,24 @@ def test_from_paths_needs_every_prefix():
         Tree.from_paths([[0], [1, 0]])
     with pytest.raises(ValueError, match="non-empty"):
         Tree.from_paths([[]])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_device_tree_gives_the_trees_verification_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 24, (), generator=g))
+    parents = [int(torch.randint(-1, i, (), generator=g)) if i else -1 for i in range(n)]
+    tree = Tree.from_parents(parents)
+    device_tree = DeviceTree(torch.tensor(parents, dtype=torch.long), max(tree.max_depth, 1))
+    positions, mask = device_tree.verification_inputs("cpu")
+    assert torch.equal(positions, tree.positions_with_root)
+    assert torch.equal(mask, tree.mask_with_root)
+    assert host_tree(device_tree) is tree and host_tree(tree) is tree
+
+
+def test_a_device_tree_needs_hops_to_its_depth():
+    """The mask holds a node's whole path only after max_depth_bound hops: a bound too low
+    misses the root's grandchildren's grandparent (the test above would catch such a bug)."""
+    tree = Tree.chain(3)
+    _, mask = DeviceTree(torch.tensor(tree.parents), 1).verification_inputs("cpu")
+    assert not torch.equal(mask, tree.mask_with_root)

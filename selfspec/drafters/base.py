@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from selfspec.sampling import SamplingParams
-from selfspec.tree import Tree
+from selfspec.tree import DeviceTree, Tree, host_tree
 
 if TYPE_CHECKING:
     from selfspec.kv_cache import KVCache
@@ -68,13 +68,14 @@ class ExtraRows:
 
 @dataclass(frozen=True)
 class Draft:
-    """tree: the draft's shape; tokens [N]: node i's token; q [N, V] | None: the law each
-    token was drawn from (None = chosen deterministically); without_replacement: siblings
+    """tree: the draft's shape (a `DeviceTree` where only the device knows it); tokens [N]:
+    node i's token; q [N, V] | None: the law each token was drawn from (None = chosen
+    deterministically); without_replacement: siblings
     were sampled without replacement (see `selfspec.verify.verify_tree`); early: the target
     layers the draft already ran over its first rows (None: verification runs every layer);
     extra: rows the verification forward carries for the drafter that are not nodes."""
 
-    tree: Tree
+    tree: Tree | DeviceTree
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     without_replacement: bool = False
@@ -109,7 +110,7 @@ class Draft:
     def token_paths(self) -> list[tuple[int, ...]]:
         """Each node's token path from the root, in node order (one host read)."""
         paths: list[tuple[int, ...]] = []
-        for token, parent in zip(self.tokens.tolist(), self.tree.parents, strict=True):
+        for token, parent in zip(self.tokens.tolist(), host_tree(self.tree).parents, strict=True):
             paths.append((*(paths[parent] if parent >= 0 else ()), token))
         return paths
 

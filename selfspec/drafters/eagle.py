@@ -36,13 +36,15 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.eagle_static import StaticEagleDraft
 from selfspec.drafters.ranking import ranked
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs, sample_without_replacement
-from selfspec.tree import Tree
+from selfspec.step import padded_slots
+from selfspec.tree import DeviceTree, Tree
 
 
 @dataclass
@@ -106,12 +108,24 @@ class EagleDrafter:
             self._fed_max = (depth - 1) * top_k
         self._cache: KVCache | None = None
         self._committed = 0  # head cache slots holding committed pairs
+        self._static: StaticEagleDraft | None = None  # drafting in static shapes, kept
+        self._use_static = False
+
+    @property
+    def _shape(self) -> Tree | tuple[int, int, int]:
+        return self.tree if self.tree is not None else (self.total_tokens, self.depth, self.top_k)
 
     def begin(self, setup: DecodeSetup) -> None:
         check_head_target("EagleDrafter", self.head, setup.target)
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
+        self._committed = 0
+        # Chosen children draft in static shapes where the target runs static steps.
+        self._use_static = setup.static_steps and not self._sampled
+        if self._use_static:
+            self._begin_static(setup)
+            return
         slots, weight = setup.max_length + self._fed_max, self.head.fc.weight
         cache = self._cache
         if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
@@ -120,12 +134,19 @@ class EagleDrafter:
             self._cache = KVCache(1, 1, config.num_kv_heads, slots, config.head_dim,
                                   dtype=weight.dtype, device=weight.device)
         self._cache.reset()
-        self._committed = 0
+
+    def _begin_static(self, setup: DecodeSetup) -> None:
+        slots = padded_slots(setup.max_length + self._fed_max)
+        if self._static is None or not self._static.fits(self.head, setup.target, self._shape,
+                                                          slots):
+            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
         if context.features is None:
             return Draft.empty()  # no target features yet (one-token prompt, first step)
+        if self._use_static:
+            return self._propose_static(context)
         hidden, logits = self._consume(context)
         growth = _Growth(hidden={-1: hidden}, logits={-1: logits})
         if self.tree is not None:
@@ -135,11 +156,21 @@ class EagleDrafter:
         self._cache.truncate(self._committed)  # drop the draft's own slots
         return self._draft(growth, keep)
 
+    def _propose_static(self, context: DraftContext) -> Draft:
+        """The same draft, in static shapes on the device (`selfspec.drafters.eagle_static`)."""
+        start, tokens, feature = self._committed_pairs(context)
+        self._static.consume(tokens, feature, start)
+        self._committed = start + len(tokens)
+        tokens, parents = self._static.grow(self._committed)  # a captured step's buffers:
+        if parents is None:  # copied, since the next step rewrites them
+            return Draft(self.tree, tokens.clone())
+        return Draft(DeviceTree(parents.clone(), self.depth), tokens.clone())
+
     # ---- the committed context ----------------------------------------------------------------
 
-    def _consume(self, context: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the pairs the target just committed; returns the head's predicted feature [h]
-        and logits [V] after the root."""
+    def _committed_pairs(self, context: DraftContext) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The pairs the target just committed: their first position, tokens t+1 [A] and
+        the head's features f_t [A, h]."""
         features, length = context.features, len(context.tokens)
         count = len(features.tokens)
         start = length - 1 - count  # the history position of the first committed row
@@ -151,6 +182,13 @@ class EagleDrafter:
         weight = self.head.fc.weight
         tokens = context.tokens[length - count:].to(weight.device)  # [A] tokens t+1
         feature = self.head.target_feature(features.last_hidden, features.hidden).to(weight)
+        return start, tokens, feature
+
+    def _consume(self, context: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the pairs the target just committed; returns the head's predicted feature [h]
+        and logits [V] after the root."""
+        start, tokens, feature = self._committed_pairs(context)
+        count, weight = len(tokens), self.head.fc.weight
         positions = torch.arange(start, start + count, device=weight.device)
         embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, A, h]
         out = self.head(embeds, feature[None], positions, self._cache)[0]  # [A, h]

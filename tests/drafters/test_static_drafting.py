@@ -1,0 +1,150 @@
+"""Drafting in static shapes (`cuda_graphs=True`: captured on CUDA, the same code eagerly on
+a CPU): the same drafts as each drafter's host-side reference, the same greedy output as plain
+decoding, and one host read per decode step."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from helpers import EAGLE3_LAYERS, eagle_head_config, fit_eagle_head, random_eagle_head
+
+from selfspec import Tree, generate
+from selfspec.devices import HostReads
+from selfspec.drafters import EagleDrafter
+from selfspec.tree import host_tree
+
+PROMPTS = [[3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 19))]
+NEW_TOKENS = 24
+EAGLE = {
+    "chain": {"tree": Tree.chain(4)},
+    "static_tree": {"tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1],
+                             [0, 0, 0, 0]]},
+    "eagle2": {"total_tokens": 12, "depth": 4, "top_k": 3},
+    "eagle2_narrow": {"total_tokens": 4, "depth": 4, "top_k": 1},
+    "eagle2_published": {"total_tokens": 60, "depth": 6, "top_k": 10},
+}
+
+
+def host_side(cls):
+    """The drafter class drafting as it does without static steps (its host-side growth),
+    while the target still runs static steps: the reference for the static drafts."""
+    class HostSide(cls):
+        def begin(self, setup):
+            super().begin(dataclasses.replace(setup, static_steps=False))
+    return HostSide
+
+
+def recorded(drafter) -> list:
+    """The drafter, its drafts recorded as (parents, tokens) on the host."""
+    drafts, propose = [], drafter.propose
+
+    def recording(context):
+        draft = propose(context)
+        drafts.append((host_tree(draft.tree).parents, draft.tokens.tolist()))
+        return draft
+    drafter.propose = recording
+    return drafts
+
+
+def same_drafts_and_output(target, make, plain_greedy) -> list[float]:
+    """Assert that static drafting (make(static=True)) proposes the host-side drafts step by
+    step and that both give plain greedy's tokens; returns the static run's tau per prompt."""
+    taus = []
+    for prompt, expected in plain_greedy.items():
+        runs = []
+        for static in (True, False):
+            drafter = make(static)
+            drafts = recorded(drafter)
+            prompt_ids = torch.tensor(prompt, device=target.embed_tokens.weight.device)
+            result = generate(target, prompt_ids, drafter=drafter, max_new_tokens=NEW_TOKENS,
+                              cuda_graphs=True)
+            runs.append((result.tokens, drafts))
+            taus.append(result.stats.tau)
+        (static_tokens, static_drafts), (host_tokens, host_drafts) = runs
+        assert static_tokens == expected == host_tokens, prompt
+        assert static_drafts == host_drafts, prompt
+    return taus[::2]
+
+
+@pytest.fixture(scope="module")
+def fitted_eagle(target, plain_greedy):
+    """EAGLE-1 and EAGLE-3 heads fit to the target's own greedy continuations: long accepted
+    paths, so that every step commits several pairs."""
+    v1, _ = fit_eagle_head(target, plain_greedy, version=1, steps=60)
+    v3, _ = fit_eagle_head(target, plain_greedy, version=3, steps=60, draft_vocab_size=48,
+                           target_layers=EAGLE3_LAYERS)
+    return {1: v1, 3: v3}
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("mode", list(EAGLE))
+def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_eagle, version,
+                                                 mode):
+    taus = {}
+    for name, head in (("fitted", fitted_eagle[version]), ("random", random_eagle_head(
+            eagle_head_config(target, version), seed=version))):
+        taus[name] = same_drafts_and_output(
+            target, lambda static, head=head: (EagleDrafter if static else host_side(
+                EagleDrafter))(head, **EAGLE[mode]), plain_greedy)
+    assert min(taus["fitted"]) > 2.0, taus  # steps commit several pairs: the padded feed
+
+
+def test_a_wrong_static_draft_is_caught(target, plain_greedy, fitted_eagle, monkeypatch):
+    """A planted bug: the static growth ranks a parent's children off by one."""
+    import selfspec.drafters.eagle_static as static
+
+    ranked = static.ranked_on_device
+    monkeypatch.setattr(static, "ranked_on_device", lambda logits, count: ranked(
+        logits, count + 1)[:, 1:])
+    with pytest.raises(AssertionError):
+        same_drafts_and_output(target, lambda static: (EagleDrafter if static else host_side(
+            EagleDrafter))(fitted_eagle[1], **EAGLE["eagle2"]), plain_greedy)
+
+
+# ---- one host read per step -------------------------------------------------------------------
+
+
+def host_reads_per_step(target, make) -> float:
+    """Host reads a decode step makes: two generations of different lengths, differenced, so
+    that what a generation reads once (its prompt's checks, its prefill) drops out."""
+    counts = []
+    for new_tokens in (12, 24):
+        drafter = make()
+        generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=new_tokens,
+                 cuda_graphs=True)  # set up: shapes checked, graphs captured on CUDA
+        with HostReads() as reads:
+            result = generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=new_tokens,
+                              cuda_graphs=True)
+        counts.append((reads.count, result.stats.loop_steps))
+    (reads_short, steps_short), (reads_long, steps_long) = counts
+    assert steps_long > steps_short
+    return (reads_long - reads_short) / (steps_long - steps_short)
+
+
+@pytest.mark.parametrize("mode", [None, *EAGLE])
+def test_a_static_step_reads_the_host_once(target, mode):
+    head = random_eagle_head(eagle_head_config(target, 3), seed=3)
+    make = (lambda: None) if mode is None else (lambda: EagleDrafter(head, **EAGLE[mode]))
+    assert host_reads_per_step(target, make) == 1
+
+
+def test_host_side_drafting_reads_the_host_more(target):
+    """The count sees a drafter's reads: EAGLE-2's host-side growth reads at every level."""
+    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
+    assert host_reads_per_step(target, lambda: host_side(EagleDrafter)(
+        head, **EAGLE["eagle2"])) > 3
+
+
+# ---- CUDA: the drafts captured ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["chain", "eagle2", "eagle2_published"])
+def test_captured_eagle_drafts_the_host_side_trees_on_cuda(target, fitted_eagle, mode):
+    cuda, head = copy.deepcopy(target).to("cuda"), copy.deepcopy(fitted_eagle[1]).to("cuda")
+    plain = {tuple(p): generate(cuda, torch.tensor(p, device="cuda"), max_new_tokens=NEW_TOKENS,
+                                cuda_graphs=True).tokens for p in PROMPTS}
+    taus = same_drafts_and_output(cuda, lambda static: (EagleDrafter if static else host_side(
+        EagleDrafter))(head, **EAGLE[mode]), plain)
+    assert max(taus) > 2.0
