@@ -1,5 +1,6 @@
 """The decode loop's floor and ceiling on this machine: plain tokens/s (selfspec and Hugging
-Face generate on the same weights), c(N), and the oracle drafter against its bound.
+Face generate on the same weights), c(N), and the oracle drafter against its bound, as a
+chain and hidden in trees (conf oracle_trees).
 
     python eval/bench_decode.py                                  # tiny target, CPU
     python eval/bench_decode.py model=random-7b device=cuda      # Llama-2-7B shape, bf16
@@ -54,6 +55,11 @@ def report(figures: dict) -> str:
     lines += [f"       {r['k']:>2}  {r['tau']:.2f}  {r['speedup']:>6.2f}x  {r['bound']:.2f}x  "
               f"{r['efficiency']:>9.2f}  {str(r['lossless']):<8}  "
               f"{split_percent(r['time_split'])}" for r in figures["oracle"]]
+    if figures["oracle_trees"]:
+        lines.append("oracle tree  nodes  depth   tau  speedup  bound  efficiency  lossless")
+        lines += [f"{r['tree']:<11}  {r['nodes']:>5}  {r['depth']:>5}  {r['tau']:.2f}  "
+                  f"{r['speedup']:>6.2f}x  {r['bound']:.2f}x  {r['efficiency']:>9.2f}  "
+                  f"{r['lossless']}" for r in figures["oracle_trees"]]
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ fi
 
 if [[ $what == tests || $what == all ]]; then
     python -m pytest tests/test_step.py tests/test_placement.py tests/test_batch.py \
+        tests/drafters/test_static_drafting.py \
         tests/features/test_every_device.py \
         tests/features/test_train_on_cuda.py tests/measure/test_costs.py \
         tests/measure/test_oracle.py tests/measure/test_floor.py \

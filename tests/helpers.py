@@ -675,3 +675,24 @@ def eagle3_folder(folder, config_extra=None):
                                **(config_extra or {}))
     (folder / "config.json").write_text(json.dumps(config))
     return state
+
+
+def host_reads_per_step(target, make, prompt) -> float:
+    """Host reads a decode step makes (`selfspec.devices.HostReads`), make() giving the drafter
+    (None: plain decoding) under static steps: two generations of different lengths,
+    differenced, so that what a generation reads once (its prompt's checks) drops out."""
+    from selfspec import generate
+    from selfspec.devices import HostReads
+
+    counts = []
+    for new_tokens in (12, 24):
+        drafter = make()
+        generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens,
+                 cuda_graphs=True)  # set up: shapes checked, graphs captured on CUDA
+        with HostReads() as reads:
+            result = generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens,
+                              cuda_graphs=True)
+        counts.append((reads.count, result.stats.loop_steps))
+    (reads_short, steps_short), (reads_long, steps_long) = counts
+    assert steps_long > steps_short
+    return (reads_long - reads_short) / (steps_long - steps_short)

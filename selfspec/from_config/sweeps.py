@@ -27,6 +27,7 @@ from selfspec.measure.autosize import SizeChoice, choose_size
 from selfspec.measure.costs import CostProfile, covering_lengths, measure_cost_profile
 from selfspec.measure.floor import FloorSettings
 from selfspec.measure.grid import GridLine, GridPoint, SweepGrid, SweepRow, Variant
+from selfspec.measure.oracle import eagle2_shape
 from selfspec.measure.passes import BenchSettings, Method
 from selfspec.measure.peers import OurDecoder
 from selfspec.model import Transformer
@@ -308,7 +309,26 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
                for key in ("draft_lengths", "cost_lengths")}
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),
                          num_prompts=int(cfg.num_prompts), repeats=int(cfg.repeats),
-                         seed=int(cfg.seed), cuda_graphs=cuda_graphs(cfg), **lengths)
+                         seed=int(cfg.seed), cuda_graphs=cuda_graphs(cfg),
+                         oracle_trees=oracle_trees(cfg.get("oracle_trees") or []), **lengths)
+
+
+def oracle_trees(names) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:
+    """(name, choices) of each tree the oracle hides its answer in: `eagle2` (EAGLE-2's
+    published 60 nodes, depth 6, top-10: `eagle2_shape`) or a conf/tree/ file with choices."""
+    found = []
+    for name in as_list(names):
+        path = CONF_DIR / "tree" / f"{name}.yaml"
+        choices = OmegaConf.load(path).get("choices") if path.is_file() else None
+        if name == "eagle2":
+            choices = eagle2_shape().choices
+        if choices is None:
+            options = ["eagle2"] + sorted(p.stem for p in path.parent.glob("*.yaml")
+                                          if OmegaConf.load(p).get("choices") is not None)
+            raise ValueError(f"oracle_trees: unknown tree {name!r}: choose from "
+                             f"{', '.join(options)}")
+        found.append((str(name), tuple(tuple(int(r) for r in c) for c in choices)))
+    return tuple(found)
 
 
 def timing_models(cfg: DictConfig) -> tuple[Transformer, Any]:

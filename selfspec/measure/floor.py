@@ -1,6 +1,6 @@
 """The decode loop's floor and ceiling on the running machine (eval/bench_decode.py): plain
 tokens/s of selfspec and of Hugging Face `generate` on the same weights, c(N), and the oracle
-drafter's speedup at each draft length beside its bound."""
+drafter's speedup at each draft length beside its bound, and in trees of given shapes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from selfspec.measure.costs import measure_cost_profile
 from selfspec.measure.memory import PeakMemory
-from selfspec.measure.oracle import OracleDrafter
+from selfspec.measure.oracle import OracleDrafter, OracleTreeDrafter
 from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passes
 from selfspec.measure.peers import HFDecoder, OurDecoder
 from selfspec.model import Transformer
@@ -32,6 +32,8 @@ class FloorSettings:
     repeats: int = 3
     seed: int = 0
     cuda_graphs: bool | None = None  # as `generate`'s: None = on for a CUDA target
+    # (name, choices): trees the oracle's answer is hidden in (`OracleTreeDrafter`)
+    oracle_trees: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
@@ -46,6 +48,11 @@ class FloorSettings:
             raise ValueError(f"cost_lengths must reach max(draft_lengths) + 1 = "
                              f"{max(self.draft_lengths) + 1} (a draft of k verifies k + 1 "
                              f"tokens), got up to {max(self.cost_lengths)}")
+        for name, choices in self.oracle_trees:
+            if len(choices) + 1 > max(self.cost_lengths):
+                raise ValueError(f"cost_lengths must reach {len(choices) + 1} for the oracle "
+                                 f"tree {name} ({len(choices)} nodes), got up to "
+                                 f"{max(self.cost_lengths)}")
 
 
 def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
@@ -76,10 +83,26 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                            "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
                            "plain_tokens_per_s": row.plain_tokens_per_s,
                            "lossless": row.lossless, "time_split": row.time_split})
+        trees = [_oracle_tree_row(target, answers.with_tree(choices), name, prompts, settings,
+                                  profile) for name, choices in settings.oracle_trees]
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cuda_graphs": use_cuda_graphs(graphs, target),
             "compiled": target.compile_steps,
             "setup_seconds": setup_seconds(target),
             "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
-            "cost_profile": profile.as_dict(), "oracle": oracle, "settings": asdict(settings)}
+            "cost_profile": profile.as_dict(), "oracle": oracle, "oracle_trees": trees,
+            "settings": asdict(settings)}
+
+
+def _oracle_tree_row(target: Transformer, drafter: OracleTreeDrafter, name: str,
+                     prompts: list, settings: FloorSettings, profile) -> dict:
+    """The oracle tree's speedup beside its bound tau / c(N + 1): the whole tree path (an
+    N-node forward, its mask, the walk) at a known tau."""
+    row = compare_with_plain(target, drafter, prompts, max_new_tokens=settings.new_tokens,
+                             seed=settings.seed, split_time=True, cuda_graphs=settings.cuda_graphs)
+    nodes = drafter.tree.num_nodes
+    bound = profile.bound(row.tau, nodes)
+    return {"tree": name, "nodes": nodes, "depth": drafter.tree.max_depth, "tau": row.tau,
+            "speedup": row.speedup, "bound": bound, "efficiency": row.speedup / bound,
+            "lossless": row.lossless, "time_split": row.time_split}

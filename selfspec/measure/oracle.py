@@ -3,6 +3,10 @@
 With a perfect drafter every draft token is accepted (tau = k + 1 until the end), so its
 speedup over plain decoding is the ceiling of the decode loop on this machine: it should sit
 near tau / c(k + 1) (see `selfspec.measure.costs`). Greedy decoding only.
+
+`OracleTreeDrafter` hides that answer in a tree of a given shape (EAGLE-2's, Medusa's), along
+its rank-0 path, with random tokens at every other node: the whole tree path (its forward
+of N + 1 rows, its mask, the walk) runs at a known tau, whose ceiling is tau / c(N + 1).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from selfspec.decode import generate
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.tree import Tree
 
 
 class OracleDrafter:
@@ -44,6 +49,12 @@ class OracleDrafter:
         other._answers = self._answers
         return other
 
+    def with_tree(self, tree: Tree | Sequence[Sequence[int]]) -> OracleTreeDrafter:
+        """An oracle over a tree (`OracleTreeDrafter`) that shares these answers."""
+        other = OracleTreeDrafter(tree)
+        other._answers = self._answers
+        return other
+
     def _answer_for(self, target, prompt: torch.Tensor, length: int) -> list[int]:
         key = (id(target), tuple(prompt.tolist()))
         known = self._answers.get(key, [])
@@ -62,3 +73,55 @@ class OracleDrafter:
         done = len(context.tokens) - self._prompt_length  # tokens generated so far
         chunk = self._answer[done : done + self.num_draft_tokens]
         return Draft.chain(torch.tensor(chunk, dtype=torch.long, device=context.tokens.device))
+
+
+class OracleTreeDrafter(OracleDrafter):
+    """The oracle's answer along `tree`'s rank-0 path (nodes (0), (0, 0), ...), random tokens
+    at its other nodes (from a generator of its own, on the target's device, so drafting reads
+    nothing back). Every step accepts the whole rank-0 path: tau = its length + 1."""
+
+    def __init__(self, tree: Tree | Sequence[Sequence[int]], seed: int = 0) -> None:
+        self.tree = tree if isinstance(tree, Tree) else Tree.from_paths(tree)
+        path = [i for i, choice in enumerate(self.tree.choices) if not any(choice)]
+        if not path:
+            raise ValueError("OracleTreeDrafter: the tree has no rank-0 child of the root, "
+                             "where the answer goes; give a tree with a node [0]")
+        super().__init__(len(path))
+        self.max_nodes, self.seed = self.tree.num_nodes, seed
+        self._path = path  # the rank-0 path, root to leaf (a chain: each the last's child)
+        self._noise: torch.Generator | None = None
+
+    def with_draft_tokens(self, num_draft_tokens: int) -> OracleDrafter:
+        raise ValueError("OracleTreeDrafter: its draft is its tree; build another tree")
+
+    def begin(self, setup: DecodeSetup) -> None:
+        super().begin(setup)
+        device = setup.target.embed_tokens.weight.device
+        self._vocab = setup.target.config.vocab_size
+        self._noise = torch.Generator(device=device).manual_seed(self.seed)
+        self._at = torch.tensor(self._path, device=device)
+
+    def propose(self, context: DraftContext) -> Draft:
+        device = context.tokens.device
+        chunk = super().propose(context).tokens.to(device)
+        tokens = torch.randint(self._vocab, (self.tree.num_nodes,), generator=self._noise,
+                               device=device)
+        tokens[self._at[: len(chunk)]] = chunk
+        return Draft(self.tree, tokens)
+
+
+def eagle2_shape(total_tokens: int = 60, depth: int = 6, top_k: int = 10) -> Tree:
+    """The tree EAGLE-2 grows when every node's children score alike, the rank-r child r
+    nats below the best: a top_k frontier grown `depth` levels, the best total_tokens kept
+    (ties: the earlier made). Its defaults are EAGLE-2's published setting."""
+    nodes, frontier = [], [(-1, 0.0)]  # (parent, score) per node; the frontier as (node, score)
+    for _ in range(depth):
+        level = []
+        for parent, score in frontier:
+            for rank in range(top_k):
+                nodes.append((parent, score - rank))
+                level.append((len(nodes) - 1, score - rank))
+        frontier = sorted(level, key=lambda node: (-node[1], node[0]))[:top_k]
+    kept = sorted(sorted(range(len(nodes)), key=lambda i: (-nodes[i][1], i))[:total_tokens])
+    index = {node: i for i, node in enumerate(kept)} | {-1: -1}
+    return Tree.from_parents([index[nodes[i][0]] for i in kept])

@@ -7,10 +7,15 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import EAGLE3_LAYERS, eagle_head_config, fit_eagle_head, random_eagle_head
+from helpers import (
+    EAGLE3_LAYERS,
+    eagle_head_config,
+    fit_eagle_head,
+    host_reads_per_step,
+    random_eagle_head,
+)
 
 from selfspec import Tree, generate
-from selfspec.devices import HostReads
 from selfspec.drafters import EagleDrafter
 from selfspec.tree import host_tree
 
@@ -105,35 +110,18 @@ def test_a_wrong_static_draft_is_caught(target, plain_greedy, fitted_eagle, monk
 # ---- one host read per step -------------------------------------------------------------------
 
 
-def host_reads_per_step(target, make) -> float:
-    """Host reads a decode step makes: two generations of different lengths, differenced, so
-    that what a generation reads once (its prompt's checks, its prefill) drops out."""
-    counts = []
-    for new_tokens in (12, 24):
-        drafter = make()
-        generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=new_tokens,
-                 cuda_graphs=True)  # set up: shapes checked, graphs captured on CUDA
-        with HostReads() as reads:
-            result = generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=new_tokens,
-                              cuda_graphs=True)
-        counts.append((reads.count, result.stats.loop_steps))
-    (reads_short, steps_short), (reads_long, steps_long) = counts
-    assert steps_long > steps_short
-    return (reads_long - reads_short) / (steps_long - steps_short)
-
-
 @pytest.mark.parametrize("mode", [None, *EAGLE])
 def test_a_static_step_reads_the_host_once(target, mode):
     head = random_eagle_head(eagle_head_config(target, 3), seed=3)
     make = (lambda: None) if mode is None else (lambda: EagleDrafter(head, **EAGLE[mode]))
-    assert host_reads_per_step(target, make) == 1
+    assert host_reads_per_step(target, make, PROMPTS[2]) == 1
 
 
 def test_host_side_drafting_reads_the_host_more(target):
     """The count sees a drafter's reads: EAGLE-2's host-side growth reads at every level."""
     head = random_eagle_head(eagle_head_config(target, 1), seed=1)
     assert host_reads_per_step(target, lambda: host_side(EagleDrafter)(
-        head, **EAGLE["eagle2"])) > 3
+        head, **EAGLE["eagle2"]), PROMPTS[2]) > 3
 
 
 # ---- CUDA: the drafts captured ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 import pytest
 from helpers import tiny_llama
 
+from selfspec.from_config.sweeps import oracle_trees
 from selfspec.measure.floor import FloorSettings, measure_floor
 from selfspec.model import Transformer
 
@@ -14,8 +15,10 @@ def target() -> Transformer:
 
 def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     hf_model = tiny_llama(0, vocab=96, layers=2)  # the weights `target` was converted from
+    tree = ((0,), (1,), (0, 0))
     settings = FloorSettings(prompt_tokens=12, new_tokens=8, num_prompts=1, repeats=1,
-                             draft_lengths=(1, 3), cost_lengths=(1, 2, 4))
+                             draft_lengths=(1, 3), cost_lengths=(1, 2, 4),
+                             oracle_trees=(("small", tree),))
     figures = measure_floor(target, hf_model, settings)
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
     assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
@@ -26,6 +29,16 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
         assert row["bound"] == pytest.approx(
             row["tau"] / figures["cost_profile"]["c"][2 if row["k"] == 1 else 4])
         assert 0 < row["time_split"]["forward"]["share"] < 1  # the oracle's steps, split
+    (row,) = figures["oracle_trees"]
+    assert (row["tree"], row["nodes"], row["depth"], row["lossless"]) == ("small", 3, 2, True)
+    assert row["tau"] > 2 and row["bound"] == pytest.approx(
+        row["tau"] / figures["cost_profile"]["c"][4])
+    with pytest.raises(ValueError, match="cost_lengths must reach 4 for the oracle tree small"):
+        FloorSettings(cost_lengths=(1, 2), draft_lengths=(1,), oracle_trees=(("small", tree),))
+    assert [name for name, _ in oracle_trees(["eagle2", "medusa_63"])] == ["eagle2", "medusa_63"]
+    assert len(oracle_trees(["medusa_63"])[0][1]) == 63
+    with pytest.raises(ValueError, match="unknown tree 'top_k_products': choose from eagle2, "):
+        oracle_trees(["top_k_products"])
     with pytest.raises(ValueError, match="cost_lengths must reach max"):
         FloorSettings(draft_lengths=(8,), cost_lengths=(1, 4))
     with pytest.raises(ValueError, match="cuda_graphs must be true, false or null, got 'yes'"):

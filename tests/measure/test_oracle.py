@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import host_reads_per_step, tiny_llama
 
-from selfspec import SamplingParams, decode, generate
-from selfspec.measure.oracle import OracleDrafter
+from selfspec import SamplingParams, Tree, decode, generate
+from selfspec.drafters.base import DecodeSetup, DraftContext
+from selfspec.measure.oracle import OracleDrafter, OracleTreeDrafter, eagle2_shape
 from selfspec.model import Transformer
 
 
@@ -48,3 +49,44 @@ def test_the_oracle_refuses_sampling_and_bad_lengths(target):
                  max_new_tokens=4, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 1"):
         OracleDrafter(0)
+
+
+# ---- the oracle hidden in a tree ------------------------------------------------------------
+
+MEDUSA_LIKE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("tree", [MEDUSA_LIKE, eagle2_shape(), eagle2_shape(12, 4, 3)])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_oracle_tree_accepts_its_rank0_path_and_is_lossless(target, tree, static):
+    prompt, new = [3, 17, 5, 9], 30
+    oracle = OracleTreeDrafter(tree)
+    depth = oracle.tree.max_depth
+    plain = generate(target, prompt, max_new_tokens=new)
+    result = generate(target, prompt, drafter=oracle, max_new_tokens=new, cuda_graphs=static)
+    assert result.tokens == plain.tokens
+    assert result.stats.steps == -(-new // (depth + 1))  # the whole rank-0 path every step
+    assert result.stats.drafted == result.stats.steps * oracle.tree.num_nodes
+
+
+def test_the_oracle_trees_other_nodes_are_random_and_drafting_reads_nothing(target):
+    prompt, tree = [3, 17, 5, 9], eagle2_shape(12, 4, 3)
+    plain = generate(target, prompt, max_new_tokens=20).tokens
+    oracle = OracleTreeDrafter(tree)
+    oracle.prepare(target, [prompt], 40)  # its answers: computed outside the counts
+    assert host_reads_per_step(target, lambda: oracle.with_tree(tree), prompt) == 1
+    oracle.begin(DecodeSetup(target, torch.tensor(prompt), SamplingParams(), None, 60))
+    draft = oracle.propose(DraftContext(torch.tensor(prompt), None))
+    tokens = draft.tokens.tolist()
+    path = [i for i, c in enumerate(oracle.tree.choices) if not any(c)]
+    assert [tokens[i] for i in path] == plain[:len(path)]
+    assert len({tokens[i] for i in range(len(tokens)) if i not in path}) > 3
+
+
+def test_eagle2_shape_is_eagle2s_growth_of_alike_scores():
+    tree = eagle2_shape()
+    assert (tree.num_nodes, tree.max_depth) == (60, 6)
+    assert max(len(tree.children_of(i)) for i in range(-1, 60)) <= 10
+    assert [c for c in tree.choices if not any(c)] == [(0,) * d for d in range(1, 7)]
+    with pytest.raises(ValueError, match="no rank-0 child of the root"):
+        OracleTreeDrafter(Tree.from_paths([[1]]))
