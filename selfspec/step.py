@@ -264,6 +264,27 @@ def capture(step, device: torch.device):
     return graph, out
 
 
+class CapturedSteps:
+    """A drafter's steps of static shape, by name: on CUDA each is captured on its first run
+    (`capture`) and replayed after (its output tensors rewritten in place); elsewhere each runs
+    as it is. A step must read no host value and take its inputs from tensors it holds."""
+
+    shared_by_forks = True  # graphs cannot be copied; a batch's rows draft eagerly
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._graphs: dict[str, tuple] = {}
+
+    def run(self, name: str, step):
+        if self.device.type != "cuda":
+            return step()
+        if name not in self._graphs:
+            self._graphs[name] = capture(step, self.device)
+        graph, out = self._graphs[name]
+        graph.replay()
+        return out
+
+
 def _compiled_setting(model: Transformer) -> bool:
     if not isinstance(model.compile_steps, bool):
         raise ValueError(f"compile_steps must be True or False, got {model.compile_steps!r}")

@@ -29,7 +29,7 @@ from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.eagle import EagleHead
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
-from selfspec.step import SlotView, capture
+from selfspec.step import CapturedSteps, SlotView
 from selfspec.tree import Tree
 
 
@@ -57,8 +57,7 @@ class StaticEagleDraft:
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)  # committed before
         self._count = torch.ones(1, dtype=torch.long, device=self.device)  # pairs fed now
         self._root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
-        self._capture = self.device.type == "cuda"
-        self._graphs: dict[str, tuple] = {}
+        self._steps = CapturedSteps(self.device)
 
     def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int) -> bool:
         same = self.growth.shape == (shape if not isinstance(shape, Tree) else shape.parents)
@@ -83,7 +82,7 @@ class StaticEagleDraft:
         self._feature[:count].copy_(feature)
         self._start.fill_(start)
         self._count.fill_(count)
-        self._replay("consume", self._consume)
+        self._steps.run("consume", self._consume)
 
     def _consume(self) -> torch.Tensor:
         rows = torch.arange(self.width, device=self.device)
@@ -101,7 +100,7 @@ class StaticEagleDraft:
         """The draft after `committed` cached pairs: its tokens [N] and, for an EAGLE-2 tree,
         its parents [N] (None: the static tree's)."""
         self._start.fill_(committed)
-        return self._replay("grow", lambda: self.growth.run(self))
+        return self._steps.run("grow", lambda: self.growth.run(self))
 
     def feed(self, tokens: torch.Tensor, feature: torch.Tensor, depth: int,
              offsets: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,16 +122,6 @@ class StaticEagleDraft:
     def root_logits(self) -> torch.Tensor:
         """[1, V] the head's scores after the root."""
         return self.head.target_logits(self._root, self.target.lm_head)[None]
-
-    def _replay(self, name: str, step):
-        """The step's graph replayed (captured on first use) on CUDA; elsewhere the step."""
-        if not self._capture:
-            return step()
-        if name not in self._graphs:
-            self._graphs[name] = capture(step, self.device)
-        graph, out = self._graphs[name]
-        graph.replay()
-        return out
 
 
 class _StaticTree:

@@ -13,6 +13,11 @@ places after the root (node depth d uses head d-1).
 Candidates are chosen, not sampled (q=None), so the shared verifier keeps the target's law
 exactly at every temperature. Medusa's lossy "typical acceptance" is deliberately not
 implemented.
+
+Where the target runs static steps (`DecodeSetup.static_steps`), both draft in static shapes
+on the device, reading nothing back: the root's state goes into a fixed buffer and the heads,
+the ranking (`ranked_on_device`) and the tree's tokens (the products' tree as a `DeviceTree`)
+run as one step, captured on CUDA (`selfspec.step.CapturedSteps`). The drafts are the same.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.ranking import ranked as _ranked
+from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.io import check_sizes
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.tree import Tree
+from selfspec.step import CapturedSteps
+from selfspec.tree import DeviceTree, Tree
 
 
 class MedusaDrafter:
@@ -40,6 +47,7 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, tree: Tree | Sequence[Sequence[int]]):
         self.heads = heads
         self._lm_head = None  # the target's, set by begin (heads that share it read it)
+        self._static: _StaticRoot | None = None  # drafting in static shapes, kept
         self.tree = tree if isinstance(tree, Tree) else Tree.from_paths(tree)
         self.max_nodes = self.tree.num_nodes
         _check_depth(
@@ -65,18 +73,26 @@ class MedusaDrafter:
     def begin(self, setup: DecodeSetup) -> None:
         _check_target("MedusaDrafter", self.heads, setup)
         self._lm_head = setup.target.lm_head
+        self._static = _StaticRoot.kept(self._static, self.heads,
+                                        self._lm_head, setup.static_steps)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
-        if self.tree.num_nodes == 0:
-            return Draft.empty()
-        logits = _root_logits(self.heads, self._lm_head, context, self.tree.max_depth)  # [depth, V]
-        if logits is None:
+        hidden = _root_state(self.heads, self._lm_head, context)
+        if self.tree.num_nodes == 0 or hidden is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
-        ranked = _ranked(logits, self._ranks)  # [depth, ranks] output ids, most likely first
-        tokens = ranked[self._head_of.to(ranked.device), self._rank_of.to(ranked.device)]  # [N]
-        tokens = self.heads.target_ids(tokens)
+        if self._static is not None:
+            (tokens,) = self._static.run(hidden, lambda h: (self._tokens(h, ranked_on_device),))
+        else:
+            tokens = self._tokens(hidden, _ranked)
         return Draft(self.tree, tokens.to(context.features.last_hidden.device))
+
+    def _tokens(self, hidden: torch.Tensor, rank) -> torch.Tensor:
+        """[N] the tree's tokens: node (r1, ..., rd) gets head d-1's rank-rd token."""
+        logits = self.heads(hidden, self._lm_head, count=self.tree.max_depth)  # [depth, V]
+        ranked = rank(logits, self._ranks)  # [depth, ranks] output ids, most likely first
+        tokens = ranked[self._head_of.to(ranked.device), self._rank_of.to(ranked.device)]  # [N]
+        return self.heads.target_ids(tokens)
 
 
 class MedusaProductDrafter:
@@ -101,40 +117,85 @@ class MedusaProductDrafter:
         _check_product_arguments(heads, top_k, max_nodes, depth)
         self.heads, self.top_k, self.depth = heads, top_k, depth
         self._lm_head = None  # the target's, set by begin (heads that share it read it)
+        self._static: _StaticRoot | None = None  # drafting in static shapes, kept
         self.max_nodes = min(max_nodes, sum(top_k**d for d in range(1, depth + 1)))
 
     def begin(self, setup: DecodeSetup) -> None:
         _check_target("MedusaProductDrafter", self.heads, setup)
         self._lm_head = setup.target.lm_head
+        self._static = _StaticRoot.kept(self._static, self.heads,
+                                        self._lm_head, setup.static_steps)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
-        logits = _root_logits(self.heads, self._lm_head, context, self.depth)  # [depth, V]
-        if logits is None:
+        hidden = _root_state(self.heads, self._lm_head, context)
+        if hidden is None:
             return Draft.empty()  # no hidden state yet (one-token prompt before any forward)
-        ranked = _ranked(logits, self.top_k)  # [depth, k] token ids, most likely first
+        device = context.features.last_hidden.device
+        if self._static is not None:
+            tokens, parents = self._static.run(hidden, lambda h: self._tree(h, ranked_on_device))
+            return Draft(DeviceTree(parents.to(device), self.depth), tokens.to(device))
+        # Off static steps the tree is built on the CPU: it holds at most max_nodes nodes.
+        tokens, parents = self._tree(hidden, _ranked, torch.device("cpu"))
+        return Draft(Tree.from_parents(parents.tolist()), tokens.to(device))
+
+    def _tree(self, hidden: torch.Tensor, rank, where: torch.device | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best paths' tokens [N] and parents [N] (on `where`, default the heads')."""
+        logits = self.heads(hidden, self._lm_head, count=self.depth)  # [depth, V]
+        ranked = rank(logits, self.top_k)  # [depth, k] token ids, most likely first
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(1, ranked)  # [depth, k]
-        # The tree is built on the CPU: it holds at most max_nodes nodes.
-        parents, level, rank = _best_product_paths(log_probs.cpu(), self.max_nodes)
+        where = log_probs.device if where is None else where
+        parents, level, rank = _best_product_paths(log_probs.to(where), self.max_nodes)
         tokens = self.heads.target_ids(ranked[level.to(ranked.device), rank.to(ranked.device)])
-        tree = Tree.from_parents(parents.tolist())
-        return Draft(tree, tokens.to(context.features.last_hidden.device))
+        return tokens, parents
 
 
 # ---- shared by both modes -------------------------------------------------------------------
 
 
-def _root_logits(heads: MedusaHeads, lm_head: torch.nn.Module | None, context: DraftContext,
-                 depth: int) -> torch.Tensor | None:
-    """[depth, V] logits of heads 0..depth-1 at the state that produced the root, or None
-    before the target's first forward (no hidden state yet). lm_head: the target's (used by
-    heads that share it)."""
+def _root_state(heads: MedusaHeads, lm_head: torch.nn.Module | None, context: DraftContext
+                ) -> torch.Tensor | None:
+    """[H] the state that produced the root, on the heads' device and in their dtype, or None
+    before the target's first forward (no hidden state yet)."""
     if context.features is None:
         return None
-    hidden = context.features.last_hidden[-1]  # [H] the state that produced the root
+    weight = _weight_of(heads, lm_head)
+    return context.features.last_hidden[-1].to(device=weight.device, dtype=weight.dtype)
+
+
+def _weight_of(heads: MedusaHeads, lm_head: torch.nn.Module | None) -> torch.Tensor:
+    """A weight the heads read: their own, or the target's LM head's where they share it."""
     weight = next(heads.parameters(), None)
-    weight = lm_head.weight if weight is None else weight
-    return heads(hidden.to(device=weight.device, dtype=weight.dtype), lm_head, count=depth)
+    return lm_head.weight if weight is None else weight
+
+
+class _StaticRoot:
+    """The root's state in a buffer of fixed address, and a drafter's function of it, a step
+    captured on CUDA (run as it is elsewhere); the outputs are copies."""
+
+    shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
+
+    def __init__(self, weight: torch.Tensor, reads: tuple) -> None:
+        self.hidden = torch.zeros(weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        self.steps, self.reads = CapturedSteps(weight.device), reads
+
+    @classmethod
+    def kept(cls, kept: _StaticRoot | None, heads: MedusaHeads, lm_head, static: bool
+             ) -> _StaticRoot | None:
+        """`kept` if it still reads what the heads read now, a new one, or None off static
+        steps (a captured step would miss weights replaced, moved or cast since)."""
+        if not static:
+            return None
+        reads = tuple((p.data_ptr(), p.dtype, p.device) for p in heads.parameters()) + (
+            (lm_head.weight.data_ptr(), lm_head.weight.dtype),)
+        if kept is not None and kept.reads == reads:
+            return kept
+        return cls(_weight_of(heads, lm_head), reads)
+
+    def run(self, hidden: torch.Tensor, draft) -> tuple[torch.Tensor, ...]:
+        self.hidden.copy_(hidden)
+        return tuple(t.clone() for t in self.steps.run("draft", lambda: draft(self.hidden)))
 
 
 def _check_target(drafter: str, heads: MedusaHeads, setup: DecodeSetup) -> None:
@@ -207,15 +268,17 @@ def _best_product_paths(
     score = torch.cat([lv[0] for lv in levels])  # [M] all kept nodes, by level, lexicographic
     level = torch.cat([torch.full_like(lv[1], d) for d, lv in enumerate(levels)])  # [M]
     rank = torch.cat([lv[1] for lv in levels])  # [M]
-    offsets = [0] + [len(lv[1]) for lv in levels[:-1]]
-    offsets = torch.tensor(offsets).cumsum(0)  # [depth] where each level starts in the list
+    starts = [0]  # where each level starts in the list (host ints: sizes, not values)
+    for lv in levels[:-1]:
+        starts.append(starts[-1] + len(lv[1]))
     parent = torch.cat(  # [M] index into the list, -1 for the root
-        [lv[2] + offsets[d - 1] if d else lv[2] for d, lv in enumerate(levels)]
+        [lv[2] + starts[d - 1] if d else lv[2] for d, lv in enumerate(levels)]
     )
     # Stable sort on score alone: the list is already in (depth asc, lexicographic) order.
     chosen = torch.sort(score, descending=True, stable=True).indices[:max_nodes]  # [N]
-    position = torch.full((len(score) + 1,), -1, dtype=torch.long)  # [M + 1], last = root
-    position[chosen] = torch.arange(len(chosen))
+    position = torch.full((len(score) + 1,), -1, dtype=torch.long,
+                          device=score.device)  # [M + 1], last = root
+    position[chosen] = torch.arange(len(chosen), device=score.device)
     parents = position[parent[chosen]]  # parent -1 indexes the root's slot, which stays -1
     return parents, level[chosen], rank[chosen]
 
@@ -227,7 +290,7 @@ def _expand_levels(
     (score [F], rank [F], parent [F]): parent indexes level d-1's list (-1 on level 0)."""
     depth, k = log_probs.shape
     levels = []
-    score = torch.zeros(1, dtype=log_probs.dtype)  # [1] the root
+    score = torch.zeros(1, dtype=log_probs.dtype, device=log_probs.device)  # [1] the root
     for d in range(depth):
         # Row-major flattening of [parents, ranks] is lexicographic, since parents are.
         candidates = (score[:, None] + log_probs[d][None, :]).flatten()  # [F * k]

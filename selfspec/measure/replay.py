@@ -29,6 +29,7 @@ from selfspec.files import write_atomically
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
 from selfspec.sampling import SamplingParams
+from selfspec.tree import host_tree
 from selfspec.verify import verify_greedy
 
 LOOKAHEAD = 16  # greedy tokens recorded past the answer's end (deeper drafts: judged unaccepted)
@@ -100,8 +101,9 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
             raise ValueError(f"replay: {type(drafter).__name__} drafted with {what}, which only "
                              f"the decode loop verifies: measure it there (eval/sweep.py)")
         expected = _expected_after_nodes(draft.token_paths(), tokens[done:])
-        accepted = verify_greedy(draft.tree, draft.tokens.tolist(), expected).num_accepted
-        stats.record_step(draft.tree.num_nodes, draft.tree.max_depth, accepted)
+        tree = host_tree(draft.tree)
+        accepted = verify_greedy(tree, draft.tokens.tolist(), expected).num_accepted
+        stats.record_step(tree.num_nodes, tree.max_depth, accepted)
         fed, done = length - 1, min(done + accepted + 1, record.answer_length)
     stats.new_tokens = done
     return stats

@@ -7,16 +7,18 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import lm_head_copies
 from helpers import (
     EAGLE3_LAYERS,
     eagle_head_config,
     fit_eagle_head,
+    fit_medusa_heads,
     host_reads_per_step,
     random_eagle_head,
 )
 
 from selfspec import Tree, generate
-from selfspec.drafters import EagleDrafter
+from selfspec.drafters import EagleDrafter, MedusaDrafter, MedusaProductDrafter
 from selfspec.tree import host_tree
 
 PROMPTS = [[3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 19))]
@@ -107,14 +109,45 @@ def test_a_wrong_static_draft_is_caught(target, plain_greedy, fitted_eagle, monk
             EagleDrafter))(fitted_eagle[1], **EAGLE["eagle2"]), plain_greedy)
 
 
+MEDUSA = {
+    "medusa_chain": (MedusaDrafter, {"tree": Tree.chain(4)}),
+    "medusa_tree": (MedusaDrafter, {"tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0],
+                                             [0, 0, 0, 0]]}),
+    "medusa_products": (MedusaProductDrafter, {"top_k": 3, "max_nodes": 12}),
+    "medusa_products_full": (MedusaProductDrafter, {"top_k": 2, "max_nodes": 64}),
+}
+
+
+def medusa(heads, mode: str, static: bool = True):
+    cls, kwargs = MEDUSA[mode]
+    return (cls if static else host_side(cls))(heads, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fitted_medusa(target, plain_greedy):
+    heads, _ = fit_medusa_heads(target, plain_greedy)
+    return heads
+
+
+@pytest.mark.parametrize("mode", list(MEDUSA))
+def test_static_medusa_drafts_the_host_side_trees(target, plain_greedy, fitted_medusa, mode):
+    taus = {}
+    for name, heads in (("fitted", fitted_medusa), ("untrained", lm_head_copies(target, 4))):
+        taus[name] = same_drafts_and_output(
+            target, lambda static, heads=heads: medusa(heads, mode, static), plain_greedy)
+    assert min(taus["fitted"]) > 1.5, taus
+
+
 # ---- one host read per step -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [None, *EAGLE])
-def test_a_static_step_reads_the_host_once(target, mode):
+@pytest.mark.parametrize("mode", [None, *EAGLE, *MEDUSA])
+def test_a_static_step_reads_the_host_once(target, fitted_medusa, mode):
     head = random_eagle_head(eagle_head_config(target, 3), seed=3)
-    make = (lambda: None) if mode is None else (lambda: EagleDrafter(head, **EAGLE[mode]))
-    assert host_reads_per_step(target, make, PROMPTS[2]) == 1
+    make = {None: lambda: None} | {
+        name: lambda kwargs=kwargs: EagleDrafter(head, **kwargs) for name, kwargs in EAGLE.items()
+    } | {name: lambda name=name: medusa(fitted_medusa, name) for name in MEDUSA}
+    assert host_reads_per_step(target, make[mode], PROMPTS[2]) == 1
 
 
 def test_host_side_drafting_reads_the_host_more(target):
