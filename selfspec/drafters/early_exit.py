@@ -13,6 +13,14 @@ The adapter exit keeps its own one-layer K/V cache over the committed context. I
 for the rows a draft fed are exactly the committed rows' (same layer-E states), so after
 verification only the committed rows the draft did not feed (the last draft token when all
 were accepted) are fed, from the verification forward's layer-E states.
+
+Where the target runs static steps (`DecodeSetup.static_steps`) and drafts are greedy with no
+confidence stop, the k draft steps run as one static step on the device (`_StaticDraft`,
+captured on CUDA): each token's early layers write K/V at a slot tensor and attend over every
+slot under a mask, the exit's argmax feeds the next step, and nothing is read back. Its draft
+then hands no early layers on: verification is the target's own static step over every
+layer, which on a GPU costs what a forward of the same rows costs anyway (the weights are
+read once either way). A confidence stop or sampled drafts draft on the host as above.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.heads.early_exit import ExitHead, check_exit_target
 from selfspec.kv_cache import KVCache
 from selfspec.sampling import logits_to_probs, sample
+from selfspec.step import CapturedSteps, SlotView
 
 
 class EarlyExitDrafter:
@@ -47,6 +56,7 @@ class EarlyExitDrafter:
         self.target_layers: tuple[int, ...] = (
             (self.exit_layer,) if head.config.kind == "adapter" else ())
         self._own_cache: KVCache | None = None
+        self._static: _StaticDraft | None = None  # drafting in static shapes, kept
         self._committed = 0  # adapter cache slots holding committed rows
         self._drafted = 0  # rows the last draft fed into the adapter cache after them
 
@@ -61,10 +71,15 @@ class EarlyExitDrafter:
         self._committed = self._drafted = 0
         if self.head.config.kind == "adapter":
             self._reset_own_cache(setup.max_length)
+        static = (setup.static_steps and setup.sampling.greedy
+                  and self.confidence_threshold is None)
+        self._static = _StaticDraft.kept(self._static, self, setup) if static else None
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
         self._consume(context)
+        if self._static is not None:
+            return self._propose_static(context)
         base, token = self._cache.length, int(context.tokens[-1])
         tokens, laws, states = [], [], []
         for step in range(self.num_draft_tokens):
@@ -85,6 +100,13 @@ class EarlyExitDrafter:
         early = EarlyLayers(self.exit_layer, torch.stack(states))  # [n, H]
         device = self._target.embed_tokens.weight.device
         return Draft.chain(torch.tensor(tokens, device=device), q, early)
+
+    def _propose_static(self, context: DraftContext) -> Draft:
+        tokens = self._static.run(context.tokens[-1:], self._cache.length, self._committed)
+        if self._own_cache is not None:  # the draft's rows, as the host-side draft leaves them
+            self._own_cache.length = self._committed + self.num_draft_tokens
+        self._drafted = self.num_draft_tokens
+        return Draft.chain(tokens)
 
     def _early_layers(self, token: int, position: int) -> torch.Tensor:
         """The residual stream after layer E of `token` at `position` [1, 1, H]; writes its
@@ -131,3 +153,66 @@ class EarlyExitDrafter:
                       target_norm=self._target.norm)
         self._committed = self._own_cache.length
         self._drafted = 0
+
+
+class _StaticDraft:
+    """The k greedy draft steps of one drafter in static shapes: each token's layers [0, E)
+    in the target's cache and the exit (the adapter in its own cache), at slot tensors, under
+    masks built on the device; captured once on CUDA and replayed."""
+
+    shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
+
+    def __init__(self, drafter: EarlyExitDrafter, target_cache: KVCache,
+                 own_cache: KVCache | None) -> None:
+        self.drafter, self.target_cache, self.own_cache = drafter, target_cache, own_cache
+        device = target_cache.k.device
+        self.root = torch.zeros(1, dtype=torch.long, device=device)
+        self.base = torch.zeros(1, dtype=torch.long, device=device)  # the target cache's length
+        self.own_base = torch.zeros(1, dtype=torch.long, device=device)  # the adapter's
+        self.steps = CapturedSteps(device)
+        self.key = _static_key(drafter, target_cache, own_cache)
+
+    @classmethod
+    def kept(cls, kept: _StaticDraft | None, drafter: EarlyExitDrafter, setup: DecodeSetup
+             ) -> _StaticDraft:
+        """`kept` if it drafts over the same caches and weights, else a new one."""
+        key = _static_key(drafter, setup.target_cache, drafter._own_cache)
+        if kept is not None and kept.key == key:
+            return kept
+        return cls(drafter, setup.target_cache, drafter._own_cache)
+
+    def run(self, root: torch.Tensor, base: int, own_base: int) -> torch.Tensor:
+        """[k] the draft after `root` [1], the target's cache holding `base` slots and the
+        adapter's `own_base`."""
+        self.root.copy_(root)
+        self.base.fill_(base)
+        self.own_base.fill_(own_base)
+        return self.steps.run("draft", self._draft).clone()
+
+    def _draft(self) -> torch.Tensor:
+        drafter, target = self.drafter, self.drafter._target
+        slots = torch.arange(self.target_cache.max_slots, device=self.base.device)
+        token, tokens = self.root, []
+        for step in range(drafter.num_draft_tokens):
+            slot = self.base + step  # [1], also the token's position
+            out = target(token[None], slot, SlotView(self.target_cache, slot),
+                         mask=slots[None] <= slot, exit_layer=drafter.exit_layer,
+                         return_hidden=(drafter.exit_layer,), with_logits=False)
+            own, mask = None, None
+            if self.own_cache is not None:
+                own_slot = self.own_base + step
+                own = SlotView(self.own_cache, own_slot)
+                mask = torch.arange(self.own_cache.max_slots, device=slot.device)[None] <= own_slot
+            logits = drafter.head.logits(out.hidden[0], slot, target, own, mask)[0]  # [1, V]
+            token = logits.argmax(dim=-1)  # [1], lowest id on ties, as greedy sampling
+            tokens.append(token)
+        return torch.cat(tokens)
+
+
+def _static_key(drafter: EarlyExitDrafter, target_cache: KVCache, own_cache: KVCache | None
+                ) -> tuple:
+    """What a captured draft reads: the caches' tensors and every weight."""
+    caches = tuple((c.k.data_ptr(), c.max_slots) for c in (target_cache, own_cache)
+                   if c is not None)
+    weights = (*drafter.head.parameters(), *drafter._target.parameters())
+    return caches + tuple((p.data_ptr(), p.dtype, p.device) for p in weights)

@@ -100,21 +100,23 @@ class ExitHead(Head):
         cache=None,
         *,
         target_norm: nn.Module,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, T, H] what the LM head reads. The norm exit applies target_norm; the adapter
-        its own layers (writing and advancing `cache` when given)."""
+        its own layers (writing and advancing `cache` when given; `mask` [T, T] or
+        [T, past + T] among them, default causal)."""
         if self.config.kind == "norm":
             return target_norm(hidden)
-        cos, sin, attn_mask = self.rope_and_mask(hidden, positions, cache)
+        cos, sin, attn_mask = self.rope_and_mask(hidden, positions, cache, mask)
         out = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_mask, cache)
         if cache is not None:
             cache.advance(hidden.shape[1])
         return self.norm(out)
 
     def logits(self, hidden: torch.Tensor, positions: torch.Tensor, target: Transformer,
-               cache=None) -> torch.Tensor:
+               cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, V] fp32 exit logits through the target's LM head."""
-        normed = self(hidden, positions, cache, target_norm=target.norm)
+        normed = self(hidden, positions, cache, target_norm=target.norm, mask=mask)
         return target.lm_head(normed.to(target.lm_head.weight.dtype)).float()
 
     def init_from_target(self, target: Transformer) -> ExitHead:
