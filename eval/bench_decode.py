@@ -60,6 +60,17 @@ def report(figures: dict) -> str:
         lines += [f"{r['tree']:<11}  {r['nodes']:>5}  {r['depth']:>5}  {r['tau']:.2f}  "
                   f"{r['speedup']:>6.2f}x  {r['bound']:.2f}x  {r['efficiency']:>9.2f}  "
                   f"{r['lossless']}" for r in figures["oracle_trees"]]
+    if figures["methods"]:
+        lines.append("method      nodes  draft cost  a level  c(N+1)  step  projected speedup "
+                     "(published tau)  time % pre/draft/fwd/probs/verify/commit/other")
+        lines += [f"{r['method']:<10}  {r['nodes']:>5}  {r['draft_cost']:>10.2f}  "
+                  f"{r['draft_cost_per_level']:>7.2f}  {r['c_verify']:>6.2f}  "
+                  f"{r['step_cost']:>4.2f}  " + (
+                      f"{r['projected_speedup']:.2f}x ({r['published_tau']})"
+                      if r["projected_speedup"] is not None else "-").ljust(33)
+                  + f"  {split_percent(r['time_split'])}" for r in figures["methods"]]
+        lines.append("draft costs in plain steps, random heads; projections from tau published "
+                     "for Vicuna-7B (MT-bench, T=0, EAGLE-2 paper), not measured")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The checks and figures of docs/gpu.md, on the machine this runs on (one CUDA device).
 #   bash scripts/gpu_check.sh bench   # the Llama-2-7B-shaped floor (random weights, bf16):
-#                                     # CUDA graphs compiled, then as written
+#                                     # CUDA graphs as written (the oracle chains and trees,
+#                                     # every method's draft cost), then compiled
 #   bash scripts/gpu_check.sh tests   # the CUDA tests: every drafter on CUDA, graphs and the
 #                                     # compiled step against eager, CUDA logits against CPU,
 #                                     # every trainer a few steps in bf16
@@ -13,12 +14,15 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
 what=${1:-all}
 
 if [[ $what == bench || $what == all ]]; then
-    # Compile only the buckets the oracle's drafts use (k <= 8 verifies at most 16 rows).
-    for compiled in true false; do
-        python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
-            compile=$compiled 'cost_lengths=[1,2,4,8,16]' \
-            hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_$compiled || status=1
-    done
+    # As written: c(N) to 128, the oracle chains and trees (EAGLE-2's 60 nodes, Medusa's 63),
+    # and every method's draft cost with random heads, its drafts captured.
+    python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
+        compile=false 'methods=[eagle2,eagle3,eagle1,medusa,early_exit]' \
+        hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_false || status=1
+    # Compiled: only the buckets the oracle chains use (k <= 8 verifies at most 16 rows).
+    python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
+        compile=true 'cost_lengths=[1,2,4,8,16]' 'oracle_trees=[]' \
+        hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_true || status=1
 fi
 
 if [[ $what == tests || $what == all ]]; then

@@ -310,7 +310,10 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),
                          num_prompts=int(cfg.num_prompts), repeats=int(cfg.repeats),
                          seed=int(cfg.seed), cuda_graphs=cuda_graphs(cfg),
-                         oracle_trees=oracle_trees(cfg.get("oracle_trees") or []), **lengths)
+                         oracle_trees=oracle_trees(cfg.get("oracle_trees") or []),
+                         methods=tuple(str(m) for m in as_list(cfg.get("methods") or [])),
+                         method_tree=oracle_trees([cfg.get("method_tree", "chain4")])[0][1],
+                         **lengths)
 
 
 def oracle_trees(names) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:

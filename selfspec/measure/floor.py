@@ -11,6 +11,7 @@ import torch
 
 from selfspec.measure.costs import measure_cost_profile
 from selfspec.measure.memory import PeakMemory
+from selfspec.measure.method_costs import METHODS, method_cost_row
 from selfspec.measure.oracle import OracleDrafter, OracleTreeDrafter
 from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passes
 from selfspec.measure.peers import HFDecoder, OurDecoder
@@ -34,6 +35,10 @@ class FloorSettings:
     cuda_graphs: bool | None = None  # as `generate`'s: None = on for a CUDA target
     # (name, choices): trees the oracle's answer is hidden in (`OracleTreeDrafter`)
     oracle_trees: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    # methods whose draft cost is measured with random heads (`selfspec.measure.method_costs`),
+    # the static ones over method_tree (choices)
+    methods: tuple[str, ...] = ()
+    method_tree: tuple[tuple[int, ...], ...] = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
@@ -48,6 +53,9 @@ class FloorSettings:
             raise ValueError(f"cost_lengths must reach max(draft_lengths) + 1 = "
                              f"{max(self.draft_lengths) + 1} (a draft of k verifies k + 1 "
                              f"tokens), got up to {max(self.cost_lengths)}")
+        unknown = [name for name in self.methods if name not in METHODS]
+        if unknown:
+            raise ValueError(f"methods: unknown {unknown}; choose from {', '.join(METHODS)}")
         for name, choices in self.oracle_trees:
             if len(choices) + 1 > max(self.cost_lengths):
                 raise ValueError(f"cost_lengths must reach {len(choices) + 1} for the oracle "
@@ -85,6 +93,9 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                            "lossless": row.lossless, "time_split": row.time_split})
         trees = [_oracle_tree_row(target, answers.with_tree(choices), name, prompts, settings,
                                   profile) for name, choices in settings.oracle_trees]
+        methods = [method_cost_row(name, target, settings.method_tree, prompts,
+                                   settings.new_tokens, profile, settings.seed,
+                                   settings.cuda_graphs) for name in settings.methods]
     return {"plain_tokens_per_s": statistics.median(ours.tokens_per_s),
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cuda_graphs": use_cuda_graphs(graphs, target),
@@ -92,7 +103,7 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
             "setup_seconds": setup_seconds(target),
             "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
             "cost_profile": profile.as_dict(), "oracle": oracle, "oracle_trees": trees,
-            "settings": asdict(settings)}
+            "methods": methods, "settings": asdict(settings)}
 
 
 def _oracle_tree_row(target: Transformer, drafter: OracleTreeDrafter, name: str,

@@ -17,12 +17,13 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     hf_model = tiny_llama(0, vocab=96, layers=2)  # the weights `target` was converted from
     tree = ((0,), (1,), (0, 0))
     settings = FloorSettings(prompt_tokens=12, new_tokens=8, num_prompts=1, repeats=1,
-                             draft_lengths=(1, 3), cost_lengths=(1, 2, 4),
-                             oracle_trees=(("small", tree),))
+                             draft_lengths=(1, 3), cost_lengths=(1, 2, 4, 64),
+                             oracle_trees=(("small", tree),), methods=("eagle2", "medusa"),
+                             method_tree=tree)
     figures = measure_floor(target, hf_model, settings)
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
     assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
-    assert list(figures["cost_profile"]["c"]) == [1, 2, 4]
+    assert list(figures["cost_profile"]["c"]) == [1, 2, 4, 64]
     assert [r["k"] for r in figures["oracle"]] == [1, 3]
     for row in figures["oracle"]:
         assert row["lossless"] is True and row["tau"] > 1
@@ -33,6 +34,16 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     assert (row["tree"], row["nodes"], row["depth"], row["lossless"]) == ("small", 3, 2, True)
     assert row["tau"] > 2 and row["bound"] == pytest.approx(
         row["tau"] / figures["cost_profile"]["c"][4])
+    eagle2, medusa = figures["methods"]
+    assert (eagle2["method"], eagle2["nodes"], medusa["nodes"]) == ("eagle2", 60, 3)
+    for row in (eagle2, medusa):
+        assert row["lossless"] is True and row["draft_cost"] > 0
+        assert row["step_cost"] == pytest.approx(row["c_verify"] + row["draft_cost"])
+        assert row["projected_speedup"] == pytest.approx(row["published_tau"] / row["step_cost"])
+    assert eagle2["draft_cost_per_level"] == pytest.approx(eagle2["draft_cost"] / 6)
+    assert eagle2["c_verify"] == figures["cost_profile"]["c"][64]
+    with pytest.raises(ValueError, match="methods: unknown \\['eagle9'\\]; choose from eagle2,"):
+        FloorSettings(methods=("eagle9",))
     with pytest.raises(ValueError, match="cost_lengths must reach 4 for the oracle tree small"):
         FloorSettings(cost_lengths=(1, 2), draft_lengths=(1,), oracle_trees=(("small", tree),))
     assert [name for name, _ in oracle_trees(["eagle2", "medusa_63"])] == ["eagle2", "medusa_63"]
