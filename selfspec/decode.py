@@ -215,7 +215,9 @@ def _packed(cache: KVCache, active: list[_Row]) -> list[_Row]:
 @dataclass(frozen=True)
 class _Kept:
     """What a row's verification keeps, as host values: the tree it verified, the tokens it
-    emits (the accepted nodes', then one corrected or bonus token) and the accepted nodes."""
+    emits (the accepted nodes', then one corrected or bonus token) and the accepted nodes,
+    as indices of the draft's rows (the tree's own, unless rows of the draft are not nodes:
+    `DeviceTree.valid`)."""
 
     tree: Tree
     tokens: list[int]
@@ -367,10 +369,19 @@ def _verify_step(
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
         return _Kept(draft.tree, [sample(p[0], generator)], [])
     q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
-    tree = host_tree(draft.tree)
-    acceptance = verify_trusted(tree, draft.tokens.to(p.device), q, p, generator,
-                                draft.without_replacement)
-    return _Kept(tree, acceptance.tokens.tolist(), acceptance.path.tolist())
+    tokens, tree, rows = draft.tokens.to(p.device), draft.tree, None
+    if isinstance(tree, DeviceTree) and tree.valid is not None:  # verify the valid rows only
+        n = tree.num_nodes
+        values = torch.cat([tree.parents.to(p.device), tree.valid.to(p.device)]).tolist()
+        tree, rows = tree.nodes_on_host(values[:n], values[n:])
+        at = torch.tensor(rows, dtype=torch.long, device=p.device)
+        tokens, p = tokens[at], p[torch.cat([at.new_zeros(1), at + 1])]
+        q = None if q is None else q[at]
+    tree = host_tree(tree)
+    acceptance = verify_trusted(tree, tokens, q, p, generator, draft.without_replacement)
+    path = acceptance.path.tolist()
+    return _Kept(tree, acceptance.tokens.tolist(),
+                 path if rows is None else [rows[i] for i in path])
 
 
 def _greedy_kept(logits: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:

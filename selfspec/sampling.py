@@ -183,3 +183,21 @@ def sample_without_replacement(probs: torch.Tensor, count: int,
         drawn.append(sample(left, generator))
         left[drawn[-1]] = 0.0
     return drawn
+
+
+def gumbel_top(probs: torch.Tensor, count: int, generator: torch.Generator | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` distinct tokens per row of probs [R, V], in the order one-after-another draws
+    without replacement would make them, by Gumbel-top-k: the top `count` of log p + Gumbel
+    noise, the noise from one draw of R x V uniforms whatever the row (so a static, captured
+    step draws exactly as a host-side one). Returns tokens [R, count] and drawn [R, count]:
+    False where a row has fewer than `count` tokens of positive probability (those entries
+    are not draws; their tokens are meaningless)."""
+    if generator is None:
+        raise ValueError(f"sampling needs a torch.Generator: pass "
+                         f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)")
+    uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64,
+                         device=probs.device).clamp_(min=torch.finfo(torch.float64).tiny)
+    keys = probs.double().log() - torch.log(-torch.log(uniform))
+    values, tokens = torch.topk(keys, count, dim=-1)
+    return tokens, values > -math.inf

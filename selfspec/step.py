@@ -246,12 +246,13 @@ class StaticSteps:
                            return_hidden=layers, stages=self.stages)
 
 
-def capture(step, device: torch.device):
+def capture(step, device: torch.device, generator: torch.Generator | None = None):
     """(graph, output) of `step` captured on a CUDA device: replaying the graph reruns the
     step's kernels over the same tensors and rewrites the output in place. The step must run
     on static shapes and read no host value. It is first warmed up on a side stream (kernels
     chosen, workspaces allocated, anything compiled), as capture requires; these runs write
-    what the replay writes."""
+    what the replay writes. A step that draws from `generator` draws afresh at every replay:
+    the graph advances the generator's state (registered where torch asks for it)."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -259,6 +260,9 @@ def capture(step, device: torch.device):
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    register = getattr(graph, "register_generator_state", None)  # newer torch: implicit
+    if generator is not None and register is not None:
+        register(generator)
     with torch.cuda.graph(graph):  # a pool of its own: graphs replay in any order
         out = step()
     return graph, out
@@ -271,15 +275,16 @@ class CapturedSteps:
 
     shared_by_forks = True  # graphs cannot be copied; a batch's rows draft eagerly
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str, generator: torch.Generator | None = None
+                 ) -> None:
+        self.device, self.generator = torch.device(device), generator
         self._graphs: dict[str, tuple] = {}
 
     def run(self, name: str, step):
         if self.device.type != "cuda":
             return step()
         if name not in self._graphs:
-            self._graphs[name] = capture(step, self.device)
+            self._graphs[name] = capture(step, self.device, self.generator)
         graph, out = self._graphs[name]
         graph.replay()
         return out

@@ -192,10 +192,13 @@ class DeviceTree:
     (EAGLE-2 in static steps): parents [N] long (-1 = the root, topologically ordered), no
     deeper than `max_depth_bound`. The verification forward's inputs come from it by tensor
     ops; the decode loop reads the parents back with the target's argmax, in the step's one
-    host read, and verifies over `on_host(parents)`."""
+    host read, and verifies over `on_host(parents)`. valid [N] bool (None: every node): a
+    False node is a row of the verification forward but not a node of the verified tree (a
+    sampled node its law could not supply, and everything below it): `nodes_on_host`."""
 
     parents: torch.Tensor
     max_depth_bound: int
+    valid: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -207,6 +210,14 @@ class DeviceTree:
     def on_host(self, parents: Sequence[int]) -> Tree:
         """The host Tree, given the parents as read back."""
         return Tree.from_parents(parents)
+
+    def nodes_on_host(self, parents: Sequence[int], valid: Sequence[bool]
+                      ) -> tuple[Tree, list[int]]:
+        """The tree of the valid nodes (parents and valid as read back) and, per node of it,
+        its index among all N (its forward row - 1). A valid node's parent is valid."""
+        kept = [i for i in range(len(parents)) if valid[i]]
+        index = {node: i for i, node in enumerate(kept)} | {-1: -1}
+        return Tree.from_parents([index[parents[i]] for i in kept]), kept
 
     def verification_inputs(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions_with_root [N+1], mask_with_root [N+1, N+1]), as `Tree` gives them, by
@@ -225,7 +236,12 @@ class DeviceTree:
 
 def host_tree(tree: Tree | DeviceTree) -> Tree:
     """The tree on the host: itself, or a DeviceTree's parents read back (one host read)."""
-    return tree if isinstance(tree, Tree) else tree.on_host(tree.parents.tolist())
+    if isinstance(tree, Tree):
+        return tree
+    if tree.valid is not None:
+        raise ValueError("host_tree: this tree has rows that are not nodes: use "
+                         "DeviceTree.nodes_on_host")
+    return tree.on_host(tree.parents.tolist())
 
 
 @lru_cache(maxsize=512)

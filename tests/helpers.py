@@ -94,17 +94,19 @@ def first_layers(hf_model, layers: int = 1):
 SAMPLING_PROMPT = [2, 3, 4, 2, 3, 4, 2, 3]
 
 
-def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 1000) -> None:
+def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 1000,
+                                     cuda_graphs: bool | None = None) -> None:
     """Generate two tokens `samples` times through `drafter` (fixed seed) and check their
     joint law against the target's exact one (chi-square, P_VALUE_FLOOR); at least a tenth of
-    the runs must take both tokens from one step, so the drafts were really in play."""
+    the runs must take both tokens from one step, so the drafts were really in play.
+    cuda_graphs: as `generate`'s (True: static steps, and static drafting)."""
     from selfspec import generate
 
     g = torch.Generator().manual_seed(0)
     counts, two_from_one_step = Counter(), 0
     for _ in range(samples):
         out = generate(target, SAMPLING_PROMPT, drafter=drafter, sampling=params,
-                       max_new_tokens=2, generator=g)
+                       max_new_tokens=2, generator=g, cuda_graphs=cuda_graphs)
         counts[tuple(out.tokens)] += 1
         two_from_one_step += out.stats.steps == 1
     assert two_from_one_step > samples / 10, two_from_one_step

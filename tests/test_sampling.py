@@ -1,9 +1,11 @@
 import math
+from collections import Counter
 
 import pytest
 import torch
+from helpers import P_VALUE_FLOOR, fit_pvalue
 
-from selfspec.sampling import SamplingParams, logits_to_probs, sample
+from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs, sample
 
 
 @pytest.mark.parametrize(
@@ -124,3 +126,24 @@ def test_sample_one_hot_needs_no_generator_but_random_draws_do():
     assert sample(torch.tensor([0.0, 0.0, 1.0]), None) == 2
     with pytest.raises(ValueError, match="Generator"):
         sample(torch.tensor([0.5, 0.5]), None)
+
+
+def test_gumbel_top_draws_without_replacement_in_order():
+    """The ordered pair of two draws follows p(a) p(b) / (1 - p(a)), as one-after-another
+    draws without replacement do (chi-square over every pair)."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    samples = 20_000
+    tokens, drawn = gumbel_top(p.expand(samples, 4), 2, torch.Generator().manual_seed(0))
+    assert drawn.all()
+    counts = Counter(map(tuple, tokens.tolist()))
+    law = {(a, b): float(p[a] * p[b] / (1 - p[a])) for a in range(4) for b in range(4) if a != b}
+    assert fit_pvalue(counts, law, samples) > P_VALUE_FLOOR
+
+
+def test_gumbel_top_marks_what_a_law_cannot_supply():
+    p = torch.tensor([[0.0, 0.7, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    tokens, drawn = gumbel_top(p, 3, torch.Generator().manual_seed(1))
+    assert drawn.tolist() == [[True, True, False], [True, True, True]]
+    assert set(tokens[0, :2].tolist()) == {1, 3} and len(set(tokens[1].tolist())) == 3
+    with pytest.raises(ValueError, match="sampling needs a torch.Generator"):
+        gumbel_top(p, 1, None)

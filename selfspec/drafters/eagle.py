@@ -42,7 +42,7 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
-from selfspec.sampling import logits_to_probs, sample_without_replacement
+from selfspec.sampling import gumbel_top, logits_to_probs
 from selfspec.step import padded_slots
 from selfspec.tree import DeviceTree, Tree
 
@@ -121,8 +121,10 @@ class EagleDrafter:
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
         self._committed = 0
-        # Chosen children draft in static shapes where the target runs static steps.
-        self._use_static = setup.static_steps and not self._sampled
+        # Where the target runs static steps, so does the draft: chosen children, or children
+        # sampled from a law warped by temperature alone (a top-k or top-p cut reads the host).
+        warped = setup.sampling.top_k or setup.sampling.top_p < 1.0
+        self._use_static = setup.static_steps and not (self._sampled and warped)
         if self._use_static:
             self._begin_static(setup)
             return
@@ -137,9 +139,10 @@ class EagleDrafter:
 
     def _begin_static(self, setup: DecodeSetup) -> None:
         slots = padded_slots(setup.max_length + self._fed_max)
+        law = (setup.sampling, setup.generator) if self._sampled else None
         if self._static is None or not self._static.fits(self.head, setup.target, self._shape,
-                                                          slots):
-            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots)
+                                                          slots, law):
+            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots, law)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
@@ -161,10 +164,18 @@ class EagleDrafter:
         start, tokens, feature = self._committed_pairs(context)
         self._static.consume(tokens, feature, start)
         self._committed = start + len(tokens)
-        tokens, parents = self._static.grow(self._committed)  # a captured step's buffers:
-        if parents is None:  # copied, since the next step rewrites them
-            return Draft(self.tree, tokens.clone())
-        return Draft(DeviceTree(parents.clone(), self.depth), tokens.clone())
+        grown = self._static.grow(self._committed)  # a captured step's outputs: copied, since
+        tokens = grown.tokens.clone()  # the next step rewrites them
+        if grown.parents is None and grown.drawn is None:
+            return Draft(self.tree, tokens)
+        parents = (grown.parents.clone() if grown.parents is not None
+                   else torch.tensor(self.tree.parents, device=tokens.device))
+        drawn = None if grown.drawn is None else grown.drawn.clone()
+        tree = DeviceTree(parents, self.depth if self.tree is None else self.tree.max_depth,
+                          drawn)
+        if grown.q is None:
+            return Draft(tree, tokens)
+        return Draft(tree, tokens, grown.q.clone(), without_replacement=True)
 
     # ---- the committed context ----------------------------------------------------------------
 
@@ -250,8 +261,9 @@ class EagleDrafter:
             return [(t, lp, -1) for t, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)]
         law = logits_to_probs(logits, self._sampling)  # [V]
         growth.laws.append(law)
-        drawn = sample_without_replacement(law, count, self._generator)
-        log_probs = law[drawn].log().tolist()
+        tokens, valid = gumbel_top(law[None], count, self._generator)
+        drawn = tokens[0][valid[0]].tolist()
+        log_probs = law[drawn].double().log().tolist()
         return [(t, lp, len(growth.laws) - 1) for t, lp in zip(drawn, log_probs, strict=True)]
 
     def _feed(self, growth: _Growth, nodes: list[int]) -> None:

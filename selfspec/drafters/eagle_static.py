@@ -29,6 +29,7 @@ from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.eagle import EagleHead
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
+from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView
 from selfspec.tree import Tree
 
@@ -40,8 +41,10 @@ class StaticEagleDraft:
     shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
 
     def __init__(self, head: EagleHead, target: Transformer, shape: Tree | tuple[int, int, int],
-                 max_slots: int) -> None:
-        self.head, self.target = head, target
+                 max_slots: int, law: tuple[SamplingParams, torch.Generator] | None = None
+                 ) -> None:
+        self.head, self.target, self.law = head, target, law
+        self.children = _Children(law)
         weight = head.fc.weight
         self.device = weight.device
         config = head.config
@@ -57,11 +60,11 @@ class StaticEagleDraft:
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)  # committed before
         self._count = torch.ones(1, dtype=torch.long, device=self.device)  # pairs fed now
         self._root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
-        self._steps = CapturedSteps(self.device)
+        self._steps = CapturedSteps(self.device, law[1] if law is not None else None)
 
-    def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int) -> bool:
+    def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int, law) -> bool:
         same = self.growth.shape == (shape if not isinstance(shape, Tree) else shape.parents)
-        return (head is self.head and target is self.target and same
+        return (head is self.head and target is self.target and same and law == self.law
                 and self.cache.max_slots >= max_slots and head.fc.weight.device == self.device
                 and head.fc.weight.dtype == self.cache.k.dtype)
 
@@ -96,11 +99,11 @@ class StaticEagleDraft:
 
     # ---- the draft ------------------------------------------------------------------------
 
-    def grow(self, committed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The draft after `committed` cached pairs: its tokens [N] and, for an EAGLE-2 tree,
-        its parents [N] (None: the static tree's)."""
+    def grow(self, committed: int) -> _Grown:
+        """The draft after `committed` cached pairs (a captured step's outputs: the next
+        step rewrites them)."""
         self._start.fill_(committed)
-        return self._steps.run("grow", lambda: self.growth.run(self))
+        return self._steps.run("grow", lambda: self.growth.run(self, self.children))
 
     def feed(self, tokens: torch.Tensor, feature: torch.Tensor, depth: int,
              offsets: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +127,35 @@ class StaticEagleDraft:
         return self.head.target_logits(self._root, self.target.lm_head)[None]
 
 
+class _Children:
+    """How a parent's children are picked: its top tokens (`law` None: chosen), or distinct
+    draws from its warped law by Gumbel-top-k (`gumbel_top`, the host growth's draws)."""
+
+    def __init__(self, law: tuple[SamplingParams, torch.Generator] | None) -> None:
+        self.sampling, self.generator = law if law is not None else (None, None)
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling is not None
+
+    def pick(self, logits: torch.Tensor, count: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For each row of logits [R, V]: `count` children as tokens [R, count], their
+        log-probabilities [R, count] (float64, as the host growth sums them), whether each
+        was drawn [R, count] (a law with fewer positive tokens runs out), and the laws [R, V]
+        they were drawn from (None when chosen)."""
+        if not self.sampled:
+            tokens = ranked_on_device(logits, count)
+            log_probs = torch.log_softmax(logits, dim=-1).gather(1, tokens).double()
+            return tokens, log_probs, torch.ones_like(tokens, dtype=torch.bool), None
+        laws = logits_to_probs(logits, self.sampling)  # [R, V]
+        tokens, drawn = gumbel_top(laws, count, self.generator)
+        return tokens, laws.gather(1, tokens).double().log(), drawn, laws
+
+
 class _StaticTree:
     """A fixed tree: depth by depth, the parents of the next depth are fed, and node
-    (r1, ..., rd) takes the rd-th token of its parent's ranking."""
+    (r1, ..., rd) takes the rd-th token of its parent's ranking, or its rd-th draw."""
 
     def __init__(self, tree: Tree, device: torch.device) -> None:
         self.tree, self.shape, self.max_depth = tree, tree.parents, tree.max_depth
@@ -150,18 +179,32 @@ class _StaticTree:
                 ancestors=ancestors.to(device)))
             previous = feeding
 
-    def run(self, draft: StaticEagleDraft) -> tuple[torch.Tensor, None]:
-        tokens = torch.zeros(self.tree.num_nodes, dtype=torch.long, device=draft.device)
+    def run(self, draft: StaticEagleDraft, children: _Children) -> _Grown:
+        n, device = self.tree.num_nodes, draft.device
+        tokens = torch.zeros(n, dtype=torch.long, device=device)
+        drawn = torch.ones(n, dtype=torch.bool, device=device)
+        laws = [] if children.sampled else None
         logits, hidden = draft.root_logits(), draft._root[None]  # the fed parents' outputs
+        fed_drawn = drawn[:1]  # whether each fed parent was drawn (the root was)
         for depth, level in enumerate(self.levels, start=1):
-            ranked = ranked_on_device(logits, self.ranks)  # [parents, ranks]
+            ranked, _, ok, law = children.pick(logits, self.ranks)  # [parents, ranks]
             level_tokens = ranked[level.source, level.rank]  # [nodes]
+            level_drawn = ok[level.source, level.rank] & fed_drawn[level.source]
             tokens.index_copy_(0, level.nodes, level_tokens)
+            drawn.index_copy_(0, level.nodes, level_drawn)
+            if laws is not None:
+                laws.append((level.nodes, law[level.source]))
             if depth < self.max_depth:
                 hidden, logits = draft.feed(level_tokens[level.feeding],
                                             hidden[level.source[level.feeding]], depth,
                                             level.offsets, level.ancestors)
-        return tokens, None
+                fed_drawn = level_drawn[level.feeding]
+        q = None
+        if laws is not None:
+            q = torch.empty(n, laws[0][1].shape[-1], device=device)
+            for nodes, rows in laws:
+                q.index_copy_(0, nodes, rows)
+        return _Grown(tokens, None, drawn if children.sampled else None, q)
 
 
 class _Level:
@@ -173,50 +216,94 @@ class _Level:
         self.__dict__.update(tensors)
 
 
+class _Grown:
+    """A static draft: tokens [N]; parents [N] (None: the static tree's); drawn [N] (None:
+    every node; else False for a node its law could not supply, and below it); q [N, V]:
+    the law each node was drawn from (None: chosen)."""
+
+    def __init__(self, tokens, parents, drawn, q) -> None:
+        self.tokens, self.parents, self.drawn, self.q = tokens, parents, drawn, q
+
+
 class _DynamicTree:
-    """EAGLE-2: a top_k frontier grown `depth` levels, the best `total_tokens` kept."""
+    """EAGLE-2: a top_k frontier grown `depth` levels. Chosen children: every frontier node
+    gets top_k and the pool's best `total_tokens` are kept. Sampled children: the budget is
+    spent while growing (frontier nodes by score, top_k children each, until it runs out),
+    and every node is kept."""
 
     def __init__(self, total_tokens: int, depth: int, top_k: int) -> None:
         self.shape = self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
 
-    def run(self, draft: StaticEagleDraft) -> tuple[torch.Tensor, torch.Tensor]:
-        k, device = self.top_k, draft.device
-        fed = (self.max_depth - 1) * k  # draft slots
-        logits = draft.root_logits()  # [1, V]
-        tokens = ranked_on_device(logits, k)[0]  # [k] level 1, best first
-        scores = torch.log_softmax(logits[0], dim=-1)[tokens].double()
-        parents = torch.full((k,), -1, dtype=torch.long, device=device)
-        pool = [(tokens, scores, parents)]
-        frontier = torch.arange(k, device=device)  # pool indices, best first
-        feature = draft._root[None].expand(k, -1)  # each frontier node's parent's prediction
-        ancestors = torch.zeros(k, fed, dtype=torch.bool, device=device)
-        size = k
-        for depth in range(1, self.max_depth):
-            own = torch.arange(k, device=device) + (depth - 1) * k  # the frontier's slots
-            ancestors = ancestors.clone()
-            ancestors[torch.arange(k, device=device), own] = True
-            hidden, logits = draft.feed(tokens, feature, depth, own, ancestors)  # [k, h], [k, V]
-            ids = ranked_on_device(logits, k)  # [k, k]
-            child_scores = scores[:, None] + torch.log_softmax(logits, dim=-1).gather(
-                1, ids).double()
-            tokens, scores = ids.flatten(), child_scores.flatten()  # [k * k], creation order
-            pool.append((tokens, scores, frontier[:, None].expand(k, k).flatten()))
-            best = torch.sort(scores, descending=True, stable=True).indices[:k]
-            tokens, scores, frontier = tokens[best], scores[best], size + best
-            feature, ancestors = hidden[best // k], ancestors[best // k]
-            size += k * k
-        return _kept(pool, self.total_tokens)
+    def counts(self, sampled: bool) -> list[list[int]]:
+        """Each level's children per frontier node, best first (host ints: the shapes)."""
+        k, total = self.top_k, self.total_tokens
+        levels = [[min(k, total) if sampled else k]]
+        made = levels[0][0]
+        for _ in range(1, self.max_depth):
+            width = min(k, sum(levels[-1]))
+            if not sampled:
+                levels.append([k] * width)
+                continue
+            level = [max(0, min(k, total - made - j * k)) for j in range(width)]
+            if not any(level):
+                break
+            levels.append(level)
+            made += sum(level)
+        return levels
+
+    def run(self, draft: StaticEagleDraft, children: _Children) -> _Grown:
+        device, levels = draft.device, self.counts(children.sampled)
+        fed = sum(min(self.top_k, sum(level)) for level in levels[:-1])  # draft slots
+        logits, hidden = draft.root_logits(), draft._root[None]  # [1, V], [1, h]
+        scores = torch.zeros(1, dtype=torch.float64, device=device)
+        frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # pool indices
+        alive = torch.ones(1, dtype=torch.bool, device=device)  # drawn, and their ancestors
+        ancestors = torch.zeros(1, fed, dtype=torch.bool, device=device)
+        pool, size, offset = [], 0, 0
+        tokens = feature = None  # the frontier's tokens and features, from depth 2 on
+        for depth, counts in enumerate(levels, start=1):
+            if depth > 1:  # feed the frontier: its nodes' features predict their children
+                width = len(frontier)
+                own = torch.arange(width, device=device) + offset
+                ancestors = ancestors.clone()
+                ancestors[torch.arange(width, device=device), own] = True
+                hidden, logits = draft.feed(tokens, feature, depth - 1, own, ancestors)
+                offset += width
+            rows = sum(1 for c in counts if c)  # the frontier nodes that get children
+            picked, log_probs, drawn, laws = children.pick(logits[:rows], max(counts))
+            row = _long([j for j, c in enumerate(counts) for _ in range(c)], device)
+            rank = _long([r for c in counts for r in range(c)], device)
+            level = _Level(tokens=picked[row, rank], parents=frontier[row],
+                           alive=drawn[row, rank] & alive[row],
+                           law=None if laws is None else laws[row])
+            level.scores = torch.where(level.alive, scores[row] + log_probs[row, rank],
+                                       -torch.inf)
+            pool.append(level)
+            best = torch.sort(level.scores, descending=True, stable=True).indices
+            best = best[:min(self.top_k, len(row))]
+            tokens, scores, alive = level.tokens[best], level.scores[best], level.alive[best]
+            frontier, feature, ancestors = size + best, hidden[row[best]], ancestors[row[best]]
+            size += len(row)
+        return _kept(pool, None if children.sampled else self.total_tokens)
 
 
-def _kept(pool: list[tuple[torch.Tensor, ...]], count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's best `count` nodes by score (ties: first made first), in creation order:
-    their tokens and parents among them."""
-    tokens, scores, parents = (torch.cat(part) for part in zip(*pool, strict=True))
-    keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:count]).values
+def _kept(pool: list[_Level], count: int | None) -> _Grown:
+    """The pool's best `count` nodes by score (ties: first made first; None: every node), in
+    creation order: their tokens, parents among them and, when sampled, drawn and laws."""
+    tokens, scores, parents, alive = (torch.cat([getattr(level, name) for level in pool])
+                                      for name in ("tokens", "scores", "parents", "alive"))
+    if count is None:
+        keep = torch.arange(len(tokens), device=tokens.device)
+    else:
+        order = torch.sort(scores, descending=True, stable=True).indices[:count]
+        keep = torch.sort(order).values
     index = torch.full_like(parents, -1)
     index[keep] = torch.arange(len(keep), device=keep.device)
     kept_parents = parents[keep]
-    return tokens[keep], torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1)
+    parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1)
+    if pool[0].law is None:
+        return _Grown(tokens[keep], parents, None, None)
+    return _Grown(tokens, parents, alive, torch.cat([level.law for level in pool]))
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:

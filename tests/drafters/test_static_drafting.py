@@ -10,6 +10,7 @@ import torch
 from conftest import lm_head_copies
 from helpers import (
     EAGLE3_LAYERS,
+    assert_drafted_sampling_is_exact,
     eagle_head_config,
     fit_eagle_head,
     fit_exits,
@@ -20,14 +21,16 @@ from helpers import (
     tiny_llama,
 )
 
-from selfspec import Transformer, Tree, generate
+from selfspec import SamplingParams, Transformer, Tree, generate
+from selfspec.devices import HostReads
 from selfspec.drafters import (
     EagleDrafter,
     EarlyExitDrafter,
     MedusaDrafter,
     MedusaProductDrafter,
 )
-from selfspec.tree import host_tree
+from selfspec.heads import EagleConfig
+from selfspec.tree import DeviceTree, host_tree
 
 PROMPTS = [[3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 19))]
 NEW_TOKENS = 24
@@ -103,6 +106,82 @@ def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_ea
             target, lambda static, head=head: (EagleDrafter if static else host_side(
                 EagleDrafter))(head, **EAGLE[mode]), plain_greedy)
     assert min(taus["fitted"]) > 2.0, taus  # steps commit several pairs: the padded feed
+
+
+# ---- sampled children ---------------------------------------------------------------------
+
+SMALL_VOCAB = 8  # a target whose two-token law a thousand samples can test
+SAMPLED = {
+    "static_tree": {"tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+                    "sampled_children": True},
+    "eagle2": {"total_tokens": 12, "depth": 4, "top_k": 3},
+    "eagle2_budget": {"total_tokens": 5, "depth": 3, "top_k": 2},
+    "eagle2_published": {"total_tokens": 60, "depth": 6, "top_k": 10},
+}
+
+
+def verified_nodes(draft) -> tuple:
+    """A draft as the loop verifies it: (parents, tokens, q) of its valid nodes."""
+    tree, rows = draft.tree, list(range(draft.tree.num_nodes))
+    if isinstance(tree, DeviceTree):
+        valid = [True] * len(rows) if tree.valid is None else tree.valid.tolist()
+        tree, rows = tree.nodes_on_host(tree.parents.tolist(), valid)
+    q = None if draft.q is None else draft.q[rows]
+    return tree.parents, draft.tokens[rows].tolist(), q
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("mode", list(SAMPLED))
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_static_eagle_draws_the_host_side_trees(target, version, mode, temperature):
+    """Sampled children: the same draws from the same generator, node for node, and so the
+    same tokens out; the laws agree to float32 rounding (attention over every slot of a
+    static cache against over the valid ones, a batch's softmax against a row's)."""
+    head = random_eagle_head(eagle_head_config(target, version), seed=version)
+    runs = []
+    for cls in (EagleDrafter, host_side(EagleDrafter)):
+        drafter, drafts = cls(head, **SAMPLED[mode]), []
+        propose = drafter.propose
+        drafter.propose = lambda context, propose=propose, drafts=drafts: drafts.append(
+            propose(context)) or drafts[-1]
+        result = generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=NEW_TOKENS,
+                          cuda_graphs=True, sampling=SamplingParams(temperature),
+                          generator=torch.Generator().manual_seed(version))
+        runs.append((result.tokens, [verified_nodes(d) for d in drafts]))
+    (static_tokens, static_drafts), (host_tokens, host_drafts) = runs
+    assert static_tokens == host_tokens
+    assert len(static_drafts) == len(host_drafts) > 5
+    for (parents, tokens, q), (host_parents, host_tokens_, host_q) in zip(
+            static_drafts, host_drafts, strict=True):
+        assert (parents, tokens) == (host_parents, host_tokens_)
+        torch.testing.assert_close(q, host_q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [SAMPLED["eagle2_budget"], SAMPLED["static_tree"]],
+                         ids=["eagle2", "static_tree"])
+def test_static_sampled_children_keep_the_target_law(kwargs):
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    assert_drafted_sampling_is_exact(target, EagleDrafter(head, **kwargs), SamplingParams(1.0),
+                                     1000, cuda_graphs=True)
+
+
+def test_nodes_a_law_cannot_supply_are_not_verified():
+    """A head so sure that its laws are one-hot in float32: each parent supplies one child,
+    the rest are rows of the forward but no nodes. Verifying them (q = 0) would accept them
+    always; the law test would fail."""
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    with torch.no_grad():
+        head.layers[0].mlp.down_proj.weight.mul_(1e4)  # logits far apart: softmax underflows
+    drafter = EagleDrafter(head, total_tokens=5, depth=3, top_k=2)
+    drafts = []
+    propose = drafter.propose
+    drafter.propose = lambda context: drafts.append(propose(context)) or drafts[-1]
+    assert_drafted_sampling_is_exact(target, drafter, SamplingParams(1.0), 1000,
+                                     cuda_graphs=True)
+    dead = [d for d in drafts if d.tree.num_nodes and not d.tree.valid.all()]
+    assert len(dead) > len(drafts) / 2
 
 
 def test_a_wrong_static_draft_is_caught(target, plain_greedy, fitted_eagle, monkeypatch):
@@ -192,6 +271,24 @@ def test_a_static_early_exit_step_reads_the_host_once(exit_target, kind):
     model, _, fitted = exit_target
     head = fitted[2] if kind == "adapter" else random_exit(model, 2, "norm")
     assert host_reads_per_step(model, lambda: EarlyExitDrafter(head, 4), PROMPTS[2]) == 1
+
+
+@pytest.mark.parametrize("mode", list(SAMPLED))
+def test_static_sampled_drafting_reads_nothing(target, mode):
+    """At T > 0 verification reads the host as it walks the tree; drafting reads nothing."""
+    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
+    drafter, reads = EagleDrafter(head, **SAMPLED[mode]), []
+    propose = drafter.propose
+
+    def counted(context):
+        with HostReads() as during:
+            draft = propose(context)
+        reads.append(during.count)
+        return draft
+    drafter.propose = counted
+    generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=NEW_TOKENS, cuda_graphs=True,
+             sampling=SamplingParams(1.0), generator=torch.Generator().manual_seed(0))
+    assert len(reads) > 5 and set(reads) == {0}
 
 
 def test_host_side_drafting_reads_the_host_more(target):
