@@ -129,7 +129,7 @@ class _Row:
 
     def context(self, device: torch.device) -> DraftContext:
         return DraftContext(torch.tensor(self.history, device=device), self.features,
-                            self.extra_logits)
+                            self.extra_logits, tuple(self.history))
 
 
 def _decode(

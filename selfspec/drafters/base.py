@@ -160,11 +160,17 @@ class DraftContext:
     """tokens [L]: prompt + generated so far; the last one (the root) is not yet in the
     target's cache. features: the target's states for the rows its last forward committed
     (None before the first forward, e.g. for a one-token prompt). extra_logits [R, V]: the
-    target's logits at the previous draft's extra rows (None when it had none)."""
+    target's logits at the previous draft's extra rows (None when it had none). history: the
+    same tokens as host ints, where the caller holds them (the decode loop does)."""
 
     tokens: torch.Tensor
     features: TargetFeatures | None
     extra_logits: torch.Tensor | None = None
+    history: tuple[int, ...] | None = None
+
+    def token_list(self) -> list[int]:
+        """The tokens as host ints: `history` where given, else read back from the device."""
+        return list(self.history) if self.history is not None else self.tokens.tolist()
 
 
 class Drafter(Protocol):

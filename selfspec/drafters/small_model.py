@@ -90,9 +90,28 @@ class SmallModelDrafter:
         self._begin_cache(setup)
         self._cache.reset()
         self._fed = []
+        # In static steps a greedy chain stays on the device: argmax fed to the next step.
+        self._on_device = (self._steps is not None and setup.sampling.greedy
+                           and self.confidence_threshold is None and self.first_candidates == 1)
+        self._drafted_at = None  # where the last device chain's tokens sit in the history
+
+    @torch.inference_mode()
+    def _propose_on_device(self, context: DraftContext) -> Draft:
+        """A greedy chain that reads nothing back: each token the argmax of the last step's
+        logits, fed to the next step as a device tensor. Its tokens enter `_fed` as None
+        until the next step's history shows which were accepted (`_pending`)."""
+        logits = self._next_logits(self._pending(context))
+        self._drafted_at = len(context.tokens)  # the first drafted token's history index
+        tokens = [logits.argmax(dim=-1, keepdim=True)]  # [1] each: lowest id on ties
+        for _ in range(self.num_draft_tokens - 1):
+            logits = self._next_logits(tokens[-1])
+            tokens.append(logits.argmax(dim=-1, keepdim=True))
+        return Draft.chain(torch.cat(tokens))
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
+        if self._on_device:
+            return self._propose_on_device(context)
         chain = self._started(self._next_logits(self._pending(context)))
         while chain.goes_on(self):
             chain.extend(self, self._next_logits([chain.tokens[-1]]))
@@ -123,7 +142,13 @@ class SmallModelDrafter:
     def _pending(self, context: DraftContext) -> list[int]:
         """The tokens to feed before drafting: those after the longest prefix its cache
         shares with the committed tokens (at least the root)."""
-        history = context.tokens.tolist()
+        history = context.token_list()
+        if self._drafted_at is not None:  # the device chain's tokens: the accepted ones are
+            accepted = len(history) - self._drafted_at - 1  # the history's, the rest are not
+            start = self._drafted_at
+            del self._fed[start + max(0, accepted):]
+            self._fed[start:] = history[start:start + len(self._fed) - start]
+            self._drafted_at = None
         return history[self._rollback_to_common_prefix(history):]
 
     def _started(self, logits: torch.Tensor) -> _Chain:
@@ -188,9 +213,9 @@ class SmallModelDrafter:
             return ranked(logits[None], self._greedy_candidates)[0].tolist()
         return sample_without_replacement(probs, self.first_candidates, self.generator)
 
-    def _next_logits(self, tokens: list[int]) -> torch.Tensor:
-        """[V] the draft's logits for the token after `tokens` (fed into its cache); -inf at
-        the target's ids it cannot propose."""
+    def _next_logits(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """[V] the draft's logits for the token after `tokens` (fed into its cache; a device
+        tensor is fed without a read); -inf at the target's ids it cannot propose."""
         logits = self._feed(tokens)[0, -1]  # [V_draft]
         return F.pad(logits, (0, self._padding), value=float("-inf"))  # [V]
 
@@ -211,10 +236,14 @@ class SmallModelDrafter:
         """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
         vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
         start = self._cache.length
-        _check_draft_ids(tokens, self.model)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
-        positions = torch.arange(start, start + len(tokens), device=self._device)  # [T]
-        self._fed.extend(tokens)
+        if isinstance(tokens, torch.Tensor):  # drafted on the device: known to be in range
+            ids = tokens.view(1, -1)
+            self._fed.extend([None] * ids.shape[1])  # known once the next history shows them
+        else:
+            _check_draft_ids(tokens, self.model)
+            ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
+            self._fed.extend(tokens)
+        positions = torch.arange(start, start + ids.shape[1], device=self._device)  # [T]
         if self.draft_vocab is None:
             return self._forward(ids, positions).logits
         out = self._forward(ids, positions, with_logits=False,

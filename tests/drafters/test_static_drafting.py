@@ -28,8 +28,9 @@ from selfspec.drafters import (
     EarlyExitDrafter,
     MedusaDrafter,
     MedusaProductDrafter,
+    SmallModelDrafter,
 )
-from selfspec.heads import EagleConfig
+from selfspec.heads import EagleConfig, draft_vocabulary
 from selfspec.tree import DeviceTree, host_tree
 
 PROMPTS = [[3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 19))]
@@ -106,6 +107,20 @@ def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_ea
             target, lambda static, head=head: (EagleDrafter if static else host_side(
                 EagleDrafter))(head, **EAGLE[mode]), plain_greedy)
     assert min(taus["fitted"]) > 2.0, taus  # steps commit several pairs: the padded feed
+
+
+@pytest.mark.parametrize("k, vocab", [(4, None), (6, None), (3, 40)])
+def test_a_draft_models_greedy_chain_stays_on_the_device(exit_target, k, vocab):
+    """The draft model's greedy chain, each argmax fed on without a read: the host-side
+    chains, step by step, and one host read a step."""
+    model, plain, _ = exit_target  # a 4-layer target: its first 2 layers draft
+    draft_vocab = None if vocab is None else draft_vocabulary(torch.arange(vocab), 64, vocab)
+    make = lambda static=True: (SmallModelDrafter if static else host_side(  # noqa: E731
+        SmallModelDrafter))(model.first_layers(2), k, draft_vocab=draft_vocab)
+    taus = same_drafts_and_output(model, make, plain)
+    assert max(taus) > 1.2, taus  # chains accepted in part: the cache rolls back in part
+    assert host_reads_per_step(model, make, PROMPTS[2]) == 1
+    assert host_reads_per_step(model, lambda: make(False), PROMPTS[2]) >= k
 
 
 # ---- sampled children ---------------------------------------------------------------------
