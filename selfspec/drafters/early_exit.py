@@ -146,7 +146,10 @@ class EarlyExitDrafter:
                 f"generation and pass every step's features")
         reused = min(count, self._drafted)
         self._own_cache.truncate(self._committed + reused)
-        if reused < count:
+        if reused == count - 1 and self._static is not None:  # one row: a static step
+            self._static.feed_adapter(context.features.hidden[0][-1], start + reused)
+            self._own_cache.length = start + count
+        elif reused < count:
             hidden = context.features.hidden[0][reused:][None]  # [1, count - reused, H]
             positions = torch.arange(start + reused, start + count, device=hidden.device)
             self.head(hidden.to(self._target.embed_tokens.weight), positions, self._own_cache,
@@ -169,6 +172,8 @@ class _StaticDraft:
         self.root = torch.zeros(1, dtype=torch.long, device=device)
         self.base = torch.zeros(1, dtype=torch.long, device=device)  # the target cache's length
         self.own_base = torch.zeros(1, dtype=torch.long, device=device)  # the adapter's
+        width = drafter._target.config.hidden_size
+        self.row = torch.zeros(width, dtype=target_cache.k.dtype, device=device)  # to feed
         self.steps = CapturedSteps(device)
         self.key = _static_key(drafter, target_cache, own_cache)
 
@@ -188,6 +193,19 @@ class _StaticDraft:
         self.base.fill_(base)
         self.own_base.fill_(own_base)
         return self.steps.run("draft", self._draft).clone()
+
+    def feed_adapter(self, hidden: torch.Tensor, position: int) -> None:
+        """Feed one committed row's layer-E state [H] at `position` into the adapter's cache."""
+        self.row.copy_(hidden)
+        self.own_base.fill_(position)
+        self.steps.run("feed", self._feed)
+
+    def _feed(self) -> torch.Tensor:
+        slots = torch.arange(self.own_cache.max_slots, device=self.own_base.device)
+        return self.drafter.head(self.row[None, None], self.own_base,
+                                 SlotView(self.own_cache, self.own_base),
+                                 target_norm=self.drafter._target.norm,
+                                 mask=slots[None] <= self.own_base)
 
     def _draft(self) -> torch.Tensor:
         drafter, target = self.drafter, self.drafter._target

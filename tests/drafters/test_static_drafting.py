@@ -249,8 +249,9 @@ def exit_target():
     return model, plain, fit_exits(model, plain)[0]
 
 
-@pytest.mark.parametrize("kind, exit_layer, k", [("adapter", 1, 4), ("adapter", 3, 6),
-                                                 ("norm", 2, 4), ("random_adapter", 2, 3)])
+@pytest.mark.parametrize("kind, exit_layer, k", [  # k = 1: most steps feed the adapter a row
+    ("adapter", 1, 4), ("adapter", 3, 6), ("adapter", 3, 1), ("norm", 2, 4),
+    ("random_adapter", 2, 3)])
 def test_static_early_exit_drafts_the_host_side_chains(exit_target, kind, exit_layer, k):
     model, plain, fitted = exit_target
     head = (fitted[exit_layer] if kind == "adapter"
