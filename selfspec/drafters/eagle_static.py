@@ -51,7 +51,7 @@ class StaticEagleDraft:
         self.cache = KVCache(1, 1, config.num_kv_heads, max_slots, config.head_dim,
                              dtype=weight.dtype, device=weight.device)
         self.growth = (_StaticTree(shape, self.device) if isinstance(shape, Tree)
-                       else _DynamicTree(*shape))
+                       else _DynamicTree(*shape, self.device, law is not None))
         self.width = self.growth.max_depth + 1  # the most pairs one step commits
         self._slots = torch.arange(max_slots, device=self.device)
         self._tokens = torch.zeros(self.width, dtype=torch.long, device=self.device)
@@ -231,8 +231,15 @@ class _DynamicTree:
     spent while growing (frontier nodes by score, top_k children each, until it runs out),
     and every node is kept."""
 
-    def __init__(self, total_tokens: int, depth: int, top_k: int) -> None:
+    def __init__(self, total_tokens: int, depth: int, top_k: int, device: torch.device,
+                 sampled: bool) -> None:
         self.shape = self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
+        self.levels = self.counts(sampled)
+        # Each level's children as (frontier row, rank) index tensors, made here: a captured
+        # step may not copy from the host.
+        self.index = [(_long([j for j, c in enumerate(counts) for _ in range(c)], device),
+                       _long([r for c in counts for r in range(c)], device))
+                      for counts in self.levels]
 
     def counts(self, sampled: bool) -> list[list[int]]:
         """Each level's children per frontier node, best first (host ints: the shapes)."""
@@ -252,7 +259,7 @@ class _DynamicTree:
         return levels
 
     def run(self, draft: StaticEagleDraft, children: _Children) -> _Grown:
-        device, levels = draft.device, self.counts(children.sampled)
+        device, levels = draft.device, self.levels
         fed = sum(min(self.top_k, sum(level)) for level in levels[:-1])  # draft slots
         logits, hidden = draft.root_logits(), draft._root[None]  # [1, V], [1, h]
         scores = torch.zeros(1, dtype=torch.float64, device=device)
@@ -265,14 +272,12 @@ class _DynamicTree:
             if depth > 1:  # feed the frontier: its nodes' features predict their children
                 width = len(frontier)
                 own = torch.arange(width, device=device) + offset
-                ancestors = ancestors.clone()
-                ancestors[torch.arange(width, device=device), own] = True
+                ancestors = ancestors.clone().scatter_(1, own[:, None], True)
                 hidden, logits = draft.feed(tokens, feature, depth - 1, own, ancestors)
                 offset += width
             rows = sum(1 for c in counts if c)  # the frontier nodes that get children
             picked, log_probs, drawn, laws = children.pick(logits[:rows], max(counts))
-            row = _long([j for j, c in enumerate(counts) for _ in range(c)], device)
-            rank = _long([r for c in counts for r in range(c)], device)
+            row, rank = self.index[depth - 1]
             level = _Level(tokens=picked[row, rank], parents=frontier[row],
                            alive=drawn[row, rank] & alive[row],
                            law=None if laws is None else laws[row])

@@ -91,7 +91,10 @@ class MedusaDrafter:
         """[N] the tree's tokens: node (r1, ..., rd) gets head d-1's rank-rd token."""
         logits = self.heads(hidden, self._lm_head, count=self.tree.max_depth)  # [depth, V]
         ranked = rank(logits, self._ranks)  # [depth, ranks] output ids, most likely first
-        tokens = ranked[self._head_of.to(ranked.device), self._rank_of.to(ranked.device)]  # [N]
+        if self._head_of.device != ranked.device:  # moved once: a captured step may not copy
+            self._head_of, self._rank_of = (t.to(ranked.device) for t in (self._head_of,
+                                                                         self._rank_of))
+        tokens = ranked[self._head_of, self._rank_of]  # [N]
         return self.heads.target_ids(tokens)
 
 
