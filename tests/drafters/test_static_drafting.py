@@ -307,6 +307,44 @@ def test_static_sampled_drafting_reads_nothing(target, mode):
     assert len(reads) > 5 and set(reads) == {0}
 
 
+def test_a_captured_step_copies_nothing_from_the_host(target, fitted_medusa, exit_target,
+                                                      monkeypatch):
+    """What CUDA may not capture: a tensor made from host data (torch.tensor, as_tensor) is a
+    copy from the host on a GPU. Every drafter's static steps run here with such calls
+    refused."""
+    import selfspec.step as step
+
+    run = step.CapturedSteps.run
+
+    def refusing(self, name, body):
+        def guarded():
+            with monkeypatch.context() as inside:
+                for maker in ("tensor", "as_tensor"):
+                    inside.setattr(torch, maker, _refused(maker))
+                return body()
+        return run(self, name, guarded)
+    monkeypatch.setattr(step.CapturedSteps, "run", refusing)
+    head = random_eagle_head(eagle_head_config(target, 3), seed=3)
+    makers = [lambda: EagleDrafter(head, **EAGLE["static_tree"]),
+              lambda: EagleDrafter(head, **EAGLE["eagle2_published"]),
+              lambda: medusa(fitted_medusa, "medusa_tree"),
+              lambda: medusa(fitted_medusa, "medusa_products")]
+    for make in makers:
+        for temperature in (0.0, 1.0):
+            generate(target, PROMPTS[2], drafter=make(), max_new_tokens=8, cuda_graphs=True,
+                     sampling=SamplingParams(temperature),
+                     generator=torch.Generator().manual_seed(0))
+    model, _, fitted = exit_target
+    generate(model, PROMPTS[2], drafter=EarlyExitDrafter(fitted[3], 1), max_new_tokens=8,
+             cuda_graphs=True)
+
+
+def _refused(maker: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"torch.{maker} inside a captured step")
+    return refuse
+
+
 def test_host_side_drafting_reads_the_host_more(target):
     """The count sees a drafter's reads: EAGLE-2's host-side growth reads at every level."""
     head = random_eagle_head(eagle_head_config(target, 1), seed=1)
