@@ -369,19 +369,27 @@ def _verify_step(
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
         return _Kept(draft.tree, [sample(p[0], generator)], [])
     q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
-    tokens, tree, rows = draft.tokens.to(p.device), draft.tree, None
-    if isinstance(tree, DeviceTree) and tree.valid is not None:  # verify the valid rows only
-        n = tree.num_nodes
-        values = torch.cat([tree.parents.to(p.device), tree.valid.to(p.device)]).tolist()
-        tree, rows = tree.nodes_on_host(values[:n], values[n:])
-        at = torch.tensor(rows, dtype=torch.long, device=p.device)
-        tokens, p = tokens[at], p[torch.cat([at.new_zeros(1), at + 1])]
-        q = None if q is None else q[at]
-    tree = host_tree(tree)
+    tree, tokens, q, p, rows = _nodes(draft, draft.tokens.to(p.device), q, p)
     acceptance = verify_trusted(tree, tokens, q, p, generator, draft.without_replacement)
     path = acceptance.path.tolist()
-    return _Kept(tree, acceptance.tokens.tolist(),
-                 path if rows is None else [rows[i] for i in path])
+    return _Kept(tree, acceptance.tokens.tolist(), [rows[i] for i in path])
+
+
+def _nodes(draft: Draft, tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
+           ) -> tuple[Tree, torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
+    """The tree to verify on the host with its tokens, laws q and target rows p, and each
+    node's row of the draft: all of them, or a device tree's valid ones (`DeviceTree.valid`),
+    parents and validity read back together."""
+    tree = draft.tree
+    if not isinstance(tree, DeviceTree) or tree.valid is None:
+        tree = host_tree(tree)
+        return tree, tokens, q, p, list(range(tree.num_nodes))
+    n = tree.num_nodes
+    values = torch.cat([tree.parents.to(p.device), tree.valid.to(p.device)]).tolist()
+    tree, rows = tree.nodes_on_host(values[:n], values[n:])
+    at = torch.tensor(rows, dtype=torch.long, device=p.device)
+    return (tree, tokens[at], None if q is None else q[at],
+            p[torch.cat([at.new_zeros(1), at + 1])], rows)
 
 
 def _greedy_kept(logits: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
