@@ -17,11 +17,12 @@ if [[ $what == bench || $what == all ]]; then
     # As written: c(N) to 128, the oracle chains and trees (EAGLE-2's 60 nodes, Medusa's 63),
     # and every method's draft cost with random heads, its drafts captured.
     python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
-        compile=false 'methods=[eagle2,eagle3,eagle1,medusa,early_exit]' \
+        compile=false 'oracle_trees=[eagle2,medusa_63]' \
+        'methods=[eagle2,eagle3,eagle1,medusa,early_exit]' \
         hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_false || status=1
     # Compiled: only the buckets the oracle chains use (k <= 8 verifies at most 16 rows).
     python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
-        compile=true 'cost_lengths=[1,2,4,8,16]' 'oracle_trees=[]' \
+        compile=true 'cost_lengths=[1,2,4,8,16]' \
         hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_true || status=1
 fi
 
