@@ -139,10 +139,11 @@ class EagleDrafter:
 
     def _begin_static(self, setup: DecodeSetup) -> None:
         slots = padded_slots(setup.max_length + self._fed_max)
-        law = (setup.sampling, setup.generator) if self._sampled else None
+        sampling = setup.sampling if self._sampled else None
         if self._static is None or not self._static.fits(self.head, setup.target, self._shape,
-                                                          slots, law):
-            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots, law)
+                                                          slots, sampling):
+            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots,
+                                            sampling)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
@@ -164,8 +165,8 @@ class EagleDrafter:
         start, tokens, feature = self._committed_pairs(context)
         self._static.consume(tokens, feature, start)
         self._committed = start + len(tokens)
-        grown = self._static.grow(self._committed)  # a captured step's outputs: copied, since
-        tokens = grown.tokens.clone()  # the next step rewrites them
+        grown = self._static.grow(self._committed, self._generator)  # copied, since
+        tokens = grown.tokens.clone()  # a captured step's outputs: the next step rewrites them
         if grown.parents is None and grown.drawn is None:
             return Draft(self.tree, tokens)
         parents = (grown.parents.clone() if grown.parents is not None

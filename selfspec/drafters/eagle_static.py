@@ -41,17 +41,21 @@ class StaticEagleDraft:
     shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
 
     def __init__(self, head: EagleHead, target: Transformer, shape: Tree | tuple[int, int, int],
-                 max_slots: int, law: tuple[SamplingParams, torch.Generator] | None = None
-                 ) -> None:
-        self.head, self.target, self.law = head, target, law
-        self.children = _Children(law)
+                 max_slots: int, sampling: SamplingParams | None = None) -> None:
+        self.head, self.target, self.sampling = head, target, sampling
+        weight = head.fc.weight
+        # Sampled children draw from a generator of its own, which the captured steps hold;
+        # each draft carries the caller's generator state in and back out, so the draws are
+        # the caller's stream, as the host growth's are.
+        self.generator = None if sampling is None else torch.Generator(device=weight.device)
+        self.children = _Children(sampling, self.generator)
         weight = head.fc.weight
         self.device = weight.device
         config = head.config
         self.cache = KVCache(1, 1, config.num_kv_heads, max_slots, config.head_dim,
                              dtype=weight.dtype, device=weight.device)
         self.growth = (_StaticTree(shape, self.device) if isinstance(shape, Tree)
-                       else _DynamicTree(*shape, self.device, law is not None))
+                       else _DynamicTree(*shape, self.device, sampling is not None))
         self.width = self.growth.max_depth + 1  # the most pairs one step commits
         self._slots = torch.arange(max_slots, device=self.device)
         self._tokens = torch.zeros(self.width, dtype=torch.long, device=self.device)
@@ -60,11 +64,13 @@ class StaticEagleDraft:
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)  # committed before
         self._count = torch.ones(1, dtype=torch.long, device=self.device)  # pairs fed now
         self._root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
-        self._steps = CapturedSteps(self.device, law[1] if law is not None else None)
+        self._steps = CapturedSteps(self.device, self.generator)
 
-    def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int, law) -> bool:
+    def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int,
+             sampling: SamplingParams | None) -> bool:
         same = self.growth.shape == (shape if not isinstance(shape, Tree) else shape.parents)
-        return (head is self.head and target is self.target and same and law == self.law
+        return (head is self.head and target is self.target and same
+                and sampling == self.sampling
                 and self.cache.max_slots >= max_slots and head.fc.weight.device == self.device
                 and head.fc.weight.dtype == self.cache.k.dtype)
 
@@ -99,11 +105,16 @@ class StaticEagleDraft:
 
     # ---- the draft ------------------------------------------------------------------------
 
-    def grow(self, committed: int) -> _Grown:
+    def grow(self, committed: int, generator: torch.Generator | None = None) -> _Grown:
         """The draft after `committed` cached pairs (a captured step's outputs: the next
-        step rewrites them)."""
+        step rewrites them); sampled children draw from `generator`'s stream."""
         self._start.fill_(committed)
-        return self._steps.run("grow", lambda: self.growth.run(self, self.children))
+        if self.generator is None:
+            return self._steps.run("grow", lambda: self.growth.run(self, self.children))
+        self.generator.set_state(generator.get_state())
+        grown = self._steps.run("grow", lambda: self.growth.run(self, self.children))
+        generator.set_state(self.generator.get_state())
+        return grown
 
     def feed(self, tokens: torch.Tensor, feature: torch.Tensor, depth: int,
              offsets: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +142,9 @@ class _Children:
     """How a parent's children are picked: its top tokens (`law` None: chosen), or distinct
     draws from its warped law by Gumbel-top-k (`gumbel_top`, the host growth's draws)."""
 
-    def __init__(self, law: tuple[SamplingParams, torch.Generator] | None) -> None:
-        self.sampling, self.generator = law if law is not None else (None, None)
+    def __init__(self, sampling: SamplingParams | None, generator: torch.Generator | None
+                 ) -> None:
+        self.sampling, self.generator = sampling, generator
 
     @property
     def sampled(self) -> bool:

@@ -172,6 +172,20 @@ def test_static_eagle_draws_the_host_side_trees(target, version, mode, temperatu
         torch.testing.assert_close(q, host_q, rtol=1e-4, atol=1e-5)
 
 
+def test_a_new_generator_keeps_the_captured_draft(target):
+    """Sweeps seed a generator per prompt: the draft's steps (graphs on CUDA) stay, and each
+    generation's draws are its own generator's stream (the same seed, the same tokens)."""
+    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
+    drafter, kept, outputs = EagleDrafter(head, **SAMPLED["eagle2"]), set(), []
+    for seed in (0, 1, 0):
+        outputs.append(generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=12,
+                                cuda_graphs=True, sampling=SamplingParams(1.0),
+                                generator=torch.Generator().manual_seed(seed)).tokens)
+        kept.add(id(drafter._static))
+    assert len(kept) == 1
+    assert outputs[0] == outputs[2] != outputs[1]
+
+
 @pytest.mark.parametrize("kwargs", [SAMPLED["eagle2_budget"], SAMPLED["static_tree"]],
                          ids=["eagle2", "static_tree"])
 def test_static_sampled_children_keep_the_target_law(kwargs):
