@@ -165,15 +165,14 @@ class EagleDrafter:
         start, tokens, feature = self._committed_pairs(context)
         self._static.consume(tokens, feature, start)
         self._committed = start + len(tokens)
-        grown = self._static.grow(self._committed, self._generator)  # copied, since
-        tokens = grown.tokens.clone()  # a captured step's outputs: the next step rewrites them
-        if grown.parents is None and grown.drawn is None:
+        # A captured step's outputs, copied: the next step rewrites them.
+        grown = self._static.grow(self._committed, self._generator)
+        tokens = grown.tokens.clone()
+        if grown.parents is None:  # chosen children of the static tree
             return Draft(self.tree, tokens)
-        parents = (grown.parents.clone() if grown.parents is not None
-                   else torch.tensor(self.tree.parents, device=tokens.device))
         drawn = None if grown.drawn is None else grown.drawn.clone()
-        tree = DeviceTree(parents, self.depth if self.tree is None else self.tree.max_depth,
-                          drawn)
+        tree = DeviceTree(grown.parents.clone(),
+                          self.depth if self.tree is None else self.tree.max_depth, drawn)
         if grown.q is None:
             return Draft(tree, tokens)
         return Draft(tree, tokens, grown.q.clone(), without_replacement=True)

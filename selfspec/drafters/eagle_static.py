@@ -171,6 +171,7 @@ class _StaticTree:
 
     def __init__(self, tree: Tree, device: torch.device) -> None:
         self.tree, self.shape, self.max_depth = tree, tree.parents, tree.max_depth
+        self.parents = _long(list(tree.parents), device)  # for a sampled draft's DeviceTree
         self.ranks = max((c[-1] for c in tree.choices), default=0) + 1
         fed = [i for i in range(tree.num_nodes) if tree.children_of(i)]
         slot = {node: i for i, node in enumerate(fed)}  # draft slot of each fed node
@@ -216,7 +217,9 @@ class _StaticTree:
             q = torch.empty(n, laws[0][1].shape[-1], device=device)
             for nodes, rows in laws:
                 q.index_copy_(0, nodes, rows)
-        return _Grown(tokens, None, drawn if children.sampled else None, q)
+        if not children.sampled:
+            return _Grown(tokens, None, None, None)
+        return _Grown(tokens, self.parents, drawn, q)
 
 
 class _Level:
@@ -229,7 +232,8 @@ class _Level:
 
 
 class _Grown:
-    """A static draft: tokens [N]; parents [N] (None: the static tree's); drawn [N] (None:
+    """A static draft: tokens [N]; parents [N] (None: chosen children of a static tree, whose
+    `Tree` is the draft's); drawn [N] (None:
     every node; else False for a node its law could not supply, and below it); q [N, V]:
     the law each node was drawn from (None: chosen)."""
 
