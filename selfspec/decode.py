@@ -22,7 +22,13 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatu
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
-from selfspec.sampling import SamplingParams, check_generator, logits_to_probs, sample
+from selfspec.sampling import (
+    SamplingParams,
+    check_generator,
+    logits_to_probs,
+    sample,
+    sample_rows,
+)
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
 from selfspec.tree import DeviceTree, Tree, host_tree
 from selfspec.verify import greedy_path, verify_trusted
@@ -318,8 +324,7 @@ def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft
     """Row b of a verification forward: exact verification of its draft, its cache commit,
     the target's states at the kept rows, and the extra rows' logits."""
     verified = draft.tree.num_nodes + 1
-    kept = _verify_step(out.logits[b, :verified], draft, loop.sampling, loop.generator,
-                        loop.clock)
+    kept = _verify_step(out.logits[b, :verified], draft, loop)
     loop.clock.lap("verify")
     committed = [0, *(i + 1 for i in kept.path)]  # forward rows: the root, the accepted nodes
     rows = torch.tensor(committed, device=tokens.device)
@@ -350,21 +355,23 @@ def _forward_rows(root: int, draft: Draft, device: torch.device
             torch.cat([offsets, extra.offsets.to(device)]), full)
 
 
-def _verify_step(
-    logits: torch.Tensor,  # [N+1, V]
-    draft: Draft,
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-    clock: _PhaseClock,
-) -> _Kept:
-    """What the step keeps. Greedy: the argmax rows decide (the one-hot probabilities they
-    stand for are never built), read back with the draft's tokens (and a device tree's
-    parents) in the step's one host read; otherwise the target's law from `logits_to_probs`
-    and recursive rejection sampling. Drafts and laws built by this loop are well-formed, so
-    the public verifier's input checks are not repeated every step."""
+def _verify_step(logits: torch.Tensor, draft: Draft, loop: _Loop) -> _Kept:
+    """What the step keeps, from logits [N+1, V]. Greedy: the argmax rows decide (the one-hot
+    probabilities they stand for are never built), read back with the draft's tokens (and a
+    device tree's parents) in the step's one host read. Otherwise the target's law from
+    `logits_to_probs` and recursive rejection sampling; for chosen candidates (q None) in
+    static steps, in its closed form: a node's children are taken in order, each with the
+    probability the law left for it, which is the first child whose token is one draw from
+    the law at their parent, or, when none is, that draw. So one draw per row, made on the
+    device, decides the step, and the walk is greedy verification's over those draws. Drafts
+    and laws built by this loop are well-formed, so the public verifier's input checks are
+    not repeated every step."""
+    sampling, generator, clock = loop.sampling, loop.generator, loop.clock
     if sampling.greedy:
-        return _greedy_kept(logits, draft, clock)
+        return _walked(logits.float().argmax(dim=-1), draft, clock)
     p = logits_to_probs(logits, sampling)  # [N+1, V]
+    if draft.q is None and loop.steps is not None:
+        return _walked(sample_rows(p, generator), draft, clock)
     clock.lap("probs")
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
         return _Kept(draft.tree, [sample(p[0], generator)], [])
@@ -392,11 +399,12 @@ def _nodes(draft: Draft, tokens: torch.Tensor, q: torch.Tensor | None, p: torch.
             p[torch.cat([at.new_zeros(1), at + 1])], rows)
 
 
-def _greedy_kept(logits: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
-    """Greedy verification from one host read: the target's argmax rows [N+1], the draft's
-    tokens [N] and, for a tree known only on the device, its parents [N]."""
-    n, device = draft.tree.num_nodes, logits.device
-    parts = [logits.float().argmax(dim=-1), draft.tokens.to(device)]
+def _walked(target_tokens: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
+    """The walk down the draft from one host read: the target's token per row [N+1] (its
+    argmax, or its draw), the draft's tokens [N] and, for a tree known only on the device,
+    its parents [N]; a child is accepted iff its token is its parent row's."""
+    n, device = draft.tree.num_nodes, target_tokens.device
+    parts = [target_tokens, draft.tokens.to(device)]
     if isinstance(draft.tree, DeviceTree):
         parts.append(draft.tree.parents.to(device))
     values = torch.cat(parts).tolist()  # the step's one host read

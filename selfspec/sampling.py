@@ -173,6 +173,22 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return min(index, int(support[-1]))  # u rounded up to the total mass: take the last token
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [R, V], drawn by inverse CDF on the device, as `sample`
+    draws it from one row but with nothing read back (and a uniform drawn for every row, a
+    one-hot one too): [R] token ids, never one of probability zero."""
+    if generator is None:
+        raise ValueError(f"sampling needs a torch.Generator: pass "
+                         f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)")
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64,
+                   device=probs.device) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, u, right=True)[:, 0]
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, -1).amax(dim=-1)  # u rounded up to the total mass
+    return torch.minimum(index, last)
+
+
 def sample_without_replacement(probs: torch.Tensor, count: int,
                                generator: torch.Generator | None) -> list[int]:
     """Draw up to `count` distinct tokens from a probability row [V], one after another, each

@@ -679,21 +679,24 @@ def eagle3_folder(folder, config_extra=None):
     return state
 
 
-def host_reads_per_step(target, make, prompt) -> float:
+def host_reads_per_step(target, make, prompt, sampling=None) -> float:
     """Host reads a decode step makes (`selfspec.devices.HostReads`), make() giving the drafter
     (None: plain decoding) under static steps: two generations of different lengths,
-    differenced, so that what a generation reads once (its prompt's checks) drops out."""
-    from selfspec import generate
+    differenced, so that what a generation reads once (its prompt's checks) drops out.
+    sampling: a SamplingParams (default greedy), drawn from a seeded generator."""
+    from selfspec import SamplingParams, generate
     from selfspec.devices import HostReads
 
-    counts = []
+    counts, sampling = [], sampling or SamplingParams()
     for new_tokens in (12, 24):
         drafter = make()
-        generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens,
-                 cuda_graphs=True)  # set up: shapes checked, graphs captured on CUDA
+        options = {"drafter": drafter, "max_new_tokens": new_tokens, "cuda_graphs": True,
+                   "sampling": sampling}
+        generate(target, prompt, generator=torch.Generator().manual_seed(0),
+                 **options)  # set up: shapes checked, graphs captured on CUDA
         with HostReads() as reads:
-            result = generate(target, prompt, drafter=drafter, max_new_tokens=new_tokens,
-                              cuda_graphs=True)
+            result = generate(target, prompt, generator=torch.Generator().manual_seed(0),
+                              **options)
         counts.append((reads.count, result.stats.loop_steps))
     (reads_short, steps_short), (reads_long, steps_long) = counts
     assert steps_long > steps_short

@@ -5,7 +5,13 @@ import pytest
 import torch
 from helpers import P_VALUE_FLOOR, fit_pvalue
 
-from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs, sample
+from selfspec.sampling import (
+    SamplingParams,
+    gumbel_top,
+    logits_to_probs,
+    sample,
+    sample_rows,
+)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +153,16 @@ def test_gumbel_top_marks_what_a_law_cannot_supply():
     assert set(tokens[0, :2].tolist()) == {1, 3} and len(set(tokens[1].tolist())) == 3
     with pytest.raises(ValueError, match="sampling needs a torch.Generator"):
         gumbel_top(p, 1, None)
+
+
+def test_sample_rows_draws_each_row_from_its_law():
+    laws = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 1.0, 0.0], [0.1, 0.6, 0.0, 0.3]])
+    samples = 20_000
+    drawn = sample_rows(laws.repeat(samples, 1), torch.Generator().manual_seed(0))
+    drawn = drawn.view(samples, 3)
+    for row in range(3):
+        counts = Counter(drawn[:, row].tolist())
+        law = {t: float(p) for t, p in enumerate(laws[row]) if p > 0}
+        assert fit_pvalue(counts, law, samples) > P_VALUE_FLOOR  # never a zero-probability id
+    with pytest.raises(ValueError, match="sampling needs a torch.Generator"):
+        sample_rows(laws, None)

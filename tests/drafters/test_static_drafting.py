@@ -4,17 +4,22 @@ decoding, and one host read per decode step."""
 
 import copy
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from conftest import lm_head_copies
 from helpers import (
     EAGLE3_LAYERS,
+    P_VALUE_FLOOR,
+    SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
     eagle_head_config,
+    exact_two_token_law,
     fit_eagle_head,
     fit_exits,
     fit_medusa_heads,
+    fit_pvalue,
     host_reads_per_step,
     random_eagle_head,
     random_exit,
@@ -170,6 +175,26 @@ def test_static_eagle_draws_the_host_side_trees(target, version, mode, temperatu
             static_drafts, host_drafts, strict=True):
         assert (parents, tokens) == (host_parents, host_tokens_)
         torch.testing.assert_close(q, host_q, rtol=1e-4, atol=1e-5)
+
+
+CHOSEN = {"total_tokens": 6, "depth": 3, "top_k": 2, "sampled_children": False}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)],
+                         ids=["t1", "top_p"])
+def test_chosen_candidates_verified_by_draws_keep_the_target_law(params):
+    """Static steps verify chosen candidates by one draw per row (`decode._verify_step`):
+    the two-token law of speculative decoding, and of plain decoding, is the target's."""
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    assert_drafted_sampling_is_exact(target, EagleDrafter(head, **CHOSEN), params, 1000,
+                                     cuda_graphs=True)
+    g, counts, samples = torch.Generator().manual_seed(1), Counter(), 1000
+    for _ in range(samples):
+        counts[tuple(generate(target, SAMPLING_PROMPT, sampling=params, max_new_tokens=2,
+                              generator=g, cuda_graphs=True).tokens)] += 1
+    law = exact_two_token_law(target, SAMPLING_PROMPT, params)
+    assert fit_pvalue(counts, law, samples) > P_VALUE_FLOOR
 
 
 def test_a_new_generator_keeps_the_captured_draft(target):
@@ -357,6 +382,17 @@ def _refused(maker: str):
     def refuse(*args, **kwargs):
         raise AssertionError(f"torch.{maker} inside a captured step")
     return refuse
+
+
+@pytest.mark.parametrize("mode", [None, "eagle2_chosen", "medusa_tree", "medusa_products"])
+def test_a_sampled_step_of_chosen_candidates_reads_the_host_once(target, fitted_medusa, mode):
+    """At T > 0 chosen candidates are verified by one draw per row, made on the device."""
+    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
+    make = {None: lambda: None,
+            "eagle2_chosen": lambda: EagleDrafter(head, **CHOSEN),
+            "medusa_tree": lambda: medusa(fitted_medusa, "medusa_tree"),
+            "medusa_products": lambda: medusa(fitted_medusa, "medusa_products")}[mode]
+    assert host_reads_per_step(target, make, PROMPTS[2], SamplingParams(1.0)) == 1
 
 
 def test_host_side_drafting_reads_the_host_more(target):
