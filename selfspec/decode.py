@@ -31,7 +31,7 @@ from selfspec.sampling import (
 )
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
 from selfspec.tree import DeviceTree, Tree, host_tree
-from selfspec.verify import greedy_path, verify_trusted
+from selfspec.verify import chain_draws, chain_outcome, greedy_path, verify_trusted
 
 if TYPE_CHECKING:  # annotations only
     from selfspec.drafters.base import Drafter, EarlyLayers
@@ -363,15 +363,18 @@ def _verify_step(logits: torch.Tensor, draft: Draft, loop: _Loop) -> _Kept:
     static steps, in its closed form: a node's children are taken in order, each with the
     probability the law left for it, which is the first child whose token is one draw from
     the law at their parent, or, when none is, that draw. So one draw per row, made on the
-    device, decides the step, and the walk is greedy verification's over those draws. Drafts
-    and laws built by this loop are well-formed, so the public verifier's input checks are
-    not repeated every step."""
+    device, decides the step, and the walk is greedy verification's over those draws; a
+    sampled chain's draws are all made ahead too (`verify.chain_draws`). Drafts and laws
+    built by this loop are well-formed, so the public verifier's input checks are not
+    repeated every step."""
     sampling, generator, clock = loop.sampling, loop.generator, loop.clock
     if sampling.greedy:
         return _walked(logits.float().argmax(dim=-1), draft, clock)
     p = logits_to_probs(logits, sampling)  # [N+1, V]
-    if draft.q is None and loop.steps is not None:
+    if loop.steps is not None and draft.q is None:
         return _walked(sample_rows(p, generator), draft, clock)
+    if loop.steps is not None and isinstance(draft.tree, Tree) and draft.tree.is_chain:
+        return _chain_kept(p, draft, generator, clock)
     clock.lap("probs")
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
         return _Kept(draft.tree, [sample(p[0], generator)], [])
@@ -397,6 +400,20 @@ def _nodes(draft: Draft, tokens: torch.Tensor, q: torch.Tensor | None, p: torch.
     at = torch.tensor(rows, dtype=torch.long, device=p.device)
     return (tree, tokens[at], None if q is None else q[at],
             p[torch.cat([at.new_zeros(1), at + 1])], rows)
+
+
+def _chain_kept(p: torch.Tensor, draft: Draft, generator: torch.Generator | None,
+                clock: _PhaseClock) -> _Kept:
+    """A sampled chain verified from one host read: every draw of its rejection sampling
+    made on the device ahead (`verify.chain_draws`), read back with its tokens."""
+    k = draft.tree.num_nodes
+    tokens = draft.tokens.to(p.device)
+    draws = chain_draws(tokens, draft.q.to(p.device), p, generator)
+    values = torch.cat([draws, tokens]).tolist()  # the step's one host read
+    clock.lap("probs")
+    chain = values[2 * k + 1:]
+    path, last = chain_outcome(values[: 2 * k + 1], chain)
+    return _Kept(draft.tree, [*(chain[i] for i in path), last], path)
 
 
 def _walked(target_tokens: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:

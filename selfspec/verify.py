@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from selfspec.sampling import check_generator, sample
+from selfspec.sampling import check_generator, sample, sample_rows
 from selfspec.tree import Tree
 
 _SUM_TOLERANCE = 1e-3
@@ -118,6 +118,35 @@ def greedy_path(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int]
             return path, want
         node = child
         path.append(child)
+
+
+def chain_draws(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """A sampled chain's verification, drawn on the device at once (nothing read back):
+    [2k + 1] = accepted [k] (1 where node i passes its test: u < p(x_i) / q(x_i)), then the
+    token emitted where node i is the first rejected [k] (a draw from norm(max(p - q, 0)), or
+    from p where they coincide), then the bonus token after the whole chain [1] (a draw from
+    p's last row). The walk (`chain_outcome`) keeps the nodes before the first rejected one:
+    the rejection sampling of `verify_linear`, in law, with every random number drawn ahead.
+    tokens [k], q [k, V] (the laws they were drawn from), p [k + 1, V]; trusted input."""
+    rows = torch.arange(len(tokens), device=p.device)
+    ratio = p[rows, tokens].double() / q[rows, tokens].double()  # q > 0 at drawn tokens
+    u = torch.rand(len(tokens), generator=generator, dtype=torch.float64, device=p.device)
+    residual = (p[:-1] - q).clamp_(min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 1e-12, residual / total, p[:-1])  # as `_residual` guards
+    return torch.cat([(u < ratio).long(), sample_rows(residual, generator),
+                      sample_rows(p[-1:], generator)])
+
+
+def chain_outcome(draws: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], int]:
+    """From `chain_draws` read back and the chain's tokens: the accepted nodes and the token
+    emitted after them."""
+    k = len(tokens)
+    rejected = next((i for i in range(k) if not draws[i]), None)
+    if rejected is None:
+        return list(range(k)), draws[2 * k]
+    return list(range(rejected)), draws[k + rejected]
 
 
 def verify_trusted(

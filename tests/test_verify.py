@@ -5,7 +5,7 @@ import torch
 
 from selfspec.sampling import SamplingParams, logits_to_probs
 from selfspec.tree import Tree
-from selfspec.verify import verify_linear, verify_tree
+from selfspec.verify import chain_draws, chain_outcome, verify_linear, verify_tree
 
 V = 8
 
@@ -157,3 +157,22 @@ def test_bad_tree_input_names_the_argument():
         verify_tree(tree, torch.tensor([1, 1]), q, p, generator=gen(), without_replacement=True)
     with pytest.raises(ValueError, match="selfspec.Tree"):
         verify_tree([-1, -1], torch.tensor([1, 2]), q, p, generator=gen())
+
+
+def test_a_chain_keeps_the_nodes_before_its_first_rejection():
+    chain = [10, 11, 12]
+    assert chain_outcome([1, 1, 1, 7, 8, 9, 5], chain) == ([0, 1, 2], 5)  # all: the bonus
+    assert chain_outcome([1, 0, 1, 7, 8, 9, 5], chain) == ([0], 8)  # node 1's correction
+    assert chain_outcome([0, 1, 1, 7, 8, 9, 5], chain) == ([], 7)
+
+
+def test_chain_draws_accept_what_the_target_would_draw_and_never_what_it_cannot():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.2, 0.8], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.6, 0.4, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        draws = chain_draws(torch.tensor([1, 0]), q, p, g).tolist()
+        assert draws[0] == 1  # q = p at token 1: always accepted
+        assert draws[1] == 0  # p(0) = 0 after node 0: never accepted
+        assert draws[3] == 2  # node 1's correction: norm(max(p - q, 0)) = (0, 0, 1)
+        assert draws[4] in (0, 1, 2)

@@ -16,7 +16,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.drafters.ranking import ranked
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
-from selfspec.sampling import logits_to_probs, sample, sample_without_replacement
+from selfspec.sampling import logits_to_probs, sample, sample_rows, sample_without_replacement
 from selfspec.step import StaticSteps, kept_or_new
 from selfspec.tree import Tree
 
@@ -90,23 +90,32 @@ class SmallModelDrafter:
         self._begin_cache(setup)
         self._cache.reset()
         self._fed = []
-        # In static steps a greedy chain stays on the device: argmax fed to the next step.
-        self._on_device = (self._steps is not None and setup.sampling.greedy
+        # In static steps a chain stays on the device, each token fed to the next step: the
+        # argmax, or a draw from a law warped by temperature alone (a top-k or top-p cut
+        # reads the host).
+        warped = setup.sampling.top_k or setup.sampling.top_p < 1.0
+        self._on_device = (self._steps is not None and not warped
                            and self.confidence_threshold is None and self.first_candidates == 1)
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
     @torch.inference_mode()
     def _propose_on_device(self, context: DraftContext) -> Draft:
-        """A greedy chain that reads nothing back: each token the argmax of the last step's
-        logits, fed to the next step as a device tensor. Its tokens enter `_fed` as None
-        until the next step's history shows which were accepted (`_pending`)."""
+        """A chain that reads nothing back: each token the argmax of the last step's logits,
+        or a draw from their law (`sample_rows`, as the host-side chain draws), fed to the
+        next step as a device tensor. Its tokens enter `_fed` as None until the next step's
+        history shows which were accepted (`_pending`)."""
         logits = self._next_logits(self._pending(context))
         self._drafted_at = len(context.tokens)  # the first drafted token's history index
-        tokens = [logits.argmax(dim=-1, keepdim=True)]  # [1] each: lowest id on ties
-        for _ in range(self.num_draft_tokens - 1):
-            logits = self._next_logits(tokens[-1])
-            tokens.append(logits.argmax(dim=-1, keepdim=True))
-        return Draft.chain(torch.cat(tokens))
+        tokens, laws = [], []
+        for step in range(self.num_draft_tokens):
+            if step:
+                logits = self._next_logits(tokens[-1])
+            if self.sampling.greedy:
+                tokens.append(logits.argmax(dim=-1, keepdim=True))  # lowest id on ties
+                continue
+            laws.append(logits_to_probs(logits, self.sampling))
+            tokens.append(sample_rows(laws[-1][None], self.generator))
+        return Draft.chain(torch.cat(tokens), torch.stack(laws) if laws else None)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
@@ -208,10 +217,17 @@ class SmallModelDrafter:
         """The first token's candidates: one drawn from probs (its argmax when greedy), or with
         first_candidates > 1 the W most likely (greedy) or W distinct draws (sampling)."""
         if self.first_candidates == 1:
-            return [sample(probs, self.generator)]
+            return [self._drawn(probs)]
         if self.sampling.greedy:  # ties rank by id, as the argmax does
             return ranked(logits[None], self._greedy_candidates)[0].tolist()
         return sample_without_replacement(probs, self.first_candidates, self.generator)
+
+    def _drawn(self, probs: torch.Tensor) -> int:
+        """A chain's next token from its law [V]: the argmax's one-hot row read as it is, or a
+        draw as the device chain makes it (`sample_rows`, so both draw the same tokens)."""
+        if self.sampling.greedy:
+            return sample(probs, None)
+        return int(sample_rows(probs[None], self.generator)[0])
 
     def _next_logits(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """[V] the draft's logits for the token after `tokens` (fed into its cache; a device
@@ -272,7 +288,7 @@ class _Chain:
     def extend(self, drafter: SmallModelDrafter, logits: torch.Tensor) -> None:
         """The next token, from the logits after the chain's last."""
         probs = logits_to_probs(logits, drafter.sampling)
-        self.tokens.append(sample(probs, drafter.generator))
+        self.tokens.append(drafter._drawn(probs))
         self.laws.append(probs)
         self.logits = logits
 

@@ -180,6 +180,47 @@ def test_static_eagle_draws_the_host_side_trees(target, version, mode, temperatu
 CHOSEN = {"total_tokens": 6, "depth": 3, "top_k": 2, "sampled_children": False}
 
 
+def law_target() -> Transformer:
+    """A target whose two-token law a thousand samples can test (two layers: a one-layer
+    draft of it is close, not equal)."""
+    return Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=2, hidden=16, std=0.5))
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "early_exit"])
+def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter):
+    """A sampled chain (q given) in static steps: every draw of its rejection sampling made
+    on the device ahead (`verify.chain_draws`)."""
+    target = law_target()
+    make = {"draft_model": lambda: SmallModelDrafter(target.first_layers(1), 3),
+            "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm"), 3)}
+    assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), 1000,
+                                     cuda_graphs=True)
+
+
+def test_a_sampled_draft_model_chain_draws_on_the_device_as_on_the_host(exit_target):
+    """At T > 0 too, the device chain draws what the host chain draws (`sample_rows` both),
+    and a step reads the host once."""
+    model, _, _ = exit_target
+    make = lambda static=True: (SmallModelDrafter if static else host_side(  # noqa: E731
+        SmallModelDrafter))(model.first_layers(2), 4)
+    runs = []
+    for static in (True, False):
+        drafter, drafts = make(static), []
+        propose = drafter.propose
+        drafter.propose = lambda context, propose=propose, drafts=drafts: drafts.append(
+            propose(context)) or drafts[-1]
+        result = generate(model, PROMPTS[2], drafter=drafter, max_new_tokens=NEW_TOKENS,
+                          cuda_graphs=True, sampling=SamplingParams(1.0),
+                          generator=torch.Generator().manual_seed(2))
+        runs.append((result.tokens, drafts))
+    (static_tokens, static_drafts), (host_tokens, host_drafts) = runs
+    assert static_tokens == host_tokens
+    for draft, host in zip(static_drafts, host_drafts, strict=True):
+        assert draft.tokens.tolist() == host.tokens.tolist()
+        torch.testing.assert_close(draft.q, host.q, rtol=1e-5, atol=1e-6)
+    assert host_reads_per_step(model, make, PROMPTS[2], SamplingParams(1.0)) == 1
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)],
                          ids=["t1", "top_p"])
 def test_chosen_candidates_verified_by_draws_keep_the_target_law(params):
