@@ -50,6 +50,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def truncated(self) -> bool:
+        """Top-k or top-p cuts the law: warping then ranks on the host (a tie test reads the
+        device back), so drafts in static shapes draw only from laws warped by temperature."""
+        return bool(self.top_k) or self.top_p < 1.0
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Warp logits [..., V] into probabilities [..., V] (float32) under `params`.
@@ -187,6 +193,16 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     ids = torch.arange(probs.shape[-1], device=probs.device)
     last = torch.where(probs > 0, ids, -1).amax(dim=-1)  # u rounded up to the total mass
     return torch.minimum(index, last)
+
+
+def draw(probs: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+         ) -> int:
+    """A drafted chain's next token from its law [V], as a host value: the one-hot argmax row
+    read as it is (no generator), or a draw as `sample_rows` makes it, so that a chain drafted
+    on the device (`sample_rows` there) draws the same tokens."""
+    if sampling.greedy:
+        return sample(probs, None)
+    return int(sample_rows(probs[None], generator)[0])
 
 
 def sample_without_replacement(probs: torch.Tensor, count: int,

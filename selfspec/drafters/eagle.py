@@ -123,8 +123,8 @@ class EagleDrafter:
         self._committed = 0
         # Where the target runs static steps, so does the draft: chosen children, or children
         # sampled from a law warped by temperature alone (a top-k or top-p cut reads the host).
-        warped = setup.sampling.top_k or setup.sampling.top_p < 1.0
-        self._use_static = setup.static_steps and not (self._sampled and warped)
+        self._use_static = setup.static_steps and not (self._sampled
+                                                       and setup.sampling.truncated)
         if self._use_static:
             self._begin_static(setup)
             return

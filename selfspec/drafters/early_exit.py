@@ -14,13 +14,14 @@ for the rows a draft fed are exactly the committed rows' (same layer-E states), 
 verification only the committed rows the draft did not feed (the last draft token when all
 were accepted) are fed, from the verification forward's layer-E states.
 
-Where the target runs static steps (`DecodeSetup.static_steps`) and drafts are greedy with no
-confidence stop, the k draft steps run as one static step on the device (`_StaticDraft`,
-captured on CUDA): each token's early layers write K/V at a slot tensor and attend over every
-slot under a mask, the exit's argmax feeds the next step, and nothing is read back. Its draft
-then hands no early layers on: verification is the target's own static step over every
-layer, which on a GPU costs what a forward of the same rows costs anyway (the weights are
-read once either way). A confidence stop or sampled drafts draft on the host as above.
+Where the target runs static steps (`DecodeSetup.static_steps`), with no confidence stop and
+a law warped by temperature alone, the k draft steps run as one static step on the device
+(`_StaticDraft`, captured on CUDA): each token's early layers write K/V at a slot tensor and
+attend over every slot under a mask, the exit's argmax (or a draw, as the host-side draft
+draws it) feeds the next step, and nothing is read back. Its draft then hands no early
+layers on: verification is the target's own static step over every layer, which on a GPU
+costs what a forward of the same rows costs anyway (the weights are read once either way).
+A confidence stop, or a top-k or top-p law, drafts on the host as above.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.early_exit import ExitHead, check_exit_target
 from selfspec.kv_cache import KVCache
-from selfspec.sampling import logits_to_probs, sample
+from selfspec.sampling import SamplingParams, draw, logits_to_probs, sample_rows
 from selfspec.step import CapturedSteps, SlotView
 
 
@@ -71,7 +72,7 @@ class EarlyExitDrafter:
         self._committed = self._drafted = 0
         if self.head.config.kind == "adapter":
             self._reset_own_cache(setup.max_length)
-        static = (setup.static_steps and setup.sampling.greedy
+        static = (setup.static_steps and not setup.sampling.truncated
                   and self.confidence_threshold is None)
         self._static = _StaticDraft.kept(self._static, self, setup) if static else None
 
@@ -80,7 +81,7 @@ class EarlyExitDrafter:
         self._consume(context)
         if self._static is not None:
             return self._propose_static(context)
-        base, token = self._cache.length, int(context.tokens[-1])
+        base, token = self._cache.length, context.token_list()[-1]
         tokens, laws, states = [], [], []
         for step in range(self.num_draft_tokens):
             state = self._early_layers(token, base + step)  # [1, 1, H]
@@ -88,7 +89,7 @@ class EarlyExitDrafter:
             logits = self.head.logits(state, self._positions(base + step), self._target,
                                       self._own_cache)[0, -1]  # [V]
             probs = logits_to_probs(logits, self._sampling)
-            token = sample(probs, self._generator)
+            token = draw(probs, self._sampling, self._generator)
             tokens.append(token)
             laws.append(probs)
             if below_confidence(logits, self.confidence_threshold):
@@ -102,11 +103,12 @@ class EarlyExitDrafter:
         return Draft.chain(torch.tensor(tokens, device=device), q, early)
 
     def _propose_static(self, context: DraftContext) -> Draft:
-        tokens = self._static.run(context.tokens[-1:], self._cache.length, self._committed)
+        tokens, q = self._static.run(context.tokens[-1:], self._cache.length, self._committed,
+                                     self._generator)
         if self._own_cache is not None:  # the draft's rows, as the host-side draft leaves them
             self._own_cache.length = self._committed + self.num_draft_tokens
         self._drafted = self.num_draft_tokens
-        return Draft.chain(tokens)
+        return Draft.chain(tokens, q)
 
     def _early_layers(self, token: int, position: int) -> torch.Tensor:
         """The residual stream after layer E of `token` at `position` [1, 1, H]; writes its
@@ -166,33 +168,43 @@ class _StaticDraft:
     shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
 
     def __init__(self, drafter: EarlyExitDrafter, target_cache: KVCache,
-                 own_cache: KVCache | None) -> None:
+                 own_cache: KVCache | None, sampling: SamplingParams) -> None:
         self.drafter, self.target_cache, self.own_cache = drafter, target_cache, own_cache
         device = target_cache.k.device
+        # Sampled drafts draw from a generator of its own (held by the captured steps), the
+        # caller's state carried in and back out: the draws are the caller's stream.
+        self.sampling = sampling
+        self.generator = None if sampling.greedy else torch.Generator(device=device)
         self.root = torch.zeros(1, dtype=torch.long, device=device)
         self.base = torch.zeros(1, dtype=torch.long, device=device)  # the target cache's length
         self.own_base = torch.zeros(1, dtype=torch.long, device=device)  # the adapter's
         width = drafter._target.config.hidden_size
         self.row = torch.zeros(width, dtype=target_cache.k.dtype, device=device)  # to feed
-        self.steps = CapturedSteps(device)
-        self.key = _static_key(drafter, target_cache, own_cache)
+        self.steps = CapturedSteps(device, self.generator)
+        self.key = _static_key(drafter, target_cache, own_cache, sampling)
 
     @classmethod
     def kept(cls, kept: _StaticDraft | None, drafter: EarlyExitDrafter, setup: DecodeSetup
              ) -> _StaticDraft:
         """`kept` if it drafts over the same caches and weights, else a new one."""
-        key = _static_key(drafter, setup.target_cache, drafter._own_cache)
+        key = _static_key(drafter, setup.target_cache, drafter._own_cache, setup.sampling)
         if kept is not None and kept.key == key:
             return kept
-        return cls(drafter, setup.target_cache, drafter._own_cache)
+        return cls(drafter, setup.target_cache, drafter._own_cache, setup.sampling)
 
-    def run(self, root: torch.Tensor, base: int, own_base: int) -> torch.Tensor:
-        """[k] the draft after `root` [1], the target's cache holding `base` slots and the
-        adapter's `own_base`."""
+    def run(self, root: torch.Tensor, base: int, own_base: int,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft after `root` [1], the target's cache holding `base` slots and the
+        adapter's `own_base`: its tokens [k] and, sampled, their laws [k, V] (copies)."""
         self.root.copy_(root)
         self.base.fill_(base)
         self.own_base.fill_(own_base)
-        return self.steps.run("draft", self._draft).clone()
+        if self.generator is not None:
+            self.generator.set_state(generator.get_state())
+        tokens, laws = self.steps.run("draft", self._draft)
+        if self.generator is not None:
+            generator.set_state(self.generator.get_state())
+        return tokens.clone(), None if laws is None else laws.clone()
 
     def feed_adapter(self, hidden: torch.Tensor, position: int) -> None:
         """Feed one committed row's layer-E state [H] at `position` into the adapter's cache."""
@@ -210,7 +222,7 @@ class _StaticDraft:
     def _draft(self) -> torch.Tensor:
         drafter, target = self.drafter, self.drafter._target
         slots = torch.arange(self.target_cache.max_slots, device=self.base.device)
-        token, tokens = self.root, []
+        token, tokens, laws = self.root, [], []
         for step in range(drafter.num_draft_tokens):
             slot = self.base + step  # [1], also the token's position
             out = target(token[None], slot, SlotView(self.target_cache, slot),
@@ -222,15 +234,20 @@ class _StaticDraft:
                 own = SlotView(self.own_cache, own_slot)
                 mask = torch.arange(self.own_cache.max_slots, device=slot.device)[None] <= own_slot
             logits = drafter.head.logits(out.hidden[0], slot, target, own, mask)[0]  # [1, V]
-            token = logits.argmax(dim=-1)  # [1], lowest id on ties, as greedy sampling
+            if self.generator is None:
+                token = logits.argmax(dim=-1)  # [1], lowest id on ties, as greedy sampling
+            else:
+                laws.append(logits_to_probs(logits, self.sampling))  # [1, V]
+                token = sample_rows(laws[-1], self.generator)  # as `draw` on the host
             tokens.append(token)
-        return torch.cat(tokens)
+        return torch.cat(tokens), torch.cat(laws) if laws else None
 
 
-def _static_key(drafter: EarlyExitDrafter, target_cache: KVCache, own_cache: KVCache | None
-                ) -> tuple:
-    """What a captured draft reads: the caches' tensors and every weight."""
+def _static_key(drafter: EarlyExitDrafter, target_cache: KVCache, own_cache: KVCache | None,
+                sampling: SamplingParams) -> tuple:
+    """What a captured draft reads: the caches' tensors, every weight, and the law's
+    warping."""
     caches = tuple((c.k.data_ptr(), c.max_slots) for c in (target_cache, own_cache)
                    if c is not None)
     weights = (*drafter.head.parameters(), *drafter._target.parameters())
-    return caches + tuple((p.data_ptr(), p.dtype, p.device) for p in weights)
+    return (sampling, *caches, *((p.data_ptr(), p.dtype, p.device) for p in weights))

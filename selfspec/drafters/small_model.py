@@ -16,7 +16,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.drafters.ranking import ranked
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
-from selfspec.sampling import logits_to_probs, sample, sample_rows, sample_without_replacement
+from selfspec.sampling import draw, logits_to_probs, sample_rows, sample_without_replacement
 from selfspec.step import StaticSteps, kept_or_new
 from selfspec.tree import Tree
 
@@ -93,8 +93,7 @@ class SmallModelDrafter:
         # In static steps a chain stays on the device, each token fed to the next step: the
         # argmax, or a draw from a law warped by temperature alone (a top-k or top-p cut
         # reads the host).
-        warped = setup.sampling.top_k or setup.sampling.top_p < 1.0
-        self._on_device = (self._steps is not None and not warped
+        self._on_device = (self._steps is not None and not setup.sampling.truncated
                            and self.confidence_threshold is None and self.first_candidates == 1)
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
@@ -217,17 +216,10 @@ class SmallModelDrafter:
         """The first token's candidates: one drawn from probs (its argmax when greedy), or with
         first_candidates > 1 the W most likely (greedy) or W distinct draws (sampling)."""
         if self.first_candidates == 1:
-            return [self._drawn(probs)]
+            return [draw(probs, self.sampling, self.generator)]
         if self.sampling.greedy:  # ties rank by id, as the argmax does
             return ranked(logits[None], self._greedy_candidates)[0].tolist()
         return sample_without_replacement(probs, self.first_candidates, self.generator)
-
-    def _drawn(self, probs: torch.Tensor) -> int:
-        """A chain's next token from its law [V]: the argmax's one-hot row read as it is, or a
-        draw as the device chain makes it (`sample_rows`, so both draw the same tokens)."""
-        if self.sampling.greedy:
-            return sample(probs, None)
-        return int(sample_rows(probs[None], self.generator)[0])
 
     def _next_logits(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """[V] the draft's logits for the token after `tokens` (fed into its cache; a device
@@ -288,7 +280,7 @@ class _Chain:
     def extend(self, drafter: SmallModelDrafter, logits: torch.Tensor) -> None:
         """The next token, from the logits after the chain's last."""
         probs = logits_to_probs(logits, drafter.sampling)
-        self.tokens.append(drafter._drawn(probs))
+        self.tokens.append(draw(probs, drafter.sampling, drafter.generator))
         self.laws.append(probs)
         self.logits = logits
 

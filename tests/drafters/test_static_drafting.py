@@ -197,12 +197,15 @@ def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter
                                      cuda_graphs=True)
 
 
-def test_a_sampled_draft_model_chain_draws_on_the_device_as_on_the_host(exit_target):
+@pytest.mark.parametrize("drafter", ["draft_model", "adapter_exit", "norm_exit"])
+def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter):
     """At T > 0 too, the device chain draws what the host chain draws (`sample_rows` both),
     and a step reads the host once."""
-    model, _, _ = exit_target
-    make = lambda static=True: (SmallModelDrafter if static else host_side(  # noqa: E731
-        SmallModelDrafter))(model.first_layers(2), 4)
+    model, _, fitted = exit_target
+    cls, args = {"draft_model": (SmallModelDrafter, (model.first_layers(2), 4)),
+                 "adapter_exit": (EarlyExitDrafter, (fitted[2], 4)),
+                 "norm_exit": (EarlyExitDrafter, (random_exit(model, 3, "norm"), 3))}[drafter]
+    make = lambda static=True: (cls if static else host_side(cls))(*args)  # noqa: E731
     runs = []
     for static in (True, False):
         drafter, drafts = make(static), []
