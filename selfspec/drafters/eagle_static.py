@@ -1,6 +1,7 @@
 """EAGLE drafting in static shapes, on the device: what `EagleDrafter` runs when the target
 runs static steps (CUDA graphs on CUDA; `cuda_graphs=True` elsewhere runs the same code
-eagerly) and children are chosen (greedy decoding, or `sampled_children=False`).
+eagerly), for chosen children and for children sampled from a law warped by temperature
+alone.
 
 It builds the tree `EagleDrafter`'s host-side growth builds (the same nodes in the same
 order), but as tensor ops over fixed widths, reading nothing back to the host:
@@ -10,17 +11,19 @@ order), but as tensor ops over fixed widths, reading nothing back to the host:
 - the committed pairs are fed padded to one width (the most a step can commit), their
   count a device value; a longer feed (after the prefill) runs eagerly;
 - a static tree feeds each level's parents at fixed slots and takes each node's token from
-  its parent's ranking (`ranked_on_device`);
-- an EAGLE-2 tree feeds a frontier of exactly top_k nodes per level. A level's top_k x top_k
-  children are scored in float64 (the host growth sums Python floats), the next frontier is
+  its parent's ranking (`ranked_on_device`), or its parent's draws;
+- an EAGLE-2 tree feeds its frontier per level. Chosen: every frontier node gets top_k
+  children, scored in float64 (the host growth sums Python floats), the next frontier is
   the best top_k by a stable sort (ties by creation order), and the pool's best
-  `total_tokens` are kept in creation order: a `DeviceTree`, whose parents the decode loop
-  reads back with the target's argmax in the step's one host read.
+  `total_tokens` are kept in creation order. Sampled: the budget is spent while growing,
+  as the host growth spends it, and every node is kept. Either is a `DeviceTree`, whose
+  parents the decode loop reads back in the step's one host read;
+- sampled children are Gumbel-top-k draws (`gumbel_top`), one row of uniforms per parent, as
+  the host growth draws them; a node its law cannot supply is no node (`DeviceTree.valid`).
 
-On CUDA the feed of the committed pairs and the growth are captured once each (per drafter
-and cache size) and replayed every step.
+On CUDA the feed of the committed pairs and the growth are captured once each (per drafter,
+cache size and law) and replayed every step.
 """
-
 from __future__ import annotations
 
 import torch
