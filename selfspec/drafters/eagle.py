@@ -26,6 +26,11 @@ The verifier is exact for sampled children only if how many children a node gets
 before they are drawn: so in that mode a dynamic tree spends its `total_tokens` budget while
 it grows (frontier nodes by score, top_k children each, until the budget runs out) instead of
 pooling and cutting afterwards, which would keep or drop a drawn token by its own probability.
+Children are drawn by Gumbel-top-k (`sampling.gumbel_top`), one row of uniforms per parent.
+
+Where the target runs static steps, the same trees grow in static shapes on the device
+(`selfspec.drafters.eagle_static`; not for a law cut by top-k or top-p), and this module's
+host-side growth is the reference its tests compare them with.
 """
 
 from __future__ import annotations
