@@ -205,6 +205,18 @@ def draw(probs: torch.Tensor, sampling: SamplingParams, generator: torch.Generat
     return int(sample_rows(probs[None], generator)[0])
 
 
+def draw_on_device(logits: torch.Tensor, sampling: SamplingParams,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`draw`'s twin for a chain drafted on the device, nothing read back: the next token [1]
+    after logits [V] or [1, V], the argmax (lowest id on ties) or a `sample_rows` draw, and
+    the law [1, V] it was drawn from (None when greedy)."""
+    logits = logits.reshape(1, -1)
+    if sampling.greedy:
+        return logits.argmax(dim=-1), None
+    law = logits_to_probs(logits, sampling)
+    return sample_rows(law, generator), law
+
+
 def sample_without_replacement(probs: torch.Tensor, count: int,
                                generator: torch.Generator | None) -> list[int]:
     """Draw up to `count` distinct tokens from a probability row [V], one after another, each

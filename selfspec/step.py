@@ -271,16 +271,29 @@ def capture(step, device: torch.device, generator: torch.Generator | None = None
 class CapturedSteps:
     """A drafter's steps of static shape, by name: on CUDA each is captured on its first run
     (`capture`) and replayed after (its output tensors rewritten in place); elsewhere each runs
-    as it is. A step must read no host value and take its inputs from tensors it holds."""
+    as it is. A step must read no host value and take its inputs from tensors it holds.
+
+    draws: its steps draw random numbers, from `generator`, one of its own that the graphs
+    hold. `run(..., generator=caller's)` carries the caller's generator state in and back out,
+    so the draws are the caller's stream, and a new generator per generation keeps the
+    graphs."""
 
     shared_by_forks = True  # graphs cannot be copied; a batch's rows draft eagerly
 
-    def __init__(self, device: torch.device | str, generator: torch.Generator | None = None
-                 ) -> None:
-        self.device, self.generator = torch.device(device), generator
+    def __init__(self, device: torch.device | str, draws: bool = False) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device) if draws else None
         self._graphs: dict[str, tuple] = {}
 
-    def run(self, name: str, step):
+    def run(self, name: str, step, generator: torch.Generator | None = None):
+        if generator is not None:
+            self.generator.set_state(generator.get_state())
+        out = self._replayed(name, step)
+        if generator is not None:
+            generator.set_state(self.generator.get_state())
+        return out
+
+    def _replayed(self, name: str, step):
         if self.device.type != "cuda":
             return step()
         if name not in self._graphs:

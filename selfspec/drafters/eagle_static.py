@@ -47,13 +47,11 @@ class StaticEagleDraft:
                  max_slots: int, sampling: SamplingParams | None = None) -> None:
         self.head, self.target, self.sampling = head, target, sampling
         weight = head.fc.weight
-        # Sampled children draw from a generator of its own, which the captured steps hold;
-        # each draft carries the caller's generator state in and back out, so the draws are
-        # the caller's stream, as the host growth's are.
-        self.generator = None if sampling is None else torch.Generator(device=weight.device)
-        self.children = _Children(sampling, self.generator)
-        weight = head.fc.weight
         self.device = weight.device
+        # Sampled children draw from the steps' own generator, the caller's stream carried
+        # through it (`CapturedSteps`), as the host growth draws from the caller's.
+        self._steps = CapturedSteps(self.device, draws=sampling is not None)
+        self.children = _Children(sampling, self._steps.generator)
         config = head.config
         self.cache = KVCache(1, 1, config.num_kv_heads, max_slots, config.head_dim,
                              dtype=weight.dtype, device=weight.device)
@@ -67,7 +65,6 @@ class StaticEagleDraft:
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)  # committed before
         self._count = torch.ones(1, dtype=torch.long, device=self.device)  # pairs fed now
         self._root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
-        self._steps = CapturedSteps(self.device, self.generator)
 
     def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int,
              sampling: SamplingParams | None) -> bool:
@@ -112,12 +109,8 @@ class StaticEagleDraft:
         """The draft after `committed` cached pairs (a captured step's outputs: the next
         step rewrites them); sampled children draw from `generator`'s stream."""
         self._start.fill_(committed)
-        if self.generator is None:
-            return self._steps.run("grow", lambda: self.growth.run(self, self.children))
-        self.generator.set_state(generator.get_state())
-        grown = self._steps.run("grow", lambda: self.growth.run(self, self.children))
-        generator.set_state(self.generator.get_state())
-        return grown
+        return self._steps.run("grow", lambda: self.growth.run(self, self.children),
+                               generator if self.sampling is not None else None)
 
     def feed(self, tokens: torch.Tensor, feature: torch.Tensor, depth: int,
              offsets: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

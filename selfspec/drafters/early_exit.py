@@ -32,7 +32,7 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.early_exit import ExitHead, check_exit_target
 from selfspec.kv_cache import KVCache
-from selfspec.sampling import SamplingParams, draw, logits_to_probs, sample_rows
+from selfspec.sampling import SamplingParams, draw, draw_on_device, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView
 
 
@@ -171,16 +171,15 @@ class _StaticDraft:
                  own_cache: KVCache | None, sampling: SamplingParams) -> None:
         self.drafter, self.target_cache, self.own_cache = drafter, target_cache, own_cache
         device = target_cache.k.device
-        # Sampled drafts draw from a generator of its own (held by the captured steps), the
-        # caller's state carried in and back out: the draws are the caller's stream.
+        # Sampled drafts draw from the steps' own generator, the caller's stream carried
+        # through it (`CapturedSteps`).
         self.sampling = sampling
-        self.generator = None if sampling.greedy else torch.Generator(device=device)
         self.root = torch.zeros(1, dtype=torch.long, device=device)
         self.base = torch.zeros(1, dtype=torch.long, device=device)  # the target cache's length
         self.own_base = torch.zeros(1, dtype=torch.long, device=device)  # the adapter's
         width = drafter._target.config.hidden_size
         self.row = torch.zeros(width, dtype=target_cache.k.dtype, device=device)  # to feed
-        self.steps = CapturedSteps(device, self.generator)
+        self.steps = CapturedSteps(device, draws=not sampling.greedy)
         self.key = _static_key(drafter, target_cache, own_cache, sampling)
 
     @classmethod
@@ -199,11 +198,8 @@ class _StaticDraft:
         self.root.copy_(root)
         self.base.fill_(base)
         self.own_base.fill_(own_base)
-        if self.generator is not None:
-            self.generator.set_state(generator.get_state())
-        tokens, laws = self.steps.run("draft", self._draft)
-        if self.generator is not None:
-            generator.set_state(self.generator.get_state())
+        tokens, laws = self.steps.run("draft", self._draft,
+                                      None if self.sampling.greedy else generator)
         return tokens.clone(), None if laws is None else laws.clone()
 
     def feed_adapter(self, hidden: torch.Tensor, position: int) -> None:
@@ -234,13 +230,10 @@ class _StaticDraft:
                 own = SlotView(self.own_cache, own_slot)
                 mask = torch.arange(self.own_cache.max_slots, device=slot.device)[None] <= own_slot
             logits = drafter.head.logits(out.hidden[0], slot, target, own, mask)[0]  # [1, V]
-            if self.generator is None:
-                token = logits.argmax(dim=-1)  # [1], lowest id on ties, as greedy sampling
-            else:
-                laws.append(logits_to_probs(logits, self.sampling))  # [1, V]
-                token = sample_rows(laws[-1], self.generator)  # as `draw` on the host
+            token, law = draw_on_device(logits, self.sampling, self.steps.generator)
             tokens.append(token)
-        return torch.cat(tokens), torch.cat(laws) if laws else None
+            laws.append(law)
+        return torch.cat(tokens), None if self.sampling.greedy else torch.cat(laws)
 
 
 def _static_key(drafter: EarlyExitDrafter, target_cache: KVCache, own_cache: KVCache | None,

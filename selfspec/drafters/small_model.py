@@ -16,7 +16,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.drafters.ranking import ranked
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
-from selfspec.sampling import draw, logits_to_probs, sample_rows, sample_without_replacement
+from selfspec.sampling import draw, draw_on_device, logits_to_probs, sample_without_replacement
 from selfspec.step import StaticSteps, kept_or_new
 from selfspec.tree import Tree
 
@@ -109,12 +109,10 @@ class SmallModelDrafter:
         for step in range(self.num_draft_tokens):
             if step:
                 logits = self._next_logits(tokens[-1])
-            if self.sampling.greedy:
-                tokens.append(logits.argmax(dim=-1, keepdim=True))  # lowest id on ties
-                continue
-            laws.append(logits_to_probs(logits, self.sampling))
-            tokens.append(sample_rows(laws[-1][None], self.generator))
-        return Draft.chain(torch.cat(tokens), torch.stack(laws) if laws else None)
+            token, law = draw_on_device(logits, self.sampling, self.generator)
+            tokens.append(token)
+            laws.append(law)
+        return Draft.chain(torch.cat(tokens), None if self.sampling.greedy else torch.cat(laws))
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:

@@ -397,7 +397,7 @@ def test_a_captured_step_copies_nothing_from_the_host(target, fitted_medusa, exi
     refused."""
     import selfspec.step as step
 
-    run = step.CapturedSteps.run
+    replayed = step.CapturedSteps._replayed  # what CUDA captures
 
     def refusing(self, name, body):
         def guarded():
@@ -405,8 +405,8 @@ def test_a_captured_step_copies_nothing_from_the_host(target, fitted_medusa, exi
                 for maker in ("tensor", "as_tensor"):
                     inside.setattr(torch, maker, _refused(maker))
                 return body()
-        return run(self, name, guarded)
-    monkeypatch.setattr(step.CapturedSteps, "run", refusing)
+        return replayed(self, name, guarded)
+    monkeypatch.setattr(step.CapturedSteps, "_replayed", refusing)
     head = random_eagle_head(eagle_head_config(target, 3), seed=3)
     makers = [lambda: EagleDrafter(head, **EAGLE["static_tree"]),
               lambda: EagleDrafter(head, **EAGLE["eagle2_published"]),
