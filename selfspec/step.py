@@ -112,7 +112,7 @@ class StaticSteps:
                              "set compile: false")
         self.stages = compiled_stages() if self.compiled else EAGER_STAGES
         self.setup_seconds = 0.0  # compiling and capturing: never inside a timed figure
-        self._weights = _weights_of(target)
+        self._weights = weights_of(target)
         self._slots = torch.arange(max_slots, device=self.cache.k.device)
         self._buckets: dict[tuple, _Bucket] = {}
 
@@ -124,7 +124,7 @@ class StaticSteps:
         """Whether these steps serve a generation needing max_slots: a cache as large, and the
         target's weights the very tensors the graphs read (weights replaced, moved, cast or
         wrapped since then would be missed by a replay)."""
-        return (self.cache.max_slots >= max_slots and _weights_of(self.target) == self._weights
+        return (self.cache.max_slots >= max_slots and weights_of(self.target) == self._weights
                 and _compiled_setting(self.target) == self.compiled)
 
     @torch.inference_mode()
@@ -309,9 +309,12 @@ def _compiled_setting(model: Transformer) -> bool:
     return model.compile_steps
 
 
-def _weights_of(model: Transformer) -> tuple:
-    """Which tensors a forward of the model reads: where each parameter lives, and as what."""
-    return tuple((p.data_ptr(), p.dtype, p.device, p.shape) for p in model.parameters())
+def weights_of(*modules: torch.nn.Module) -> tuple:
+    """Which tensors a forward of the modules reads: where each parameter lives, and as what.
+    A captured step replays over these very tensors: one whose weights were replaced, moved,
+    cast or wrapped since needs capturing again."""
+    return tuple((p.data_ptr(), p.dtype, p.device, p.shape)
+                 for module in modules for p in module.parameters())
 
 
 def _rows(tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:

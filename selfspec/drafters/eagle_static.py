@@ -33,7 +33,7 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs
-from selfspec.step import CapturedSteps, SlotView
+from selfspec.step import CapturedSteps, SlotView, weights_of
 from selfspec.tree import Tree
 
 
@@ -46,6 +46,7 @@ class StaticEagleDraft:
     def __init__(self, head: EagleHead, target: Transformer, shape: Tree | tuple[int, int, int],
                  max_slots: int, sampling: SamplingParams | None = None) -> None:
         self.head, self.target, self.sampling = head, target, sampling
+        self.weights = weights_of(head, target)
         weight = head.fc.weight
         self.device = weight.device
         # Sampled children draw from the steps' own generator, the caller's stream carried
@@ -70,9 +71,8 @@ class StaticEagleDraft:
              sampling: SamplingParams | None) -> bool:
         same = self.growth.shape == (shape if not isinstance(shape, Tree) else shape.parents)
         return (head is self.head and target is self.target and same
-                and sampling == self.sampling
-                and self.cache.max_slots >= max_slots and head.fc.weight.device == self.device
-                and head.fc.weight.dtype == self.cache.k.dtype)
+                and sampling == self.sampling and self.cache.max_slots >= max_slots
+                and weights_of(head, target) == self.weights)
 
     # ---- the committed pairs --------------------------------------------------------------
 

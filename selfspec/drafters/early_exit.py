@@ -33,7 +33,7 @@ from selfspec.drafters.confidence import below_confidence, check_confidence_thre
 from selfspec.heads.early_exit import ExitHead, check_exit_target
 from selfspec.kv_cache import KVCache
 from selfspec.sampling import SamplingParams, draw, draw_on_device, logits_to_probs
-from selfspec.step import CapturedSteps, SlotView
+from selfspec.step import CapturedSteps, SlotView, weights_of
 
 
 class EarlyExitDrafter:
@@ -242,5 +242,4 @@ def _static_key(drafter: EarlyExitDrafter, target_cache: KVCache, own_cache: KVC
     warping."""
     caches = tuple((c.k.data_ptr(), c.max_slots) for c in (target_cache, own_cache)
                    if c is not None)
-    weights = (*drafter.head.parameters(), *drafter._target.parameters())
-    return (sampling, *caches, *((p.data_ptr(), p.dtype, p.device) for p in weights))
+    return sampling, caches, weights_of(drafter.head, drafter._target)

@@ -31,7 +31,7 @@ from selfspec.drafters.ranking import ranked as _ranked
 from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.io import check_sizes
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.step import CapturedSteps
+from selfspec.step import CapturedSteps, weights_of
 from selfspec.tree import DeviceTree, Tree
 
 
@@ -190,8 +190,7 @@ class _StaticRoot:
         steps (a captured step would miss weights replaced, moved or cast since)."""
         if not static:
             return None
-        reads = tuple((p.data_ptr(), p.dtype, p.device) for p in heads.parameters()) + (
-            (lm_head.weight.data_ptr(), lm_head.weight.dtype),)
+        reads = weights_of(heads, lm_head)
         if kept is not None and kept.reads == reads:
             return kept
         return cls(_weight_of(heads, lm_head), reads)
