@@ -168,11 +168,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
         return int(support[0])
     if support.numel() == 0:
         raise ValueError("sample: the probability row has no positive entry")
-    if generator is None:
-        raise ValueError(
-            f"sampling needs a torch.Generator: pass "
-            f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)"
-        )
+    _needs_generator(generator, probs.device)
     cdf = torch.cumsum(probs.double(), dim=-1)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
     index = int(torch.searchsorted(cdf, u, right=True))
@@ -183,9 +179,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     """One token per row of probs [R, V], drawn by inverse CDF on the device, as `sample`
     draws it from one row but with nothing read back (and a uniform drawn for every row, a
     one-hot one too): [R] token ids, never one of probability zero."""
-    if generator is None:
-        raise ValueError(f"sampling needs a torch.Generator: pass "
-                         f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)")
+    _needs_generator(generator, probs.device)
     cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64,
                    device=probs.device) * cdf[:, -1:]
@@ -237,11 +231,16 @@ def gumbel_top(probs: torch.Tensor, count: int, generator: torch.Generator | Non
     step draws exactly as a host-side one). Returns tokens [R, count] and drawn [R, count]:
     False where a row has fewer than `count` tokens of positive probability (those entries
     are not draws; their tokens are meaningless)."""
-    if generator is None:
-        raise ValueError(f"sampling needs a torch.Generator: pass "
-                         f"generator=torch.Generator(device='{probs.device}').manual_seed(seed)")
+    _needs_generator(generator, probs.device)
     uniform = torch.rand(probs.shape, generator=generator, dtype=torch.float64,
                          device=probs.device).clamp_(min=torch.finfo(torch.float64).tiny)
     keys = probs.double().log() - torch.log(-torch.log(uniform))
     values, tokens = torch.topk(keys, count, dim=-1)
     return tokens, values > -math.inf
+
+
+def _needs_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    """A random draw needs the caller's generator: selfspec never uses torch's global RNG."""
+    if generator is None:
+        raise ValueError(f"sampling needs a torch.Generator: pass "
+                         f"generator=torch.Generator(device='{device}').manual_seed(seed)")

@@ -135,8 +135,7 @@ def chain_draws(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     residual = (p[:-1] - q).clamp_(min=0.0)
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 1e-12, residual / total, p[:-1])  # as `_residual` guards
-    return torch.cat([(u < ratio).long(), sample_rows(residual, generator),
-                      sample_rows(p[-1:], generator)])
+    return torch.cat([(u < ratio).long(), sample_rows(torch.cat([residual, p[-1:]]), generator)])
 
 
 def chain_outcome(draws: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], int]:

@@ -168,9 +168,9 @@ class DraftContext:
     extra_logits: torch.Tensor | None = None
     history: tuple[int, ...] | None = None
 
-    def token_list(self) -> list[int]:
+    def token_list(self) -> Sequence[int]:
         """The tokens as host ints: `history` where given, else read back from the device."""
-        return list(self.history) if self.history is not None else self.tokens.tolist()
+        return self.history if self.history is not None else self.tokens.tolist()
 
 
 class Drafter(Protocol):

@@ -155,7 +155,7 @@ class SmallModelDrafter:
             del self._fed[start + max(0, accepted):]
             self._fed[start:] = history[start:start + len(self._fed) - start]
             self._drafted_at = None
-        return history[self._rollback_to_common_prefix(history):]
+        return list(history[self._rollback_to_common_prefix(history):])
 
     def _started(self, logits: torch.Tensor) -> _Chain:
         """A draft's first token (and its sibling candidates) from the logits after the
