@@ -322,9 +322,10 @@ def oracle_trees(names) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:
     found = []
     for name in as_list(names):
         path = CONF_DIR / "tree" / f"{name}.yaml"
-        choices = OmegaConf.load(path).get("choices") if path.is_file() else None
         if name == "eagle2":
             choices = eagle2_shape().choices
+        else:
+            choices = OmegaConf.load(path).get("choices") if path.is_file() else None
         if choices is None:
             options = ["eagle2"] + sorted(p.stem for p in path.parent.glob("*.yaml")
                                           if OmegaConf.load(p).get("choices") is not None)

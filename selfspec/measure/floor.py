@@ -12,7 +12,7 @@ import torch
 from selfspec.measure.costs import measure_cost_profile
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.method_costs import METHODS, method_cost_row
-from selfspec.measure.oracle import OracleDrafter, OracleTreeDrafter
+from selfspec.measure.oracle import OracleDrafter
 from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passes
 from selfspec.measure.peers import HFDecoder, OurDecoder
 from selfspec.model import Transformer
@@ -83,16 +83,14 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
     answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
     with PeakMemory(target.embed_tokens.weight.device) as memory:  # the oracle and plain runs
         for k in settings.draft_lengths:
-            row = compare_with_plain(target, answers.with_draft_tokens(k), prompts,
-                                     max_new_tokens=settings.new_tokens, seed=settings.seed,
-                                     split_time=True, cuda_graphs=graphs)
-            bound = profile.bound(row.tau, k)
-            oracle.append({"k": k, "tau": row.tau, "speedup": row.speedup, "bound": bound,
-                           "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
-                           "plain_tokens_per_s": row.plain_tokens_per_s,
-                           "lossless": row.lossless, "time_split": row.time_split})
-        trees = [_oracle_tree_row(target, answers.with_tree(choices), name, prompts, settings,
-                                  profile) for name, choices in settings.oracle_trees]
+            oracle.append({"k": k} | _against_bound(target, answers.with_draft_tokens(k),
+                                                    prompts, settings, profile))
+        trees = []
+        for name, choices in settings.oracle_trees:
+            drafter = answers.with_tree(choices)
+            trees.append({"tree": name, "nodes": drafter.tree.num_nodes,
+                          "depth": drafter.tree.max_depth}
+                         | _against_bound(target, drafter, prompts, settings, profile))
         methods = [method_cost_row(name, target, settings.method_tree, prompts,
                                    settings.new_tokens, profile, settings.seed,
                                    settings.cuda_graphs) for name in settings.methods]
@@ -106,14 +104,15 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
             "methods": methods, "settings": asdict(settings)}
 
 
-def _oracle_tree_row(target: Transformer, drafter: OracleTreeDrafter, name: str,
-                     prompts: list, settings: FloorSettings, profile) -> dict:
-    """The oracle tree's speedup beside its bound tau / c(N + 1): the whole tree path (an
-    N-node forward, its mask, the walk) at a known tau."""
+def _against_bound(target: Transformer, drafter: OracleDrafter, prompts: list,
+                   settings: FloorSettings, profile) -> dict:
+    """An oracle's speedup over plain decoding beside its bound tau / c(N + 1), N the nodes
+    it drafts (a chain's k, a tree's all): its drafting costs nothing, so the distance is the
+    loop's own cost, split by phase."""
     row = compare_with_plain(target, drafter, prompts, max_new_tokens=settings.new_tokens,
                              seed=settings.seed, split_time=True, cuda_graphs=settings.cuda_graphs)
-    nodes = drafter.tree.num_nodes
-    bound = profile.bound(row.tau, nodes)
-    return {"tree": name, "nodes": nodes, "depth": drafter.tree.max_depth, "tau": row.tau,
-            "speedup": row.speedup, "bound": bound, "efficiency": row.speedup / bound,
-            "lossless": row.lossless, "time_split": row.time_split}
+    bound = profile.bound(row.tau, drafter.max_nodes)
+    return {"tau": row.tau, "speedup": row.speedup, "bound": bound,
+            "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
+            "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless,
+            "time_split": row.time_split}
