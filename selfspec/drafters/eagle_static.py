@@ -26,6 +26,8 @@ cache size and law) and replayed every step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from selfspec.drafters.ranking import ranked_on_device
@@ -214,7 +216,7 @@ class _StaticTree:
             for nodes, rows in laws:
                 q.index_copy_(0, nodes, rows)
         if not children.sampled:
-            return _Grown(tokens, None, None, None)
+            return _Grown(tokens)
         return _Grown(tokens, self.parents, drawn, q)
 
 
@@ -227,14 +229,28 @@ class _Level:
         self.__dict__.update(tensors)
 
 
+@dataclass
 class _Grown:
     """A static draft: tokens [N]; parents [N] (None: chosen children of a static tree, whose
-    `Tree` is the draft's); drawn [N] (None:
-    every node; else False for a node its law could not supply, and below it); q [N, V]:
-    the law each node was drawn from (None: chosen)."""
+    `Tree` is the draft's); drawn [N] (None: every node; else False for a node its law could
+    not supply, and below it); q [N, V]: the law each node was drawn from (None: chosen)."""
 
-    def __init__(self, tokens, parents, drawn, q) -> None:
-        self.tokens, self.parents, self.drawn, self.q = tokens, parents, drawn, q
+    tokens: torch.Tensor
+    parents: torch.Tensor | None = None
+    drawn: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class _Made:
+    """One EAGLE-2 level's children, in creation order: tokens, parents (pool indices),
+    alive (drawn, and every ancestor too), cumulative scores and, sampled, their laws."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    alive: torch.Tensor
+    scores: torch.Tensor
+    law: torch.Tensor | None
 
 
 class _DynamicTree:
@@ -290,11 +306,10 @@ class _DynamicTree:
             rows = sum(1 for c in counts if c)  # the frontier nodes that get children
             picked, log_probs, drawn, laws = children.pick(logits[:rows], max(counts))
             row, rank = self.index[depth - 1]
-            level = _Level(tokens=picked[row, rank], parents=frontier[row],
-                           alive=drawn[row, rank] & alive[row],
-                           law=None if laws is None else laws[row])
-            level.scores = torch.where(level.alive, scores[row] + log_probs[row, rank],
-                                       -torch.inf)
+            made = drawn[row, rank] & alive[row]
+            level = _Made(picked[row, rank], frontier[row], made,
+                          torch.where(made, scores[row] + log_probs[row, rank], -torch.inf),
+                          None if laws is None else laws[row])
             pool.append(level)
             best = torch.sort(level.scores, descending=True, stable=True).indices
             best = best[:min(self.top_k, len(row))]
@@ -304,23 +319,19 @@ class _DynamicTree:
         return _kept(pool, None if children.sampled else self.total_tokens)
 
 
-def _kept(pool: list[_Level], count: int | None) -> _Grown:
-    """The pool's best `count` nodes by score (ties: first made first; None: every node), in
-    creation order: their tokens, parents among them and, when sampled, drawn and laws."""
+def _kept(pool: list[_Made], count: int | None) -> _Grown:
+    """The pool's best `count` nodes by score (ties: first made first), in creation order:
+    their tokens and parents among them; None: every node (sampled), drawn and laws too."""
     tokens, scores, parents, alive = (torch.cat([getattr(level, name) for level in pool])
                                       for name in ("tokens", "scores", "parents", "alive"))
-    if count is None:
-        keep = torch.arange(len(tokens), device=tokens.device)
-    else:
-        order = torch.sort(scores, descending=True, stable=True).indices[:count]
-        keep = torch.sort(order).values
+    if count is None:  # pool indices are node indices
+        return _Grown(tokens, parents, alive, torch.cat([level.law for level in pool]))
+    keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:count]).values
     index = torch.full_like(parents, -1)
     index[keep] = torch.arange(len(keep), device=keep.device)
     kept_parents = parents[keep]
-    parents = torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1)
-    if pool[0].law is None:
-        return _Grown(tokens[keep], parents, None, None)
-    return _Grown(tokens, parents, alive, torch.cat([level.law for level in pool]))
+    return _Grown(tokens[keep],
+                  torch.where(kept_parents >= 0, index[kept_parents.clamp(min=0)], -1))
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
