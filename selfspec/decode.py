@@ -31,7 +31,7 @@ from selfspec.sampling import (
 )
 from selfspec.step import StaticSteps, static_steps, use_cuda_graphs
 from selfspec.tree import DeviceTree, Tree, host_tree
-from selfspec.verify import chain_draws, chain_outcome, greedy_path, verify_trusted
+from selfspec.verify import greedy_path, tree_draws, tree_outcome, verify_trusted
 
 if TYPE_CHECKING:  # annotations only
     from selfspec.drafters.base import Drafter, EarlyLayers
@@ -359,76 +359,84 @@ def _verify_step(logits: torch.Tensor, draft: Draft, loop: _Loop) -> _Kept:
     """What the step keeps, from logits [N+1, V]. Greedy: the argmax rows decide (the one-hot
     probabilities they stand for are never built), read back with the draft's tokens (and a
     device tree's parents) in the step's one host read. Otherwise the target's law from
-    `logits_to_probs` and recursive rejection sampling; for chosen candidates (q None) in
-    static steps, in its closed form: a node's children are taken in order, each with the
+    `logits_to_probs` and recursive rejection sampling. In static steps every draw of it is
+    made on the device and read back in the step's one read: for chosen candidates (q None)
+    in its closed form, where a node's children are taken in order, each with the
     probability the law left for it, which is the first child whose token is one draw from
-    the law at their parent, or, when none is, that draw. So one draw per row, made on the
-    device, decides the step, and the walk is greedy verification's over those draws; a
-    sampled chain's draws are all made ahead too (`verify.chain_draws`). Drafts and laws
-    built by this loop are well-formed, so the public verifier's input checks are not
-    repeated every step."""
+    the law at their parent, or, when none is, that draw (so one draw per row, and the walk
+    is greedy verification's over those draws); for sampled drafts (q given), every node's
+    tests of its children at once (`verify.tree_draws`). Eagerly the host verifies, reading
+    as it walks. Drafts and laws built by this loop are well-formed, so the public
+    verifier's input checks are not repeated every step."""
     sampling, generator, clock = loop.sampling, loop.generator, loop.clock
     if sampling.greedy:
         return _walked(logits.float().argmax(dim=-1), draft, clock)
     p = logits_to_probs(logits, sampling)  # [N+1, V]
     if loop.steps is not None and draft.q is None:
         return _walked(sample_rows(p, generator), draft, clock)
-    if loop.steps is not None and isinstance(draft.tree, Tree) and draft.tree.is_chain:
-        return _chain_kept(p, draft, generator, clock)
+    if loop.steps is not None:
+        return _drawn(p, draft, generator, clock)
     clock.lap("probs")
     if draft.tree.num_nodes == 0:  # plain decoding: nothing to verify
         return _Kept(draft.tree, [sample(p[0], generator)], [])
     q = None if draft.q is None else draft.q.to(p.device)  # a draft model may live elsewhere
-    tree, tokens, q, p, rows = _nodes(draft, draft.tokens.to(p.device), q, p)
-    acceptance = verify_trusted(tree, tokens, q, p, generator, draft.without_replacement)
-    path = acceptance.path.tolist()
-    return _Kept(tree, acceptance.tokens.tolist(), [rows[i] for i in path])
+    tree = host_tree(draft.tree)
+    acceptance = verify_trusted(tree, draft.tokens.to(p.device), q, p, generator,
+                                draft.without_replacement)
+    return _Kept(tree, acceptance.tokens.tolist(), acceptance.path.tolist())
 
 
-def _nodes(draft: Draft, tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor
-           ) -> tuple[Tree, torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
-    """The tree to verify on the host with its tokens, laws q and target rows p, and each
-    node's row of the draft: all of them, or a device tree's valid ones (`DeviceTree.valid`),
-    parents and validity read back together."""
-    tree = draft.tree
-    if not isinstance(tree, DeviceTree) or tree.valid is None:
-        tree = host_tree(tree)
-        return tree, tokens, q, p, list(range(tree.num_nodes))
-    n = tree.num_nodes
-    values = torch.cat([tree.parents.to(p.device), tree.valid.to(p.device)]).tolist()
-    tree, rows = tree.nodes_on_host(values[:n], values[n:])
-    at = torch.tensor(rows, dtype=torch.long, device=p.device)
-    return (tree, tokens[at], None if q is None else q[at],
-            p[torch.cat([at.new_zeros(1), at + 1])], rows)
-
-
-def _chain_kept(p: torch.Tensor, draft: Draft, generator: torch.Generator | None,
-                clock: _PhaseClock) -> _Kept:
-    """A sampled chain verified from one host read: every draw of its rejection sampling
-    made on the device ahead (`verify.chain_draws`), read back with its tokens."""
-    k = draft.tree.num_nodes
+def _drawn(p: torch.Tensor, draft: Draft, generator: torch.Generator | None,
+           clock: _PhaseClock) -> _Kept:
+    """A sampled draft verified from one host read: every draw of its rejection sampling
+    made on the device ahead (`verify.tree_draws`), read back with its tokens and, for a
+    tree known only on the device, its shape."""
+    n, tree = draft.tree.num_nodes, draft.tree
     tokens = draft.tokens.to(p.device)
-    draws = chain_draws(tokens, draft.q.to(p.device), p, generator)
-    values = torch.cat([draws, tokens]).tolist()  # the step's one host read
+    draws = tree_draws(tree.children_table(p.device), tokens, draft.q.to(p.device), p,
+                       generator, draft.without_replacement)
+    values = torch.cat([draws, tokens, *_shape_of(tree, p.device)]).tolist()  # one read
     clock.lap("probs")
-    chain = values[2 * k + 1:]
-    path, last = chain_outcome(values[: 2 * k + 1], chain)
-    return _Kept(draft.tree, [*(chain[i] for i in path), last], path)
+    path, last = tree_outcome(values[: 2 * n + 2])
+    node_tokens = values[2 * n + 2: 3 * n + 2]
+    return _Kept(_read_tree(tree, values[3 * n + 2:]), [*(node_tokens[i] for i in path), last],
+                 path)
 
 
 def _walked(target_tokens: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
     """The walk down the draft from one host read: the target's token per row [N+1] (its
     argmax, or its draw), the draft's tokens [N] and, for a tree known only on the device,
-    its parents [N]; a child is accepted iff its token is its parent row's."""
+    its parents (chosen children: every row a node); a child is accepted iff its token is
+    its parent row's."""
     n, device = draft.tree.num_nodes, target_tokens.device
-    parts = [target_tokens, draft.tokens.to(device)]
-    if isinstance(draft.tree, DeviceTree):
-        parts.append(draft.tree.parents.to(device))
+    parts = [target_tokens, draft.tokens.to(device), *_shape_of(draft.tree, device)]
     values = torch.cat(parts).tolist()  # the step's one host read
     clock.lap("probs")
-    tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.on_host(values[2 * n + 1:])
+    tree = _read_tree(draft.tree, values[2 * n + 1:])
     path, last = greedy_path(tree, values[n + 1: 2 * n + 1], values[: n + 1])
     return _Kept(tree, [*(values[n + 1 + i] for i in path), last], path)
+
+
+def _shape_of(tree: Tree | DeviceTree, device: torch.device) -> list[torch.Tensor]:
+    """What the host needs to know of a tree's shape, as tensors to read with the step's
+    other values: nothing for a host Tree; a device tree's parents [N], then its valid
+    flags [N] if some rows are not nodes."""
+    if isinstance(tree, Tree):
+        return []
+    parts = [tree.parents.to(device)]
+    return parts if tree.valid is None else [*parts, tree.valid.to(device).long()]
+
+
+def _read_tree(tree: Tree | DeviceTree, shape: list[int]) -> Tree:
+    """The tree verified, from `_shape_of`'s values read back: a host Tree itself; a device
+    tree's valid nodes (a path through them names them by their rows of the draft, as the
+    draft's own indices)."""
+    if isinstance(tree, Tree):
+        return tree
+    n = tree.num_nodes
+    if tree.valid is None:  # every row a node
+        return tree.on_host(shape)
+    return tree.nodes_on_host(shape[:n], shape[n:])[0]
 
 
 class _PhaseClock:

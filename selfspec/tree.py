@@ -185,6 +185,23 @@ class Tree:
             on_device[key] = (self.positions_with_root.to(device), self.mask_with_root.to(device))
         return on_device[key]
 
+    @cached_property
+    def max_children(self) -> int:
+        """The most children of one node (the root included): 0 for an empty tree."""
+        return max(len(kids) for kids in self.children)
+
+    def children_table(self, device: torch.device | str) -> torch.Tensor:
+        """[N+1, K] each node's children in order, padded with -1 (row 0: the root's, row
+        i+1: node i's; K = max_children), on `device`, built once per device."""
+        tables = self.__dict__.setdefault("_children_tables", {})
+        key = str(device)
+        if key not in tables:
+            table = torch.full((self.num_nodes + 1, max(self.max_children, 1)), -1)
+            for row, kids in enumerate(self.children):
+                table[row, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+            tables[key] = table.to(device)
+        return tables[key]
+
 
 @dataclass(frozen=True, eq=False)
 class DeviceTree:
@@ -194,11 +211,13 @@ class DeviceTree:
     ops; the decode loop reads the parents back with the target's argmax, in the step's one
     host read, and verifies over `on_host(parents)`. valid [N] bool (None: every node): a
     False node is a row of the verification forward but not a node of the verified tree (a
-    sampled node its law could not supply, and everything below it): `nodes_on_host`."""
+    sampled node its law could not supply, and everything below it): `nodes_on_host`.
+    max_children_bound: no node has more children (None: any number up to N)."""
 
     parents: torch.Tensor
     max_depth_bound: int
     valid: torch.Tensor | None = None
+    max_children_bound: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -232,6 +251,22 @@ class DeviceTree:
             mask = eye | mask[up]
             mask[:, 0] = True
         return mask.sum(dim=-1) - 1, mask
+
+    def children_table(self, device: torch.device | str) -> torch.Tensor:
+        """`Tree.children_table` by tensor ops, [N+1, K] with K = max_children_bound: each
+        valid node's children in index order, a child's column its count of valid elder
+        siblings."""
+        n, parents = self.num_nodes, self.parents.to(device)
+        valid = (torch.ones(n, dtype=torch.bool, device=device) if self.valid is None
+                 else self.valid.to(device))
+        width = max(1, n if self.max_children_bound is None else self.max_children_bound)
+        elder = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
+        rank = ((parents[:, None] == parents[None, :]) & elder & valid[None, :]).sum(dim=-1)
+        spare = (n + 1) * width  # where the invalid nodes go, cut off below
+        slot = torch.where(valid & (rank < width), (parents + 1) * width + rank, spare)
+        table = torch.full((spare + 1,), -1, dtype=torch.long, device=device)
+        table.scatter_(0, slot, torch.arange(n, device=device))
+        return table[:spare].view(n + 1, width)
 
 
 def host_tree(tree: Tree | DeviceTree) -> Tree:

@@ -120,32 +120,60 @@ def greedy_path(tree: Tree, tokens: Sequence[int], target_tokens: Sequence[int]
         path.append(child)
 
 
-def chain_draws(tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """A sampled chain's verification, drawn on the device at once (nothing read back):
-    [2k + 1] = accepted [k] (1 where node i passes its test: u < p(x_i) / q(x_i)), then the
-    token emitted where node i is the first rejected [k] (a draw from norm(max(p - q, 0)), or
-    from p where they coincide), then the bonus token after the whole chain [1] (a draw from
-    p's last row). The walk (`chain_outcome`) keeps the nodes before the first rejected one:
-    the rejection sampling of `verify_linear`, in law, with every random number drawn ahead.
-    tokens [k], q [k, V] (the laws they were drawn from), p [k + 1, V]; trusted input."""
-    rows = torch.arange(len(tokens), device=p.device)
-    ratio = p[rows, tokens].double() / q[rows, tokens].double()  # q > 0 at drawn tokens
-    u = torch.rand(len(tokens), generator=generator, dtype=torch.float64, device=p.device)
-    residual = (p[:-1] - q).clamp_(min=0.0)
-    total = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(total > 1e-12, residual / total, p[:-1])  # as `_residual` guards
-    return torch.cat([(u < ratio).long(), sample_rows(torch.cat([residual, p[-1:]]), generator)])
+def tree_draws(children: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+               generator: torch.Generator | None, without_replacement: bool = False
+               ) -> torch.Tensor:
+    """A sampled tree's verification, every draw made on the device at once (nothing read
+    back): [2(N + 1)] = per row of p (the root, then node i) the child it accepts (-1: none),
+    then the token it emits when the walk stops there (a draw from its residual once all
+    its children are rejected; from p's row at a leaf).
+
+    The walk from the root follows one child per node, and a node's test depends only on
+    its own row of p and its children, never on how the walk reached it. So every node runs
+    its siblings' recursive rejection sampling at once, column by column of `children`
+    ([N+1, K] from `children_table`), with its own random numbers: the walk
+    (`tree_outcome`) is `verify_trusted`'s in law. A chain is the tree of one column.
+    tokens [N], q [N, V] (the laws they were drawn from, before earlier siblings were
+    removed when `without_replacement`), p [N+1, V]; trusted input."""
+    rows, width = children.shape[0], children.shape[1] if len(tokens) else 0  # 0: no nodes
+    u = torch.rand(rows, width, generator=generator, dtype=torch.float64, device=p.device)
+    residual = p  # [N+1, V] each node's law for what it emits next
+    removed = torch.zeros_like(p, dtype=torch.bool)  # its rejected children's tokens
+    accepted = torch.full((rows,), -1, dtype=torch.long, device=p.device)
+    for column in range(width):
+        child = children[:, column]
+        open_ = (child >= 0) & (accepted < 0)  # a child to test, none accepted before it
+        x = tokens[child.clamp(min=0)]
+        proposal = q[child.clamp(min=0)]
+        if without_replacement:
+            proposal = proposal.masked_fill(removed, 0.0)
+            proposal = proposal / proposal.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        at = x[:, None]
+        ratio = residual.gather(1, at)[:, 0].double() / proposal.gather(1, at)[:, 0].double()
+        accepted = torch.where(open_ & (u[:, column] < ratio), child, accepted)
+        rejected = open_ & (accepted < 0)
+        residual = torch.where(rejected[:, None], _residuals(residual, proposal), residual)
+        removed = removed.scatter(1, at, removed.gather(1, at) | rejected[:, None])
+    return torch.cat([accepted, sample_rows(residual, generator)])
 
 
-def chain_outcome(draws: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], int]:
-    """From `chain_draws` read back and the chain's tokens: the accepted nodes and the token
-    emitted after them."""
-    k = len(tokens)
-    rejected = next((i for i in range(k) if not draws[i]), None)
-    if rejected is None:
-        return list(range(k)), draws[2 * k]
-    return list(range(rejected)), draws[k + rejected]
+def tree_outcome(draws: Sequence[int]) -> tuple[list[int], int]:
+    """From `tree_draws` read back: the accepted nodes, root to leaf, and the token emitted
+    after them."""
+    rows = len(draws) // 2
+    node, path = -1, []
+    while (child := draws[node + 1]) >= 0:
+        path.append(child)
+        node = child
+    return path, draws[rows + node + 1]
+
+
+def _residuals(residual: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """Row by row, `_residual`: norm(max(residual - proposal, 0)), or residual where that
+    has no mass (a rejection of probability zero, up to float noise)."""
+    updated = (residual - proposal).clamp_(min=0.0)
+    total = updated.sum(dim=-1, keepdim=True)
+    return torch.where(total > 1e-12, updated / total.clamp(min=1e-30), residual)
 
 
 def verify_trusted(

@@ -80,3 +80,36 @@ def test_a_device_tree_needs_hops_to_its_depth():
     tree = Tree.chain(3)
     _, mask = DeviceTree(torch.tensor(tree.parents), 1).verification_inputs("cpu")
     assert not torch.equal(mask, tree.mask_with_root)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_device_tree_lists_the_children_its_valid_nodes_have_on_the_host(seed):
+    """`children_table` by tensor ops equals the host tree's, with the rows that are not nodes
+    (a node invalid makes its subtree invalid) left out and the table as wide as the bound."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 24, (), generator=g))
+    parents = [int(torch.randint(-1, i, (), generator=g)) if i else -1 for i in range(n)]
+    valid = []
+    for parent in parents:
+        valid.append(bool(torch.rand((), generator=g) < 0.8) and (parent < 0 or valid[parent]))
+    tree, rows = DeviceTree(torch.tensor(parents), n).nodes_on_host(parents, valid)
+    kept = Tree.from_parents(parents).children_table("cpu")  # every node valid
+    bound = max(Tree.from_parents(parents).max_children, 1)
+    device_tree = DeviceTree(torch.tensor(parents), n, max_children_bound=bound)
+    assert torch.equal(device_tree.children_table("cpu"), kept)
+    table = DeviceTree(torch.tensor(parents), n, torch.tensor(valid), bound
+                       ).children_table("cpu")
+    expected = torch.full((n + 1, bound), -1)
+    for node in (-1, *rows):  # each valid node's children, by their rows of the draft
+        at = 0 if node < 0 else rows.index(node) + 1
+        kids = [rows[c] for c in tree.children[at]]
+        expected[node + 1, :len(kids)] = torch.tensor(kids, dtype=torch.long)
+    assert torch.equal(table, expected)
+
+
+def test_a_tree_lists_each_nodes_children_in_order():
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 2]])
+    assert tree.max_children == 3
+    assert tree.children_table("cpu").tolist() == [[0, 1, -1], [2, 3, 4], [-1] * 3,
+                                                   [-1] * 3, [-1] * 3, [-1] * 3]
+    assert Tree.chain(0).children_table("cpu").tolist() == [[-1]]

@@ -5,7 +5,7 @@ import torch
 
 from selfspec.sampling import SamplingParams, logits_to_probs
 from selfspec.tree import Tree
-from selfspec.verify import chain_draws, chain_outcome, verify_linear, verify_tree
+from selfspec.verify import tree_draws, tree_outcome, verify_linear, verify_tree
 
 V = 8
 
@@ -159,20 +159,39 @@ def test_bad_tree_input_names_the_argument():
         verify_tree([-1, -1], torch.tensor([1, 2]), q, p, generator=gen())
 
 
-def test_a_chain_keeps_the_nodes_before_its_first_rejection():
-    chain = [10, 11, 12]
-    assert chain_outcome([1, 1, 1, 7, 8, 9, 5], chain) == ([0, 1, 2], 5)  # all: the bonus
-    assert chain_outcome([1, 0, 1, 7, 8, 9, 5], chain) == ([0], 8)  # node 1's correction
-    assert chain_outcome([0, 1, 1, 7, 8, 9, 5], chain) == ([], 7)
+def test_a_walk_over_draws_keeps_the_accepted_nodes_then_the_stop_tokens_draw():
+    # Rows: root, nodes 0..3 of a tree where 0, 1 are the root's children and 2, 3 node 0's.
+    accepted, emitted = [0, 3, -1, -1, -1], [7, 8, 9, 10, 11]
+    assert tree_outcome(accepted + emitted) == ([0, 3], 11)  # node 3 a leaf: its bonus
+    assert tree_outcome([0, -1, -1, -1, -1] + emitted) == ([0], 8)  # node 0's correction
+    assert tree_outcome([-1, 3, -1, -1, -1] + emitted) == ([], 7)
+    chain = Tree.chain(3).children_table("cpu")
+    assert chain.tolist() == [[0], [1], [2], [-1]]
 
 
-def test_chain_draws_accept_what_the_target_would_draw_and_never_what_it_cannot():
+def test_draws_accept_what_the_target_would_draw_and_never_what_it_cannot():
     p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.2, 0.8], [0.3, 0.3, 0.4]])
     q = torch.tensor([[0.5, 0.5, 0.0], [0.6, 0.4, 0.0]])
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        draws = chain_draws(torch.tensor([1, 0]), q, p, g).tolist()
-        assert draws[0] == 1  # q = p at token 1: always accepted
-        assert draws[1] == 0  # p(0) = 0 after node 0: never accepted
-        assert draws[3] == 2  # node 1's correction: norm(max(p - q, 0)) = (0, 0, 1)
-        assert draws[4] in (0, 1, 2)
+        draws = tree_draws(Tree.chain(2).children_table("cpu"), torch.tensor([1, 0]), q, p,
+                           g).tolist()
+        assert draws[0] == 0  # q = p at token 1: node 0 always accepted
+        assert draws[1] == -1  # p(0) = 0 after node 0: node 1 never accepted
+        assert draws[4] == 2  # node 0's correction: norm(max(p - q, 0)) = (0, 0, 1)
+        assert draws[5] in (0, 1, 2)
+
+
+def test_siblings_drawn_without_replacement_are_tested_against_what_was_left():
+    """After the root's first child (0, which p rules out) is rejected, the residual is
+    (0, 0.6, 0.4) and the second child (1) was drawn from q without 0: (0, 0.8, 0.2). So 1
+    is accepted with probability 0.6 / 0.8 = 0.75; tested against q itself it would be
+    certain (0.6 / 0.4 >= 1)."""
+    p = torch.tensor([[0.0, 0.7, 0.3], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.4, 0.1], [0.5, 0.4, 0.1]])  # both children drawn from one law
+    children = Tree.from_parents([-1, -1]).children_table("cpu")
+    g, trials = torch.Generator().manual_seed(0), 400
+    kept = sum(tree_outcome(tree_draws(children, torch.tensor([0, 1]), q, p, g,
+                                       without_replacement=True).tolist())[0] == [1]
+               for _ in range(trials))
+    assert 0.65 < kept / trials < 0.85  # 0.75 within 4.5 standard deviations

@@ -177,7 +177,8 @@ class EagleDrafter:
             return Draft(self.tree, tokens)
         drawn = None if grown.drawn is None else grown.drawn.clone()
         tree = DeviceTree(grown.parents.clone(),
-                          self.depth if self.tree is None else self.tree.max_depth, drawn)
+                          self.depth if self.tree is None else self.tree.max_depth, drawn,
+                          self.top_k if self.tree is None else self.tree.max_children)
         if grown.q is None:
             return Draft(tree, tokens)
         return Draft(tree, tokens, grown.q.clone(), without_replacement=True)

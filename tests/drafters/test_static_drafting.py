@@ -27,7 +27,6 @@ from helpers import (
 )
 
 from selfspec import SamplingParams, Transformer, Tree, generate
-from selfspec.devices import HostReads
 from selfspec.drafters import (
     EagleDrafter,
     EarlyExitDrafter,
@@ -187,7 +186,7 @@ def law_target() -> Transformer:
 @pytest.mark.parametrize("drafter", ["draft_model", "early_exit"])
 def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter):
     """A sampled chain (q given) in static steps: every draw of its rejection sampling made
-    on the device ahead (`verify.chain_draws`)."""
+    on the device ahead (`verify.tree_draws`)."""
     target = law_target()
     make = {"draft_model": lambda: SmallModelDrafter(target.first_layers(1), 3),
             "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm"), 3)}
@@ -366,24 +365,6 @@ def test_a_static_early_exit_step_reads_the_host_once(exit_target, kind):
     assert host_reads_per_step(model, lambda: EarlyExitDrafter(head, 4), PROMPTS[2]) == 1
 
 
-@pytest.mark.parametrize("mode", list(SAMPLED))
-def test_static_sampled_drafting_reads_nothing(target, mode):
-    """At T > 0 verification reads the host as it walks the tree; drafting reads nothing."""
-    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
-    drafter, reads = EagleDrafter(head, **SAMPLED[mode]), []
-    propose = drafter.propose
-
-    def counted(context):
-        with HostReads() as during:
-            draft = propose(context)
-        reads.append(during.count)
-        return draft
-    drafter.propose = counted
-    generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=NEW_TOKENS, cuda_graphs=True,
-             sampling=SamplingParams(1.0), generator=torch.Generator().manual_seed(0))
-    assert len(reads) > 5 and set(reads) == {0}
-
-
 def test_a_captured_step_copies_nothing_from_the_host(target, fitted_medusa, exit_target,
                                                       monkeypatch):
     """What CUDA may not capture: a tensor made from host data (torch.tensor, as_tensor) is a
@@ -422,15 +403,19 @@ def _refused(maker: str):
     return refuse
 
 
-@pytest.mark.parametrize("mode", [None, "eagle2_chosen", "medusa_tree", "medusa_products"])
-def test_a_sampled_step_of_chosen_candidates_reads_the_host_once(target, fitted_medusa, mode):
-    """At T > 0 chosen candidates are verified by one draw per row, made on the device."""
+@pytest.mark.parametrize("mode", [None, "eagle2_chosen", "medusa_tree", "medusa_products",
+                                  *SAMPLED])
+def test_a_sampled_step_reads_the_host_once(target, fitted_medusa, mode):
+    """At T > 0 chosen candidates are verified by one draw per row and sampled trees by
+    every node's tests at once (`verify.tree_draws`), all made on the device."""
     head = random_eagle_head(eagle_head_config(target, 1), seed=1)
     make = {None: lambda: None,
             "eagle2_chosen": lambda: EagleDrafter(head, **CHOSEN),
             "medusa_tree": lambda: medusa(fitted_medusa, "medusa_tree"),
-            "medusa_products": lambda: medusa(fitted_medusa, "medusa_products")}[mode]
-    assert host_reads_per_step(target, make, PROMPTS[2], SamplingParams(1.0)) == 1
+            "medusa_products": lambda: medusa(fitted_medusa, "medusa_products")} | {
+        name: lambda kwargs=kwargs: EagleDrafter(head, **kwargs) for name, kwargs in SAMPLED.items()
+    }
+    assert host_reads_per_step(target, make[mode], PROMPTS[2], SamplingParams(1.0)) == 1
 
 
 def test_host_side_drafting_reads_the_host_more(target):

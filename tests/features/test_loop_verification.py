@@ -1,5 +1,6 @@
 """The decode loop's own verification entry points equal the public verifier: the greedy
-argmax walk (`verify_greedy`) and the unchecked sampled path (`verify_trusted`)."""
+argmax walk (`verify_greedy`), the unchecked sampled path (`verify_trusted`) and the draws
+made ahead of static steps (`tree_draws`)."""
 
 import pytest
 import torch
@@ -9,7 +10,13 @@ from selfspec.decode import generate
 from selfspec.drafters import NgramDrafter
 from selfspec.sampling import SamplingParams, logits_to_probs
 from selfspec.tree import Tree
-from selfspec.verify import verify_greedy, verify_tree, verify_trusted
+from selfspec.verify import (
+    tree_draws,
+    tree_outcome,
+    verify_greedy,
+    verify_tree,
+    verify_trusted,
+)
 
 V = 5  # a small vocabulary: siblings repeat tokens and rows tie
 
@@ -43,6 +50,24 @@ def test_trusted_verification_equals_the_checked_one(seed):
     got = verify_trusted(tree, tokens, q, p, torch.Generator().manual_seed(seed))
     assert got.tokens.tolist() == want.tokens.tolist()
     assert got.path.tolist() == want.path.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_draws_made_ahead_walk_as_trusted_verification_where_outcomes_are_certain(seed):
+    """One-hot drafts against one-hot target rows: every test is certain, so `tree_draws`
+    and its walk must keep the very nodes and token `verify_trusted` keeps, over random
+    trees whose siblings repeat tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tree = random_tree(g, int(torch.randint(0, 9, (), generator=g)))
+    tokens = torch.randint(0, V, (tree.num_nodes,), generator=g)
+    q = torch.nn.functional.one_hot(tokens, V).float()
+    p = torch.nn.functional.one_hot(torch.randint(0, V, (tree.num_nodes + 1,), generator=g),
+                                    V).float()
+    want = verify_trusted(tree, tokens, q, p, None)
+    draws = tree_draws(tree.children_table("cpu"), tokens, q, p, g)
+    path, last = tree_outcome(draws.tolist())
+    assert path == want.path.tolist()
+    assert [*tokens[path].tolist(), last] == want.tokens.tolist()
 
 
 def test_recurring_tree_shapes_share_one_tree_and_its_device_tensors():

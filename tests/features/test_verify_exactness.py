@@ -19,7 +19,7 @@ from helpers import P_VALUE_FLOOR, fit_pvalue, joint_two_token_law
 import selfspec.verify as verify_module
 from selfspec.sampling import SamplingParams, logits_to_probs
 from selfspec.tree import Tree
-from selfspec.verify import verify_linear, verify_tree
+from selfspec.verify import tree_draws, tree_outcome, verify_linear, verify_tree
 
 V = 6
 N_SAMPLES = 12_000
@@ -88,23 +88,35 @@ def draft(world: ToyWorld, tree: Tree, mode: str, rng: random.Random):
     return torch.tensor(tokens, dtype=torch.long), q, p
 
 
-def emission_pvalue(setting: str, tree: Tree, mode: str, seed: int = 0) -> float:
+def emission_pvalue(setting: str, tree: Tree, mode: str, seed: int = 0,
+                    drawn_ahead: bool = False, without: bool | None = None) -> float:
+    """drawn_ahead: verify by `tree_draws` and `tree_outcome` (the decode loop's path in
+    static steps) rather than the public verifier. without: what the verifier is told of the
+    siblings' draws (default: the truth)."""
     world = ToyWorld(SETTINGS[setting])
     g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    without = mode == "without" if without is None else without
     counts: Counter = Counter()
     for _ in range(N_SAMPLES):
         tokens, q, p = draft(world, tree, mode, rng)
-        if tree.is_chain:
-            acc = verify_linear(tokens, q, p, generator=g)
+        if drawn_ahead:
+            draws = tree_draws(tree.children_table("cpu"), tokens, q, p, g, without)
+            path, last = tree_outcome(draws.tolist())
+            emitted = [*(tokens[i].item() for i in path), last]
         else:
-            without = mode == "without"
-            acc = verify_tree(tree, tokens, q, p, generator=g, without_replacement=without)
-        emitted = acc.tokens.tolist()
+            emitted = _verified(tree, tokens, q, p, g, without)
         if len(emitted) == 1:
             emitted.append(draw(world.p((emitted[0],)), rng))
         counts[tuple(emitted[:2])] += 1
     law = joint_two_token_law(world.p(()), lambda t1: world.p((t1,)))
     return fit_pvalue(counts, law, N_SAMPLES)
+
+
+def _verified(tree, tokens, q, p, g, without) -> list[int]:
+    if tree.is_chain:
+        return verify_linear(tokens, q, p, generator=g).tokens.tolist()
+    return verify_tree(tree, tokens, q, p, generator=g, without_replacement=without
+                       ).tokens.tolist()
 
 
 CASES = [
@@ -124,6 +136,29 @@ CASES = [
 def test_emission_follows_the_target_law(setting, shape, mode):
     tree = Tree.chain(3) if shape == "chain" else TREE
     assert emission_pvalue(setting, tree, mode) > P_VALUE_FLOOR
+
+
+DRAWN_CASES = [(setting, shape, mode) for setting, shape, mode in CASES
+               if mode != "deterministic"]
+
+
+@pytest.mark.parametrize("setting, shape, mode", DRAWN_CASES)
+def test_emission_drawn_ahead_follows_the_target_law(setting, shape, mode):
+    """`tree_draws`: every node's tests of its children made at once, walked after."""
+    tree = Tree.chain(3) if shape == "chain" else TREE
+    assert emission_pvalue(setting, tree, mode, drawn_ahead=True) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("shape, mode", [("chain", "with"), ("tree", "with")])
+def test_the_exactness_test_catches_draws_without_the_residual(monkeypatch, shape, mode):
+    monkeypatch.setattr(verify_module, "_residuals", lambda residual, proposal: residual)
+    tree = Tree.chain(3) if shape == "chain" else TREE
+    assert emission_pvalue("t1", tree, mode, drawn_ahead=True) < P_VALUE_FLOOR / 10
+
+
+def test_the_exactness_test_catches_draws_that_forget_the_removed_siblings():
+    assert emission_pvalue("t1", TREE, "without", drawn_ahead=True,
+                           without=False) < P_VALUE_FLOOR / 10
 
 
 def _no_residual_update(residual, proposal, x):
