@@ -371,7 +371,7 @@ def _verify_step(logits: torch.Tensor, draft: Draft, loop: _Loop) -> _Kept:
     sampling, generator, clock = loop.sampling, loop.generator, loop.clock
     if sampling.greedy:
         return _walked(logits.float().argmax(dim=-1), draft, clock)
-    p = logits_to_probs(logits, sampling)  # [N+1, V]
+    p = logits_to_probs(logits, sampling, static=loop.steps is not None)  # [N+1, V]
     if loop.steps is not None and draft.q is None:
         return _walked(sample_rows(p, generator), draft, clock)
     if loop.steps is not None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.ranking import ranked, ranked_on_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -52,24 +54,31 @@ class SamplingParams:
 
     @property
     def truncated(self) -> bool:
-        """Top-k or top-p cuts the law: warping then ranks on the host (a tie test reads the
-        device back), so drafts in static shapes draw only from laws warped by temperature."""
+        """Top-k or top-p cuts the law."""
         return bool(self.top_k) or self.top_p < 1.0
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, *, static: bool = False
+                    ) -> torch.Tensor:
     """Warp logits [..., V] into probabilities [..., V] (float32) under `params`.
 
     Temperature 0 gives the one-hot argmax (lowest index on ties). Otherwise the order is
     temperature, then top-k, then top-p, as in Hugging Face `generate`; ties at a cut-off are
     broken towards the lower token index so the kept set is deterministic.
+
+    static: for a static step (captured on CUDA), rank without a branch on the values, so
+    nothing is read back: the same law, from a top-k cut that resolves its ties by tensor
+    ops (`ranking.ranked_on_device`) and a nucleus over the whole sorted row.
     """
     logits = logits.float()
     if params.greedy:
         return _one_hot_argmax(logits)
     logits = logits / params.temperature
-    if params.top_k or params.top_p < 1.0:
-        logits = _filter_top_k_top_p(logits, params.top_k, params.top_p)
+    if params.truncated:
+        vocab = logits.shape[-1]
+        kept = _filter_top_k_top_p(logits.reshape(-1, vocab), params.top_k, params.top_p,
+                                   static)
+        logits = kept.reshape(logits.shape)
     return torch.softmax(logits, dim=-1)
 
 
@@ -84,36 +93,23 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 NUCLEUS_WINDOW = 1024
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k / nucleus set."""
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, static: bool
+                        ) -> torch.Tensor:
+    """Set to -inf every logit [R, V] outside the top-k / nucleus set."""
     vocab = logits.shape[-1]
+    rank = ranked_on_device if static else ranked
     if 0 < top_k < vocab:
-        values, order = _ranked(logits, top_k)
-        keep = _nucleus(torch.softmax(values, dim=-1), top_p)  # mass within the top k
+        order = rank(logits, top_k)
+        keep = _nucleus(torch.softmax(logits.gather(-1, order), dim=-1), top_p)  # within top k
     else:
         probs = torch.softmax(logits, dim=-1)
-        _, order = _ranked(logits, min(NUCLEUS_WINDOW, vocab))
+        order = rank(logits, vocab if static else min(NUCLEUS_WINDOW, vocab))
         keep = _nucleus(probs.gather(-1, order), top_p)
-        if keep[..., -1].any():  # the nucleus may reach past the window: rank everything
-            _, order = _ranked(logits, vocab)
+        if not static and keep[..., -1].any():  # the nucleus reaches past the window
+            order = rank(logits, vocab)
             keep = _nucleus(probs.gather(-1, order), top_p)
     kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, keep)
     return logits.masked_fill(~kept, float("-inf"))
-
-
-def _ranked(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `width` highest logits [..., width] and their token ids, ranked as a stable
-    descending sort of the whole row ranks them (equal logits: lower token id first)."""
-    if width < logits.shape[-1]:
-        values, ids = torch.topk(logits, width, dim=-1, sorted=False)
-        edge = values.amin(dim=-1, keepdim=True)
-        # A tie across the window's edge: which tied tokens belong in it is the sort's call.
-        if not ((logits >= edge).sum(dim=-1) > width).any():
-            ids, by_id = ids.sort(dim=-1)
-            values, rank = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-            return values, ids.gather(-1, rank)
-    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    return values[..., :width], ids[..., :width]
 
 
 def _nucleus(ranked_probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -207,7 +203,7 @@ def draw_on_device(logits: torch.Tensor, sampling: SamplingParams,
     logits = logits.reshape(1, -1)
     if sampling.greedy:
         return logits.argmax(dim=-1), None
-    law = logits_to_probs(logits, sampling)
+    law = logits_to_probs(logits, sampling, static=True)
     return sample_rows(law, generator), law
 
 

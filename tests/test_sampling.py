@@ -119,6 +119,26 @@ def test_ties_across_the_candidate_window_keep_the_lower_token_ids(monkeypatch):
     assert torch.equal(probs, logits_to_probs(logits, params))
 
 
+@pytest.mark.parametrize("params", [SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.8),
+                                    SamplingParams(1.0, top_k=5, top_p=0.6),
+                                    SamplingParams(1.0, top_k=40)],
+                         ids=["top_k", "top_p", "both", "top_k_past_vocab"])
+@pytest.mark.parametrize("levels", [2, 4, 1000])  # many ties ... few
+def test_static_warping_keeps_the_same_law_and_reads_nothing(params, levels):
+    """`logits_to_probs(static=True)`, for captured steps: bit for bit the law of the host
+    path, ties at a cut included, with no read of the device."""
+    from selfspec.devices import HostReads
+
+    g = torch.Generator().manual_seed(levels)
+    logits = torch.randint(levels, (6, 32), generator=g).float()
+    logits[0, ::2] = -float("inf")  # a row with fewer tokens than top_k can keep
+    with HostReads() as reads:
+        static = logits_to_probs(logits, params, static=True)
+    assert reads.count == 0
+    assert torch.equal(static, logits_to_probs(logits, params))
+    assert torch.equal(logits_to_probs(logits[1], params, static=True), static[1])
+
+
 def test_sample_follows_the_distribution_and_never_draws_zero_mass():
     probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
     g = torch.Generator().manual_seed(0)

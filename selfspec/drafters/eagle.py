@@ -29,8 +29,10 @@ pooling and cutting afterwards, which would keep or drop a drawn token by its ow
 Children are drawn by Gumbel-top-k (`sampling.gumbel_top`), one row of uniforms per parent.
 
 Where the target runs static steps, the same trees grow in static shapes on the device
-(`selfspec.drafters.eagle_static`; not for a law cut by top-k or top-p), and this module's
-host-side growth is the reference its tests compare them with.
+(`selfspec.drafters.eagle_static`), and this module's host-side growth is the reference its
+tests compare them with. One case stays on the host: EAGLE-2's sampled children under a top-k
+or top-p cut. A cut law often supplies fewer children than asked; the host growth then spends
+the budget it saved on later nodes, which a static plan of the levels cannot follow.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.eagle_static import StaticEagleDraft
-from selfspec.drafters.ranking import ranked
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
+from selfspec.ranking import ranked
 from selfspec.sampling import gumbel_top, logits_to_probs
 from selfspec.step import padded_slots
 from selfspec.tree import DeviceTree, Tree
@@ -126,10 +128,10 @@ class EagleDrafter:
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
         self._committed = 0
-        # Where the target runs static steps, so does the draft: chosen children, or children
-        # sampled from a law warped by temperature alone (a top-k or top-p cut reads the host).
-        self._use_static = setup.static_steps and not (self._sampled
-                                                       and setup.sampling.truncated)
+        # Where the target runs static steps, so does the draft, but for EAGLE-2's sampled
+        # children under a top-k or top-p cut (see the module docstring).
+        self._use_static = setup.static_steps and not (
+            self._sampled and self.tree is None and setup.sampling.truncated)
         if self._use_static:
             self._begin_static(setup)
             return

@@ -1,7 +1,7 @@
 """EAGLE drafting in static shapes, on the device: what `EagleDrafter` runs when the target
 runs static steps (CUDA graphs on CUDA; `cuda_graphs=True` elsewhere runs the same code
-eagerly), for chosen children and for children sampled from a law warped by temperature
-alone.
+eagerly), for chosen children and for sampled children (but EAGLE-2's under a top-k or
+top-p cut: `selfspec.drafters.eagle`).
 
 It builds the tree `EagleDrafter`'s host-side growth builds (the same nodes in the same
 order), but as tensor ops over fixed widths, reading nothing back to the host:
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.eagle import EagleHead
 from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
+from selfspec.ranking import ranked_on_device
 from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView, weights_of
 from selfspec.tree import Tree
@@ -158,7 +158,7 @@ class _Children:
             tokens = ranked_on_device(logits, count)
             log_probs = torch.log_softmax(logits, dim=-1).gather(1, tokens).double()
             return tokens, log_probs, torch.ones_like(tokens, dtype=torch.bool), None
-        laws = logits_to_probs(logits, self.sampling)  # [R, V]
+        laws = logits_to_probs(logits, self.sampling, static=True)  # [R, V]
         tokens, drawn = gumbel_top(laws, count, self.generator)
         return tokens, laws.gather(1, tokens).double().log(), drawn, laws
 

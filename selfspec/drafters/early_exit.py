@@ -14,14 +14,14 @@ for the rows a draft fed are exactly the committed rows' (same layer-E states), 
 verification only the committed rows the draft did not feed (the last draft token when all
 were accepted) are fed, from the verification forward's layer-E states.
 
-Where the target runs static steps (`DecodeSetup.static_steps`), with no confidence stop and
-a law warped by temperature alone, the k draft steps run as one static step on the device
+Where the target runs static steps (`DecodeSetup.static_steps`), with no confidence stop,
+the k draft steps run as one static step on the device
 (`_StaticDraft`, captured on CUDA): each token's early layers write K/V at a slot tensor and
 attend over every slot under a mask, the exit's argmax (or a draw, as the host-side draft
 draws it) feeds the next step, and nothing is read back. Its draft then hands no early
 layers on: verification is the target's own static step over every layer, which on a GPU
 costs what a forward of the same rows costs anyway (the weights are read once either way).
-A confidence stop, or a top-k or top-p law, drafts on the host as above.
+A confidence stop drafts on the host as above.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class EarlyExitDrafter:
         self._committed = self._drafted = 0
         if self.head.config.kind == "adapter":
             self._reset_own_cache(setup.max_length)
-        static = (setup.static_steps and not setup.sampling.truncated
-                  and self.confidence_threshold is None)
+        static = setup.static_steps and self.confidence_threshold is None
         self._static = _StaticDraft.kept(self._static, self, setup) if static else None
 
     @torch.inference_mode()

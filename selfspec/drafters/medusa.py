@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.ranking import ranked as _ranked
-from selfspec.drafters.ranking import ranked_on_device
 from selfspec.heads.io import check_sizes
 from selfspec.heads.medusa import MedusaHeads
+from selfspec.ranking import ranked as _ranked
+from selfspec.ranking import ranked_on_device
 from selfspec.step import CapturedSteps, weights_of
 from selfspec.tree import DeviceTree, Tree
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
-from selfspec.drafters.ranking import ranked
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
+from selfspec.ranking import ranked
 from selfspec.sampling import draw, draw_on_device, logits_to_probs, sample_without_replacement
 from selfspec.step import StaticSteps, kept_or_new
 from selfspec.tree import Tree
@@ -90,11 +90,10 @@ class SmallModelDrafter:
         self._begin_cache(setup)
         self._cache.reset()
         self._fed = []
-        # In static steps a chain stays on the device, each token fed to the next step: the
-        # argmax, or a draw from a law warped by temperature alone (a top-k or top-p cut
-        # reads the host).
-        self._on_device = (self._steps is not None and not setup.sampling.truncated
-                           and self.confidence_threshold is None and self.first_candidates == 1)
+        # In static steps a chain stays on the device, each token (the argmax, or a draw)
+        # fed to the next step.
+        self._on_device = (self._steps is not None and self.confidence_threshold is None
+                           and self.first_candidates == 1)
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
     @torch.inference_mode()

@@ -83,7 +83,8 @@ def test_greedy_steps_build_no_probability_rows(target, monkeypatch):
     """Greedy decoding reads the argmax only; sampling still goes through logits_to_probs."""
     calls = []
     real = decode.logits_to_probs
-    monkeypatch.setattr(decode, "logits_to_probs", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(decode, "logits_to_probs",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     out = generate(target, prompt, drafter=NgramDrafter(3), max_new_tokens=12)
     assert len(out.tokens) == 12 and not calls

@@ -1,5 +1,6 @@
-"""Ranking a head's candidates: the top tokens of each row, ties in token-id order (shared by
-the Medusa and EAGLE drafters)."""
+"""Ranking tokens: the top of each row of logits, ties in token-id order, the one rule of the
+heads' candidates (Medusa, EAGLE, a draft model's first tokens) and of the top-k and top-p
+cuts of `sampling.logits_to_probs`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def ranked_on_device(logits: torch.Tensor, count: int) -> torch.Tensor:
     [rows, count] ids, ties in token id order across the cut too, from two top-k's instead of
     a test for a tie and a sort."""
     vocab = logits.shape[-1]
+    if count >= vocab:  # the whole row: a stable sort reads nothing back either
+        return torch.sort(logits, dim=-1, descending=True, stable=True).indices
     values, ids = torch.topk(logits, count, dim=-1)  # [rows, count], sorted by value
     by_id = ids.argsort(dim=-1)  # then a stable sort by value keeps ties in id order
     ids, values = ids.gather(-1, by_id), values.gather(-1, by_id)

@@ -1,10 +1,10 @@
-"""Ranking candidates (drafters/ranking.py): the top of each row, ties in token id order."""
+"""Ranking candidates (`selfspec.ranking`): the top of each row, ties in token id order."""
 
 import pytest
 import torch
 
 from selfspec.devices import HostReads
-from selfspec.drafters.ranking import ranked, ranked_on_device
+from selfspec.ranking import ranked, ranked_on_device
 
 
 @pytest.mark.parametrize("levels", [3, 40, 10_000])  # many ties ... almost none
