@@ -102,9 +102,10 @@ def generate(
     cuda_graphs: None (auto) = on for a CUDA target. On, the verification forwards of up to
     128 tokens run as static-shape steps over a persistent cache, replayed from one CUDA
     graph per bucket of (rows, T) (`selfspec.step`); on another device True runs the same
-    static step eagerly. A draft model (`SmallModelDrafter`) decoding one prompt runs static
-    steps of its own alike; prefill, early-layer resumes, the other drafters' forwards and a
-    batch's drafters stay eager.
+    static step eagerly. Decoding one prompt, the drafters draft in static steps of their own
+    alike (EAGLE, Medusa, early exit, a draft model: docs/gpu.md), and a step reads the
+    device back once; prefill, early-layer resumes, a confidence stop and a batch's drafters
+    stay eager.
     """
     batch = _is_batch(prompt_ids)
     prompts = _check_prompts(target, prompt_ids if batch else [prompt_ids], sampling,

@@ -207,18 +207,6 @@ def draw_on_device(logits: torch.Tensor, sampling: SamplingParams,
     return sample_rows(law, generator), law
 
 
-def sample_without_replacement(probs: torch.Tensor, count: int,
-                               generator: torch.Generator | None) -> list[int]:
-    """Draw up to `count` distinct tokens from a probability row [V], one after another, each
-    from what is left of the row (fewer when fewer tokens have positive probability). A
-    verifier undoes this with `without_replacement=True` (`selfspec.verify.verify_tree`)."""
-    left, drawn = probs.clone(), []
-    for _ in range(min(count, int((probs > 0).sum()))):
-        drawn.append(sample(left, generator))
-        left[drawn[-1]] = 0.0
-    return drawn
-
-
 def gumbel_top(probs: torch.Tensor, count: int, generator: torch.Generator | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` distinct tokens per row of probs [R, V], in the order one-after-another draws

@@ -15,10 +15,10 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.model import ModelOutput, Transformer, linear
-from selfspec.ranking import ranked
-from selfspec.sampling import draw, draw_on_device, logits_to_probs, sample_without_replacement
+from selfspec.ranking import ranked, ranked_on_device
+from selfspec.sampling import draw, draw_on_device, gumbel_top, logits_to_probs
 from selfspec.step import StaticSteps, kept_or_new
-from selfspec.tree import Tree
+from selfspec.tree import DeviceTree, Tree
 
 
 class SmallModelDrafter:
@@ -92,26 +92,50 @@ class SmallModelDrafter:
         self._fed = []
         # In static steps a chain stays on the device, each token (the argmax, or a draw)
         # fed to the next step.
-        self._on_device = (self._steps is not None and self.confidence_threshold is None
-                           and self.first_candidates == 1)
+        self._on_device = self._steps is not None and self.confidence_threshold is None
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
     @torch.inference_mode()
     def _propose_on_device(self, context: DraftContext) -> Draft:
-        """A chain that reads nothing back: each token the argmax of the last step's logits,
+        """A draft that reads nothing back: each token the argmax of the last step's logits,
         or a draw from their law (`sample_rows`, as the host-side chain draws), fed to the
-        next step as a device tensor. Its tokens enter `_fed` as None until the next step's
-        history shows which were accepted (`_pending`)."""
+        next step as a device tensor; with first_candidates > 1 the first token's candidates
+        picked as `_first_tokens` picks them (`_candidates_on_device`). Its tokens enter
+        `_fed` as None until the next step's history shows which were accepted
+        (`_pending`)."""
         logits = self._next_logits(self._pending(context))
         self._drafted_at = len(context.tokens)  # the first drafted token's history index
-        tokens, laws = [], []
-        for step in range(self.num_draft_tokens):
-            if step:
-                logits = self._next_logits(tokens[-1])
-            token, law = draw_on_device(logits, self.sampling, self.generator)
+        first, law, drawn = (self._candidates_on_device(logits) if self.first_candidates > 1
+                             else (*draw_on_device(logits, self.sampling, self.generator), None))
+        tokens, laws = [first[:1]], [law]
+        while len(tokens) < self.num_draft_tokens:
+            token, law = draw_on_device(self._next_logits(tokens[-1]), self.sampling,
+                                        self.generator)
             tokens.append(token)
             laws.append(law)
-        return Draft.chain(torch.cat(tokens), None if self.sampling.greedy else torch.cat(laws))
+        chain = torch.cat(tokens)
+        q = None if self.sampling.greedy else torch.cat(laws)
+        if len(first) == 1:
+            return Draft.chain(chain, q)
+        tree = _with_siblings(len(chain), len(first))
+        if q is None:
+            return Draft(tree, torch.cat([chain, first[1:]]))
+        valid = torch.cat([torch.ones_like(chain, dtype=torch.bool), drawn[1:]])
+        device_tree = DeviceTree(torch.tensor(tree.parents, device=chain.device), len(chain),
+                                 valid, len(first))
+        return Draft(device_tree, torch.cat([chain, first[1:]]),
+                     torch.cat([q, q[:1].expand(len(first) - 1, -1)]), without_replacement=True)
+
+    def _candidates_on_device(self, logits: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`_first_tokens` with nothing read back: the candidates [W] (the most likely, or
+        distinct draws by Gumbel-top-k), their law [1, V] (None when greedy) and which of them
+        were drawn [W] (None when greedy; False where the law has fewer positive tokens)."""
+        if self.sampling.greedy:
+            return ranked_on_device(logits[None], self._greedy_candidates)[0], None, None
+        law = logits_to_probs(logits[None], self.sampling, static=True)
+        tokens, drawn = gumbel_top(law, self.first_candidates, self.generator)
+        return tokens[0], law, drawn[0]
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
@@ -150,6 +174,8 @@ class SmallModelDrafter:
         history = context.token_list()
         if self._drafted_at is not None:  # the device chain's tokens: the accepted ones are
             accepted = len(history) - self._drafted_at - 1  # the history's, the rest are not
+            if self.first_candidates > 1:  # unless a sibling was accepted: feed them again
+                accepted = 0
             start = self._drafted_at
             del self._fed[start + max(0, accepted):]
             self._fed[start:] = history[start:start + len(self._fed) - start]
@@ -170,8 +196,7 @@ class SmallModelDrafter:
              else torch.stack(chain.laws + [chain.laws[0]] * len(chain.siblings)))
         if not chain.siblings:
             return Draft.chain(tokens, q)
-        tree = Tree.from_parents([-1, *range(len(chain.tokens) - 1),
-                                  *[-1] * len(chain.siblings)])
+        tree = _with_siblings(len(chain.tokens), 1 + len(chain.siblings))
         return Draft(tree, tokens, q, without_replacement=q is not None)
 
     def _pack(self, drafters: list[SmallModelDrafter]) -> None:
@@ -216,7 +241,8 @@ class SmallModelDrafter:
             return [draw(probs, self.sampling, self.generator)]
         if self.sampling.greedy:  # ties rank by id, as the argmax does
             return ranked(logits[None], self._greedy_candidates)[0].tolist()
-        return sample_without_replacement(probs, self.first_candidates, self.generator)
+        tokens, drawn = gumbel_top(probs[None], self.first_candidates, self.generator)
+        return tokens[0][drawn[0]].tolist()
 
     def _next_logits(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """[V] the draft's logits for the token after `tokens` (fed into its cache; a device
@@ -258,6 +284,12 @@ class SmallModelDrafter:
 
 
 _FAMILIES = itertools.count()
+
+
+def _with_siblings(chain: int, candidates: int) -> Tree:
+    """A chain of `chain` tokens whose first has `candidates - 1` sibling candidates after
+    it, leaves of the root."""
+    return Tree.from_parents([-1, *range(chain - 1), *[-1] * (candidates - 1)])
 
 
 class _Chain:

@@ -113,14 +113,16 @@ def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_ea
     assert min(taus["fitted"]) > 2.0, taus  # steps commit several pairs: the padded feed
 
 
-@pytest.mark.parametrize("k, vocab", [(4, None), (6, None), (3, 40)])
-def test_a_draft_models_greedy_chain_stays_on_the_device(exit_target, k, vocab):
-    """The draft model's greedy chain, each argmax fed on without a read: the host-side
-    chains, step by step, and one host read a step."""
+@pytest.mark.parametrize("k, vocab, candidates", [(4, None, 1), (6, None, 1), (3, 40, 1),
+                                                  (4, None, 3), (3, 40, 4)])
+def test_a_draft_models_greedy_chain_stays_on_the_device(exit_target, k, vocab, candidates):
+    """The draft model's greedy chain, each argmax fed on without a read, and its first
+    token's candidates: the host-side drafts, step by step, and one host read a step."""
     model, plain, _ = exit_target  # a 4-layer target: its first 2 layers draft
     draft_vocab = None if vocab is None else draft_vocabulary(torch.arange(vocab), 64, vocab)
     make = lambda static=True: (SmallModelDrafter if static else host_side(  # noqa: E731
-        SmallModelDrafter))(model.first_layers(2), k, draft_vocab=draft_vocab)
+        SmallModelDrafter))(model.first_layers(2), k, draft_vocab=draft_vocab,
+                            first_candidates=candidates)
     taus = same_drafts_and_output(model, make, plain)
     assert max(taus) > 1.2, taus  # chains accepted in part: the cache rolls back in part
     assert host_reads_per_step(model, make, PROMPTS[2]) == 1
@@ -202,27 +204,35 @@ def law_target() -> Transformer:
     return Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=2, hidden=16, std=0.5))
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "early_exit"])
+@pytest.mark.parametrize("drafter", ["draft_model", "draft_model_candidates", "early_exit"])
 def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter):
-    """A sampled chain (q given) in static steps: every draw of its rejection sampling made
-    on the device ahead (`verify.tree_draws`)."""
+    """A sampled chain (q given) in static steps, or a chain whose first token has sibling
+    candidates: every draw of its rejection sampling made on the device ahead
+    (`verify.tree_draws`)."""
     target = law_target()
     make = {"draft_model": lambda: SmallModelDrafter(target.first_layers(1), 3),
+            "draft_model_candidates": lambda: SmallModelDrafter(target.first_layers(1), 2,
+                                                                first_candidates=3),
             "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm"), 3)}
     assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), 1000,
                                      cuda_graphs=True)
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "adapter_exit", "norm_exit"])
+@pytest.mark.parametrize("drafter", ["draft_model", "draft_model_candidates", "adapter_exit",
+                                     "norm_exit"])
 @pytest.mark.parametrize("law", ["t1", "top_p", "top_k"])
 def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter, law):
-    """At T > 0 too, the device chain draws what the host chain draws (`sample_rows` both),
-    and a step reads the host once."""
+    """At T > 0 too, the device chain draws what the host chain draws (`sample_rows` both;
+    a draft model's first candidates by Gumbel-top-k both), and a step reads the host
+    once."""
     model, _, fitted = exit_target
-    cls, args = {"draft_model": (SmallModelDrafter, (model.first_layers(2), 4)),
-                 "adapter_exit": (EarlyExitDrafter, (fitted[2], 4)),
-                 "norm_exit": (EarlyExitDrafter, (random_exit(model, 3, "norm"), 3))}[drafter]
-    make = lambda static=True: (cls if static else host_side(cls))(*args)  # noqa: E731
+    cls, args, kwargs = {
+        "draft_model": (SmallModelDrafter, (model.first_layers(2), 4), {}),
+        "draft_model_candidates": (SmallModelDrafter, (model.first_layers(2), 3),
+                                   {"first_candidates": 3}),
+        "adapter_exit": (EarlyExitDrafter, (fitted[2], 4), {}),
+        "norm_exit": (EarlyExitDrafter, (random_exit(model, 3, "norm"), 3), {})}[drafter]
+    make = lambda static=True: (cls if static else host_side(cls))(*args, **kwargs)  # noqa: E731
     runs = []
     for static in (True, False):
         drafter = make(static)
@@ -232,9 +242,11 @@ def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter
                           generator=torch.Generator().manual_seed(2))
         runs.append((result.tokens, drafts))
     (static_tokens, static_drafts), (host_tokens, host_drafts) = runs
+    assert not any(map(_has_rows_not_nodes, static_drafts))  # so the two verify alike
     assert static_tokens == host_tokens
     for draft, host in zip(static_drafts, host_drafts, strict=True):
         assert draft.tokens.tolist() == host.tokens.tolist()
+        assert verified_nodes(draft)[0] == verified_nodes(host)[0]
         torch.testing.assert_close(draft.q, host.q, rtol=1e-5, atol=1e-6)
     assert host_reads_per_step(model, make, PROMPTS[2], LAWS[law]) == 1
 
