@@ -99,10 +99,11 @@ def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 100
     """Generate two tokens `samples` times through `drafter` (fixed seed) and check their
     joint law against the target's exact one (chi-square, P_VALUE_FLOOR); at least a tenth of
     the runs must take both tokens from one step, so the drafts were really in play.
-    cuda_graphs: as `generate`'s (True: static steps, and static drafting)."""
+    cuda_graphs: as `generate`'s (True: static steps, and static drafting). On the
+    target's device."""
     from selfspec import generate
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(0)
     counts, two_from_one_step = Counter(), 0
     for _ in range(samples):
         out = generate(target, SAMPLING_PROMPT, drafter=drafter, sampling=params,
@@ -118,9 +119,12 @@ def exact_two_token_law(target, prompt: list[int], params) -> dict:
     """The target model's exact law of its next two tokens after `prompt`, warped by params."""
     from selfspec.sampling import logits_to_probs
 
+    device = target.embed_tokens.weight.device
+
     def law_after(ids):
-        logits = target(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
-        return logits_to_probs(logits, params)
+        logits = target(torch.tensor([ids], device=device),
+                        torch.arange(len(ids), device=device)).logits[0, -1]
+        return logits_to_probs(logits, params).cpu()
 
     with torch.inference_mode():
         return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
@@ -688,14 +692,16 @@ def host_reads_per_step(target, make, prompt, sampling=None) -> float:
     from selfspec.devices import HostReads
 
     counts, sampling = [], sampling or SamplingParams()
+    device = target.embed_tokens.weight.device
     for new_tokens in (12, 24):
         drafter = make()
         options = {"drafter": drafter, "max_new_tokens": new_tokens, "cuda_graphs": True,
                    "sampling": sampling}
-        generate(target, prompt, generator=torch.Generator().manual_seed(0),
+        generate(target, prompt, generator=torch.Generator(device=device).manual_seed(0),
                  **options)  # set up: shapes checked, graphs captured on CUDA
         with HostReads() as reads:
-            result = generate(target, prompt, generator=torch.Generator().manual_seed(0),
+            result = generate(target, prompt,
+                              generator=torch.Generator(device=device).manual_seed(0),
                               **options)
         counts.append((reads.count, result.stats.loop_steps))
     (reads_short, steps_short), (reads_long, steps_long) = counts

@@ -486,3 +486,28 @@ def test_captured_drafts_are_the_host_side_drafts_on_cuda(target, fitted_eagle, 
                                 cuda_graphs=True).tokens for p in PROMPTS}
     taus = same_drafts_and_output(cuda, make, plain)
     assert max(taus) > 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("drafter, law", [("eagle_static_tree", "t1"), ("eagle2", "t1"),
+                                          ("draft_model_candidates", "top_p"),
+                                          ("early_exit", "top_k")])
+def test_captured_sampled_drafts_keep_the_target_law_on_cuda(drafter, law):
+    """Sampled drafts captured on CUDA. There their draws are not the host-side drafts'
+    (CUDA's Philox generator gives one draw of R x V uniforms other numbers than R draws of
+    V), so the check is the target's law, and one host read a step."""
+    assert_captured_sampling_is_exact("cuda", drafter, law)
+
+
+def assert_captured_sampling_is_exact(device: str, drafter: str, law: str) -> None:
+    target = law_target().to(device)
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    head = head.to(device)
+    make = {"eagle_static_tree": lambda: EagleDrafter(head, **SAMPLED["static_tree"]),
+            "eagle2": lambda: EagleDrafter(head, **SAMPLED["eagle2_budget"]),
+            "draft_model_candidates": lambda: SmallModelDrafter(target.first_layers(1), 2,
+                                                                first_candidates=3),
+            "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm").to(device),
+                                                   3)}[drafter]
+    assert_drafted_sampling_is_exact(target, make(), LAWS[law], 1000, cuda_graphs=True)
+    assert host_reads_per_step(target, make, SAMPLING_PROMPT, LAWS[law]) == 1
