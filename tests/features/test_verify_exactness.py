@@ -138,8 +138,8 @@ def test_emission_follows_the_target_law(setting, shape, mode):
     assert emission_pvalue(setting, tree, mode) > P_VALUE_FLOOR
 
 
-DRAWN_CASES = [(setting, shape, mode) for setting, shape, mode in CASES
-               if mode != "deterministic"]
+DRAWN_CASES = [(setting, shape, mode) for setting, shape, mode in CASES  # the cuts: one tree
+               if mode != "deterministic" and (setting == "t1" or mode == "without")]
 
 
 @pytest.mark.parametrize("setting, shape, mode", DRAWN_CASES)
