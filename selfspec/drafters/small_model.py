@@ -113,18 +113,8 @@ class SmallModelDrafter:
                                         self.generator)
             tokens.append(token)
             laws.append(law)
-        chain = torch.cat(tokens)
         q = None if self.sampling.greedy else torch.cat(laws)
-        if len(first) == 1:
-            return Draft.chain(chain, q)
-        tree = _with_siblings(len(chain), len(first))
-        if q is None:
-            return Draft(tree, torch.cat([chain, first[1:]]))
-        valid = torch.cat([torch.ones_like(chain, dtype=torch.bool), drawn[1:]])
-        device_tree = DeviceTree(torch.tensor(tree.parents, device=chain.device), len(chain),
-                                 valid, len(first))
-        return Draft(device_tree, torch.cat([chain, first[1:]]),
-                     torch.cat([q, q[:1].expand(len(first) - 1, -1)]), without_replacement=True)
+        return _draft_on_device(torch.cat(tokens), first[1:], q, drawn)
 
     def _candidates_on_device(self, logits: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -284,6 +274,22 @@ class SmallModelDrafter:
 
 
 _FAMILIES = itertools.count()
+
+
+def _draft_on_device(chain: torch.Tensor, siblings: torch.Tensor, q: torch.Tensor | None,
+                     drawn: torch.Tensor | None) -> Draft:
+    """A draft made on the device: its chain [k], and the first token's sibling candidates
+    [W - 1] (when sampled, those drawn: `drawn` [W] marks the first's and theirs) as leaves
+    of the root, verified as drawn without replacement from the first token's law."""
+    if not len(siblings):
+        return Draft.chain(chain, q)
+    tree, tokens = _with_siblings(len(chain), 1 + len(siblings)), torch.cat([chain, siblings])
+    if q is None:
+        return Draft(tree, tokens)
+    valid = torch.cat([torch.ones_like(chain, dtype=torch.bool), drawn[1:]])
+    parents = torch.tensor(tree.parents, device=chain.device)
+    return Draft(DeviceTree(parents, len(chain), valid, 1 + len(siblings)), tokens,
+                 torch.cat([q, q[:1].expand(len(siblings), -1)]), without_replacement=True)
 
 
 def _with_siblings(chain: int, candidates: int) -> Tree:
