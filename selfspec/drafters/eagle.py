@@ -30,9 +30,11 @@ Children are drawn by Gumbel-top-k (`sampling.gumbel_top`), one row of uniforms 
 
 Where the target runs static steps, the same trees grow in static shapes on the device
 (`selfspec.drafters.eagle_static`), and this module's host-side growth is the reference its
-tests compare them with. One case stays on the host: EAGLE-2's sampled children under a top-k
-or top-p cut. A cut law often supplies fewer children than asked; the host growth then spends
-the budget it saved on later nodes, which a static plan of the levels cannot follow.
+tests compare them with. So that the two build the same trees, the host grows the levels
+the static draft plans from the shape alone (`level_plan`): a child that a law cannot supply
+(a top-k or top-p cut, or an underflow) is missing with its subtree, and its budget is not
+spent elsewhere. Each level's children are drawn from one block of uniforms, a row per
+planned parent, as the static draft draws them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.eagle_static import StaticEagleDraft
+from selfspec.drafters.eagle_static import StaticEagleDraft, level_plan
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.kv_cache import KVCache
@@ -128,10 +130,7 @@ class EagleDrafter:
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
         self._committed = 0
-        # Where the target runs static steps, so does the draft, but for EAGLE-2's sampled
-        # children under a top-k or top-p cut (see the module docstring).
-        self._use_static = setup.static_steps and not (
-            self._sampled and self.tree is None and setup.sampling.truncated)
+        self._use_static = setup.static_steps  # where the target runs static steps
         if self._use_static:
             self._begin_static(setup)
             return
@@ -218,18 +217,19 @@ class EagleDrafter:
 
     def _grow_static(self, growth: _Growth) -> list[int]:
         """Fill self.tree level by level; returns the nodes made (all kept). A sampled node
-        whose rank its parent's law cannot supply is dropped with its subtree."""
+        whose rank its parent's law cannot supply is missing, with its subtree."""
         tree, made = self.tree, {-1: -1}  # tree node -> growth node
         for depth in range(1, tree.max_depth + 1):
-            parents = [-1] if depth == 1 else [
-                i for i in range(tree.num_nodes) if len(tree.choices[i]) == depth - 1]
-            for parent in (p for p in parents if p in made and tree.children_of(p)):
-                kids = tree.children_of(parent)
-                ranks = [tree.choices[c][-1] for c in kids]
-                found = self._children(growth, made[parent], max(ranks) + 1)
-                for kid, rank in zip(kids, ranks, strict=True):
-                    if rank < len(found):
-                        made[kid] = growth.add(*_scored(growth, made[parent], found[rank]))
+            planned = [-1] if depth == 1 else [  # the nodes above that have children
+                i for i in range(tree.num_nodes)
+                if len(tree.choices[i]) == depth - 1 and tree.children_of(i)]
+            counts = [max(tree.choices[c][-1] for c in tree.children_of(p)) + 1
+                      for p in planned]
+            found = self._level_children(growth, [made.get(p) for p in planned], counts)
+            for parent, children in zip(planned, found, strict=True):
+                for kid in tree.children_of(parent):
+                    if (rank := tree.choices[kid][-1]) < len(children):
+                        made[kid] = growth.add(*_scored(growth, made[parent], children[rank]))
             level = [made[i] for i in range(tree.num_nodes) if i in made
                      and len(tree.choices[i]) == depth and tree.children_of(i)]
             if level and depth < tree.max_depth:
@@ -237,18 +237,20 @@ class EagleDrafter:
         return list(range(len(growth.nodes)))
 
     def _grow_dynamic(self, growth: _Growth) -> list[int]:
-        """EAGLE-2: grow `depth` levels from a top_k frontier; returns the nodes kept."""
-        frontier = [-1]
-        for depth in range(1, self.depth + 1):
+        """EAGLE-2: grow the levels of `level_plan` from a top_k frontier; returns the nodes
+        kept."""
+        frontier: list[int] = [-1]
+        plan = level_plan(self.total_tokens, self.depth, self.top_k, self._sampled)
+        for depth, counts in enumerate(plan, start=1):
             if depth > 1:
                 self._feed(growth, frontier)
-            level = []
-            for parent in frontier:
-                count = self.top_k
-                if self._sampled:  # spend the budget now: see the module docstring
-                    count = min(count, self.total_tokens - len(growth.nodes))
-                for child in self._children(growth, parent, count):
-                    level.append(growth.add(*_scored(growth, parent, child)))
+            counts = [c for c in counts if c]
+            # A frontier shorter than planned (a law supplied fewer children) leaves gaps.
+            planned = [*frontier, *[None] * (len(counts) - len(frontier))][: len(counts)]
+            found = self._level_children(growth, planned, counts)
+            level = [growth.add(*_scored(growth, parent, child))
+                     for parent, children in zip(planned, found, strict=True)
+                     for child in children]
             frontier = growth.best(level, self.top_k)
             if not frontier:
                 break
@@ -256,23 +258,40 @@ class EagleDrafter:
             return list(range(len(growth.nodes)))
         return sorted(growth.best(range(len(growth.nodes)), self.total_tokens))
 
-    def _children(self, growth: _Growth, parent: int, count: int
-                  ) -> list[tuple[int, float, int]]:
-        """Up to `count` children of `parent` as (token, log-probability, law index): the
-        head's top tokens (law -1), or tokens drawn without replacement from its warped law."""
-        if count <= 0:
-            return []
-        logits = growth.logits[parent]  # [V]
+    def _level_children(self, growth: _Growth, parents: list[int | None], counts: list[int]
+                        ) -> list[list[tuple[int, float, int]]]:
+        """Up to counts[j] children of each of a level's planned parents, as (token,
+        log-probability, law index): the head's top tokens (law -1), or tokens drawn without
+        replacement from its warped law. A planned parent that is missing (None) gets none;
+        sampled, it still takes its row of the level's uniforms, drawn as one block
+        (`gumbel_top`), as the static draft draws them, so that the two draw alike."""
         if not self._sampled:
-            ids = ranked(logits[None], count)[0]  # [count]
-            log_probs = torch.log_softmax(logits, dim=-1)[ids]
-            return [(t, lp, -1) for t, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)]
-        law = logits_to_probs(logits, self._sampling)  # [V]
-        growth.laws.append(law)
-        tokens, valid = gumbel_top(law[None], count, self._generator)
-        drawn = tokens[0][valid[0]].tolist()
-        log_probs = law[drawn].double().log().tolist()
-        return [(t, lp, len(growth.laws) - 1) for t, lp in zip(drawn, log_probs, strict=True)]
+            return [[] if parent is None else self._chosen(growth, parent, count)
+                    for parent, count in zip(parents, counts, strict=True)]
+        laws = [None if parent is None else logits_to_probs(growth.logits[parent],
+                                                             self._sampling)
+                for parent in parents]
+        filler = torch.ones_like(growth.logits[-1])  # a missing parent's row, drawn and dropped
+        tokens, drawn = gumbel_top(torch.stack([filler if law is None else law for law in laws]),
+                                   max(counts), self._generator)
+        found = []
+        for row, (law, count) in enumerate(zip(laws, counts, strict=True)):
+            if law is None:
+                found.append([])
+                continue
+            growth.laws.append(law)
+            picked = tokens[row, :count][drawn[row, :count]].tolist()
+            log_probs = law[picked].double().log().tolist()
+            found.append([(t, lp, len(growth.laws) - 1)
+                          for t, lp in zip(picked, log_probs, strict=True)])
+        return found
+
+    def _chosen(self, growth: _Growth, parent: int, count: int) -> list[tuple[int, float, int]]:
+        """The head's `count` top tokens after `parent`, with their log-probabilities."""
+        logits = growth.logits[parent]  # [V]
+        ids = ranked(logits[None], count)[0]  # [count]
+        log_probs = torch.log_softmax(logits, dim=-1)[ids]
+        return [(t, lp, -1) for t, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)]
 
     def _feed(self, growth: _Growth, nodes: list[int]) -> None:
         """Run the head on `nodes` (each reading its parent's predicted feature) in one pass,

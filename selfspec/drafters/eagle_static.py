@@ -1,7 +1,6 @@
 """EAGLE drafting in static shapes, on the device: what `EagleDrafter` runs when the target
 runs static steps (CUDA graphs on CUDA; `cuda_graphs=True` elsewhere runs the same code
-eagerly), for chosen children and for sampled children (but EAGLE-2's under a top-k or
-top-p cut: `selfspec.drafters.eagle`).
+eagerly), for chosen children and for sampled children.
 
 It builds the tree `EagleDrafter`'s host-side growth builds (the same nodes in the same
 order), but as tensor ops over fixed widths, reading nothing back to the host:
@@ -16,8 +15,8 @@ order), but as tensor ops over fixed widths, reading nothing back to the host:
   children, scored in float64 (the host growth sums Python floats), the next frontier is
   the best top_k by a stable sort (ties by creation order), and the pool's best
   `total_tokens` are kept in creation order. Sampled: the budget is spent while growing,
-  as the host growth spends it, and every node is kept. Either is a `DeviceTree`, whose
-  parents the decode loop reads back in the step's one host read;
+  by the plan both growths follow (`level_plan`), and every node is kept. Either is a
+  `DeviceTree`, whose parents the decode loop reads back in the step's one host read;
 - sampled children are Gumbel-top-k draws (`gumbel_top`), one row of uniforms per parent, as
   the host growth draws them; a node its law cannot supply is no node (`DeviceTree.valid`).
 
@@ -262,29 +261,12 @@ class _DynamicTree:
     def __init__(self, total_tokens: int, depth: int, top_k: int, device: torch.device,
                  sampled: bool) -> None:
         self.shape = self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
-        self.levels = self.counts(sampled)
+        self.levels = level_plan(total_tokens, depth, top_k, sampled)
         # Each level's children as (frontier row, rank) index tensors, made here: a captured
         # step may not copy from the host.
         self.index = [(_long([j for j, c in enumerate(counts) for _ in range(c)], device),
                        _long([r for c in counts for r in range(c)], device))
                       for counts in self.levels]
-
-    def counts(self, sampled: bool) -> list[list[int]]:
-        """Each level's children per frontier node, best first (host ints: the shapes)."""
-        k, total = self.top_k, self.total_tokens
-        levels = [[min(k, total) if sampled else k]]
-        made = levels[0][0]
-        for _ in range(1, self.max_depth):
-            width = min(k, sum(levels[-1]))
-            if not sampled:
-                levels.append([k] * width)
-                continue
-            level = [max(0, min(k, total - made - j * k)) for j in range(width)]
-            if not any(level):
-                break
-            levels.append(level)
-            made += sum(level)
-        return levels
 
     def run(self, draft: StaticEagleDraft, children: _Children) -> _Grown:
         device, levels = draft.device, self.levels
@@ -317,6 +299,27 @@ class _DynamicTree:
             frontier, feature, ancestors = size + best, hidden[row[best]], ancestors[row[best]]
             size += len(row)
         return _kept(pool, None if children.sampled else self.total_tokens)
+
+
+def level_plan(total_tokens: int, depth: int, top_k: int, sampled: bool) -> list[list[int]]:
+    """EAGLE-2's levels as planned from its shape alone: per level, the children each
+    frontier position gets, best first. Chosen: top_k each, the pool cut afterwards. Sampled:
+    the `total_tokens` budget spent while growing, as if every law supplied every child asked
+    for; a child its law cannot supply is missing, and its budget is not spent again. The
+    host growth (`EagleDrafter`) follows the same plan."""
+    levels = [[min(top_k, total_tokens) if sampled else top_k]]
+    made = levels[0][0]
+    for _ in range(1, depth):
+        width = min(top_k, sum(levels[-1]))
+        if not sampled:
+            levels.append([top_k] * width)
+            continue
+        level = [max(0, min(top_k, total_tokens - made - j * top_k)) for j in range(width)]
+        if not any(level):
+            break
+        levels.append(level)
+        made += sum(level)
+    return levels
 
 
 def _kept(pool: list[_Made], count: int | None) -> _Grown:
