@@ -143,8 +143,8 @@ def tree_draws(children: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, p:
     for column in range(width):
         child = children[:, column]
         open_ = (child >= 0) & (accepted < 0)  # a child to test, none accepted before it
-        x = tokens[child.clamp(min=0)]
-        proposal = q[child.clamp(min=0)]
+        node = child.clamp(min=0)  # padding reads node 0, and is never open
+        x, proposal = tokens[node], q[node]
         if without_replacement:
             proposal = proposal.masked_fill(removed, 0.0)
             proposal = proposal / proposal.sum(dim=-1, keepdim=True).clamp(min=1e-30)
@@ -169,8 +169,9 @@ def tree_outcome(draws: Sequence[int]) -> tuple[list[int], int]:
 
 
 def _residuals(residual: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
-    """Row by row, `_residual`: norm(max(residual - proposal, 0)), or residual where that
-    has no mass (a rejection of probability zero, up to float noise)."""
+    """Row by row ([..., V]): norm(max(residual - proposal, 0)), or residual where that has
+    no mass (a rejection of probability zero when residual == proposal, up to float
+    noise)."""
     updated = (residual - proposal).clamp_(min=0.0)
     total = updated.sum(dim=-1, keepdim=True)
     return torch.where(total > 1e-12, updated / total.clamp(min=1e-30), residual)
@@ -260,15 +261,12 @@ def _accept(
 
 
 def _residual(residual: torch.Tensor, proposal: torch.Tensor | None, x: int) -> torch.Tensor:
-    """After rejecting x: norm(max(residual - proposal, 0))."""
+    """After rejecting x: norm(max(residual - proposal, 0)), a point mass at x when proposal
+    is None (which zeroes x alone: residual(x) <= 1)."""
     if proposal is None:
-        updated = residual.clone()
-        updated[x] = 0.0
-    else:
-        updated = (residual - proposal).clamp_(min=0.0)
-    total = updated.sum()
-    # A rejection has probability zero when residual == proposal; guard against float noise.
-    return residual if total <= 1e-12 else updated / total
+        proposal = torch.zeros_like(residual)
+        proposal[x] = 1.0
+    return _residuals(residual, proposal)
 
 
 # ---- input checks ------------------------------------------------------------------------
