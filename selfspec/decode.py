@@ -340,7 +340,8 @@ def _forward_rows(root: int, draft: Draft, device: torch.device
     """The verification forward's tokens [1, T], position offsets [T] and mask [T, T]: the
     root and the draft's nodes under its tree mask, then any extra rows, which see the root
     and each other as their mask says and which no node sees."""
-    tokens = torch.cat([torch.tensor([root], device=device), draft.tokens.to(device)])
+    # A fill, not a copy from the host: that would wait for the queued draft.
+    tokens = torch.cat([torch.full((1,), root, device=device), draft.tokens.to(device)])
     offsets, mask = draft.tree.verification_inputs(device)  # [N+1], [N+1, N+1]
     extra = draft.extra
     if extra is None:

@@ -179,11 +179,14 @@ class Tree:
     def verification_inputs(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions_with_root, mask_with_root) on `device`, copied there once per device
         rather than every step."""
-        on_device = self.__dict__.setdefault("_on_device", {})
-        key = str(device)
-        if key not in on_device:
-            on_device[key] = (self.positions_with_root.to(device), self.mask_with_root.to(device))
-        return on_device[key]
+        return self._on(device, "inputs", lambda: (self.positions_with_root.to(device),
+                                                   self.mask_with_root.to(device)))
+
+    def parents_on(self, device: torch.device | str) -> torch.Tensor:
+        """[N] `parents` as a long tensor on `device`, copied there once per device (a copy
+        from the host in a decode step would wait for the device's queued work)."""
+        return self._on(device, "parents", lambda: torch.tensor(self.parents, dtype=torch.long,
+                                                                device=device))
 
     @cached_property
     def max_children(self) -> int:
@@ -193,14 +196,20 @@ class Tree:
     def children_table(self, device: torch.device | str) -> torch.Tensor:
         """[N+1, K] each node's children in order, padded with -1 (row 0: the root's, row
         i+1: node i's; K = max_children), on `device`, built once per device."""
-        tables = self.__dict__.setdefault("_children_tables", {})
-        key = str(device)
-        if key not in tables:
+        def build() -> torch.Tensor:
             table = torch.full((self.num_nodes + 1, max(self.max_children, 1)), -1)
             for row, kids in enumerate(self.children):
                 table[row, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-            tables[key] = table.to(device)
-        return tables[key]
+            return table.to(device)
+        return self._on(device, "children", build)
+
+    def _on(self, device: torch.device | str, name: str, make):
+        """A tensor of this (immutable) tree on `device`: made once per device and kept."""
+        kept = self.__dict__.setdefault("_on_device", {})
+        key = (name, str(device))
+        if key not in kept:
+            kept[key] = make()
+        return kept[key]
 
 
 @dataclass(frozen=True, eq=False)

@@ -168,7 +168,7 @@ class _StaticTree:
 
     def __init__(self, tree: Tree, device: torch.device) -> None:
         self.tree, self.shape, self.max_depth = tree, tree.parents, tree.max_depth
-        self.parents = _long(list(tree.parents), device)  # for a sampled draft's DeviceTree
+        self.parents = tree.parents_on(device)  # for a sampled draft's DeviceTree
         self.ranks = max((c[-1] for c in tree.choices), default=0) + 1
         fed = [i for i in range(tree.num_nodes) if tree.children_of(i)]
         slot = {node: i for i, node in enumerate(fed)}  # draft slot of each fed node

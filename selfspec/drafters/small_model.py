@@ -287,9 +287,9 @@ def _draft_on_device(chain: torch.Tensor, siblings: torch.Tensor, q: torch.Tenso
     if q is None:
         return Draft(tree, tokens)
     valid = torch.cat([torch.ones_like(chain, dtype=torch.bool), drawn[1:]])
-    parents = torch.tensor(tree.parents, device=chain.device)
-    return Draft(DeviceTree(parents, len(chain), valid, 1 + len(siblings)), tokens,
-                 torch.cat([q, q[:1].expand(len(siblings), -1)]), without_replacement=True)
+    device_tree = DeviceTree(tree.parents_on(chain.device), len(chain), valid, 1 + len(siblings))
+    return Draft(device_tree, tokens, torch.cat([q, q[:1].expand(len(siblings), -1)]),
+                 without_replacement=True)
 
 
 def _with_siblings(chain: int, candidates: int) -> Tree:
