@@ -1,5 +1,5 @@
 """Which torchao weight-only quantizations run on this CPU, and a target's one-token forward
-with each against fp32: the arms `selfspec.quantized` chose between, alternating round by
+with each against fp32: the arms `selfspec.model.quantized` chose between, alternating round by
 round in one process.
 
     python scripts/bench_quantized.py --models tiny smollm2-135m \
@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from selfspec import quantized
 from selfspec.from_config import load_target
-from selfspec.model import Transformer
+from selfspec.model import Transformer, quantized
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BF16 = torch.bfloat16
@@ -177,14 +176,14 @@ def with_layers(target: Transformer, make: Callable[[nn.Linear], nn.Module]) -> 
 
 
 def forward_arms(target: Transformer, slow: bool) -> dict[str, Transformer]:
-    """The models to time: fp32, selfspec.quantized's copies (int4 at each group size), and
+    """The models to time: fp32, selfspec.model.quantized's copies (int4 at each group size), and
     torchao's own F.linear products with bf16 rows (with fp32 rows too when `slow`)."""
-    arms = {"fp32": target, "int8 (selfspec.quantized: aten int8pack, bf16 rows)":
+    arms = {"fp32": target, "int8 (selfspec.model.quantized: aten int8pack, bf16 rows)":
             quantized.quantized_copy(target, 8)}
     chosen = quantized.INT4_GROUP
     for group in (32, 64, 128):
         quantized.INT4_GROUP = group
-        arms[f"int4 group {group} (selfspec.quantized: int4pack_mm_for_cpu, bf16 rows)"] = (
+        arms[f"int4 group {group} (selfspec.model.quantized: int4pack_mm_for_cpu, bf16 rows)"] = (
             quantized.quantized_copy(target, 4))
     quantized.INT4_GROUP = chosen
     fits_int4 = all(layer.in_features % 32 == 0 for *_, layer in quantized.linear_layers(target))

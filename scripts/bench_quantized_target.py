@@ -22,7 +22,7 @@ from selfspec import SamplingParams, from_config
 from selfspec.cli import exit_on_user_error
 from selfspec.measure.passes import BenchSettings, run_passes
 from selfspec.measure.peers import OurDecoder
-from selfspec.quantized import quantized_copy
+from selfspec.model.quantized import quantized_copy
 
 
 def main(argv: list[str]) -> None:

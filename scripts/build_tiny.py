@@ -6,7 +6,7 @@ Stages, each reading the previous one's output from ``--out``:
   tokenizer  byte-level BPE on the train split          -> <out>/tokenizer/
   target     selfspec-tiny, LlamaForCausalLM from scratch -> <out>/target/
   draft      selfspec-tiny-draft, distilled from target   -> <out>/draft/
-Both models train through ``selfspec.training.fit``; its run folders (checkpoints, run config)
+Both models train through ``selfspec.training.loop.fit``; its run folders (checkpoints, run config)
 are <out>/_work/target/ and <out>/_work/draft/ (never shipped); ``--resume`` continues them.
 A time budget becomes a step count at a run's start, from the measured speed of a few steps.
 ``--quick`` runs the same recipe in seconds with toy sizes (for tests).
@@ -36,7 +36,9 @@ from torch import nn
 from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
-from selfspec.data import (
+from selfspec.errors import SelfspecError
+from selfspec.training.checkpoints import CHECKPOINT_PREFIX, RUN_CONFIG, record_run_config
+from selfspec.training.data import (
     EOS_TOKEN,
     HELDOUT_BUCKETS,
     pack_token_stream,
@@ -45,17 +47,8 @@ from selfspec.data import (
     stdlib_manifest_sha256,
     token_stream,
 )
-from selfspec.errors import SelfspecError
-from selfspec.losses import LossOutput, kl_to_teacher
-from selfspec.training import (
-    CHECKPOINT_PREFIX,
-    RUN_CONFIG,
-    TokenRows,
-    TrainSettings,
-    fit,
-    make_accelerator,
-    record_run_config,
-)
+from selfspec.training.loop import TokenRows, TrainSettings, fit, make_accelerator
+from selfspec.training.losses import LossOutput, kl_to_teacher
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "selfspec" / "assets" / "tiny"
@@ -500,7 +493,7 @@ def data_lines(corpus: dict) -> list[str]:
     return [f"- source: the standard library `.py` files of Python {corpus['python']} "
             "(`sysconfig.get_paths()['stdlib']`), without site-packages and test folders "
             f"(test/, tests/, idle_test/){quick}",
-            f"- file-list sha256 (relative paths + content hashes, `selfspec.data."
+            f"- file-list sha256 (relative paths + content hashes, `selfspec.training.data."
             f"stdlib_manifest_sha256()`): `{corpus['stdlib_manifest_sha256']}`",
             f"- split by file (sha256 of the relative path, 1 bucket in {HELDOUT_BUCKETS} held "
             f"out): {corpus['train_files']} train files, {corpus['heldout_files']} held-out "
@@ -524,7 +517,7 @@ def training_lines(card: Card, recipe: Recipe) -> list[str]:
             f"- AdamW (betas {BETAS[0]:g}/{BETAS[1]:g}, wd {WEIGHT_DECAY:g}), peak lr "
             f"{job.peak_lr:g}, {job.warmup_steps} warmup steps, cosine to {MIN_LR_RATIO:g}x "
             f"over a budget of {budget_text(job, plan)}; grad clip 1.0; "
-            f"{card.trained.precision}; `selfspec.training.fit`",
+            f"{card.trained.precision}; `selfspec.training.loop.fit`",
             f"- training time {rec.elapsed_s / 60:.1f} min over {len(rec.commands)} session(s); "
             f"this stage's last session {card.stage_wall_s / 60:.1f} min wall",
             f"- seed {job.seed}, {torch.get_num_threads()} torch thread(s), torch "
@@ -672,8 +665,8 @@ def stage_draft(ctx: Ctx) -> None:
     weaker, comparison = compare_lines(run.metrics, target_metrics)
     notes = [f"- distilled from selfspec-tiny (`../target`, {n_params(teacher):,} parameters): "
              f"loss = {1 - hard:g} x KL(target || draft) of the next-token laws "
-             f"(`selfspec.losses.kl_to_teacher`) + {hard:g} x next-token cross entropy; the "
-             "curve's train loss is that mix", comparison]
+             f"(`selfspec.training.losses.kl_to_teacher`) + {hard:g} x next-token cross entropy; "
+             "the curve's train loss is that mix", comparison]
     card = Card("selfspec-tiny-draft", "The small-draft-model baseline for selfspec-tiny: same "
                 "tokenizer, distilled from the target so that it imitates it.", run.model,
                 run.corpus, run.trained, run.metrics, notes, time.monotonic() - run.started)

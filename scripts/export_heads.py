@@ -21,8 +21,8 @@ from selfspec.cli import exit_on_user_error
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
 from selfspec.heads.io import read_head, recorded_target, save_head
 from selfspec.heads.published import TargetNeeded
-from selfspec.lora import ADAPTER_DIR
 from selfspec.model import ModelConfig, Transformer
+from selfspec.model.lora import ADAPTER_DIR
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SELFSPEC = "selfspec"

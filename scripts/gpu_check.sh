@@ -27,7 +27,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 
 if [[ $what == tests || $what == all ]]; then
-    python -m pytest tests/test_step.py tests/test_placement.py tests/test_batch.py \
+    python -m pytest tests/test_step.py tests/model/test_placement.py tests/test_batch.py \
         tests/drafters/test_static_drafting.py \
         tests/features/test_every_device.py \
         tests/features/test_train_on_cuda.py tests/measure/test_costs.py \

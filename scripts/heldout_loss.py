@@ -3,7 +3,7 @@
     python scripts/heldout_loss.py selfspec/assets/tiny/target selfspec/assets/tiny/draft
 
 Deterministic: the first ``--max-tokens`` tokens of the held-out files (sorted, joined with
-eos, see ``selfspec.data``), cut into windows of ``--seq-len``; every token of a window but
+eos, see ``selfspec.training.data``), cut into windows of ``--seq-len``; every token of a window but
 the first is predicted. Models are evaluated in float32 whatever dtype they were saved in.
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
-from selfspec.data import pack_token_stream, stdlib_files, token_stream
 from selfspec.from_config import load_tokenizer
+from selfspec.training.data import pack_token_stream, stdlib_files, token_stream
 
 DEFAULT_MAX_TOKENS = 200_000
 DEFAULT_SEQ_LEN = 256

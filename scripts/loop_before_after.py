@@ -29,9 +29,9 @@ from selfspec.drafters import MedusaProductDrafter
 from selfspec.from_config import load_tokenizer
 from selfspec.heads import load_head
 from selfspec.measure.passes import BenchSettings, run_passes
+from selfspec.measure.prompts import encode_prompts, humaneval_prompts
 from selfspec.metrics import describe_split
 from selfspec.model import Transformer
-from selfspec.prompts import encode_prompts, humaneval_prompts
 from selfspec.sampling import SamplingParams
 from selfspec.tree import Tree
 

@@ -19,9 +19,9 @@ import torch
 
 from selfspec.devices import synchronize
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures, fork
-from selfspec.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
+from selfspec.model.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.sampling import (
     SamplingParams,
     check_generator,

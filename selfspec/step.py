@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.kv_cache import KVCache, rows_mask
 from selfspec.model import ModelOutput, Transformer
+from selfspec.model.kv_cache import KVCache, rows_mask
 from selfspec.model.transformer import EAGER_STAGES, compiled_stages, fuse_projections
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -52,7 +52,7 @@ def padded_slots(max_length: int) -> int:
 
 def use_cuda_graphs(setting: bool | None, target: Transformer) -> bool:
     """cuda_graphs: None = auto (on for a CUDA target), True or False. A target placed over
-    several devices (`selfspec.placement`) decodes eagerly: one graph cannot span devices,
+    several devices (`selfspec.model.placement`) decodes eagerly: one graph cannot span devices,
     and a graph per device segment is not built."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"cuda_graphs must be None (on for CUDA), True or False, got {setting!r}")

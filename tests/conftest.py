@@ -18,8 +18,8 @@ from selfspec.heads import (
     describe_target,
     save_head,
 )
-from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 from selfspec.model import ModelConfig
+from selfspec.model.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 
 
 def pytest_configure(config) -> None:

@@ -1,4 +1,4 @@
-"""Run by tests/test_training.py under torchrun: a few Medusa training steps with `fit`.
+"""Run by tests/training/test_loop.py under torchrun: a few Medusa training steps with `fit`.
 
     torchrun --nproc_per_node 2 tests/distributed_fit.py RUN_DIR MICRO_BATCH ZERO [VERSION]
 
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import suite_threads, tiny_llama  # noqa: E402
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
-from selfspec.lora import LoraSettings, add_lora, save_adapter  # noqa: E402
 from selfspec.model import Transformer  # noqa: E402
-from selfspec.objectives import Medusa2Objective, MedusaObjective  # noqa: E402
-from selfspec.tracking import Tracker  # noqa: E402
-from selfspec.training import TokenRows, TrainSettings, fit, make_accelerator  # noqa: E402
+from selfspec.model.lora import LoraSettings, add_lora, save_adapter  # noqa: E402
+from selfspec.training.loop import TokenRows, TrainSettings, fit, make_accelerator  # noqa: E402
+from selfspec.training.objectives import Medusa2Objective, MedusaObjective  # noqa: E402
+from selfspec.training.tracking import Tracker  # noqa: E402
 
 ZERO = {
     "none": None,

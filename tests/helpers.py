@@ -134,7 +134,7 @@ def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int
     """Medusa heads fit (AdamW, full batch) to the target's own greedy continuations, given as
     {prompt tuple: new tokens}; returns (heads in eval mode, the last step's metrics)."""
     from selfspec.heads import MedusaConfig, MedusaHeads
-    from selfspec.losses import medusa_loss
+    from selfspec.training.losses import medusa_loss
 
     rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
     length = max(map(len, rows))
@@ -160,7 +160,7 @@ def fit_eagle_head(target, continuations: dict, version: int = 1, steps: int = 6
     {prompt tuple: new tokens}; EAGLE-3 heads (version 3) get their draft vocabulary from those
     rows and train with a 3-step training-time test. Returns (head in eval mode, metrics)."""
     from selfspec.heads import EagleConfig, EagleHead, draft_vocabulary
-    from selfspec.objectives import Eagle3Objective, EagleObjective
+    from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
     rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
     length = max(map(len, rows))
@@ -363,8 +363,8 @@ def random_medusa_heads(config, seed: int, std: float = 0.2):
 
 def reduced_medusa_heads(target, kept: list[int], num_heads: int = 4):
     """Fresh Medusa heads for the target that score only the token ids `kept`."""
-    from selfspec.draft_vocab import draft_vocabulary
     from selfspec.heads import MedusaConfig, MedusaHeads
+    from selfspec.heads.draft_vocab import draft_vocabulary
 
     config = MedusaConfig(target.config.hidden_size, target.config.vocab_size,
                           num_heads=num_heads, draft_vocab_size=len(kept))
@@ -417,7 +417,7 @@ def fit_exits(target, continuations: dict, layers=(1, 2, 3), steps: int = 40):
     """Adapter exits at `layers` fit together (AdamW, full batch) to the target's own greedy
     continuations; returns ({E: head in eval mode}, the last step's metrics)."""
     from selfspec.heads import ExitConfig, ExitHead
-    from selfspec.objectives import EarlyExitObjective
+    from selfspec.training.objectives import EarlyExitObjective
 
     rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
     length = max(map(len, rows))
@@ -453,8 +453,8 @@ def medusa2_objective(seed: int = 1):
     """A Medusa-2 objective: 2 fresh heads and rank-4 adapters on the toy target."""
     from selfspec import Transformer
     from selfspec.heads import MedusaConfig, MedusaHeads
-    from selfspec.lora import LoraSettings, add_lora
-    from selfspec.objectives import Medusa2Objective
+    from selfspec.model.lora import LoraSettings, add_lora
+    from selfspec.training.objectives import Medusa2Objective
 
     base = Transformer.from_hf(tiny_llama(0))
     torch.manual_seed(seed)

@@ -33,8 +33,8 @@ from selfspec.drafters import (
 from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookahead import LookaheadDrafter
 from selfspec.heads import MedusaConfig
-from selfspec.kv_cache import RowSlots
 from selfspec.measure.oracle import OracleDrafter
+from selfspec.model.kv_cache import RowSlots
 
 LAYERS = 4
 # Mixed lengths, a one-token prompt, and repeats that lookup drafts from.

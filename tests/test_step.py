@@ -13,10 +13,10 @@ import torch
 from helpers import first_layers, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import NgramDrafter, SmallModelDrafter
+from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.measure.oracle import OracleDrafter
-from selfspec.placement import Placement
+from selfspec.model.placement import Placement
 from selfspec.step import (
     BUCKETS,
     StaticSteps,

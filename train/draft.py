@@ -22,18 +22,18 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
-from selfspec.draft_vocab import (
+from selfspec.drafters import SmallModelDrafter
+from selfspec.heads.draft_vocab import (
     load_draft_vocab,
     most_frequent,
     save_token_counts,
     token_counts,
 )
-from selfspec.drafters import SmallModelDrafter
 from selfspec.model import Transformer
-from selfspec.objectives import DraftModelObjective
-from selfspec.plan import trainable_line
-from selfspec.tracking import Tracker
-from selfspec.training import fit, make_accelerator, state_part
+from selfspec.model.plan import trainable_line
+from selfspec.training.loop import fit, make_accelerator, state_part
+from selfspec.training.objectives import DraftModelObjective
+from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_draft")

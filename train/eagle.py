@@ -23,9 +23,9 @@ from selfspec.drafters import EagleDrafter
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import describe_target, save_head
 from selfspec.model import Transformer
-from selfspec.plan import head_training_lines
-from selfspec.tracking import Tracker
-from selfspec.training import fit, make_accelerator, state_part
+from selfspec.model.plan import head_training_lines
+from selfspec.training.loop import fit, make_accelerator, state_part
+from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_eagle")

@@ -25,10 +25,10 @@ from selfspec.drafters import EarlyExitDrafter
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, save_head
 from selfspec.model import Transformer
-from selfspec.objectives import EarlyExitObjective
-from selfspec.plan import trainable_line
-from selfspec.tracking import Tracker
-from selfspec.training import fit, make_accelerator, state_part
+from selfspec.model.plan import trainable_line
+from selfspec.training.loop import fit, make_accelerator, state_part
+from selfspec.training.objectives import EarlyExitObjective
+from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_early_exit")

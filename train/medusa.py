@@ -21,12 +21,12 @@ from selfspec.cli import hydra_entry_point
 from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
 from selfspec.measure.lossless import greedy_agreement
 from selfspec.model import Transformer
-from selfspec.plan import head_training_lines, trainable_line
-from selfspec.tracking import Tracker
-from selfspec.training import fit, make_accelerator, state_part
+from selfspec.model.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
+from selfspec.model.plan import head_training_lines, trainable_line
+from selfspec.training.loop import fit, make_accelerator, state_part
+from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_medusa")

@@ -20,8 +20,8 @@ from selfspec.sampling import SamplingParams
 from selfspec.tree import DeviceTree, Tree, host_tree
 
 if TYPE_CHECKING:
-    from selfspec.kv_cache import KVCache
     from selfspec.model import Transformer
+    from selfspec.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

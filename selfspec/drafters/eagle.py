@@ -48,8 +48,8 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.eagle_static import StaticEagleDraft, level_plan
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
-from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
+from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked
 from selfspec.sampling import gumbel_top, logits_to_probs
 from selfspec.step import padded_slots

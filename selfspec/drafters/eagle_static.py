@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.heads.eagle import EagleHead
-from selfspec.kv_cache import KVCache
 from selfspec.model import Transformer
+from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked_on_device
 from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView, weights_of

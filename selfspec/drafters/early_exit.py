@@ -31,7 +31,7 @@ import torch
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.early_exit import ExitHead, check_exit_target
-from selfspec.kv_cache import KVCache
+from selfspec.model.kv_cache import KVCache
 from selfspec.sampling import SamplingParams, draw, draw_on_device, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView, weights_of
 

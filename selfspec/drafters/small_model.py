@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from selfspec.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
-from selfspec.kv_cache import KVCache, RowSlots, pad_rows
+from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.model import ModelOutput, Transformer, linear
+from selfspec.model.kv_cache import KVCache, RowSlots, pad_rows
 from selfspec.ranking import ranked, ranked_on_device
 from selfspec.sampling import draw, draw_on_device, gumbel_top, logits_to_probs
 from selfspec.step import StaticSteps, kept_or_new
@@ -33,7 +33,7 @@ class SmallModelDrafter:
     under the draft model is below it (`selfspec.drafters.confidence`); None drafts
     num_draft_tokens every step.
 
-    draft_vocab: score only these target ids (`selfspec.draft_vocab`): the LM head's K rows
+    draft_vocab: score only these target ids (`selfspec.heads.draft_vocab`): the LM head's K rows
     instead of all V, and q is zero elsewhere, which verification handles exactly.
 
     first_candidates: W > 1 drafts a tree: W candidates for the first token (the draft's top

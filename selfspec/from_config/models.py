@@ -3,7 +3,7 @@ them checked against those facts, tokenizers, and the Hugging Face peers' copies
 
 A model config names its weights four ways, tried in order: a local `path`, a shipped package
 `asset` (selfspec/assets/<asset>), a `gguf` file inside an installed pip package (converted
-once into a cache folder, `selfspec.converted`), the Hugging Face cache for `hf_id` (never a
+once into a cache folder, `selfspec.model.converted`), the Hugging Face cache for `hf_id` (never a
 download). Its `arch` block holds the architecture facts, so plans need no weights.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 from selfspec.from_config.common import device
 from selfspec.measure.peers import random_hf_model
 from selfspec.model import ModelConfig, Transformer
-from selfspec.placement import Placement, check_present, place, plan_placement
-from selfspec.plan import ModelPlan, plan_model
-from selfspec.quantized import check_quantizable, quantized_copy
+from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.model.placement import Placement
+from selfspec.model.plan import ModelPlan, check_present, place, plan_model, plan_placement
+from selfspec.model.quantized import check_quantizable, quantized_copy
 from selfspec.quiet import import_transformers_models
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +64,7 @@ def model_plan(cfg: DictConfig) -> ModelPlan:
 
 def target_placement(cfg: DictConfig) -> Placement | None:
     """model.device_map and model.max_memory as a placement of the target's layers, its
-    embedding, norm and LM head on cfg.device (`selfspec.placement`); None without a map."""
+    embedding, norm and LM head on cfg.device (`selfspec.model.placement`); None without a map."""
     cfg_model = cfg.model
     plain = {key: OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
              for key in ("device_map", "max_memory") if (value := cfg_model.get(key)) is not None}
@@ -172,7 +172,7 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
 
 def load_target(cfg: DictConfig) -> Transformer:
     """The target model of cfg.model, checked against its config's architecture facts; with
-    model.quantize, its weight-only int8/int4 copy (`selfspec.quantized`), which is then the
+    model.quantize, its weight-only int8/int4 copy (`selfspec.model.quantized`), which is then the
     target every output is exact against."""
     bits = target_quantization(cfg.model)
     compiled = compile_steps(cfg)
@@ -238,7 +238,7 @@ def load_model(
     placement: Placement | None = None,
 ) -> Transformer:
     """compiled: its `compile_steps` (cfg.compile); placement: its layers spread over
-    devices (`selfspec.placement`)."""
+    devices (`selfspec.model.placement`)."""
     folder = resolve_model_path(cfg_model, key)
     model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on,
                                         placement=placement)

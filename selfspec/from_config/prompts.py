@@ -8,8 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.from_config.common import REPO_ROOT
-from selfspec.model import Transformer
-from selfspec.prompts import (
+from selfspec.measure.prompts import (
     EncodedPrompt,
     Prompt,
     by_category_in_turns,
@@ -19,6 +18,7 @@ from selfspec.prompts import (
     spec_bench_prompts,
     stdlib_heldout_prompts,
 )
+from selfspec.model import Transformer
 
 
 def data_path(cfg_data: DictConfig) -> Path:

@@ -30,9 +30,9 @@ from selfspec.measure.grid import GridLine, GridPoint, SweepGrid, SweepRow, Vari
 from selfspec.measure.oracle import eagle2_shape
 from selfspec.measure.passes import BenchSettings, Method
 from selfspec.measure.peers import OurDecoder
+from selfspec.measure.prompts import Prompt
 from selfspec.model import Transformer
-from selfspec.plan import plan_model
-from selfspec.prompts import Prompt
+from selfspec.model.plan import plan_model
 from selfspec.sampling import SamplingParams
 
 BASELINE_MODES = ("interleaved", "shared")

@@ -1,5 +1,5 @@
 """Training from configs: settings, resume checks, DeepSpeed, training rows (with
-self-distillation), and the objective that `selfspec.training.fit` trains."""
+self-distillation), and the objective that `selfspec.training.loop.fit` trains."""
 
 from __future__ import annotations
 
@@ -12,16 +12,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import training as loop
-from selfspec.data import (
-    load_sharegpt,
-    packed_chat_dataset,
-    packed_stdlib_dataset,
-    rows_from_dataset,
-    self_distill,
-    self_distill_rows,
-    weights_fingerprint,
-)
 from selfspec.decode import generate
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import device, positive_int, sampling_params
@@ -36,26 +26,36 @@ from selfspec.from_config.models import (
 from selfspec.from_config.prompts import load_prompts
 from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.instructions import (
+from selfspec.measure.passes import Comparison, compare_with_plain
+from selfspec.measure.replay import GreedyRecord, cached_records, replay
+from selfspec.metrics import GenerationStats
+from selfspec.model import Transformer
+from selfspec.model.lora import add_lora
+from selfspec.training import checkpoints
+from selfspec.training.data import (
+    load_sharegpt,
+    packed_chat_dataset,
+    packed_stdlib_dataset,
+    rows_from_dataset,
+    self_distill,
+    self_distill_rows,
+    weights_fingerprint,
+)
+from selfspec.training.instructions import (
     cache_name,
     general_instructions,
     self_distilled_conversations,
     shipped_answers,
     stdlib_instructions,
 )
-from selfspec.lora import add_lora
-from selfspec.measure.passes import Comparison, compare_with_plain
-from selfspec.measure.replay import GreedyRecord, cached_records, replay
-from selfspec.metrics import GenerationStats
-from selfspec.model import Transformer
-from selfspec.objectives import (
+from selfspec.training.loop import FitResult, TokenRows, TrainSettings
+from selfspec.training.objectives import (
     Eagle3Objective,
     EagleObjective,
     Medusa2Objective,
     MedusaObjective,
 )
-from selfspec.tracking import Tracker
-from selfspec.training import FitResult, TokenRows, TrainSettings
+from selfspec.training.tracking import Tracker
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
 RESUMABLE_CHANGES = (
@@ -88,7 +88,7 @@ def start_training(
 def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
     """Keep cfg in the run folder; a resume with other weight- or optimizer-shaping settings
     is refused (see `training.record_run_config`)."""
-    loop.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
+    checkpoints.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                resume=settings.resume, may_change=RESUMABLE_CHANGES)
 
 

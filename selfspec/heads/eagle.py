@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from selfspec.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
 from selfspec.heads.base import AttentionShape, Head
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
 from selfspec.model import (
     MLP,
     Attention,
@@ -300,7 +300,7 @@ def ttt_mask(rows: int, step: int, device: torch.device | str = "cpu") -> torch.
 class _StepKeys:
     """The training-time test's keys and values, one block of rows per step, grown by
     concatenation (no in-place writes, so gradients flow through every step). Speaks the
-    write/advance protocol of `selfspec.kv_cache.KVCache` for one layer."""
+    write/advance protocol of `selfspec.model.kv_cache.KVCache` for one layer."""
 
     def __init__(self) -> None:
         self.length = 0

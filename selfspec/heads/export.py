@@ -245,8 +245,8 @@ def export_merged_target(target_folder: str | Path, adapter: str | Path, out: st
     transformers' save_pretrained (with the target's tokenizer) so any engine loads it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfspec.lora import merge_adapter
     from selfspec.model import Transformer
+    from selfspec.model.lora import merge_adapter
     from selfspec.quiet import import_transformers_models
 
     import_transformers_models()

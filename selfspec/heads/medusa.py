@@ -5,7 +5,7 @@ t + k + 2 (the target's own LM head predicts t + 1). Each head is `num_layers` r
 followed by a vocabulary projection: its own (Medusa-1's released heads), or the target's frozen
 LM head shared by all heads (`shared_lm_head`, as the later Medusa releases do), computed for
 every head in one matmul. Trainable modules only: decoding lives in
-`selfspec.drafters.medusa`, the loss in `selfspec.losses`.
+`selfspec.drafters.medusa`, the loss in `selfspec.training.losses`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from selfspec.draft_vocab import DraftVocab, default_vocab
 from selfspec.heads.base import Head
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab
 from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
 
@@ -24,7 +24,7 @@ from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row pro
 class MedusaConfig:
     """hidden_size, vocab_size: the target's; num_heads: K (head k predicts t + k + 2);
     num_layers: residual blocks per head; draft_vocab_size: the heads score only that many
-    target tokens (`selfspec.draft_vocab`), None = the whole vocabulary; shared_lm_head: the
+    target tokens (`selfspec.heads.draft_vocab`), None = the whole vocabulary; shared_lm_head: the
     heads end in the target's LM head (pass it to `forward`) instead of their own."""
 
     hidden_size: int

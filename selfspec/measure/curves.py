@@ -1,5 +1,5 @@
 """Learning curves of finished training runs: held-out tau at each evaluation against training
-minutes and tokens seen (the records `selfspec.training.fit` logs), and what each run's report
+minutes and tokens seen (the records `selfspec.training.loop.fit` logs), and what each run's report
 measured at its end (summary.json: tau and speedup over plain decoding).
 
 `train/learning_curves.py` trains every method for the same budget and draws them with these.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from selfspec.tracking import read_metrics
+from selfspec.training.tracking import read_metrics
 
 
 def tau_curve(run_dir: str | Path) -> list[dict[str, float]]:

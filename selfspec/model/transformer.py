@@ -7,7 +7,7 @@ stripped. What differs between the families is all in `ModelConfig`: grouped-que
 Attention is always full (causal or masked). Mistral's and Qwen2's sliding windows are ignored,
 which is exact as long as the context is shorter than the window (4096+ tokens).
 
-The forward takes RoPE positions apart from cache slots (see `selfspec.kv_cache`), an optional
+The forward takes RoPE positions apart from cache slots (see `selfspec.model.kv_cache`), an optional
 [T, T] attention mask among the new tokens (tree verification), and can run a slice of the
 layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume,
 `skip_layers` to leave a set of layers out (layer-skip drafting: Draft & Verify, SWIFT).
@@ -21,20 +21,18 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from selfspec.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
-
-if TYPE_CHECKING:  # annotations only
-    from selfspec.placement import Placement
+from selfspec.model.kv_cache import KVCache, SegmentedKVCache
+from selfspec.model.placement import Placement
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -326,7 +324,7 @@ def attention_mask(
     """[T, past + T] bool: every cached slot, then `mask` (default causal) among the new tokens.
 
     A mask [T, past + T] is taken as it is (a drafter's own tree over cached draft slots), and
-    so is a batch's [B, T, past + T], one per row (`selfspec.kv_cache.RowSlots`): it becomes
+    so is a batch's [B, T, past + T], one per row (`selfspec.model.kv_cache.RowSlots`): it becomes
     [B, 1, T, past + T]. None means plain causal with no past, which SDPA handles with
     is_causal.
     """
@@ -401,7 +399,7 @@ class Transformer(nn.Module):
         # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(config)  # [D/2]
         self.source: str | None = None  # the folder it was loaded from, if any
-        # Layers spread over several devices (`selfspec.placement`); None: all on one device.
+        # Layers spread over several devices (`selfspec.model.placement`); None: all on one device.
         self.placement: Placement | None = None
         # Whether its static decode steps (`selfspec.step`) run compiled, over fused products.
         self.compile_steps = False
@@ -562,7 +560,7 @@ class Transformer(nn.Module):
         placement: Placement | None = None,
     ) -> Transformer:
         """Load a local HF model folder: config.json + model.safetensors (or sharded).
-        placement: each tensor read straight onto its device (`selfspec.placement`); device
+        placement: each tensor read straight onto its device (`selfspec.model.placement`); device
         is then ignored."""
         folder = Path(path)
         if not folder.is_dir():

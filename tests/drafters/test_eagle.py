@@ -15,7 +15,7 @@ from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import DraftContext, EagleDrafter
 from selfspec.drafters.base import TargetFeatures
 from selfspec.heads import EagleConfig
-from selfspec.kv_cache import KVCache
+from selfspec.model.kv_cache import KVCache
 
 PROMPTS = [
     torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist()

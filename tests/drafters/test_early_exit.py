@@ -9,7 +9,7 @@ from helpers import assert_drafted_sampling_is_exact, fit_exits, random_exit, ti
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.decode import _resume_after_early_layers
 from selfspec.drafters import DecodeSetup, DraftContext, EarlyExitDrafter
-from selfspec.kv_cache import KVCache
+from selfspec.model.kv_cache import KVCache
 
 LAYERS = 4
 PROMPTS = [

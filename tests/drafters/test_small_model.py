@@ -5,8 +5,8 @@ import torch
 from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import SmallModelDrafter
+from selfspec.heads.draft_vocab import draft_vocabulary
 
 PROMPTS = [[2, 3, 4, 5], [9, 8, 7, 6, 5], [11, 12]]
 NEW_TOKENS = 24

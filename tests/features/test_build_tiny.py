@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import suite_threads
 
-from selfspec.training import checkpoint_problem
+from selfspec.training.checkpoints import checkpoint_problem
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SNIPPET = 'def f(x):\n\t  return  x  +1 \r\n\n    # caf\u00e9 \U0001f642\n  """doc"""  \n'

@@ -15,7 +15,7 @@ import torch
 from helpers import EVAL, load_entry, suite_threads, toy
 from matplotlib.image import imread
 
-from selfspec.draft_vocab import save_token_counts
+from selfspec.heads.draft_vocab import save_token_counts
 from selfspec.measure.grid import COLUMNS, SweepRow
 from selfspec.measure.results import format_table, split_percent
 from selfspec.metrics import OTHER, PHASES

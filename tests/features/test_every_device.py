@@ -16,7 +16,6 @@ from helpers import first_layers, fit_medusa_heads, tiny_llama
 from torch.nn.attention import SDPBackend
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import (
     DecodeSetup,
     LookupCorpus,
@@ -28,11 +27,12 @@ from selfspec.drafters import (
 )
 from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookahead import LookaheadDrafter
-from selfspec.losses import LossOutput
+from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.model import ModelConfig, attention_kernels
 from selfspec.model.transformer import _kv_for_kernels
 from selfspec.sampling import check_generator, sample
-from selfspec.training import TokenRows, TrainSettings, _evaluate, _micro_batch
+from selfspec.training.loop import TokenRows, TrainSettings, _evaluate, _micro_batch
+from selfspec.training.losses import LossOutput
 from selfspec.verify import verify_linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

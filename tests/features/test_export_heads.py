@@ -42,7 +42,7 @@ def run_export(args: list[str], capsys) -> str:
 def test_the_script_exports_a_medusa2_export_with_its_merged_target(tmp_path, quick_build,
                                                                     capsys):
     from selfspec.heads import describe_target, save_head
-    from selfspec.lora import ADAPTER_DIR, LoraSettings, add_lora, merge_adapter, save_adapter
+    from selfspec.model.lora import ADAPTER_DIR, LoraSettings, add_lora, merge_adapter, save_adapter
 
     folder = quick_build / "target"
     toy = Transformer.from_pretrained(folder)

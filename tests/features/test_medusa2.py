@@ -7,9 +7,9 @@ from helpers import medusa2_objective, perturbed_lora, tiny_llama
 
 from selfspec import Transformer, generate
 from selfspec.drafters.medusa import MedusaDrafter
-from selfspec.lora import merge_adapter, save_adapter
-from selfspec.objectives import Medusa2Objective
-from selfspec.training import TokenRows, TrainSettings, fit, make_accelerator
+from selfspec.model.lora import merge_adapter, save_adapter
+from selfspec.training.loop import TokenRows, TrainSettings, fit, make_accelerator
+from selfspec.training.objectives import Medusa2Objective
 
 
 def toy_target() -> Transformer:

@@ -17,7 +17,7 @@ from helpers import (
 
 from selfspec import SamplingParams, Transformer, from_config, generate
 from selfspec.drafters import SmallModelDrafter
-from selfspec.quantized import QuantizedLinear, quantized_copy
+from selfspec.model.quantized import QuantizedLinear, quantized_copy
 
 
 def test_model_quantize_loads_the_targets_quantized_copy(cfg_of):

@@ -13,10 +13,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import SamplingParams, converted, from_config, generate
-from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
-from selfspec.data import weights_fingerprint
-from selfspec.instructions import (
+from selfspec import SamplingParams, from_config, generate
+from selfspec.measure.prompts import Prompt, encode_prompts
+from selfspec.model import ModelConfig, Transformer, converted
+from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.training.data import weights_fingerprint
+from selfspec.training.instructions import (
     cache_name,
     general_instructions,
     greedy_chat_answers,
@@ -24,8 +26,6 @@ from selfspec.instructions import (
     shipped_answers,
     stdlib_instructions,
 )
-from selfspec.model import ModelConfig, Transformer
-from selfspec.prompts import Prompt, encode_prompts
 
 MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
 SOURCE = GGUFSource(**MODEL_CFG.gguf)

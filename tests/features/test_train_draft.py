@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import run_trainer, sharegpt_file, three_layer_target
 
-from selfspec.draft_vocab import load_draft_vocab
+from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.model import Transformer
 
 run_entry = partial(run_trainer, "draft")

@@ -9,7 +9,7 @@ from helpers import run_trainer, sharegpt_file
 
 from selfspec.heads import EagleConfig, EagleHead, load_head
 from selfspec.model import Transformer
-from selfspec.tracking import read_metrics
+from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "eagle")
 

@@ -8,7 +8,7 @@ from helpers import run_trainer, sharegpt_file, three_layer_target
 
 from selfspec.from_config import load_early_exit
 from selfspec.model import Transformer
-from selfspec.tracking import read_metrics
+from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "early_exit")
 

@@ -6,9 +6,9 @@ from functools import partial
 from helpers import run_trainer, sharegpt_file, suite_threads
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
-from selfspec.lora import merge_adapter
 from selfspec.model import Transformer
-from selfspec.tracking import read_metrics
+from selfspec.model.lora import merge_adapter
+from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "medusa")
 

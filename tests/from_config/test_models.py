@@ -7,7 +7,7 @@ from helpers import SMALL_ARCH, SMALL_OVERRIDES, group_options
 
 from selfspec import from_config
 from selfspec.model import ModelConfig
-from selfspec.plan import count_parameters
+from selfspec.model.plan import count_parameters
 
 # Published parameter counts (model cards / papers); configs must land within 1%.
 PUBLISHED_PARAMS = {

@@ -7,7 +7,7 @@ from helpers import group_options, tiny_llama
 from selfspec import from_config
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
-from selfspec.training import TokenRows
+from selfspec.training.loop import TokenRows
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of,
 
 def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monkeypatch):
     from selfspec.from_config import training as build_training
-    from selfspec.instructions import general_instructions, stdlib_instructions
+    from selfspec.training.instructions import general_instructions, stdlib_instructions
 
     asked = []
     monkeypatch.setattr(build_training, "self_distilled_conversations",

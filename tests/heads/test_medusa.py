@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import random_medusa_heads, reduced_medusa_heads
 
-from selfspec.draft_vocab import DraftVocab, draft_vocabulary
 from selfspec.heads import MedusaConfig, MedusaHeads
+from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary
 from selfspec.model import Linear
 
 

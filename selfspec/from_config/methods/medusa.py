@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.draft_vocab import draft_vocabulary
 from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
 from selfspec.from_config.common import checked_settings
 from selfspec.from_config.methods.entry import (
@@ -25,12 +24,13 @@ from selfspec.from_config.methods.entry import (
     required_head_folder,
 )
 from selfspec.from_config.models import load_target, model_config, target_quantization
+from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.lora import ADAPTER_DIR, LoraSettings, merge_adapter
 from selfspec.measure.grid import Variant
 from selfspec.model import ModelConfig, Transformer, dense_weight
-from selfspec.training import TokenRows
+from selfspec.model.lora import ADAPTER_DIR, LoraSettings, merge_adapter
+from selfspec.training.loop import TokenRows
 from selfspec.tree import Tree
 
 HEADS = "medusa_heads"  # the setting naming the heads' export folder

@@ -17,8 +17,8 @@ from selfspec.drafters import LookupCorpus, NgramDrafter
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, is_count
 from selfspec.from_config.models import load_tokenizer
-from selfspec.instructions import cached_answers, shipped_answers
 from selfspec.measure.grid import Variant
+from selfspec.training.instructions import cached_answers, shipped_answers
 
 CORPUS = "corpus"
 

@@ -1,4 +1,4 @@
-"""The target's quantized copy as a draft model (QSpec-style, `selfspec.quantized`): its own
+"""The target's quantized copy as a draft model (QSpec-style, `selfspec.model.quantized`): its own
 weights, int8 or int4 weight-only, draft k tokens over the copy's own KV cache through
 `SmallModelDrafter`, and the full-precision target verifies. Nothing to train or load: the
 copy is built from the target in memory, once per bits setting.
@@ -19,7 +19,7 @@ from selfspec.from_config.common import as_list, device
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
-from selfspec.quantized import BITS, check_quantizable, quantized_copy
+from selfspec.model.quantized import BITS, check_quantizable, quantized_copy
 
 GROUP = "quantized"
 

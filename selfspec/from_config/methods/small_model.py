@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from selfspec.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list, device
@@ -26,6 +25,7 @@ from selfspec.from_config.models import (
     resolve_model_path,
     target_quantization,
 )
+from selfspec.heads.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
 

@@ -6,7 +6,7 @@ from helpers import tiny_llama
 
 from selfspec import from_config
 from selfspec.model import Transformer
-from selfspec.training import TokenRows
+from selfspec.training.loop import TokenRows
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])

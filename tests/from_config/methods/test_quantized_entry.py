@@ -10,11 +10,11 @@ from helpers import sweep_variant  # tests/ is on the path: tests/conftest.py's 
 from hydra import compose, initialize_config_dir
 
 from selfspec import from_config, generate
-from selfspec import quantized as quantized_module
 from selfspec.drafters import SmallModelDrafter
 from selfspec.from_config.methods import Loaded, entry
 from selfspec.from_config.methods.quantized import QuantizedVariant
-from selfspec.quantized import QuantizedLinear
+from selfspec.model import quantized as quantized_module
+from selfspec.model.quantized import QuantizedLinear
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec import from_config, instructions
-from selfspec.instructions import (
+from selfspec import from_config
+from selfspec.measure.prompts import humaneval_prompts, stdlib_heldout_prompts
+from selfspec.training import instructions
+from selfspec.training.instructions import (
     FIRST_WAVE,
     GENERAL_TEMPLATES,
     general_instructions,
@@ -18,7 +20,6 @@ from selfspec.instructions import (
     stdlib_instructions,
     topics,
 )
-from selfspec.prompts import humaneval_prompts, stdlib_heldout_prompts
 
 WINDOW = 8  # words: a shared passage this long would mean a prompt leaked across
 

@@ -1,4 +1,4 @@
-"""The target's quantized copy (selfspec/quantized.py) as a draft model: its linears hold
+"""The target's quantized copy (selfspec/model/quantized.py) as a draft model: its linears hold
 torchao int8 / int4 weights and the target is untouched; its logits are as close to the
 target's as the quantization step allows; drafting with it (SmallModelDrafter) is lossless at
 greedy and keeps the target's exact law when sampling."""
@@ -15,12 +15,12 @@ from helpers import assert_drafted_sampling_is_exact, tiny_llama
 from torchao.utils import TorchAOBaseTensor
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec import quantized as quantized_module
 from selfspec.drafters import SmallModelDrafter
 from selfspec.model import Linear
-from selfspec.quantized import QuantizedLinear, check_quantizable, quantized_copy
+from selfspec.model import quantized as quantized_module
+from selfspec.model.quantized import QuantizedLinear, check_quantizable, quantized_copy
 
-TINY = Path(__file__).resolve().parents[1] / "selfspec" / "assets" / "tiny" / "target"
+TINY = Path(__file__).resolve().parents[2] / "selfspec" / "assets" / "tiny" / "target"
 PROMPTS = [[2, 3, 4, 5, 2, 3], [9, 8, 7, 6, 5], [11, 12]]
 NEW_TOKENS = 24
 BITS = [8, 4]

@@ -1,4 +1,4 @@
-"""A target's layers over several devices (`selfspec.placement`): the plans accelerate's
+"""A target's layers over several devices (`selfspec.model.placement`): the plans accelerate's
 planner makes without any GPU, explicit maps, the errors of bad maps, and that a placed target,
 its cache split beside its layers, gives the single-device logits and greedy tokens under every
 kind of draft. On a CPU-only machine every device is the CPU: the split cache is built over
@@ -18,11 +18,12 @@ from selfspec import Transformer, generate
 from selfspec.drafters import EarlyExitDrafter, MedusaDrafter, NgramDrafter
 from selfspec.from_config.models import model_config
 from selfspec.heads import MedusaConfig
-from selfspec.kv_cache import KVCache, SegmentedKVCache
-from selfspec.placement import Placement, check_present, place, plan_placement
+from selfspec.model.kv_cache import KVCache, SegmentedKVCache
+from selfspec.model.placement import Placement
+from selfspec.model.plan import check_present, place, plan_placement
 from selfspec.step import use_cuda_graphs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 4, 17, 5, 3, 9, 4]]
 NEW_TOKENS = 24

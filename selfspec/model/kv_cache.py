@@ -201,7 +201,7 @@ def pad_rows(inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 
 
 class SegmentedKVCache:
-    """The cache of a target whose layers lie on several devices (`selfspec.placement`): one
+    """The cache of a target whose layers lie on several devices (`selfspec.model.placement`): one
     KVCache per run of layers on one device, beside those layers, all of one length. It speaks
     KVCache's protocol (write, advance, truncate, commit, reset, length, max_slots); it has no
     single k and v, so static steps (`selfspec.step`) do not take it."""

@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from selfspec.draft_vocab import draft_vocabulary, load_draft_vocab, save_token_counts, token_counts
 from selfspec.heads import MedusaConfig
+from selfspec.heads.draft_vocab import (
+    draft_vocabulary,
+    load_draft_vocab,
+    save_token_counts,
+    token_counts,
+)
 
 
 def test_the_most_frequent_tokens_are_kept_in_id_order():

@@ -3,7 +3,7 @@
 import pytest
 
 from selfspec.model import ModelConfig
-from selfspec.plan import count_parameters, plan_model
+from selfspec.model.plan import count_parameters, plan_model
 
 SMALL = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=40, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=4)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.data import stdlib_files, stdlib_root
-from selfspec.prompts import (
+from selfspec.measure.prompts import (
     Prompt,
     by_category_in_turns,
     encode_prompts,
@@ -18,6 +17,7 @@ from selfspec.prompts import (
     spec_bench_prompts,
     stdlib_heldout_prompts,
 )
+from selfspec.training.data import stdlib_files, stdlib_root
 
 SHIPPED = Path(str(resources.files("selfspec") / "assets" / "prompts"))  # package data
 

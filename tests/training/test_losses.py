@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from selfspec.losses import (
+from selfspec.training.losses import (
     eagle3_loss,
     eagle_loss,
     exit_loss,

@@ -8,7 +8,9 @@ import torch
 from helpers import tiny_llama
 from transformers import AutoTokenizer
 
-from selfspec.data import (
+from selfspec.decode import generate
+from selfspec.model import Transformer
+from selfspec.training.data import (
     load_sharegpt,
     pack_token_stream,
     packed_chat_dataset,
@@ -20,9 +22,7 @@ from selfspec.data import (
     stdlib_files,
     stdlib_manifest_sha256,
 )
-from selfspec.decode import generate
-from selfspec.model import Transformer
-from selfspec.training import TokenRows
+from selfspec.training.loop import TokenRows
 
 CHAT = [{"role": "user", "content": "add one"},
         {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
@@ -131,9 +131,9 @@ def test_a_quantized_targets_weights_have_a_fingerprint_of_their_own():
     sum, as ever (the shipped answers' keys stay valid)."""
     from helpers import tiny_llama
 
-    from selfspec.data import weights_fingerprint
     from selfspec.model import Transformer
-    from selfspec.quantized import quantized_copy
+    from selfspec.model.quantized import quantized_copy
+    from selfspec.training.data import weights_fingerprint
 
     full = Transformer.from_hf(tiny_llama(0, hidden=64))
     total = sum(float(p.detach().double().sum()) for p in full.parameters())

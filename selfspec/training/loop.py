@@ -13,7 +13,6 @@ and a resumed run sees exactly the batches the interrupted one would have seen.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,21 +24,22 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
-from selfspec.best import KEEP, BestStep
 from selfspec.errors import SelfspecError
-from selfspec.files import write_atomically
-from selfspec.losses import LossOutput
 from selfspec.quiet import quiet_imports
-from selfspec.tracking import Tracker
+from selfspec.training.best import KEEP, BestStep
+from selfspec.training.checkpoints import (
+    drop_frozen_weights_from_checkpoints,
+    is_deepspeed,
+    latest_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
+from selfspec.training.losses import LossOutput
+from selfspec.training.tracking import Tracker
 
-CHECKPOINT_PREFIX = "step_"
-# Written last, listing every file of the checkpoint with its size: a checkpoint without it was
-# interrupted while saving, one whose files differ from it was cut short or damaged later.
-COMPLETE_MARKER = "COMPLETE"
-RUN_CONFIG = "run_config.json"  # the resolved config a run folder was started with
 log = logging.getLogger(__name__)
 
 
@@ -178,15 +178,15 @@ def fit(
     clock = TrainingClock()
     accelerator.register_for_checkpointing(scheduler, clock)
     trainable = {n for n, p in objective.named_parameters() if p.requires_grad}
-    _drop_frozen_weights_from_checkpoints(accelerator, trainable)
+    drop_frozen_weights_from_checkpoints(accelerator, trainable)
     checkpoints = Path(settings.run_dir) / "checkpoints"
-    start = _resume(accelerator, checkpoints) if settings.resume else 0
+    start = resume_checkpoint(accelerator, checkpoints) if settings.resume else 0
     if tracker is not None and settings.resume:
         tracker.resumed_at(start)
     end, last = settings.max_steps, settings.max_steps  # `last`: where an interruption stops
     if settings.stop_after is not None:
         last = min(last, settings.stop_after)
-    metrics, saved = {}, _latest_checkpoint(checkpoints)
+    metrics, saved = {}, latest_checkpoint(checkpoints)
     best = _best_step(settings, checkpoints, export, judge)
     done = start
     bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
@@ -212,7 +212,8 @@ def fit(
         no_gain = evaluated and best.should_stop(settings.stop_after_no_gain)
         if _due(done, settings.save_every, end) or no_gain or out_of_time:
             with clock.paused():
-                saved = _save(model, accelerator, checkpoints, done, trainable, settings, export)
+                saved = save_checkpoint(model, accelerator, checkpoints, done, trainable,
+                                        settings, export)
         if no_gain:
             log.info("no better %s in %d evaluations: stopping at step %d (best: step %s)",
                      best.keep, settings.stop_after_no_gain, done, best.step)
@@ -348,7 +349,7 @@ def _check_launch(accelerator: Accelerator, world: int, deepspeed: bool) -> None
             f"launched {world} processes but accelerate runs {accelerator.num_processes}: "
             f"launch with torchrun --nproc_per_node N (or accelerate launch --use_deepspeed)"
         )
-    if deepspeed and not _is_deepspeed(accelerator):
+    if deepspeed and not is_deepspeed(accelerator):
         raise SelfspecError(
             "a DeepSpeed config was given but accelerate did not enable DeepSpeed (is "
             "ACCELERATE_USE_CPU set? it disables DeepSpeed): unset it, or use deepspeed=none"
@@ -367,7 +368,7 @@ def _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
             out: LossOutput = model(batch.tokens, batch.loss_mask)
             _stop_if_not_finite(out.loss, step + 1, settings, accelerator)
             accelerator.backward(out.loss)
-            if accelerator.sync_gradients and not _is_deepspeed(accelerator):
+            if accelerator.sync_gradients and not is_deepspeed(accelerator):
                 accelerator.clip_grad_norm_(model.parameters(), settings.clip_grad)
             optimizer.step()
             optimizer.zero_grad()
@@ -413,7 +414,7 @@ def _mean_over_ranks(outputs: list[LossOutput], accelerator: Accelerator) -> dic
 def _stop_if_not_finite(loss: torch.Tensor, step: int, settings, accelerator) -> None:
     bad = torch.tensor(float(not torch.isfinite(loss).all()), device=accelerator.device)
     if accelerator.reduce(bad, reduction="sum").item() > 0:
-        kept = _latest_checkpoint(Path(settings.run_dir) / "checkpoints")
+        kept = latest_checkpoint(Path(settings.run_dir) / "checkpoints")
         raise NonFiniteLoss(
             f"the loss became NaN/inf at step {step}; training stopped without saving. "
             f"Last good checkpoint: {kept or 'none yet'}. Lower optim.lr or check the data, "
@@ -440,10 +441,6 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _is_deepspeed(accelerator: Accelerator) -> bool:
-    return accelerator.distributed_type == DistributedType.DEEPSPEED
-
-
 def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings):
     """AdamW over the trainable parameters: the objective's own `param_groups(lr)` when it
     has them (e.g. a lower rate for adapters on the target), else all at settings.lr."""
@@ -461,131 +458,3 @@ def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings)
         optimizer, settings.warmup_steps, settings.max_steps, min_lr_rate=settings.min_lr_ratio
     )
     return optimizer, scheduler
-
-
-# ---- checkpoints -----------------------------------------------------------------------------
-
-
-def record_run_config(
-    run_dir: str | Path, config: dict, *, resume: bool, may_change: tuple[str, ...] = ()
-) -> None:
-    """Keep the resolved config a run folder was started with (main process); on resume,
-    refuse a config that differs from it outside `may_change` (dotted keys or prefixes of
-    settings that do not shape the weights or the optimizer), naming each key and both values.
-    """
-    path, text = Path(run_dir) / RUN_CONFIG, json.dumps(config, indent=1, sort_keys=True,
-                                                         default=str)
-    if resume and path.is_file():
-        saved, now = (_flatten(json.loads(t)) for t in (path.read_text(), text))
-        differ = sorted(k for k in saved.keys() | now.keys()
-                        if saved.get(k, "<unset>") != now.get(k, "<unset>")
-                        and not any(k == m or k.startswith(m + ".") for m in may_change))
-        if differ:
-            changes = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the run, "
-                                f"{now.get(k, '<unset>')!r} now" for k in differ)
-            raise SelfspecError(
-                f"trainer.resume=true: {run_dir} was trained with another config ({changes}); "
-                f"resume with the run's values, or start a new run folder")
-        return
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        write_atomically(path, text)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        flat |= _flatten(value, name + ".") if isinstance(value, dict) else {name: value}
-    return flat
-
-
-
-def _save(model, accelerator, checkpoints: Path, step, trainable, settings, export) -> Path:
-    """Save the state needed to resume, then export the trainable weights, then mark complete."""
-    folder = checkpoints / f"{CHECKPOINT_PREFIX}{step:07d}"
-    kwargs = {"exclude_frozen_parameters": True} if _is_deepspeed(accelerator) else {}
-    if accelerator.is_main_process and folder.exists():  # a damaged one a resume skipped
-        shutil.rmtree(folder)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(folder), **kwargs)
-    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; on every rank
-    accelerator.wait_for_everyone()  # every rank's shard is written before the manifest
-    if accelerator.is_main_process:
-        if export is not None:
-            export({k: v for k, v in state.items() if k in trainable}, folder / "export")
-        _mark_complete(folder, step)
-        _prune(checkpoints, settings.keep_checkpoints)
-    accelerator.wait_for_everyone()
-    return folder
-
-
-def _resume(accelerator: Accelerator, checkpoints: Path) -> int:
-    """Load the last complete checkpoint; returns its step (0 when there is none)."""
-    latest = _latest_checkpoint(checkpoints, warn=accelerator.is_main_process)
-    if latest is None:
-        return 0
-    if _is_deepspeed(accelerator):
-        accelerator.load_state(str(latest), load_module_strict=False)
-    else:
-        accelerator.load_state(str(latest), strict=False)
-    return int(latest.name.removeprefix(CHECKPOINT_PREFIX))
-
-
-def _latest_checkpoint(checkpoints: Path, *, warn: bool = False) -> Path | None:
-    """The newest complete checkpoint; with warn, say why each newer one is skipped."""
-    for folder in sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True):
-        problem = checkpoint_problem(folder)
-        if problem is None:
-            return folder
-        if warn:
-            log.warning("skipping checkpoint %s: %s; resuming from an earlier one", folder,
-                        problem)
-    return None
-
-
-def _mark_complete(folder: Path, step: int) -> None:
-    files = {str(f.relative_to(folder)): f.stat().st_size
-             for f in sorted(folder.rglob("*")) if f.is_file()}
-    write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": step, "files": files}))
-
-
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from (None: it is complete)."""
-    marker = folder / COMPLETE_MARKER
-    if not marker.is_file():
-        return "it was interrupted while saving (no COMPLETE marker)"
-    try:
-        manifest = json.loads(marker.read_text())
-    except json.JSONDecodeError:
-        return "its COMPLETE marker is unreadable"
-    files = manifest.get("files", {}) if isinstance(manifest, dict) else {}  # older: a step
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} is cut short or damaged ({path.stat().st_size} of {size} bytes)"
-    return None
-
-
-def _prune(checkpoints: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (and any incomplete older ones)."""
-    folders = sorted(checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
-    complete = [f for f in folders if checkpoint_problem(f) is None]
-    for folder in folders:
-        if folder not in complete[-keep:] and folder < complete[-1]:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _drop_frozen_weights_from_checkpoints(accelerator: Accelerator, trainable: set[str]) -> None:
-    """Checkpoints hold the trainable weights only: the frozen target is reloaded from its
-    own folder (for a 70B target, saving it at every checkpoint would dwarf the head)."""
-
-    def keep_trainable(models, weights, output_dir) -> None:
-        for state in weights:
-            for name in [n for n in state if n not in trainable]:
-                del state[name]
-
-    accelerator.register_save_state_pre_hook(keep_trainable)

@@ -224,8 +224,8 @@ def _plain_header(role: str) -> str:
 
 
 def rows_from_dataset(dataset):
-    """A packed `datasets.Dataset` as `selfspec.training.TokenRows` tensors."""
-    from selfspec.training import TokenRows
+    """A packed `datasets.Dataset` as `selfspec.training.loop.TokenRows` tensors."""
+    from selfspec.training.loop import TokenRows
 
     columns = dataset.with_format("torch")[:]  # every row, as tensors
     return TokenRows(columns["tokens"].long(), columns["loss_mask"].long())
@@ -307,7 +307,7 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     """
     from safetensors.torch import load_file, save_file
 
-    from selfspec.training import TokenRows
+    from selfspec.training.loop import TokenRows
 
     length = rows.tokens.shape[1]
     if not 1 <= prompt_tokens < length:

@@ -1,9 +1,9 @@
 """Training objectives: a target plus a trainable head, whose forward is the loss.
 
-`selfspec.training.fit` trains any of these; each method adds one class here, a head in
-`selfspec.heads` and a loss in `selfspec.losses`. With a frozen target its features are computed
-without gradients and handed to the head explicitly; Medusa-2 also trains LoRA adapters on the
-target (`selfspec.lora`).
+`selfspec.training.loop.fit` trains any of these; each method adds one class here, a head in
+`selfspec.heads` and a loss in `selfspec.training.losses`. With a frozen target its features
+are computed without gradients and handed to the head explicitly; Medusa-2 also trains LoRA
+adapters on the target (`selfspec.model.lora`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.draft_vocab import DraftVocab
+from selfspec.heads.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
-from selfspec.losses import (
+from selfspec.model import Transformer
+from selfspec.training.losses import (
     LossOutput,
     eagle3_loss,
     eagle_loss,
@@ -27,7 +28,6 @@ from selfspec.losses import (
     kl_to_teacher,
     medusa_loss,
 )
-from selfspec.model import Transformer
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -99,7 +99,7 @@ class Medusa2Objective(nn.Module):
     what verification will use, so its law is pulled towards the unadapted target's by a KL
     term weighted lm_weight; the teacher is the same model with its adapters disabled, so no
     second copy of the target is held.
-    target: the target wrapped by `selfspec.lora.add_lora` (only the adapters train).
+    target: the target wrapped by `selfspec.model.lora.add_lora` (only the adapters train).
     adapter_lr_scale: the adapters learn at this fraction of the heads' rate, so the target
     moves slowly while the heads catch up with it.
     """

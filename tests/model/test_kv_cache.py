@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from selfspec.kv_cache import KVCache
 from selfspec.model import ModelConfig, Transformer
+from selfspec.model.kv_cache import KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -1,20 +1,7 @@
-"""A target spread over several devices by layers (`model.device_map`), for targets larger
-than one GPU.
+"""What a model needs before any weight is loaded: parameters, weight and KV-cache memory.
 
-A placement puts every decoder layer on a device, and the embedding, the final norm and the
-LM head together on one *home* device: the run's `device`, where drafters, draft models,
-heads and the verifier run too. A forward moves the hidden state across a device boundary
-once per boundary, and back home for the LM head; each layer's K/V cache lives beside its
-layer (`selfspec.kv_cache.SegmentedKVCache`). Keeping the LM head beside the embedding keeps
-a tied LM head one tensor.
-
-Plans come from accelerate's planner (`infer_auto_device_map`, `get_balanced_memory`) over the
-model built on the meta device, so a plan for a 70B model needs neither weights nor GPUs:
-- `auto` and `balanced`: layers spread evenly over the devices of `max_memory` (what
-  transformers' `device_map="auto"` does);
-- `sequential`: each device filled in turn;
-- a mapping of layer ranges to devices, e.g. `{0-39: 0, 40-79: 1}`.
-Devices are written as accelerate writes them: an integer is a CUDA GPU, else cpu, cuda:N, mps.
+The model is built on the meta device, so the count is exactly what `Transformer` would
+allocate (tied embeddings counted once) for a 70B model in milliseconds and no memory.
 """
 
 from __future__ import annotations
@@ -26,61 +13,110 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from selfspec.model import ModelConfig, Transformer
+from selfspec.model.config import ModelConfig
+from selfspec.model.placement import Placement, parse_device
+from selfspec.model.transformer import Transformer
 
-PLANNERS = ("auto", "balanced", "sequential")
 GIB = 1024**3
+PLANNERS = ("auto", "balanced", "sequential")  # model.device_map's planners
+BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+KV_TOKENS = 1024  # the KV figures are per 1k tokens of context (batch of one)
 
 
 @dataclass(frozen=True)
-class Placement:
-    """home: the embedding, final norm and LM head (and every drafter); layers: each layer's
-    device, in order."""
+class ModelPlan:
+    """Memory facts of one model; all sizes in bytes.
 
-    home: torch.device
-    layers: tuple[torch.device, ...]
+    weight_bytes: the full weights per storage dtype (fp32, bf16, fp16, int8).
+    kv_bytes_per_1k: K and V of every layer for 1024 tokens, per cache dtype (bf16, fp32).
+    zero3_bytes_per_gpu: bf16 weights partitioned num_gpus ways (ZeRO-3), activations,
+        KV cache and gathered layers excluded.
+    placement: where model.device_map puts the layers for decoding (None: one device), its
+        memory counted in placement_dtype.
+    """
 
-    @property
-    def devices(self) -> tuple[torch.device, ...]:
-        """Every device used, home first, then in layer order."""
-        return tuple(dict.fromkeys((self.home, *self.layers)))
+    name: str
+    config: ModelConfig
+    num_params: int
+    weight_bytes: dict[str, int]
+    kv_bytes_per_1k: dict[str, int]
+    num_gpus: int
+    zero3_bytes_per_gpu: int
+    placement: Placement | None = None
+    placement_dtype: str = "bf16"
 
-    @property
-    def spans_devices(self) -> bool:
-        return len(self.devices) > 1
-
-    def device_of(self, name: str) -> torch.device:
-        """The device of one of the model's parameters (its state-dict name)."""
-        parts = name.split(".")
-        return self.layers[int(parts[1])] if parts[0] == "layers" else self.home
-
-    def segments(self) -> list[tuple[int, int, torch.device]]:
-        """Runs of consecutive layers on one device: (first, end, device)."""
-        runs: list[tuple[int, int, torch.device]] = []
-        for i, device in enumerate(self.layers):
-            if runs and runs[-1][2] == device:
-                runs[-1] = (runs[-1][0], i + 1, device)
-            else:
-                runs.append((i, i + 1, device))
-        return runs
-
-    def format(self, config: ModelConfig, bytes_per_param: int, kv_bytes: int = 2) -> str:
-        """The placement and the memory it puts on each device: weights, and K/V per 1k
-        tokens (kv_bytes a value)."""
-        layer_bytes = _layer_params(config) * bytes_per_param
-        home_bytes = _home_params(config) * bytes_per_param
-        kv_per_layer = 2 * config.num_kv_heads * config.head_dim * 1024 * kv_bytes
-        lines = [f"  placement over {len(self.devices)} device(s); embedding, final norm and "
-                 f"LM head on {self.home}"]
-        for device in self.devices:
-            layers = [i for i, d in enumerate(self.layers) if d == device]
-            weights = len(layers) * layer_bytes + (home_bytes if device == self.home else 0)
-            span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
-                             for a, b, d in self.segments() if d == device) or "none"
-            lines.append(f"    {str(device):<8} layers {span:<12} {len(layers):>3} layers  "
-                         f"weights {weights / GIB:8.2f} GiB  KV / 1k tokens "
-                         f"{len(layers) * kv_per_layer / GIB:6.3f} GiB")
+    def format(self) -> str:
+        """A readable table (GiB = 2**30 bytes)."""
+        c = self.config
+        rows = [(f"parameters ({self.num_params:,})", f"{self.num_params / 1e9:.2f} B")]
+        rows += [(f"weights {dtype}", _gib(n)) for dtype, n in self.weight_bytes.items()]
+        kv = self.kv_bytes_per_1k.items()
+        rows += [(f"KV cache / 1k tokens {dtype}", _gib(n)) for dtype, n in kv]
+        zero3 = f"ZeRO-3 bf16 weights / GPU ({self.num_gpus} GPUs)"
+        rows.append((zero3, _gib(self.zero3_bytes_per_gpu)))
+        width = max(len(label) for label, _ in rows)
+        head = (
+            f"plan for {self.name}: {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_heads} heads / {c.num_kv_heads} KV heads, vocab {c.vocab_size}"
+        )
+        lines = [head, *(f"  {label:<{width}}  {value:>12}" for label, value in rows)]
+        if self.placement is not None:
+            lines.append(placement_lines(self.placement, c, BYTES_PER_PARAM[self.placement_dtype],
+                                          BYTES_PER_PARAM[self.placement_dtype]))
         return "\n".join(lines)
+
+
+def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8,
+               placement: Placement | None = None, placement_dtype: str = "bf16") -> ModelPlan:
+    """The plan of `config` without weights (the model is built on the meta device)."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"plan_model: num_gpus must be an integer >= 1, got {num_gpus!r}")
+    num_params = count_parameters(config)
+    kv_values_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim  # K and V
+    bf16_weights = num_params * BYTES_PER_PARAM["bf16"]
+    return ModelPlan(
+        name=name,
+        config=config,
+        num_params=num_params,
+        weight_bytes={dtype: num_params * n for dtype, n in BYTES_PER_PARAM.items()},
+        kv_bytes_per_1k={
+            dtype: kv_values_per_token * KV_TOKENS * BYTES_PER_PARAM[dtype]
+            for dtype in ("bf16", "fp32")
+        },
+        num_gpus=num_gpus,
+        zero3_bytes_per_gpu=-(-bf16_weights // num_gpus),  # ceil: ZeRO pads the last shard
+        placement=placement,
+        placement_dtype=placement_dtype,
+    )
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Parameters of `Transformer(config)`, shared tensors (tied embeddings) counted once."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def head_training_lines(head: torch.nn.Module, num_gpus: int) -> str:
+    """What training a head adds: see `trainable_line`."""
+    num_params = sum(p.numel() for p in head.parameters())
+    return trainable_line(f"trainable head ({type(head).__name__})", num_params, num_gpus)
+
+
+def trainable_line(what: str, num_params: int, num_gpus: int) -> str:
+    """Trainable parameters and their fp32 weights + gradients + AdamW moments (16 bytes per
+    parameter), whole and partitioned num_gpus ways (ZeRO-3)."""
+    state = 16 * num_params
+    return (f"  {what}: {num_params:,} parameters; "
+            f"fp32 weights+grads+AdamW {_gib(state).strip()} ({_gib(state // num_gpus).strip()} "
+            f"per GPU under ZeRO-3 on {num_gpus})")
+
+
+# ---- placement over devices (model.device_map) ----------------------------------------
 
 
 def plan_placement(config: ModelConfig, device_map, max_memory=None,
@@ -134,20 +170,26 @@ def place(model: Transformer, placement: Placement | None) -> Transformer:
     return model
 
 
-def parse_device(value) -> torch.device:
-    """A device as accelerate and our configs write it: an integer is a CUDA GPU; "cuda" is
-    cuda:0."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return torch.device("cuda", value)
-    try:
-        device = torch.device(str(value))
-    except RuntimeError:
-        raise ValueError(f"model.device_map: {value!r} is not a device; use an integer (a CUDA "
-                         f"GPU), cpu, cuda:N or mps") from None
-    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+def placement_lines(placement: Placement, config: ModelConfig, bytes_per_param: int,
+                kv_bytes: int = 2) -> str:
+    """The placement and the memory it puts on each device: weights, and K/V per 1k
+    tokens (kv_bytes a value)."""
+    layer_bytes = _layer_params(config) * bytes_per_param
+    home_bytes = _home_params(config) * bytes_per_param
+    kv_per_layer = 2 * config.num_kv_heads * config.head_dim * 1024 * kv_bytes
+    lines = [f"  placement over {len(placement.devices)} device(s); embedding, final norm and "
+             f"LM head on {placement.home}"]
+    for device in placement.devices:
+        layers = [i for i, d in enumerate(placement.layers) if d == device]
+        weights = len(layers) * layer_bytes + (home_bytes if device == placement.home else 0)
+        span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
+                         for a, b, d in placement.segments() if d == device) or "none"
+        lines.append(f"    {str(device):<8} layers {span:<12} {len(layers):>3} layers  "
+                     f"weights {weights / GIB:8.2f} GiB  KV / 1k tokens "
+                     f"{len(layers) * kv_per_layer / GIB:6.3f} GiB")
+    return "\n".join(lines)
 
 
-# ---- planning ------------------------------------------------------------------------------
 
 
 class _Home(nn.Module):

@@ -17,21 +17,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.losses import LossOutput
 from selfspec.model import Transformer
-from selfspec.objectives import MedusaObjective
-from selfspec.tracking import Tracker, read_metrics
-from selfspec.training import (
+from selfspec.training.checkpoints import checkpoint_problem
+from selfspec.training.loop import (
     NonFiniteLoss,
     TokenRows,
     TrainSettings,
     _optimizer_and_schedule,
-    checkpoint_problem,
     fit,
     make_accelerator,
 )
+from selfspec.training.losses import LossOutput
+from selfspec.training.objectives import MedusaObjective
+from selfspec.training.tracking import Tracker, read_metrics
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +174,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_resume_stays_exact(tmp_path,
     else:  # the process died while saving: no COMPLETE marker yet
         (newest / "COMPLETE").unlink()
     assert checkpoint_problem(newest) is not None
-    with caplog.at_level(logging.WARNING, logger="selfspec.training"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.training.checkpoints"):
         resumed, _ = run(tmp_path / "split", resume=True)
     assert f"skipping checkpoint {newest}" in caplog.text
     assert resumed.step == 6
@@ -216,7 +216,7 @@ def test_a_non_finite_loss_stops_training_and_names_the_step(tmp_path):
 
 LOG_THREE_STEPS = """
 import sys
-from selfspec.tracking import Tracker
+from selfspec.training.tracking import Tracker
 tracker = Tracker(sys.argv[1], project="selfspec-test", config={"lr": 0.1})
 for step in range(1, 4):
     tracker.log({"loss": 1.0 / step, "medusa/head0_top1": 0.25 * step}, step=step)

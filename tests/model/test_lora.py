@@ -7,7 +7,7 @@ import torch
 from helpers import perturbed_lora, tiny_llama
 
 from selfspec import Transformer
-from selfspec.lora import (
+from selfspec.model.lora import (
     LINEAR_LAYERS,
     LoraSettings,
     add_lora,

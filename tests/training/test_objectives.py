@@ -16,12 +16,12 @@ from helpers import (
 )
 
 from selfspec import Transformer, generate
-from selfspec.draft_vocab import draft_vocabulary
 from selfspec.heads import MedusaConfig, MedusaHeads
-from selfspec.kv_cache import KVCache
-from selfspec.lora import LINEAR_LAYERS
-from selfspec.losses import eagle_loss, exit_loss, kl_to_teacher, soft_cross_entropy
-from selfspec.objectives import (
+from selfspec.heads.draft_vocab import draft_vocabulary
+from selfspec.model.kv_cache import KVCache
+from selfspec.model.lora import LINEAR_LAYERS
+from selfspec.training.losses import eagle_loss, exit_loss, kl_to_teacher, soft_cross_entropy
+from selfspec.training.objectives import (
     DraftModelObjective,
     Eagle3Objective,
     EagleObjective,
@@ -32,7 +32,7 @@ from selfspec.objectives import (
 
 
 def test_shared_lm_head_heads_train_their_blocks_and_leave_the_target_frozen(target):
-    from selfspec.objectives import MedusaObjective
+    from selfspec.training.objectives import MedusaObjective
 
     heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=2,
                                      shared_lm_head=True))
@@ -44,7 +44,7 @@ def test_shared_lm_head_heads_train_their_blocks_and_leave_the_target_frozen(tar
 
 
 def test_cached_features_give_the_same_loss_and_run_the_target_once_per_row(target):
-    from selfspec.objectives import MedusaObjective
+    from selfspec.training.objectives import MedusaObjective
 
     heads = reduced_medusa_heads(target, list(range(0, 64, 2)))
     rows = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))

