@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.devices import synchronize
-from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, TargetFeatures, fork
+from selfspec.drafters.base import (
+    BatchDrafter,
+    DecodeSetup,
+    Draft,
+    DraftContext,
+    TargetFeatures,
+    fork,
+)
 from selfspec.metrics import PHASES, GenerationStats
 from selfspec.model import ModelOutput, Transformer
-from selfspec.model.kv_cache import KVCache, RowSlots, pad_rows
+from selfspec.model.kv_cache import BatchRows, KVCache, RowSlots, pad_rows
 from selfspec.sampling import (
     SamplingParams,
     check_generator,
@@ -82,12 +89,13 @@ def generate(
     token or exactly at max_new_tokens.
 
     A batch runs the same loop: each row has its own drafter (the one given for row 0, a
-    `fork` of it for the others), cache length, positions, draft, acceptance, commit and
-    stop, and its output is what it would be decoded alone (at temperature 0 the same
-    tokens). One forward verifies every row's draft, each padded to the longest with rows
-    that attend to themselves alone and are never accepted. A row that stops leaves: the
-    others move to the first rows of the cache and go on. Drafts that ran the target's early
-    layers (early exit) are verified row by row.
+    `fork` of it for the others; a `BatchDrafter` drafts every row itself), cache length,
+    positions, draft, acceptance, commit and stop, and its output is what it would be
+    decoded alone (at temperature 0 the same tokens). One forward verifies every row's
+    draft, each padded to the longest with rows that attend to themselves alone and are
+    never accepted. A row that stops leaves: the others move to the first rows of the cache
+    and go on. Drafts that ran the target's early layers (early exit) are verified row by
+    row.
 
     generator: a torch.Generator on the target's device, e.g.
     `torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)`; one on
@@ -124,10 +132,10 @@ class _Row:
     """One prompt of a batch as the loop carries it: its drafter, its own view of the
     batch's cache, what it generated, and what its last verification left for its drafter."""
 
+    index: int  # its row of the batch
     drafter: Drafter | None
     cache: KVCache
     history: list[int]
-    slot: int  # its row of the batch's cache (unfinished rows are packed first)
     new: list[int] = field(default_factory=list)
     features: TargetFeatures | None = None
     extra_logits: torch.Tensor | None = None
@@ -153,19 +161,21 @@ def _decode(
     """The loop: prefill, propose, verify-forward, verify, commit, repeat, for every row."""
     device = prompts[0].device
     max_length = _max_length(prompts, drafter, max_new_tokens)
-    cache = (steps.cache if steps is not None
-             else target.new_cache(batch_size=len(prompts), max_slots=max_length))
-    rows = [_Row(row_drafter, _row_cache(cache, b, len(prompts)), prompt.tolist(), b)
-            for b, (prompt, row_drafter) in enumerate(zip(prompts, _drafters(drafter, prompts),
-                                                          strict=True))]
-    shared: dict = {}
-    for b, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
-        if row.drafter is not None:
-            # A batch's drafters run eagerly: a row's static steps would be its own.
-            row.drafter.begin(DecodeSetup(target, prompt, sampling, generator, max_length,
-                                          row.cache, static_steps=steps is not None
-                                          and len(rows) == 1, row=b, rows=len(rows),
-                                          shared=shared))
+    caches = BatchRows(steps.cache if steps is not None
+                       else target.new_cache(batch_size=len(prompts), max_slots=max_length),
+                       len(prompts))
+    together = drafter if len(prompts) > 1 and isinstance(drafter, BatchDrafter) else None
+    rows = [_Row(b, row_drafter, caches.views[b], prompt.tolist()) for b, (prompt, row_drafter)
+            in enumerate(zip(prompts, _drafters(drafter, len(prompts), together), strict=True))]
+    # A batch's drafters run eagerly: a row's static steps would be its own.
+    setups = [DecodeSetup(target, prompt, sampling, generator, max_length, row.cache,
+                          static_steps=steps is not None and len(rows) == 1)
+              for row, prompt in zip(rows, prompts, strict=True)]
+    if together is not None:
+        together.begin_rows(setups)
+    elif drafter is not None:
+        for row, setup in zip(rows, setups, strict=True):
+            row.drafter.begin(setup)
     for row in rows:
         row.cache.reset()  # begin may have generated with this target, in the same cache
     layers = drafter.target_layers if drafter is not None else ()
@@ -180,9 +190,9 @@ def _decode(
     clock.lap("prefill")
     active = list(rows)
     while active:
-        drafts = _proposed(active, device)
+        drafts = _proposed(active, together, device)
         clock.lap("draft")
-        outcomes = _verify_rows(loop, active, drafts, cache)
+        outcomes = _verify_rows(loop, active, drafts, caches)
         for row, draft, outcome in zip(active, drafts, outcomes, strict=True):
             _commit(row, draft, *outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
@@ -192,31 +202,22 @@ def _decode(
             for row in active:  # a row's wall time ends with the step that finished it
                 if row.done:
                     row.stats.wall_time_s = clock.last - start
-            active = _packed(cache, [row for row in active if not row.done])
+            active = [row for row in active if not row.done]
+            caches.pack([row.index for row in active])
     return [GenerationResult(row.new, _finished(row, timing)) for row in rows]
 
 
-def _proposed(rows: list[_Row], device: torch.device) -> list[Draft]:
-    """Each row's draft: from its drafter, or from the first's `propose_rows` for all."""
-    first = rows[0].drafter
-    if first is None:
+def _proposed(rows: list[_Row], together: BatchDrafter | None, device: torch.device
+              ) -> list[Draft]:
+    """Each row's draft: from its drafter, or from a batch drafter's `propose_rows` for all."""
+    if rows[0].drafter is None:
         return [Draft.empty() for _ in rows]
     contexts = [row.context(device) for row in rows]
-    together = getattr(first, "propose_rows", None) if len(rows) > 1 else None
-    drafts = (together([row.drafter for row in rows], contexts) if together is not None
+    drafts = (together.propose_rows([row.index for row in rows], contexts)
+              if together is not None
               else [row.drafter.propose(context) for row, context in zip(rows, contexts,
                                                                             strict=True)])
     return [_checked(draft, row.drafter) for draft, row in zip(drafts, rows, strict=True)]
-
-
-def _packed(cache: KVCache, active: list[_Row]) -> list[_Row]:
-    """The unfinished rows moved to the batch cache's first rows, in order, so that the next
-    forwards run over them alone (a finished row's slots are free)."""
-    for i, row in enumerate(active):
-        if row.slot != i:  # i < row.slot: row i's former owner has finished or moved
-            cache.move_row(row.cache, row.slot, i)
-            row.slot = i
-    return active
 
 
 @dataclass(frozen=True)
@@ -266,13 +267,13 @@ class _Loop:
     clock: _PhaseClock
 
 
-def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
+def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], caches: BatchRows
                  ) -> list[tuple[_Kept, TargetFeatures, torch.Tensor | None]]:
     """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
     for one prompt or drafts that ran early layers, a forward per row (eager in a batch)."""
     batch = loop.steps is not None and loop.steps.batch_size > 1 or len(rows) > 1
     if batch and not any(draft.early is not None for draft in drafts):
-        return _batched_step(loop, rows, drafts, cache.rows(0, len(rows)))
+        return _batched_step(loop, rows, drafts, caches.first(len(rows)))
     return [_step(loop, row.history[-1], draft, row.cache, None if batch else loop.steps)
             for row, draft in zip(rows, drafts, strict=True)]
 
@@ -612,11 +613,10 @@ def _static_steps(target: Transformer, prompts: list[torch.Tensor], drafter: Dra
     return static_steps(target, _max_length(prompts, drafter, max_new_tokens), len(prompts))
 
 
-def _drafters(drafter: Drafter | None, prompts: list[torch.Tensor]) -> list[Drafter | None]:
-    """A drafter per row: the one given for the first, forks of it for the others."""
-    return [drafter] + [None if drafter is None else fork(drafter) for _ in prompts[1:]]
-
-
-def _row_cache(cache: KVCache, b: int, batch: int) -> KVCache:
-    """Row b's own cache: the cache itself for one row, else a view of its row."""
-    return cache if batch == 1 else cache.row(b)
+def _drafters(drafter: Drafter | None, rows: int, together: BatchDrafter | None
+              ) -> list[Drafter | None]:
+    """A drafter per row: the one given for the first, forks of it for the others; a batch
+    drafter drafting them together is every row's."""
+    if together is not None:
+        return [together] * rows
+    return [drafter] + [None if drafter is None else fork(drafter) for _ in range(rows - 1)]

@@ -30,6 +30,7 @@ from selfspec.drafters import (
     SmallModelDrafter,
     UnionDrafter,
 )
+from selfspec.drafters.base import BatchDrafter, fork
 from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookahead import LookaheadDrafter
 from selfspec.heads import MedusaConfig
@@ -211,6 +212,44 @@ def test_each_rows_cache_is_the_recomputation_of_its_committed_tokens(target, dr
                        eos_token_id=eos)
     assert [r.tokens for r in results] == expected
     assert probe.checked > 0  # the probe of row 0; its forks checked the other rows
+
+
+class RowsTogether:
+    """A `BatchDrafter` made of another drafter: a fork of it per row of the batch, each
+    drafting its row; records the rows it is asked to draft."""
+
+    def __init__(self, inner):
+        self.inner, self.max_nodes, self.target_layers = inner, inner.max_nodes, inner.target_layers
+        self.asked: list[tuple[int, ...]] = []
+
+    def begin(self, setup):
+        raise AssertionError("a batch drafter is begun with begin_rows in a batch")
+
+    def propose(self, context):
+        raise AssertionError("a batch drafter drafts with propose_rows in a batch")
+
+    def begin_rows(self, setups):
+        self.rows = [fork(self.inner) for _ in setups]
+        for drafter, setup in zip(self.rows, setups, strict=True):
+            drafter.begin(setup)
+
+    def propose_rows(self, rows, contexts):
+        self.asked.append(tuple(rows))
+        return [self.rows[b].propose(c) for b, c in zip(rows, contexts, strict=True)]
+
+
+def test_a_batch_drafter_is_given_every_unfinished_row_by_its_index(target, drafters, alone):
+    """Each row's early exit drafts in that row's cache: a row given another's index would
+    draft from the wrong context."""
+    eos, expected = stopping_early(alone)
+    drafter = RowsTogether(drafters["early exit"](3))
+    assert isinstance(drafter, BatchDrafter)
+    results = generate(target, PROMPTS, drafter=drafter, max_new_tokens=NEW_TOKENS,
+                       eos_token_id=eos)
+    assert [r.tokens for r in results] == expected
+    assert drafter.asked[0] == tuple(range(len(PROMPTS)))
+    finished = [b for b, e in enumerate(expected) if len(e) < NEW_TOKENS]
+    assert finished and not set(finished) & set(drafter.asked[-1])
 
 
 def test_bad_batches_are_one_clear_line(target):

@@ -187,7 +187,7 @@ def test_a_draft_model_runs_static_steps_of_its_own_when_the_target_does(target,
     out = generate(target, PROMPT, drafter=drafter, max_new_tokens=24, cuda_graphs=True)
     assert out.tokens == plain and out.stats.accepted > 0
     steps = drafter._steps
-    assert steps is not None and steps.target is draft and drafter._cache is steps.cache
+    assert steps is not None and steps.target is draft and drafter._fed.cache is steps.cache
     if device.type == "cuda":  # its one-token forwards replayed from a graph
         assert any(b.graph is not None for b in steps._buckets.values())
     eager = generate(target, PROMPT, drafter=drafter, max_new_tokens=24, cuda_graphs=False)

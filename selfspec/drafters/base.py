@@ -11,17 +11,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from selfspec.model.kv_cache import KVCache, SegmentedKVCache
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DeviceTree, Tree, host_tree
 
 if TYPE_CHECKING:
     from selfspec.model import Transformer
-    from selfspec.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,6 @@ class DecodeSetup:
     layers itself (its draft's K/V there are then reused by verification: `EarlyLayers`).
     static_steps: whether the target runs static steps (CUDA graphs on CUDA, `selfspec.step`);
     a drafter with a model of its own runs that model the same way.
-    row, rows, shared: the drafter's row of a batch of `rows` prompts, and a dict every row's
-    drafter of that batch receives (for state they share, e.g. one batch cache of their
-    model, when they draft together: `propose_rows`).
     """
 
     target: Transformer
@@ -136,9 +133,6 @@ class DecodeSetup:
     max_length: int
     target_cache: KVCache | None = None
     static_steps: bool = False
-    row: int = 0
-    rows: int = 1
-    shared: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -185,37 +179,52 @@ class Drafter(Protocol):
         """Reset per-generation state; refuse a target it cannot draft for (clear error)."""
 
     def propose(self, context: DraftContext) -> Draft:
-        """A draft to follow context.tokens.
+        """A draft to follow context.tokens."""
 
-        A drafter may also draft a batch's rows together: `propose_rows(drafters, contexts)`
-        on the first row's drafter, given every unfinished row's drafter (itself first, then
-        its forks) and context, returns their drafts in order; the loop calls it where it
-        exists."""
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that drafts a batch's rows together (the draft model: one forward of its
+    model per drafted token over every row). In a batch the loop hands it every row itself,
+    where another drafter gets a `fork` per row; one prompt, it is a plain `Drafter`."""
+
+    def begin_rows(self, setups: Sequence[DecodeSetup]) -> None:
+        """Begin a batch: its rows' setups, in order (as `begin` for each)."""
+
+    def propose_rows(self, rows: Sequence[int], contexts: Sequence[DraftContext]
+                     ) -> list[Draft]:
+        """The drafts of the unfinished rows `rows` (their indices in `begin_rows`' setups,
+        in order), each the draft of its context."""
 
 
 def fork(drafter: Drafter) -> Drafter:
-    """Another instance of `drafter` for another row of a batch: the same weights and models
-    (every module and generator it holds is shared, not copied, and so is read-only data
-    whose class sets `shared_by_forks = True`, such as a lookup corpus), its own
-    per-generation state (`begin` then resets it for its row)."""
-    shared: dict[int, object] = {}
-    _collect_shared(drafter, shared, set())
-    return copy.deepcopy(drafter, shared)
+    """Another instance of `drafter` for another row of a batch, with the same weights and
+    read-only data and its own per-generation state (`begin` then resets it for its row).
+
+    The rule: a fork shares every module, generator and tensor it holds, since drafting only
+    reads them, and every object whose class sets `shared_by_forks = True` (read-only data
+    such as a lookup corpus, or static steps a batch never runs); it copies everything else
+    (its lists, dicts, counters and the objects holding them), and its KV caches, which are
+    what a row writes."""
+    memo: dict[int, object] = {}
+    _collect_shared(drafter, memo, set())
+    return copy.deepcopy(drafter, memo)
 
 
-def _collect_shared(value: object, shared: dict[int, object], seen: set[int]) -> None:
-    if id(value) in seen:
+def _collect_shared(value: object, memo: dict[int, object], seen: set[int]) -> None:
+    """`copy.deepcopy`'s memo for a fork: what it shares, each mapped to itself."""
+    if id(value) in seen or isinstance(value, KVCache | SegmentedKVCache):
         return
     seen.add(id(value))
-    if isinstance(value, nn.Module | torch.Generator) or getattr(type(value), "shared_by_forks",
-                                                                  False):
-        shared[id(value)] = value
+    if isinstance(value, nn.Module | torch.Generator | torch.Tensor) \
+            or getattr(type(value), "shared_by_forks", False):
+        memo[id(value)] = value
     elif isinstance(value, dict):
         for item in value.values():
-            _collect_shared(item, shared, seen)
+            _collect_shared(item, memo, seen)
     elif isinstance(value, list | tuple | set | frozenset):
         for item in value:
-            _collect_shared(item, shared, seen)
+            _collect_shared(item, memo, seen)
     elif hasattr(value, "__dict__") and not isinstance(value, type):
         for item in vars(value).values():
-            _collect_shared(item, shared, seen)
+            _collect_shared(item, memo, seen)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.model import ModelOutput, Transformer, linear
-from selfspec.model.kv_cache import KVCache, RowSlots, pad_rows
+from selfspec.model.kv_cache import BatchRows, KVCache, RowSlots, pad_rows
 from selfspec.ranking import ranked, ranked_on_device
 from selfspec.sampling import draw, draw_on_device, gumbel_top, logits_to_probs
 from selfspec.step import StaticSteps, kept_or_new
@@ -68,15 +68,27 @@ class SmallModelDrafter:
         scored = (model.config.vocab_size if draft_vocab is None
                   else draft_vocab.target_ids.numel())
         self._greedy_candidates = min(first_candidates, scored)
-        self._cache = None
+        self._fed: _Fed | None = None  # its cache and what it holds, drafting one prompt
         self._steps: StaticSteps | None = None  # its own, when the target runs static steps
-        self._batch: KVCache | None = None  # in a batch: the cache its rows share
-        self._row = 0  # its row there
-        self._family = next(_FAMILIES)  # the same in its forks: whose batch cache it shares
-        self._fed: list[int] = []  # tokens whose K/V are in the draft cache, in order
+        self._batch: _DraftRows | None = None  # drafting a batch's rows together
         self._checked_target: Transformer | None = None  # the vocabularies agree for it
 
     def begin(self, setup: DecodeSetup) -> None:
+        self._begin_law(setup)
+        self._begin_cache(setup)
+        # In static steps a chain stays on the device, each token (the argmax, or a draw)
+        # fed to the next step.
+        self._on_device = self._steps is not None and self.confidence_threshold is None
+        self._drafted_at = None  # where the last device chain's tokens sit in the history
+
+    def begin_rows(self, setups: Sequence[DecodeSetup]) -> None:
+        """A batch (`BatchDrafter`): its rows draft together, in one batch cache, eagerly."""
+        self._begin_law(setups[0])
+        self._batch = _DraftRows(self.model.new_cache(len(setups),
+                                                      max_slots=setups[0].max_length))
+
+    def _begin_law(self, setup: DecodeSetup) -> None:
+        """What every row of a generation shares: the target checked, the sampling law."""
         if setup.target is not self._checked_target:  # reading tokenizer.json takes ~20 ms
             check_same_vocabulary(setup.target, self.model)
             self._checked_target = setup.target
@@ -87,13 +99,7 @@ class SmallModelDrafter:
             check_vocab_covers(self.draft_vocab, setup.target.config.vocab_size)
             self._padding = 0  # the draft vocabulary's scores are spread over the target's ids
         self.sampling, self.generator = setup.sampling, setup.generator
-        self._begin_cache(setup)
-        self._cache.reset()
-        self._fed = []
-        # In static steps a chain stays on the device, each token (the argmax, or a draw)
-        # fed to the next step.
-        self._on_device = self._steps is not None and self.confidence_threshold is None
-        self._drafted_at = None  # where the last device chain's tokens sit in the history
+        self._batch = None
 
     @torch.inference_mode()
     def _propose_on_device(self, context: DraftContext) -> Draft:
@@ -137,26 +143,25 @@ class SmallModelDrafter:
         return self._draft(chain)
 
     @torch.inference_mode()
-    def propose_rows(self, drafters: list[SmallModelDrafter],
-                     contexts: list[DraftContext]) -> list[Draft]:
-        """A batch's drafts (`Drafter.propose`, the rows' drafters in order, this one first),
-        each row's the same as it drafts alone: each forward of the draft model runs over
-        every row at once, over the batch cache the rows share, each at its own length."""
-        if self._batch is None:  # its own static steps, or no batch cache: row by row
-            return [d.propose(c) for d, c in zip(drafters, contexts, strict=True)]
-        self._pack(drafters)
-        logits = _next_logits_of_rows(drafters, [d._pending(c) for d, c in
-                                                 zip(drafters, contexts, strict=True)])
-        chains = [d._started(row_logits) for d, row_logits in zip(drafters, logits, strict=True)]
-        while any(going := [chain.goes_on(d) for d, chain in zip(drafters, chains,
-                                                                  strict=True)]):
-            logits = _next_logits_of_rows(drafters, [[chain.tokens[-1]] if on else []
+    def propose_rows(self, rows: Sequence[int], contexts: Sequence[DraftContext]
+                     ) -> list[Draft]:
+        """A batch's drafts (`BatchDrafter`), each row's the same as it drafts alone: each
+        forward of the draft model runs over every row at once, over the batch cache, each
+        row at its own length."""
+        self._batch.caches.pack(rows)
+        fed = [self._batch.rows[b] for b in rows]
+        logits = self._next_logits_of_rows(fed, [row.pending(context.token_list())
+                                                 for row, context in zip(fed, contexts,
+                                                                         strict=True)])
+        chains = [self._started(row_logits) for row_logits in logits]
+        while any(going := [chain.goes_on(self) for chain in chains]):
+            logits = self._next_logits_of_rows(fed, [[chain.tokens[-1]] if on else []
                                                      for chain, on in zip(chains, going,
                                                                           strict=True)])
-            for d, chain, row_logits, on in zip(drafters, chains, logits, going, strict=True):
+            for chain, row_logits, on in zip(chains, logits, going, strict=True):
                 if on:
-                    chain.extend(d, row_logits)
-        return [d._draft(chain) for d, chain in zip(drafters, chains, strict=True)]
+                    chain.extend(self, row_logits)
+        return [self._draft(chain) for chain in chains]
 
     def _pending(self, context: DraftContext) -> list[int]:
         """The tokens to feed before drafting: those after the longest prefix its cache
@@ -166,11 +171,9 @@ class SmallModelDrafter:
             accepted = len(history) - self._drafted_at - 1  # the history's, the rest are not
             if self.first_candidates > 1:  # unless a sibling was accepted: feed them again
                 accepted = 0
-            start = self._drafted_at
-            del self._fed[start + max(0, accepted):]
-            self._fed[start:] = history[start:start + len(self._fed) - start]
+            self._fed.settle(self._drafted_at, accepted, history)
             self._drafted_at = None
-        return list(history[self._rollback_to_common_prefix(history):])
+        return self._fed.pending(history)
 
     def _started(self, logits: torch.Tensor) -> _Chain:
         """A draft's first token (and its sibling candidates) from the logits after the
@@ -189,38 +192,22 @@ class SmallModelDrafter:
         tree = _with_siblings(len(chain.tokens), 1 + len(chain.siblings))
         return Draft(tree, tokens, q, without_replacement=q is not None)
 
-    def _pack(self, drafters: list[SmallModelDrafter]) -> None:
-        """The rows still drafting moved to the batch cache's first rows, in order."""
-        for i, drafter in enumerate(drafters):
-            if drafter._row != i:
-                self._batch.move_row(drafter._cache, drafter._row, i)
-                drafter._row = i
-
     def _begin_cache(self, setup: DecodeSetup) -> None:
         """The draft's cache for this generation: its own static steps' when the target runs
         static steps (CUDA graphs on CUDA: a launch-bound eager draft would cost more than
-        the graphed step it saves); in a batch, its row of a batch cache the rows share
-        (`propose_rows`); else a plain cache, kept while large enough."""
-        self._batch, self._row = None, setup.row
-        if setup.rows > 1 and setup.shared is not None and not setup.static_steps:
+        the graphed step it saves); else a plain cache, kept while large enough."""
+        if setup.static_steps:
+            self._steps = kept_or_new(self._steps, self.model, setup.max_length)
+            self._fed = _Fed(self._steps.cache)
+        else:
             self._steps = None
-            key = ("draft cache", self._family)
-            if key not in setup.shared:  # the first row allocates it for all
-                setup.shared[key] = self.model.new_cache(setup.rows, max_slots=setup.max_length)
-            self._batch = setup.shared[key]
-            self._cache = self._batch.row(setup.row)
-            return
-        if not setup.static_steps:
-            self._steps = None
-            if self._cache is None or self._cache.max_slots < setup.max_length:
-                self._cache = self.model.new_cache(max_slots=setup.max_length)
-            return
-        self._steps = kept_or_new(self._steps, self.model, setup.max_length)
-        self._cache = self._steps.cache
+            if self._fed is None or self._fed.cache.max_slots < setup.max_length:
+                self._fed = _Fed(self.model.new_cache(max_slots=setup.max_length))
+        self._fed.reset()
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **options) -> ModelOutput:
         if self._steps is None:
-            return self.model(ids, positions, self._cache, **options)
+            return self.model(ids, positions, self._fed.cache, **options)
         return self._steps.forward(ids, positions, None, options.get("return_hidden", ()),
                                    options.get("with_logits", True))
 
@@ -244,26 +231,17 @@ class SmallModelDrafter:
     def _device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def _rollback_to_common_prefix(self, history: list[int]) -> int:
-        n = 0
-        limit = min(len(self._fed), len(history) - 1)  # the root is always fed again
-        while n < limit and self._fed[n] == history[n]:
-            n += 1
-        self._cache.truncate(n)
-        del self._fed[n:]
-        return n
-
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
         vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
-        start = self._cache.length
+        start = self._fed.cache.length
         if isinstance(tokens, torch.Tensor):  # drafted on the device: known to be in range
             ids = tokens.view(1, -1)
-            self._fed.extend([None] * ids.shape[1])  # known once the next history shows them
+            self._fed.tokens.extend([None] * ids.shape[1])  # known once a history shows them
         else:
             _check_draft_ids(tokens, self.model)
             ids = torch.tensor([tokens], dtype=torch.long, device=self._device)  # [1, T]
-            self._fed.extend(tokens)
+            self._fed.tokens.extend(tokens)
         positions = torch.arange(start, start + ids.shape[1], device=self._device)  # [T]
         if self.draft_vocab is None:
             return self._forward(ids, positions).logits
@@ -272,8 +250,77 @@ class SmallModelDrafter:
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
         return self.draft_vocab.scatter(scores.float())
 
+    def _next_logits_of_rows(self, rows: list[_Fed], fed: list[list[int]]
+                             ) -> list[torch.Tensor | None]:
+        """`_next_logits` for a batch's rows in one forward of the draft model over the
+        batch cache's first len(rows) rows: row i's tokens fed[i] after its own length (a
+        row fed nothing rides along, its cache unchanged); [V] each (None for a row fed
+        nothing)."""
+        model, device = self.model, self._device
+        for tokens in fed:
+            _check_draft_ids(tokens, model)
+        lengths = [row.cache.length for row in rows]
+        inputs = [(torch.tensor([tokens], dtype=torch.long, device=device),
+                   torch.arange(len(tokens), device=device),
+                   torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril())
+                  for tokens in fed]
+        tokens, positions, masks = pad_rows(inputs, lengths, device)
+        slots = RowSlots(self._batch.caches.first(len(rows)), lengths, tokens.shape[1])
+        last = [max(len(t), 1) - 1 for t in fed]
+        every = torch.arange(len(fed), device=device)
+        if self.draft_vocab is None:
+            out = model(tokens, positions, slots, mask=slots.mask(masks))
+            logits = out.logits[every, last]  # [n, V_draft]
+        else:
+            out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
+                        return_hidden=(model.config.num_layers,))
+            scores = linear(model.norm(out.hidden[0][every, last]), self._head_rows)  # [n, K]
+            logits = self.draft_vocab.scatter(scores.float())
+        result = []
+        for row, tokens, row_logits in zip(rows, fed, logits, strict=True):
+            row.cache.advance(len(tokens))
+            row.tokens.extend(tokens)
+            result.append(F.pad(row_logits, (0, self._padding), value=float("-inf"))
+                          if tokens else None)
+        return result
 
-_FAMILIES = itertools.count()
+
+class _Fed:
+    """A draft cache and the tokens whose K/V it holds, in order (None: a token drafted on
+    the device, known once the next history shows it)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.tokens = cache, []
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens = []
+
+    def pending(self, history: Sequence[int]) -> list[int]:
+        """The tokens to feed before drafting after `history`: those after the longest
+        prefix the cache shares with it (at least the root, always fed again); the cache is
+        rolled back to that prefix."""
+        n, limit = 0, min(len(self.tokens), len(history) - 1)
+        while n < limit and self.tokens[n] == history[n]:
+            n += 1
+        self.cache.truncate(n)
+        del self.tokens[n:]
+        return list(history[n:])
+
+    def settle(self, start: int, accepted: int, history: Sequence[int]) -> None:
+        """After a device chain fed from history index `start` on: its first `accepted`
+        tokens are the history's (their values filled in), the rest are dropped."""
+        del self.tokens[start + max(0, accepted):]
+        self.tokens[start:] = history[start:len(self.tokens)]
+
+
+class _DraftRows:
+    """A batch's draft cache, which its rows share (one forward over all of them), and
+    each row's own part of it."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.caches = BatchRows(cache, cache.k.shape[1])
+        self.rows = [_Fed(view) for view in self.caches.views]
 
 
 def _draft_on_device(chain: torch.Tensor, siblings: torch.Tensor, q: torch.Tensor | None,
@@ -318,42 +365,6 @@ class _Chain:
         self.tokens.append(draw(probs, drafter.sampling, drafter.generator))
         self.laws.append(probs)
         self.logits = logits
-
-
-def _next_logits_of_rows(drafters: list[SmallModelDrafter], fed: list[list[int]]
-                         ) -> list[torch.Tensor]:
-    """`SmallModelDrafter._next_logits` for a batch's rows in one forward of the draft model
-    over the first len(drafters) rows of their batch cache: row i's tokens fed[i] after its
-    own length (a row fed nothing rides along, its cache unchanged); [V] each (None for a
-    row fed nothing)."""
-    first = drafters[0]
-    model, device = first.model, first._device
-    for tokens in fed:
-        _check_draft_ids(tokens, model)
-    lengths = [d._cache.length for d in drafters]
-    inputs = [(torch.tensor([tokens], dtype=torch.long, device=device),
-               torch.arange(len(tokens), device=device),
-               torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril())
-              for tokens in fed]
-    tokens, positions, masks = pad_rows(inputs, lengths, device)
-    slots = RowSlots(first._batch.rows(0, len(drafters)), lengths, tokens.shape[1])
-    last = [max(len(t), 1) - 1 for t in fed]
-    rows = torch.arange(len(fed), device=device)
-    if first.draft_vocab is None:
-        out = model(tokens, positions, slots, mask=slots.mask(masks))
-        logits = out.logits[rows, last]  # [n, V_draft]
-    else:
-        out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
-                    return_hidden=(model.config.num_layers,))
-        scores = linear(model.norm(out.hidden[0][rows, last]), first._head_rows)  # [n, K]
-        logits = first.draft_vocab.scatter(scores.float())
-    result = []
-    for drafter, tokens, row_logits in zip(drafters, fed, logits, strict=True):
-        drafter._cache.advance(len(tokens))
-        drafter._fed.extend(tokens)
-        result.append(F.pad(row_logits, (0, drafter._padding), value=float("-inf"))
-                      if tokens else None)
-    return result
 
 
 def _check_draft_ids(tokens: list[int], model: Transformer) -> None:

@@ -142,6 +142,29 @@ class KVCache:
         return end
 
 
+class BatchRows:
+    """A batch's cache and each row's own cache: a view of its row (`KVCache.row`; with one
+    row, the cache itself), which follows the row when `pack` moves it. Forwards over a
+    batch run over its first rows, so the unfinished rows are packed there."""
+
+    def __init__(self, cache: KVCache, rows: int) -> None:
+        self.cache = cache
+        self.views = [cache] if rows == 1 else [cache.row(b) for b in range(rows)]
+        self._at = list(range(rows))  # the cache row each batch row is at now
+
+    def pack(self, rows: Sequence[int]) -> None:
+        """Move batch rows `rows` (in order) to the cache's first len(rows) rows (a finished
+        row's slots are free)."""
+        for i, b in enumerate(rows):
+            if self._at[b] != i:  # i < _at[b]: row i's former owner has finished or moved
+                self.cache.move_row(self.views[b], self._at[b], i)
+                self._at[b] = i
+
+    def first(self, n: int) -> KVCache:
+        """The cache's first n rows as one cache (views)."""
+        return self.cache.rows(0, n)
+
+
 class RowSlots:
     """A batch's cache as one forward over all its rows sees it, each row at its own length:
     row b's T new K/V go to its slots [lengths[b], lengths[b] + T), and K/V return over slots

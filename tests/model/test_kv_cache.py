@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from selfspec.model import ModelConfig, Transformer
-from selfspec.model.kv_cache import KVCache
+from selfspec.model.kv_cache import BatchRows, KVCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 
@@ -131,3 +131,20 @@ def test_truncate_after_rejected_draft_matches_never_drafting():
     out = model(fix, torch.arange(8, 9), cache)
     reference = model(torch.cat([prompt, draft[:, :2], fix], 1), torch.arange(9))
     torch.testing.assert_close(out.logits[:, -1], reference.logits[:, -1], atol=1e-5, rtol=0)
+
+
+def test_packing_a_batch_moves_the_unfinished_rows_first_and_their_views_follow():
+    cache = KVCache(2, 4, 1, 8, 2)
+    batch = BatchRows(cache, 4)
+    for b, view in enumerate(batch.views):  # row b: b + 1 slots of value b
+        view.k[:, :, :, : b + 1] = float(b)
+        view.length = b + 1
+    batch.pack([1, 3])  # rows 0 and 2 finished
+    assert batch.views[1].k.data_ptr() == cache.k[:, 0:1].data_ptr()
+    assert batch.views[3].k.data_ptr() == cache.k[:, 1:2].data_ptr()
+    first = batch.first(2)
+    assert first.k.shape[1] == 2
+    assert (first.k[:, 0, :, :2] == 1).all() and (first.k[:, 1, :, :4] == 3).all()
+    batch.pack([3])  # row 1 finished too
+    assert batch.views[3].k.data_ptr() == cache.k[:, 0:1].data_ptr()
+    assert (batch.views[3].k[..., :4, :] == 3).all() and batch.views[3].length == 4
