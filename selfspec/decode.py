@@ -194,7 +194,7 @@ def _decode(
         clock.lap("draft")
         outcomes = _verify_rows(loop, active, drafts, caches)
         for row, draft, outcome in zip(active, drafts, outcomes, strict=True):
-            _commit(row, draft, *outcome, stop_ids, max_new_tokens)
+            _commit(row, draft, outcome, stop_ids, max_new_tokens)
         clock.lap("commit")
         timing.split_steps += clock.split
         timing.loop_steps += 1
@@ -232,16 +232,28 @@ class _Kept:
     path: list[int]
 
 
-def _commit(row: _Row, draft: Draft, kept: _Kept, features: TargetFeatures,
-            extra_logits: torch.Tensor | None, stop_ids: set[int], max_new_tokens: int) -> None:
+@dataclass(frozen=True)
+class _Outcome:
+    """A row's step: what its verification kept, the target's states at the rows it kept
+    (the root and the accepted nodes) and the logits at its draft's extra rows (None
+    without), which its drafter reads next."""
+
+    kept: _Kept
+    features: TargetFeatures
+    extra_logits: torch.Tensor | None
+
+
+def _commit(row: _Row, draft: Draft, outcome: _Outcome, stop_ids: set[int],
+            max_new_tokens: int) -> None:
     """A row's step outcome into its history and stats; the row stops at a stop token or its
     budget."""
+    kept = outcome.kept
     row.stats.record_step(kept.tree.num_nodes, kept.tree.max_depth, len(kept.path),
                           rows=draft.rows)
     emitted = _until_stop(kept.tokens, stop_ids, max_new_tokens - len(row.new))
     row.new += emitted
     row.history += emitted
-    row.features, row.extra_logits = features, extra_logits
+    row.features, row.extra_logits = outcome.features, outcome.extra_logits
     row.done = len(row.new) >= max_new_tokens or bool(row.new and row.new[-1] in stop_ids)
 
 
@@ -268,7 +280,7 @@ class _Loop:
 
 
 def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], caches: BatchRows
-                 ) -> list[tuple[_Kept, TargetFeatures, torch.Tensor | None]]:
+                 ) -> list[_Outcome]:
     """Each row's step outcome: one forward over the rows (the batch cache's first rows), or,
     for one prompt or drafts that ran early layers, a forward per row (eager in a batch)."""
     batch = loop.steps is not None and loop.steps.batch_size > 1 or len(rows) > 1
@@ -279,7 +291,7 @@ def _verify_rows(loop: _Loop, rows: list[_Row], drafts: list[Draft], caches: Bat
 
 
 def _step(loop: _Loop, root: int, draft: Draft, cache, steps: StaticSteps | None
-          ) -> tuple[_Kept, TargetFeatures, torch.Tensor | None]:
+          ) -> _Outcome:
     """One verification forward over [root, draft..., extra rows...] (in `steps`, if any),
     exact verification of the draft, cache commit; returns the extra rows' logits too."""
     target, layers = loop.target, loop.layers
@@ -298,7 +310,7 @@ def _step(loop: _Loop, root: int, draft: Draft, cache, steps: StaticSteps | None
 
 
 def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVCache
-                  ) -> list[tuple[_Kept, TargetFeatures, torch.Tensor | None]]:
+                  ) -> list[_Outcome]:
     """One verification forward over every row's [root, draft..., extra rows...], padded to
     the longest (`cache`: their rows of the batch cache, in order): the batch's static step,
     or eagerly; then each row's verification and commit, as `_step` does."""
@@ -322,7 +334,7 @@ def _batched_step(loop: _Loop, rows: list[_Row], drafts: list[Draft], cache: KVC
 
 
 def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft: Draft,
-              base: int, cache) -> tuple[_Kept, TargetFeatures, torch.Tensor | None]:
+              base: int, cache) -> _Outcome:
     """Row b of a verification forward: exact verification of its draft, its cache commit,
     the target's states at the kept rows, and the extra rows' logits."""
     verified = draft.tree.num_nodes + 1
@@ -333,7 +345,7 @@ def _verified(loop: _Loop, out: ModelOutput, b: int, tokens: torch.Tensor, draft
     cache.commit([base + row for row in committed])
     extra_logits = (out.logits[b, verified:verified + draft.extra.rows]
                     if draft.extra is not None else None)
-    return kept, _features(out, tokens[rows], rows, b), extra_logits
+    return _Outcome(kept, _features(out, tokens[rows], rows, b), extra_logits)
 
 
 def _forward_rows(root: int, draft: Draft, device: torch.device
@@ -394,16 +406,13 @@ def _drawn(p: torch.Tensor, draft: Draft, generator: torch.Generator | None,
     """A sampled draft verified from one host read: every draw of its rejection sampling
     made on the device ahead (`verify.tree_draws`), read back with its tokens and, for a
     tree known only on the device, its shape."""
-    n, tree = draft.tree.num_nodes, draft.tree
-    tokens = draft.tokens.to(p.device)
+    tree, tokens = draft.tree, draft.tokens.to(p.device)
     draws = tree_draws(tree.children_table(p.device), tokens, draft.q.to(p.device), p,
                        generator, draft.without_replacement)
-    values = torch.cat([draws, tokens, *_shape_of(tree, p.device)]).tolist()  # one read
+    read = _read_once(draws=draws, tokens=tokens, **_shape_of(tree, p.device))
     clock.lap("probs")
-    path, last = tree_outcome(values[: 2 * n + 2])
-    node_tokens = values[2 * n + 2: 3 * n + 2]
-    return _Kept(_read_tree(tree, values[3 * n + 2:]), [*(node_tokens[i] for i in path), last],
-                 path)
+    path, last = tree_outcome(read["draws"])
+    return _Kept(_read_tree(tree, read), [*(read["tokens"][i] for i in path), last], path)
 
 
 def _walked(target_tokens: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _Kept:
@@ -411,35 +420,45 @@ def _walked(target_tokens: torch.Tensor, draft: Draft, clock: _PhaseClock) -> _K
     argmax, or its draw), the draft's tokens [N] and, for a tree known only on the device,
     its parents (chosen children: every row a node); a child is accepted iff its token is
     its parent row's."""
-    n, device = draft.tree.num_nodes, target_tokens.device
-    parts = [target_tokens, draft.tokens.to(device), *_shape_of(draft.tree, device)]
-    values = torch.cat(parts).tolist()  # the step's one host read
+    device = target_tokens.device
+    read = _read_once(target=target_tokens, tokens=draft.tokens.to(device),
+                      **_shape_of(draft.tree, device))
     clock.lap("probs")
-    tree = _read_tree(draft.tree, values[2 * n + 1:])
-    path, last = greedy_path(tree, values[n + 1: 2 * n + 1], values[: n + 1])
-    return _Kept(tree, [*(values[n + 1 + i] for i in path), last], path)
+    tree = _read_tree(draft.tree, read)
+    path, last = greedy_path(tree, read["tokens"], read["target"])
+    return _Kept(tree, [*(read["tokens"][i] for i in path), last], path)
 
 
-def _shape_of(tree: Tree | DeviceTree, device: torch.device) -> list[torch.Tensor]:
+def _read_once(**parts: torch.Tensor) -> dict[str, list[int]]:
+    """The step's one host read: 1-D integer (or bool) tensors read back together, as host
+    ints split by name."""
+    values = torch.cat([part.long() for part in parts.values()]).tolist()  # one read
+    read, start = {}, 0
+    for name, part in parts.items():
+        read[name], start = values[start:start + len(part)], start + len(part)
+    return read
+
+
+def _shape_of(tree: Tree | DeviceTree, device: torch.device) -> dict[str, torch.Tensor]:
     """What the host needs to know of a tree's shape, as tensors to read with the step's
-    other values: nothing for a host Tree; a device tree's parents [N], then its valid
-    flags [N] if some rows are not nodes."""
+    other values: nothing for a host Tree; a device tree's parents [N], and its valid flags
+    [N] if some rows are not nodes."""
     if isinstance(tree, Tree):
-        return []
-    parts = [tree.parents.to(device)]
-    return parts if tree.valid is None else [*parts, tree.valid.to(device).long()]
+        return {}
+    if tree.valid is None:
+        return {"parents": tree.parents.to(device)}
+    return {"parents": tree.parents.to(device), "valid": tree.valid.to(device)}
 
 
-def _read_tree(tree: Tree | DeviceTree, shape: list[int]) -> Tree:
+def _read_tree(tree: Tree | DeviceTree, read: dict[str, list[int]]) -> Tree:
     """The tree verified, from `_shape_of`'s values read back: a host Tree itself; a device
     tree's valid nodes (a path through them names them by their rows of the draft, as the
     draft's own indices)."""
     if isinstance(tree, Tree):
         return tree
-    n = tree.num_nodes
-    if tree.valid is None:  # every row a node
-        return tree.on_host(shape)
-    return tree.nodes_on_host(shape[:n], shape[n:])[0]
+    if "valid" not in read:  # every row a node
+        return tree.on_host(read["parents"])
+    return tree.nodes_on_host(read["parents"], read["valid"])[0]
 
 
 class _PhaseClock:

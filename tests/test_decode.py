@@ -7,6 +7,7 @@ import torch
 from helpers import P_VALUE_FLOOR, TopRankTreeDrafter, first_layers, sampled_pvalue, tiny_llama
 
 from selfspec import SamplingParams, Transformer, decode, generate
+from selfspec.devices import HostReads
 from selfspec.drafters import Draft, NgramDrafter, SmallModelDrafter
 from selfspec.metrics import OTHER, PHASES, GenerationStats
 
@@ -268,3 +269,12 @@ def test_bad_generate_arguments_are_clear_errors(target, kwargs, message):
     args = {"prompt_ids": [3, 4], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         generate(target, args.pop("prompt_ids"), **args)
+
+
+def test_a_step_reads_its_named_tensors_back_at_once():
+    parts = {"draws": torch.tensor([2, -1, 7]), "tokens": torch.tensor([5]),
+             "valid": torch.tensor([True, False])}
+    with HostReads() as reads:
+        read = decode._read_once(**parts)
+    assert reads.count == 1
+    assert read == {"draws": [2, -1, 7], "tokens": [5], "valid": [1, 0]}

@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.eagle_static import StaticEagleDraft, level_plan
+from selfspec.drafters.eagle_static import (
+    DynamicShape,
+    EagleShape,
+    StaticEagleDraft,
+    StaticShape,
+    level_plan,
+)
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_sizes
 from selfspec.model import Transformer
@@ -88,7 +94,8 @@ class _Growth:
 
 class EagleDrafter:
     """Drafts with an EAGLE head over a static tree (`tree`) or an EAGLE-2 dynamic tree
-    (`total_tokens`, `depth`, `top_k`); see the module docstring.
+    (`total_tokens`, `depth`, `top_k`); see the module docstring. `shape` holds which: a
+    `StaticShape` or a `DynamicShape`.
 
     depth counts tree levels: the deepest node is `depth` tokens after the root, and the head
     runs `depth` times per step (once over the newly committed pairs, then per level).
@@ -106,23 +113,14 @@ class EagleDrafter:
     ) -> None:
         self.head, self.sampled_children = head, bool(sampled_children)
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
-        if tree is not None:
-            self.tree = _static_tree(head, tree, (total_tokens, depth, top_k))
-            self.max_nodes = self.tree.num_nodes
-            self._fed_max = sum(1 for i in range(self.max_nodes) if self.tree.children_of(i))
-        else:
-            _check_dynamic(head, total_tokens, depth, top_k)
-            self.tree, self.total_tokens, self.depth, self.top_k = None, total_tokens, depth, top_k
-            self.max_nodes = min(total_tokens, top_k + (depth - 1) * top_k**2)
-            self._fed_max = (depth - 1) * top_k
+        self.shape: EagleShape = (_static_shape(head, tree, (total_tokens, depth, top_k))
+                                  if tree is not None
+                                  else _dynamic_shape(head, total_tokens, depth, top_k))
+        self.max_nodes = self.shape.nodes
         self._cache: KVCache | None = None
         self._committed = 0  # head cache slots holding committed pairs
         self._static: StaticEagleDraft | None = None  # drafting in static shapes, kept
         self._use_static = False
-
-    @property
-    def _shape(self) -> Tree | tuple[int, int, int]:
-        return self.tree if self.tree is not None else (self.total_tokens, self.depth, self.top_k)
 
     def begin(self, setup: DecodeSetup) -> None:
         check_head_target("EagleDrafter", self.head, setup.target)
@@ -134,7 +132,7 @@ class EagleDrafter:
         if self._use_static:
             self._begin_static(setup)
             return
-        slots, weight = setup.max_length + self._fed_max, self.head.fc.weight
+        slots, weight = setup.max_length + self.shape.fed, self.head.fc.weight
         cache = self._cache
         if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
                 or cache.k.dtype != weight.dtype:
@@ -144,11 +142,11 @@ class EagleDrafter:
         self._cache.reset()
 
     def _begin_static(self, setup: DecodeSetup) -> None:
-        slots = padded_slots(setup.max_length + self._fed_max)
+        slots = padded_slots(setup.max_length + self.shape.fed)
         sampling = setup.sampling if self._sampled else None
-        if self._static is None or not self._static.fits(self.head, setup.target, self._shape,
+        if self._static is None or not self._static.fits(self.head, setup.target, self.shape,
                                                           slots, sampling):
-            self._static = StaticEagleDraft(self.head, setup.target, self._shape, slots,
+            self._static = StaticEagleDraft(self.head, setup.target, self.shape, slots,
                                             sampling)
 
     @torch.inference_mode()
@@ -159,10 +157,10 @@ class EagleDrafter:
             return self._propose_static(context)
         hidden, logits = self._consume(context)
         growth = _Growth(hidden={-1: hidden}, logits={-1: logits})
-        if self.tree is not None:
-            keep = self._grow_static(growth)
+        if isinstance(self.shape, StaticShape):
+            keep = self._grow_static(growth, self.shape.tree)
         else:
-            keep = self._grow_dynamic(growth)
+            keep = self._grow_dynamic(growth, self.shape)
         self._cache.truncate(self._committed)  # drop the draft's own slots
         return self._draft(growth, keep)
 
@@ -175,11 +173,9 @@ class EagleDrafter:
         grown = self._static.grow(self._committed, self._generator)
         tokens = grown.tokens.clone()
         if grown.parents is None:  # chosen children of the static tree
-            return Draft(self.tree, tokens)
+            return Draft(self.shape.tree, tokens)
         drawn = None if grown.drawn is None else grown.drawn.clone()
-        tree = DeviceTree(grown.parents.clone(),
-                          self.depth if self.tree is None else self.tree.max_depth, drawn,
-                          self.top_k if self.tree is None else self.tree.max_children)
+        tree = DeviceTree(grown.parents.clone(), self.shape.depth, drawn, self.shape.width)
         if grown.q is None:
             return Draft(tree, tokens)
         return Draft(tree, tokens, grown.q.clone(), without_replacement=True)
@@ -215,10 +211,10 @@ class EagleDrafter:
 
     # ---- growing a tree ------------------------------------------------------------------------
 
-    def _grow_static(self, growth: _Growth) -> list[int]:
-        """Fill self.tree level by level; returns the nodes made (all kept). A sampled node
-        whose rank its parent's law cannot supply is missing, with its subtree."""
-        tree, made = self.tree, {-1: -1}  # tree node -> growth node
+    def _grow_static(self, growth: _Growth, tree: Tree) -> list[int]:
+        """Fill the static tree level by level; returns the nodes made (all kept). A sampled
+        node whose rank its parent's law cannot supply is missing, with its subtree."""
+        made = {-1: -1}  # tree node -> growth node
         for depth in range(1, tree.max_depth + 1):
             planned = [-1] if depth == 1 else [  # the nodes above that have children
                 i for i in range(tree.num_nodes)
@@ -236,11 +232,11 @@ class EagleDrafter:
                 self._feed(growth, level)
         return list(range(len(growth.nodes)))
 
-    def _grow_dynamic(self, growth: _Growth) -> list[int]:
+    def _grow_dynamic(self, growth: _Growth, shape: DynamicShape) -> list[int]:
         """EAGLE-2: grow the levels of `level_plan` from a top_k frontier; returns the nodes
         kept."""
         frontier: list[int] = [-1]
-        plan = level_plan(self.total_tokens, self.depth, self.top_k, self._sampled)
+        plan = level_plan(shape.total_tokens, shape.depth, shape.top_k, self._sampled)
         for depth, counts in enumerate(plan, start=1):
             if depth > 1:
                 self._feed(growth, frontier)
@@ -251,12 +247,12 @@ class EagleDrafter:
             level = [growth.add(*_scored(growth, parent, child))
                      for parent, children in zip(planned, found, strict=True)
                      for child in children]
-            frontier = growth.best(level, self.top_k)
+            frontier = growth.best(level, shape.top_k)
             if not frontier:
                 break
         if self._sampled:
             return list(range(len(growth.nodes)))
-        return sorted(growth.best(range(len(growth.nodes)), self.total_tokens))
+        return sorted(growth.best(range(len(growth.nodes)), shape.total_tokens))
 
     def _level_children(self, growth: _Growth, parents: list[int | None], counts: list[int]
                         ) -> list[list[tuple[int, float, int]]]:
@@ -361,7 +357,8 @@ def check_head_target(who: str, head: EagleHead, target: Transformer) -> None:
                          f"head trained for this target")
 
 
-def _static_tree(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic: tuple) -> Tree:
+def _static_shape(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic: tuple
+                  ) -> StaticShape:
     if any(value is not None for value in dynamic):
         raise ValueError("EagleDrafter: pass either tree (a static tree) or total_tokens, depth "
                          "and top_k (an EAGLE-2 dynamic tree), not both")
@@ -370,10 +367,10 @@ def _static_tree(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic:
     if worst >= vocab:
         raise ValueError(f"EagleDrafter: the tree asks for candidate rank {worst}, but the head "
                          f"scores only {vocab} tokens; use ranks < {vocab}")
-    return tree
+    return StaticShape(tree)
 
 
-def _check_dynamic(head: EagleHead, total_tokens, depth, top_k) -> None:
+def _dynamic_shape(head: EagleHead, total_tokens, depth, top_k) -> DynamicShape:
     for name, value in (("total_tokens", total_tokens), ("depth", depth), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"EagleDrafter: {name} must be an integer >= 1, got {value!r} "
@@ -386,3 +383,4 @@ def _check_dynamic(head: EagleHead, total_tokens, depth, top_k) -> None:
     if top_k > vocab:
         raise ValueError(f"EagleDrafter: top_k ({top_k}) exceeds the {vocab} tokens the head "
                          f"scores; pass top_k <= {vocab}")
+    return DynamicShape(total_tokens, depth, top_k)

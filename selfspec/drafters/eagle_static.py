@@ -2,8 +2,10 @@
 runs static steps (CUDA graphs on CUDA; `cuda_graphs=True` elsewhere runs the same code
 eagerly), for chosen children and for sampled children.
 
-It builds the tree `EagleDrafter`'s host-side growth builds (the same nodes in the same
-order), but as tensor ops over fixed widths, reading nothing back to the host:
+A draft's shape is a `StaticShape` (a fixed tree) or a `DynamicShape` (EAGLE-2), each
+knowing its depth, its width and how many nodes it drafts. For either, this module builds the
+tree `EagleDrafter`'s host-side growth builds (the same nodes in the same order), but as
+tensor ops over fixed widths, reading nothing back to the host:
 
 - the head's cache is written at slot tensors, and each forward attends over every slot
   under a mask built on the device (`selfspec.step.SlotView`);
@@ -38,15 +40,77 @@ from selfspec.step import CapturedSteps, SlotView, weights_of
 from selfspec.tree import Tree
 
 
+@dataclass(frozen=True)
+class StaticShape:
+    """A static tree (EAGLE-1; `Tree.chain(k)` for a chain): node (r1, ..., rd) is the
+    rd-th candidate of its parent's head output."""
+
+    tree: Tree
+
+    @property
+    def depth(self) -> int:
+        return self.tree.max_depth
+
+    @property
+    def width(self) -> int:
+        """The most children a node has."""
+        return self.tree.max_children
+
+    @property
+    def nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def fed(self) -> int:
+        """The draft nodes the head runs on in a step: those with children."""
+        return sum(1 for i in range(self.nodes) if self.tree.children_of(i))
+
+    def growth(self, device: torch.device, sampled: bool) -> _StaticGrowth:
+        """Its growth in static shapes."""
+        return _StaticGrowth(self.tree, device)
+
+
+@dataclass(frozen=True)
+class DynamicShape:
+    """An EAGLE-2 dynamic tree: a frontier of the `top_k` best nodes grown `depth` levels,
+    `total_tokens` nodes kept (see `level_plan`)."""
+
+    total_tokens: int
+    depth: int
+    top_k: int
+
+    @property
+    def width(self) -> int:
+        """The most children a node has."""
+        return self.top_k
+
+    @property
+    def nodes(self) -> int:
+        """The most nodes a draft keeps."""
+        return min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2)
+
+    @property
+    def fed(self) -> int:
+        """The most draft nodes the head runs on in a step: each level's frontier."""
+        return (self.depth - 1) * self.top_k
+
+    def growth(self, device: torch.device, sampled: bool) -> _DynamicGrowth:
+        """Its growth in static shapes."""
+        return _DynamicGrowth(self, device, sampled)
+
+
+EagleShape = StaticShape | DynamicShape
+
+
 class StaticEagleDraft:
     """One EAGLE drafter's static drafting for one target, head cache and graphs included:
     `consume(tokens, feature, start)` feeds the committed pairs, `grow()` drafts."""
 
     shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
 
-    def __init__(self, head: EagleHead, target: Transformer, shape: Tree | tuple[int, int, int],
+    def __init__(self, head: EagleHead, target: Transformer, shape: EagleShape,
                  max_slots: int, sampling: SamplingParams | None = None) -> None:
-        self.head, self.target, self.sampling = head, target, sampling
+        self.head, self.target, self.shape, self.sampling = head, target, shape, sampling
         self.weights = weights_of(head, target)
         weight = head.fc.weight
         self.device = weight.device
@@ -57,21 +121,20 @@ class StaticEagleDraft:
         config = head.config
         self.cache = KVCache(1, 1, config.num_kv_heads, max_slots, config.head_dim,
                              dtype=weight.dtype, device=weight.device)
-        self.growth = (_StaticTree(shape, self.device) if isinstance(shape, Tree)
-                       else _DynamicTree(*shape, self.device, sampling is not None))
-        self.width = self.growth.max_depth + 1  # the most pairs one step commits
+        self.growth = shape.growth(self.device, sampling is not None)
+        self.width = shape.depth + 1  # the most pairs one step commits
         self._slots = torch.arange(max_slots, device=self.device)
         self._tokens = torch.zeros(self.width, dtype=torch.long, device=self.device)
         self._feature = torch.zeros(self.width, config.hidden_size, dtype=weight.dtype,
                                     device=self.device)
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)  # committed before
         self._count = torch.ones(1, dtype=torch.long, device=self.device)  # pairs fed now
-        self._root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
+        # The head's prediction after the last committed pair: the draft's root.
+        self.root = torch.zeros(config.hidden_size, dtype=weight.dtype, device=self.device)
 
-    def fits(self, head: EagleHead, target: Transformer, shape, max_slots: int,
+    def fits(self, head: EagleHead, target: Transformer, shape: EagleShape, max_slots: int,
              sampling: SamplingParams | None) -> bool:
-        same = self.growth.shape == (shape if not isinstance(shape, Tree) else shape.parents)
-        return (head is self.head and target is self.target and same
+        return (head is self.head and target is self.target and shape == self.shape
                 and sampling == self.sampling and self.cache.max_slots >= max_slots
                 and weights_of(head, target) == self.weights)
 
@@ -86,7 +149,7 @@ class StaticEagleDraft:
             embeds = self.target.embed_tokens(tokens)[None].to(self._feature)
             self.cache.length = start
             out = self.head(embeds, feature[None].to(self._feature), positions, self.cache)
-            self._root.copy_(out[0, -1])
+            self.root.copy_(out[0, -1])
             return
         self._tokens[:count].copy_(tokens)
         self._feature[:count].copy_(feature)
@@ -101,8 +164,8 @@ class StaticEagleDraft:
         embeds = self.target.embed_tokens(self._tokens)[None].to(self._feature)
         out = self.head(embeds, self._feature[None], slots, SlotView(self.cache, slots),
                         mask=mask)[0]  # [W, h]
-        self._root.copy_(out.index_select(0, self._count - 1)[0])
-        return self._root
+        self.root.copy_(out.index_select(0, self._count - 1)[0])
+        return self.root
 
     # ---- the draft ------------------------------------------------------------------------
 
@@ -132,7 +195,7 @@ class StaticEagleDraft:
 
     def root_logits(self) -> torch.Tensor:
         """[1, V] the head's scores after the root."""
-        return self.head.target_logits(self._root, self.target.lm_head)[None]
+        return self.head.target_logits(self.root, self.target.lm_head)[None]
 
 
 class _Children:
@@ -162,12 +225,12 @@ class _Children:
         return tokens, laws.gather(1, tokens).double().log(), drawn, laws
 
 
-class _StaticTree:
+class _StaticGrowth:
     """A fixed tree: depth by depth, the parents of the next depth are fed, and node
     (r1, ..., rd) takes the rd-th token of its parent's ranking, or its rd-th draw."""
 
     def __init__(self, tree: Tree, device: torch.device) -> None:
-        self.tree, self.shape, self.max_depth = tree, tree.parents, tree.max_depth
+        self.tree, self.max_depth = tree, tree.max_depth
         self.parents = tree.parents_on(device)  # for a sampled draft's DeviceTree
         self.ranks = max((c[-1] for c in tree.choices), default=0) + 1
         fed = [i for i in range(tree.num_nodes) if tree.children_of(i)]
@@ -194,7 +257,7 @@ class _StaticTree:
         tokens = torch.zeros(n, dtype=torch.long, device=device)
         drawn = torch.ones(n, dtype=torch.bool, device=device)
         laws = [] if children.sampled else None
-        logits, hidden = draft.root_logits(), draft._root[None]  # the fed parents' outputs
+        logits, hidden = draft.root_logits(), draft.root[None]  # the fed parents' outputs
         fed_drawn = drawn[:1]  # whether each fed parent was drawn (the root was)
         for depth, level in enumerate(self.levels, start=1):
             ranked, _, ok, law = children.pick(logits, self.ranks)  # [parents, ranks]
@@ -219,13 +282,19 @@ class _StaticTree:
         return _Grown(tokens, self.parents, drawn, q)
 
 
+@dataclass(frozen=True)
 class _Level:
-    """One depth of a static tree, as index tensors: its nodes, each one's parent among the
-    previous depth's fed nodes (source) and rank, which of them are fed, at which draft
-    slots, and what the fed ones see."""
+    """One depth of a static tree, as index tensors: its nodes [n], each one's parent among
+    the previous depth's fed nodes (source [n]) and rank [n], which of them are fed
+    (feeding [f], indices into nodes), at which draft slots (offsets [f]), and what the fed
+    ones see (ancestors [f, F]: the draft slots of their paths)."""
 
-    def __init__(self, **tensors: torch.Tensor) -> None:
-        self.__dict__.update(tensors)
+    nodes: torch.Tensor
+    source: torch.Tensor
+    rank: torch.Tensor
+    feeding: torch.Tensor
+    offsets: torch.Tensor
+    ancestors: torch.Tensor
 
 
 @dataclass
@@ -252,16 +321,15 @@ class _Made:
     law: torch.Tensor | None
 
 
-class _DynamicTree:
+class _DynamicGrowth:
     """EAGLE-2: a top_k frontier grown `depth` levels. Chosen children: every frontier node
     gets top_k and the pool's best `total_tokens` are kept. Sampled children: the budget is
     spent while growing (frontier nodes by score, top_k children each, until it runs out),
     and every node is kept."""
 
-    def __init__(self, total_tokens: int, depth: int, top_k: int, device: torch.device,
-                 sampled: bool) -> None:
-        self.shape = self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
-        self.levels = level_plan(total_tokens, depth, top_k, sampled)
+    def __init__(self, shape: DynamicShape, device: torch.device, sampled: bool) -> None:
+        self.total_tokens, self.top_k = shape.total_tokens, shape.top_k
+        self.levels = level_plan(shape.total_tokens, shape.depth, shape.top_k, sampled)
         # Each level's children as (frontier row, rank) index tensors, made here: a captured
         # step may not copy from the host.
         self.index = [(_long([j for j, c in enumerate(counts) for _ in range(c)], device),
@@ -271,7 +339,7 @@ class _DynamicTree:
     def run(self, draft: StaticEagleDraft, children: _Children) -> _Grown:
         device, levels = draft.device, self.levels
         fed = sum(min(self.top_k, sum(level)) for level in levels[:-1])  # draft slots
-        logits, hidden = draft.root_logits(), draft._root[None]  # [1, V], [1, h]
+        logits, hidden = draft.root_logits(), draft.root[None]  # [1, V], [1, h]
         scores = torch.zeros(1, dtype=torch.float64, device=device)
         frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # pool indices
         alive = torch.ones(1, dtype=torch.bool, device=device)  # drawn, and their ancestors

@@ -73,5 +73,5 @@ def _levels(drafter) -> int:
     if isinstance(drafter, EarlyExitDrafter):
         return drafter.num_draft_tokens
     if isinstance(drafter, EagleDrafter):
-        return drafter.depth if drafter.tree is None else drafter.tree.max_depth
+        return drafter.shape.depth
     return 1

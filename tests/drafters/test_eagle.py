@@ -14,6 +14,7 @@ from helpers import (
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import DraftContext, EagleDrafter
 from selfspec.drafters.base import TargetFeatures
+from selfspec.drafters.eagle_static import DynamicShape, StaticShape
 from selfspec.heads import EagleConfig
 from selfspec.model.kv_cache import KVCache
 
@@ -233,6 +234,22 @@ def test_sampled_children_come_with_their_laws(target):
         kids = draft.tree.children_of(parent)
         assert len({draft.tokens[k].item() for k in kids}) == len(kids)
         assert all(torch.equal(draft.q[k], draft.q[kids[0]]) for k in kids)
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+
+
+def test_each_shape_knows_its_depth_width_and_nodes(target):
+    head = random_eagle_head(eagle_head_config(target, 1), seed=1)
+    static = EagleDrafter(head, STATIC_TREE).shape
+    assert isinstance(static, StaticShape)
+    assert static.tree.parents == Tree.from_paths(STATIC_TREE).parents
+    assert (static.depth, static.width, static.nodes, static.fed) == (4, 3, 9, 4)
+    dynamic = EagleDrafter(head, total_tokens=12, depth=4, top_k=3).shape
+    assert dynamic == DynamicShape(total_tokens=12, depth=4, top_k=3)
+    assert (dynamic.depth, dynamic.width, dynamic.nodes, dynamic.fed) == (4, 3, 12, 9)
+    narrow = DynamicShape(total_tokens=60, depth=3, top_k=2)  # 2 + 4 + 4 nodes at most
+    assert narrow.nodes == EagleDrafter(head, total_tokens=60, depth=3, top_k=2).max_nodes == 10
 
 
 # ---- errors before any generation ------------------------------------------------------------

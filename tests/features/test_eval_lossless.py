@@ -33,7 +33,7 @@ def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, ca
     eagle = sweep_variant(cfg, "eagle")
     models = from_config.load_sweep_models(cfg, (eagle,))
     method = from_config.build_method(models, eagle, 3)
-    assert method.decoder.drafter.depth == 3 and method.draft_nodes == 6
+    assert method.decoder.drafter.shape.depth == 3 and method.draft_nodes == 6
     point = GridPoint(eagle, 3, "t1", SamplingParams(1.0))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     row, _ = measure_row(method, point, prompts, BenchSettings(max_new_tokens=8))

@@ -5,6 +5,7 @@ import torch
 from helpers import tiny_llama
 
 from selfspec import from_config
+from selfspec.drafters.eagle_static import DynamicShape
 from selfspec.model import Transformer
 from selfspec.training.loop import TokenRows
 
@@ -22,9 +23,9 @@ def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of
     from_config.eagle_draft_vocab(head, target, rows)
     drafter = from_config.eagle_drafter(cfg, head)
     if version == 1:  # the static chain4 tree
-        assert drafter.tree.is_chain and drafter.max_nodes == 4
+        assert drafter.shape.tree.is_chain and drafter.max_nodes == 4
     else:  # the EAGLE-2 defaults for a CPU
-        assert (drafter.total_tokens, drafter.depth, drafter.top_k) == (8, 3, 2)
+        assert drafter.shape == DynamicShape(total_tokens=8, depth=3, top_k=2)
     objective = from_config.eagle_objective(cfg, target, head)
     assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
     if version == 3:
