@@ -22,17 +22,10 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
-from selfspec.drafters import SmallModelDrafter
-from selfspec.heads.draft_vocab import (
-    load_draft_vocab,
-    most_frequent,
-    save_token_counts,
-    token_counts,
-)
+from selfspec.heads.draft_vocab import save_token_counts, token_counts
 from selfspec.model import Transformer
 from selfspec.model.plan import trainable_line
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.objectives import DraftModelObjective
 from selfspec.training.tracking import Tracker
 
 
@@ -45,14 +38,11 @@ def main(cfg: DictConfig) -> None:
     settings, target, tokenizer = from_config.start_training(
         cfg, from_config.check_draft_model_settings)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
-    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg))
+    judge = from_config.tau_judge(cfg, target, partial(from_config.draft_model_drafters, cfg))
     draft = from_config.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
-    size = cfg.draft_model.draft_vocab
-    objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
-                                    bool(cfg.draft_model.cache_features),
-                                    None if size is None else most_frequent(counts, int(size)))
+    objective = from_config.draft_model_objective(cfg, target, draft, counts)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -81,22 +71,12 @@ def dry_run(cfg: DictConfig) -> None:
                          f"layers and final norm)", count, int(cfg.num_gpus)))
 
 
-def drafters_of(cfg: DictConfig, target: Transformer, export: Path
-                ) -> dict[str, tuple[SmallModelDrafter, Transformer]]:
-    """The exported draft, drafting draft_model.num_draft_tokens tokens for `target`."""
-    draft = Transformer.from_pretrained(export, dtype=target.embed_tokens.weight.dtype,
-                                        device=target.embed_tokens.weight.device)
-    size = cfg.draft_model.draft_vocab
-    vocab = None if size is None else load_draft_vocab(export, int(size))
-    k = int(cfg.draft_model.num_draft_tokens)
-    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab), target)}
-
-
 def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
     """tau, speedup and draft time share of the exported draft over plain decoding of the
     target, on fresh weights, whatever DeepSpeed did to the trained ones."""
     target = from_config.load_target(cfg)
-    (drafter, _), size = drafters_of(cfg, target, export)[""], cfg.draft_model.draft_vocab
+    drafter, _ = from_config.draft_model_drafters(cfg, target, export)[""]
+    size = cfg.draft_model.draft_vocab
     comparison = from_config.compare_on_final_eval(cfg, target, drafter)
     top1 = metrics.get("eval/draft/top1")
     tracker.log_summary({**comparison.as_dict(), "draft": str(export),

@@ -19,10 +19,8 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
-from selfspec.drafters import EagleDrafter
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import describe_target, save_head
-from selfspec.model import Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.training.loop import fit, make_accelerator, state_part
 from selfspec.training.tracking import Tracker
@@ -36,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
         return dry_run(cfg)
     settings, target, tokenizer = from_config.start_training(cfg, from_config.check_eagle_settings)
-    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg))
+    judge = from_config.tau_judge(cfg, target, partial(from_config.eagle_drafters, cfg))
     head, head_config = from_config.eagle_head(cfg, target)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
     from_config.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
@@ -65,17 +63,11 @@ def dry_run(cfg: DictConfig) -> None:
     print(head_training_lines(head, int(cfg.num_gpus)))
 
 
-def drafters_of(cfg: DictConfig, target: Transformer, export: Path
-                ) -> dict[str, tuple[EagleDrafter, Transformer]]:
-    """The exported head, drafting as the config says (eagle.version's tree) for `target`."""
-    return {"": (from_config.eagle_drafter(cfg, from_config.load_eagle(export, target)), target)}
-
-
 def report(cfg: DictConfig, head_folder: Path, metrics: dict, tracker: Tracker) -> None:
     """tau, speedup and draft time share of the trained head over plain decoding of the
     target, on fresh weights, whatever DeepSpeed did to the trained ones."""
     target = from_config.load_target(cfg)
-    drafter, _ = drafters_of(cfg, target, head_folder)[""]
+    drafter, _ = from_config.eagle_drafters(cfg, target, head_folder)[""]
     comparison = from_config.compare_on_final_eval(cfg, target, drafter)
     top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
             if k.startswith("eval/") and k.endswith("top1")}  # held-out, not the last batch

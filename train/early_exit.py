@@ -21,13 +21,10 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
-from selfspec.drafters import EarlyExitDrafter
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, save_head
-from selfspec.model import Transformer
 from selfspec.model.plan import trainable_line
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.objectives import EarlyExitObjective
 from selfspec.training.tracking import Tracker
 
 
@@ -39,12 +36,13 @@ def main(cfg: DictConfig) -> None:
         return dry_run(cfg)
     settings, target, tokenizer = from_config.start_training(
         cfg, from_config.check_early_exit_settings)
-    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg), replayable=False)
+    judge = from_config.tau_judge(cfg, target, partial(from_config.early_exit_drafters, cfg),
+                                  replayable=False)
     heads = from_config.early_exit_heads(cfg, target)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
-    objective = EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight))
+    objective = from_config.early_exit_objective(cfg, target, heads)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     configs = [head.config for head in heads]
 
@@ -72,22 +70,13 @@ def dry_run(cfg: DictConfig) -> None:
                          int(cfg.num_gpus)))
 
 
-def drafters_of(cfg: DictConfig, target: Transformer, export: Path
-                ) -> dict[str, tuple[EarlyExitDrafter, Transformer]]:
-    """The exported adapter of each exit layer E, drafting for `target` (named E{E})."""
-    exits = {e: from_config.load_early_exit(export / f"E{e}", target, exit_layer=e)
-             for e in from_config.early_exit_layers(cfg, target.config.num_layers)}
-    return {f"E{e}": (from_config.early_exit_drafter(cfg, head), target)
-            for e, head in exits.items()}
-
-
 def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
     """For each trained E: tau, speedup and draft time share of the adapter and of the norm
     exit over plain decoding of the target, on fresh weights, whatever DeepSpeed did to the
     trained ones."""
     target = from_config.load_target(cfg)
     summary, lines = {"exits": str(export)}, []
-    adapters = drafters_of(cfg, target, export)
+    adapters = from_config.early_exit_drafters(cfg, target, export)
     for e in from_config.early_exit_layers(cfg, target.config.num_layers):
         norm = from_config.early_exit_drafter(cfg, from_config.norm_exit(target, e))
         for kind, drafter in (("norm", norm), ("adapter", adapters[f"E{e}"][0])):

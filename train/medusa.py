@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
-from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.measure.lossless import greedy_agreement
@@ -40,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     from_config.check_medusa_tree(cfg, target)  # a tree the heads cannot fill fails now, not later
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
     # Before Medusa-2 wraps the target: the judge records its answers and replays on it.
-    judge = from_config.tau_judge(cfg, target, partial(drafters_of, cfg),
+    judge = from_config.tau_judge(cfg, target, partial(from_config.medusa_drafters, cfg),
                                   replayable=version == 1)
     heads, head_config = from_config.medusa_heads(cfg, target, train)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
@@ -79,20 +78,12 @@ def dry_run(cfg: DictConfig, version: int) -> None:
               "(micro_batch_size x seq_len) on top")
 
 
-def drafters_of(cfg: DictConfig, target: Transformer, export: Path
-                ) -> dict[str, tuple[MedusaDrafter | MedusaProductDrafter, Transformer]]:
-    """The exported heads on cfg.tree, and the target they verify on: `target`, or for a
-    Medusa-2 export a fresh copy of it with the export's adapter merged."""
-    heads, adapted = from_config.load_medusa(cfg, export, target)
-    return {"": (from_config.medusa_drafter(cfg.tree, heads), adapted or target)}
-
-
 def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker) -> None:
     """tau and speedup of the trained heads over plain decoding of the target they draft for
     (Medusa-2: the adapted target), on fresh weights, whatever DeepSpeed did to the trained
     ones; for Medusa-2 also how much of the original's greedy output the adapted target keeps."""
     target = from_config.load_target(cfg)
-    drafter, verified = drafters_of(cfg, target, heads_folder)[""]
+    drafter, verified = from_config.medusa_drafters(cfg, target, heads_folder)[""]
     adapted = verified if verified is not target else None
     comparison = from_config.compare_on_final_eval(cfg, verified, drafter)
     top1 = {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()

@@ -4,9 +4,11 @@ tree (conf/) into library objects.
 Entry points call `from_config.<function>` and stay short; everything below them takes plain
 values.
 One module per concern: `common` (paths, checked settings, devices), `models` (weights and
-tokenizers), `prompts`, `methods/` (the method registry: one module per method, with its
-variants, heads, drafters and trainer settings), `generation` (eval/generate.py's drafter),
-`training` and `sweeps`.
+tokenizers), `prompts`, `methods/` (the method registry: one module per method, holding its
+registry entry: its variants, checks, what it loads, its drafter), `generation`
+(eval/generate.py's drafter), `training` (what every trainer shares), `trainers` (what each
+trainer composes: its settings checked, its fresh module, its objective, its export's
+drafters) and `sweeps`.
 """
 
 from selfspec.from_config.common import (  # noqa: F401
@@ -26,19 +28,8 @@ from selfspec.from_config.generation import (  # noqa: F401
     generation_settings,
 )
 from selfspec.from_config.methods import entry, method_names, registry  # noqa: F401
-from selfspec.from_config.methods.eagle import (  # noqa: F401
-    EAGLE_VERSIONS,
-    check_eagle_settings,
-    eagle_config,
-    eagle_drafter,
-    eagle_head,
-    eagle_version,
-    load_eagle,
-)
+from selfspec.from_config.methods.eagle import load_eagle  # noqa: F401
 from selfspec.from_config.methods.early_exit import (  # noqa: F401
-    check_early_exit_settings,
-    early_exit_drafter,
-    early_exit_heads,
     early_exit_layers,
     early_exit_thresholds,
     load_early_exit,
@@ -46,22 +37,11 @@ from selfspec.from_config.methods.early_exit import (  # noqa: F401
 )
 from selfspec.from_config.methods.entry import head_folder  # noqa: F401
 from selfspec.from_config.methods.medusa import (  # noqa: F401
-    check_medusa_settings,
-    check_medusa_tree,
     load_medusa,
-    lora_settings,
-    medusa_config,
     medusa_drafter,
-    medusa_heads,
-    medusa_version,
     tree_depth,
 )
 from selfspec.from_config.methods.ngram import corpus_path  # noqa: F401
-from selfspec.from_config.methods.small_model import (  # noqa: F401
-    check_draft_model_settings,
-    draft_from_target,
-    freeze_draft_embeddings,
-)
 from selfspec.from_config.models import (  # noqa: F401
     DTYPES,
     TOKENIZER_FILES,
@@ -109,15 +89,41 @@ from selfspec.from_config.sweeps import (  # noqa: F401
     timing_models,
     verified_target,
 )
+from selfspec.from_config.trainers import (  # noqa: F401
+    EAGLE_VERSIONS,
+    check_draft_model_settings,
+    check_eagle_settings,
+    check_early_exit_settings,
+    check_medusa_settings,
+    check_medusa_tree,
+    draft_from_target,
+    draft_model_drafters,
+    draft_model_objective,
+    eagle_config,
+    eagle_draft_vocab,
+    eagle_drafter,
+    eagle_drafters,
+    eagle_head,
+    eagle_objective,
+    eagle_version,
+    early_exit_drafter,
+    early_exit_drafters,
+    early_exit_heads,
+    early_exit_objective,
+    freeze_draft_embeddings,
+    lora_settings,
+    medusa_config,
+    medusa_drafters,
+    medusa_heads,
+    medusa_objective,
+    medusa_version,
+)
 from selfspec.from_config.training import (  # noqa: F401
     RESUMABLE_CHANGES,
     compare_on_final_eval,
     deepspeed_config,
     distilled_corpus,
-    eagle_draft_vocab,
-    eagle_objective,
     final_eval_prompts,
-    medusa_objective,
     record_run_config,
     report_and_finish,
     report_due,

@@ -1,5 +1,7 @@
-"""Training from configs: settings, resume checks, DeepSpeed, training rows (with
-self-distillation), and the objective that `selfspec.training.loop.fit` trains."""
+"""What every trainer shares, from configs: settings, resume checks, DeepSpeed, training
+rows (with self-distillation), the judge of its exports and its report. What each method's
+trainer composes (its checks, its fresh module, its objective, its export's drafters) is
+`from_config.trainers`'."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.decode import generate
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import device, positive_int, sampling_params
-from selfspec.from_config.methods.eagle import eagle_version
-from selfspec.from_config.methods.medusa import lora_settings, medusa_version
 from selfspec.from_config.models import (
     load_hf_model,
     load_target,
@@ -24,13 +24,10 @@ from selfspec.from_config.models import (
     resolve_model_path,
 )
 from selfspec.from_config.prompts import load_prompts
-from selfspec.heads.eagle import EagleHead, draft_vocabulary
-from selfspec.heads.medusa import MedusaHeads
 from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.measure.replay import GreedyRecord, cached_records, replay
 from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
-from selfspec.model.lora import add_lora
 from selfspec.training import checkpoints
 from selfspec.training.data import (
     load_sharegpt,
@@ -49,12 +46,6 @@ from selfspec.training.instructions import (
     stdlib_instructions,
 )
 from selfspec.training.loop import FitResult, TokenRows, TrainSettings
-from selfspec.training.objectives import (
-    Eagle3Objective,
-    EagleObjective,
-    Medusa2Objective,
-    MedusaObjective,
-)
 from selfspec.training.tracking import Tracker
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
@@ -146,7 +137,9 @@ def tau_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
     return [p.ids for p in prompts]
 
 
-DraftersOf = Callable[[Transformer, Path], dict[str, tuple[Drafter, Transformer]]]
+# What a trainer's export drafts: {name: (drafter, the target it verifies on)}; "" for one.
+ExportDrafters = dict[str, tuple[Drafter, Transformer]]
+DraftersOf = Callable[[Transformer, Path], ExportDrafters]
 
 
 def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
@@ -336,45 +329,3 @@ def distilled_corpus(
                "cache_dir": cfg.train_data.get("cache_dir")}
     return (self_distill_rows(train, target, count=count, **options),
             self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
-
-
-def medusa_objective(
-    cfg: DictConfig, target: Transformer, heads: MedusaHeads
-) -> MedusaObjective | Medusa2Objective:
-    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
-    decay = float(cfg.medusa.decay)
-    cache = bool(cfg.medusa.get("cache_features", False))
-    if medusa_version(cfg) == 1:
-        return MedusaObjective(target, heads, decay=decay, cache_features=cache)
-    if cache:
-        raise ValueError("medusa.cache_features=true needs a frozen target (Medusa-1): "
-                         "Medusa-2 trains the target, whose features change every step")
-    adapted = add_lora(target, lora_settings(cfg))
-    return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
-                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
-
-
-def eagle_objective(
-    cfg: DictConfig, target: Transformer, head: EagleHead
-) -> EagleObjective | Eagle3Objective:
-    """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
-    next feature and token law with uniform feature noise (drawn from torch's default
-    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test."""
-    e = cfg.eagle
-    cache = bool(e.get("cache_features", False))
-    if eagle_version(cfg) < 3:
-        return EagleObjective(target, head, feature_weight=float(e.feature_weight),
-                              token_weight=float(e.token_weight),
-                              feature_noise=float(e.feature_noise), cache_features=cache)
-    return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
-                           cache_features=cache)
-
-
-def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) -> None:
-    """EAGLE-3: the draft vocabulary is the eagle.draft_vocab_size most frequent tokens of the
-    training rows (where the loss counts), and the head's LM head starts from the target's
-    rows of it. EAGLE-1 heads score the full vocabulary: nothing to do."""
-    if head.config.version == 3:
-        vocab = draft_vocabulary(train.tokens, head.config.vocab_size,
-                                 head.config.draft_vocab_size, train.loss_mask)
-        head.set_draft_vocab(vocab).init_from_target(target)

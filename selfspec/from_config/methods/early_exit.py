@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, check_head_folder, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, check_head_folder, when_set
 from selfspec.from_config.models import model_config
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import load_head
@@ -79,13 +78,13 @@ def drafter(loaded: Loaded, variant: EarlyExitVariant, k: int) -> EarlyExitDraft
 
 
 ENTRIES = (MethodEntry(
-    "early_exit", "the target's first E layers through an exit, verification resuming at E",
-    variants, load, drafter, check=check,
-    default_when=lambda cfg: bool(cfg.get("early_exit", {}).get("exits")), head=ExitHead,
-    color="tab:pink", order=50),)
+    name="early_exit",
+    summary="the target's first E layers through an exit, verification resuming at E",
+    variants=variants, load=load, drafter=drafter, check=check,
+    default_when=when_set("early_exit.exits"), head=ExitHead, color="tab:pink", order=50),)
 
 
-# ---- settings, exits and their training (train/early_exit.py) --------------------------------
+# ---- settings and exits ----------------------------------------------------------------------
 
 
 def early_exit_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
@@ -111,27 +110,6 @@ def early_exit_thresholds(cfg: DictConfig) -> tuple[float | None, ...]:
     return tuple(check_confidence_threshold("early_exit", v) for v in values)
 
 
-def check_early_exit_settings(cfg: DictConfig) -> tuple[int, ...]:
-    """Every cfg.early_exit setting of train/early_exit.py checked from the config alone
-    (no weights); returns the exit layers."""
-    layers = early_exit_layers(cfg, model_config(cfg.model).num_layers)
-    early_exit_thresholds(cfg)
-    k = cfg.early_exit.num_draft_tokens
-    if not is_count(k):
-        raise ValueError(f"early_exit.num_draft_tokens must be an integer >= 1, got {k!r}")
-    if not float(cfg.early_exit.hard_weight) >= 0:
-        raise ValueError(f"early_exit.hard_weight must be >= 0, got {cfg.early_exit.hard_weight}")
-    return layers
-
-
-def early_exit_heads(cfg: DictConfig, target: Transformer) -> list[ExitHead]:
-    """Fresh adapter exits, one per early_exit.exit_layers, each starting as the norm exit."""
-    torch.manual_seed(int(cfg.seed))
-    dtype = target.embed_tokens.weight.dtype
-    return [ExitHead(ExitConfig.for_target(target.config, e)).to(dtype).init_from_target(target)
-            for e in early_exit_layers(cfg, target.config.num_layers)]
-
-
 def norm_exit(target: Transformer, exit_layer: int) -> ExitHead:
     """The untrained baseline exit at layer E: the target's final norm and LM head."""
     return ExitHead(ExitConfig.for_target(target.config, exit_layer, "norm"))
@@ -147,12 +125,3 @@ def load_early_exit(folder: str | Path, target: Transformer,
                          f"E={exit_layer}; load the export of E={exit_layer} "
                          f"(<run>/checkpoints/step_N/export/E{exit_layer})")
     return loaded
-
-
-def early_exit_drafter(cfg: DictConfig, head: ExitHead, k: int | None = None,
-                       threshold: float | None = None) -> EarlyExitDrafter:
-    """train/early_exit.py's drafter: up to early_exit.num_draft_tokens (or k) tokens, stopping
-    below the (first) early_exit.confidence_threshold unless one is given."""
-    k = int(cfg.early_exit.num_draft_tokens) if k is None else k
-    threshold = early_exit_thresholds(cfg)[0] if threshold is None else threshold
-    return EarlyExitDrafter(head, k, threshold)

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.drafters.base import Drafter
 from selfspec.measure.grid import Variant
@@ -36,6 +36,10 @@ class Loaded:
         return self._loaded[key]
 
 
+def _nothing_to_load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
+    return None
+
+
 def _same_lengths(cfg: DictConfig, variant: Variant, lengths: tuple[int, ...]
                   ) -> tuple[int, ...]:
     return lengths
@@ -49,13 +53,27 @@ def _nothing_to_check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     return None
 
 
-def _never(cfg: DictConfig) -> bool:
+def never(cfg: DictConfig) -> bool:
     return False
 
 
-@dataclass(frozen=True)
+def always(cfg: DictConfig) -> bool:
+    return True
+
+
+def when_set(key: str) -> Callable[[DictConfig], bool]:
+    """`default_when` for a method that runs by default once its setting `key` (a dotted
+    path: medusa_heads, early_exit.exits) is given."""
+
+    def given(cfg: DictConfig) -> bool:
+        return bool(OmegaConf.select(cfg, key))
+
+    return given
+
+
+@dataclass(frozen=True, kw_only=True)
 class MethodEntry:
-    """One method, as every entry point sees it.
+    """One method, as every entry point sees it (keyword arguments only).
 
     variants(cfg, for_sweep): the method's rows besides the draft length, read from its
         settings and checked (no weights). for_sweep: with the untrained baselines a sweep shows
@@ -63,7 +81,8 @@ class MethodEntry:
         generation (eval/generate.py), which takes one variant.
     check(cfg, lengths): what else must hold before anything loads (folders exist, a tree fits
         the lengths).
-    load(loaded, variants): what its variants need, loaded into `loaded` before the first row.
+    load(loaded, variants): what its variants need, loaded into `loaded` before the first row
+        (default: nothing).
     drafter(loaded, variant, k): our drafter at draft length k; None for a peer that runs
         another library (then `method` builds its decoders).
     verified_on(loaded): the target its drafts are verified on, and its baseline's name (a
@@ -78,13 +97,13 @@ class MethodEntry:
     name: str
     summary: str
     variants: Callable[[DictConfig, bool], tuple[Variant, ...]]
-    load: Callable[[Loaded, tuple[Variant, ...]], Any]
+    load: Callable[[Loaded, tuple[Variant, ...]], Any] = _nothing_to_load
     drafter: Callable[[Loaded, Variant, int], Drafter] | None = None
     method: Callable[[Loaded, Variant, int], Method] | None = None
     check: Callable[[DictConfig, tuple[int, ...]], None] = _nothing_to_check
     verified_on: Callable[[Loaded], tuple[Transformer, str]] = _on_the_target
     lengths: Callable[[DictConfig, Variant, tuple[int, ...]], tuple[int, ...]] = _same_lengths
-    default_when: Callable[[DictConfig], bool] = _never
+    default_when: Callable[[DictConfig], bool] = never
     head: type | None = None
     color: str | None = None
     order: int = 100

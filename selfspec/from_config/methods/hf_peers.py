@@ -81,8 +81,8 @@ def _peer(name: str, peer: str | None, summary: str, kind: str, order: int) -> M
         return lengths[:1] if kind == "plain" else lengths  # plain decoding drafts nothing
 
     colors = {"assisted": "tab:purple", "lookup": "tab:brown", "plain": "tab:gray"}
-    return MethodEntry(name, summary, variants, load, method=method, check=check,
-                       lengths=lengths, color=colors[kind], order=order)
+    return MethodEntry(name=name, summary=summary, variants=variants, load=load, method=method,
+                       check=check, lengths=lengths, color=colors[kind], order=order)
 
 
 ENTRIES = (

@@ -98,10 +98,6 @@ def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
         raise ValueError(f"layer_skip.seed must be an integer, got {seed!r}")
 
 
-def load(loaded: Loaded, chosen: tuple[LayerSkipVariant, ...]) -> None:
-    return None  # the target is the draft: nothing to load
-
-
 def drafter(loaded: Loaded, variant: LayerSkipVariant, k: int) -> LayerSkipDrafter:
     group = loaded.cfg.get("layer_skip", {})
     return LayerSkipDrafter(variant.skip_layers, k, adaptive=variant.adaptive,
@@ -109,5 +105,6 @@ def drafter(loaded: Loaded, variant: LayerSkipVariant, k: int) -> LayerSkipDraft
 
 
 ENTRIES = (MethodEntry(
-    "layer_skip", "the target itself with a set of its layers skipped, in its own KV cache",
-    variants, load, drafter, check=check, color="tab:cyan", order=55),)
+    name="layer_skip",
+    summary="the target itself with a set of its layers skipped, in its own KV cache",
+    variants=variants, drafter=drafter, check=check, color="tab:cyan", order=55),)

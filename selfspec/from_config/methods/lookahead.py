@@ -52,6 +52,6 @@ def drafter(loaded: Loaded, variant: LookaheadVariant, k: int) -> LookaheadDraft
 
 
 ENTRIES = (MethodEntry(
-    "lookahead", "Lookahead decoding: Jacobi iterations fill an n-gram pool, verified as a tree",
-    variants, lambda loaded, chosen: None, drafter, lengths=fold_lengths, color="tab:cyan",
-    order=15),)
+    name="lookahead",
+    summary="Lookahead decoding: Jacobi iterations fill an n-gram pool, verified as a tree",
+    variants=variants, drafter=drafter, lengths=fold_lengths, color="tab:cyan", order=15),)

@@ -11,26 +11,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
-from selfspec.from_config.common import checked_settings
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
     head_folder,
     one_variant,
     required_head_folder,
+    when_set,
 )
-from selfspec.from_config.models import load_target, model_config, target_quantization
-from selfspec.heads.draft_vocab import draft_vocabulary
+from selfspec.from_config.models import load_target
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.measure.grid import Variant
-from selfspec.model import ModelConfig, Transformer, dense_weight
-from selfspec.model.lora import ADAPTER_DIR, LoraSettings, merge_adapter
-from selfspec.training.loop import TokenRows
+from selfspec.model import Transformer
+from selfspec.model.lora import ADAPTER_DIR, merge_adapter
 from selfspec.tree import Tree
 
 HEADS = "medusa_heads"  # the setting naming the heads' export folder
@@ -81,12 +78,15 @@ def drafter(loaded: Loaded, variant: Variant, k: int) -> MedusaDrafter | MedusaP
     return medusa_drafter(loaded.cfg.tree, heads, max_depth=k)
 
 
+def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
+    heads_and_target(loaded)
+
+
 ENTRIES = (MethodEntry(
-    "medusa", "Medusa heads on the target's last hidden state, drafting a tree",
-    one_variant("medusa"), lambda loaded, chosen: heads_and_target(loaded), drafter,
-    check=check, verified_on=verified_on, lengths=fold_lengths,
-    default_when=lambda cfg: bool(cfg.get(HEADS)), head=MedusaHeads, color="tab:green",
-    order=20),)
+    name="medusa", summary="Medusa heads on the target's last hidden state, drafting a tree",
+    variants=one_variant("medusa"), load=load, drafter=drafter, check=check,
+    verified_on=verified_on, lengths=fold_lengths, default_when=when_set(HEADS),
+    head=MedusaHeads, color="tab:green", order=20),)
 
 
 # ---- trees ---------------------------------------------------------------------------------
@@ -121,74 +121,7 @@ def medusa_drafter(
                                 max_nodes=int(cfg_tree.max_nodes), depth=depth)
 
 
-# ---- heads and their training (train/medusa.py) ----------------------------------------------
-
-
-def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
-    return checked_settings(MedusaConfig, "medusa", hidden_size=target_config.hidden_size,
-                            vocab_size=target_config.vocab_size,
-                            num_heads=int(cfg.medusa.num_heads),
-                            num_layers=int(cfg.medusa.num_layers),
-                            draft_vocab_size=cfg.medusa.get("draft_vocab_size"),
-                            shared_lm_head=cfg.medusa.get("shared_lm_head", False))
-
-
-def check_medusa_settings(cfg: DictConfig) -> int:
-    """Every cfg.medusa setting checked from the config alone (no weights); returns the
-    version. A model without an `arch` block has its config.json read, nothing more."""
-    version = medusa_version(cfg)
-    medusa_config(cfg, model_config(cfg.model))
-    if not float(cfg.medusa.decay) > 0:
-        raise ValueError(f"medusa.decay must be > 0 (head k weighs decay**k), "
-                         f"got {cfg.medusa.decay}")
-    if version == 2:
-        if target_quantization(cfg.model) is not None:
-            raise ValueError("medusa.version=2 trains LoRA adapters on the target's linear "
-                             "layers, which a model.quantize target holds quantized: train "
-                             "Medusa-1 heads on it (medusa.version=1), or set model.quantize=null")
-        lora_settings(cfg)
-        if not float(cfg.medusa.lm_weight) >= 0:
-            raise ValueError(f"medusa.lm_weight must be >= 0, got {cfg.medusa.lm_weight}")
-    return version
-
-
-def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None = None
-                 ) -> tuple[MedusaHeads, MedusaConfig]:
-    """Fresh Medusa heads sized for the target (output layers copied from its LM head); with
-    medusa.draft_vocab_size, over the most frequent tokens of the training rows `train`."""
-    config = medusa_config(cfg, target.config)
-    torch.manual_seed(int(cfg.seed))
-    heads = MedusaHeads(config).to(target.embed_tokens.weight.dtype)
-    if config.draft_vocab_size is not None:
-        if train is None:
-            raise ValueError("medusa.draft_vocab_size: the draft vocabulary is read from the "
-                             "training rows: pass them to from_config.medusa_heads")
-        heads.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
-                                               config.draft_vocab_size, train.loss_mask))
-    if cfg.medusa.init_from_lm_head:
-        heads.init_from_lm_head(dense_weight(target.lm_head).detach())
-    return heads, config
-
-
-def check_medusa_tree(cfg: DictConfig, target: Transformer) -> None:
-    """Refuse a cfg.tree the configured heads cannot fill, before any weights are built."""
-    with torch.device("meta"):
-        medusa_drafter(cfg.tree, MedusaHeads(medusa_config(cfg, target.config)))
-
-
-def medusa_version(cfg: DictConfig) -> int:
-    """1: heads on the frozen target (Medusa-1); 2: heads and LoRA on the target (Medusa-2)."""
-    version = cfg.medusa.get("version", 1)
-    if version not in (1, 2):
-        raise ValueError(f"medusa.version must be 1 (frozen target) or 2 (joint training with "
-                         f"LoRA on the target), got {version!r}")
-    return int(version)
-
-
-def lora_settings(cfg: DictConfig) -> LoraSettings:
-    lora = cfg.medusa.lora
-    return LoraSettings(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
-                        target_modules=tuple(str(m) for m in lora.target_modules))
+# ---- loading ---------------------------------------------------------------------------------
 
 
 def load_medusa(

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from selfspec.drafters import LookupCorpus, NgramDrafter
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, is_count
+from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, always, is_count
 from selfspec.from_config.models import load_tokenizer
 from selfspec.measure.grid import Variant
 from selfspec.training.instructions import cached_answers, shipped_answers
@@ -139,5 +139,6 @@ def drafter(loaded: Loaded, variant: NgramVariant, k: int) -> NgramDrafter:
 
 
 ENTRIES = (MethodEntry(
-    "ngram", "n-gram lookup in the context (and in the target's earlier answers)", variants,
-    load, drafter, default_when=lambda cfg: True, color="tab:orange", order=10),)
+    name="ngram", summary="n-gram lookup in the context (and in the target's earlier answers)",
+    variants=variants, load=load, drafter=drafter, default_when=always, color="tab:orange",
+    order=10),)

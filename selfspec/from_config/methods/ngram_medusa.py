@@ -71,8 +71,9 @@ def drafter(loaded: Loaded, variant: UnionVariant, k: int) -> UnionDrafter:
 
 
 ENTRIES = (MethodEntry(
-    NAME, "Medusa's candidates and n-gram lookup merged into one tree", variants, load, drafter,
-    check=check, verified_on=medusa.verified_on, color="tab:olive", order=30),)
+    name=NAME, summary="Medusa's candidates and n-gram lookup merged into one tree",
+    variants=variants, load=load, drafter=drafter, check=check, verified_on=medusa.verified_on,
+    color="tab:olive", order=30),)
 
 
 def ngram_medusa_drafter(cfg_ngram: DictConfig, k: int, heads: MedusaHeads,

@@ -88,5 +88,6 @@ def drafter(loaded: Loaded, variant: QuantizedVariant, k: int) -> SmallModelDraf
 
 
 ENTRIES = (MethodEntry(
-    GROUP, "the target's own weights quantized (int8 or int4, torchao) as a draft model",
-    variants, load, drafter, check=check, color="navy", order=58),)
+    name=GROUP,
+    summary="the target's own weights quantized (int8 or int4, torchao) as a draft model",
+    variants=variants, load=load, drafter=drafter, check=check, color="navy", order=58),)

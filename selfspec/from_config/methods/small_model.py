@@ -16,14 +16,12 @@ from omegaconf import DictConfig
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list, device
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, always, is_count
 from selfspec.from_config.models import (
     compile_steps,
     draft_model_config,
     load_model,
-    model_config,
     resolve_model_path,
-    target_quantization,
 )
 from selfspec.heads.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.measure.grid import Variant
@@ -93,43 +91,6 @@ def drafter(loaded: Loaded, variant: SmallModelVariant, k: int) -> SmallModelDra
 
 
 ENTRIES = (MethodEntry(
-    "small_model", "a separate small draft model with the target's tokenizer", variants, load,
-    drafter, check=check, default_when=lambda cfg: True, color="tab:blue", order=0),)
-
-
-# ---- draft models cut from the target (train/draft.py) ---------------------------------------
-
-
-def check_draft_model_settings(cfg: DictConfig) -> int:
-    """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
-    weights); returns the draft's layer count."""
-    d, target = cfg.draft_model, model_config(cfg.model)
-    if target_quantization(cfg.model) is not None:
-        raise ValueError("train/draft.py cuts the draft from the target's full-precision "
-                         "weights: set model.quantize=null (a draft trained so can still draft "
-                         "for the quantized target in a sweep)")
-    for key in ("num_layers", "num_draft_tokens"):
-        if not is_count(d[key]):
-            raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
-    if d.num_layers >= target.num_layers:
-        raise ValueError(f"draft_model.num_layers={d.num_layers}: a draft must be shallower than "
-                         f"the target ({target.num_layers} layers)")
-    if not float(d.hard_weight) >= 0:
-        raise ValueError(f"draft_model.hard_weight must be >= 0, got {d.hard_weight}")
-    size = d.get("draft_vocab")
-    if size is not None and not (isinstance(size, int) and 1 <= size <= target.vocab_size):
-        raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
-    return int(d.num_layers)
-
-
-def draft_from_target(cfg: DictConfig, target: Transformer) -> Transformer:
-    """A fresh draft: the target's first draft_model.num_layers layers, its final norm and LM
-    head (copies), the embedding and LM head frozen unless draft_model.train_embeddings."""
-    return freeze_draft_embeddings(cfg, target.first_layers(int(cfg.draft_model.num_layers)))
-
-
-def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
-    if not cfg.draft_model.get("train_embeddings", False):
-        draft.embed_tokens.requires_grad_(False)
-        draft.lm_head.requires_grad_(False)
-    return draft
+    name="small_model", summary="a separate small draft model with the target's tokenizer",
+    variants=variants, load=load, drafter=drafter, check=check, default_when=always,
+    color="tab:blue", order=0),)

@@ -1,0 +1,91 @@
+"""What each trainer composes (from_config/trainers.py): every trainable method's settings,
+fresh module, objective and export drafters, from its training config."""
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from selfspec import from_config
+from selfspec.drafters.eagle_static import DynamicShape
+from selfspec.heads.draft_vocab import token_counts
+from selfspec.model import Transformer
+from selfspec.training.loop import TokenRows
+from selfspec.training.objectives import DraftModelObjective, EarlyExitObjective
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return Transformer.from_hf(tiny_llama(0))
+
+
+@pytest.fixture(scope="module")
+def rows() -> TokenRows:
+    tokens = torch.randint(2, 64, (6, 12), generator=torch.Generator().manual_seed(0))
+    return TokenRows(tokens, torch.ones_like(tokens))
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of, target, rows,
+                                                                          version):
+    cfg = cfg_of("train_eagle", f"eagle.version={version}", "eagle.draft_vocab_size=32",
+                 "eagle.target_layers=[0,1,2]", "eagle.ttt_steps=2", "run_dir=/tmp/unused")
+    assert from_config.check_eagle_settings(cfg) == version
+    head, config = from_config.eagle_head(cfg, target)
+    assert config.version == (3 if version == 3 else 1) and head.config == config
+    from_config.eagle_draft_vocab(head, target, rows)
+    drafter = from_config.eagle_drafter(cfg, head)
+    if version == 1:  # the static chain4 tree
+        assert drafter.shape.tree.is_chain and drafter.max_nodes == 4
+    else:  # the EAGLE-2 defaults for a CPU
+        assert drafter.shape == DynamicShape(total_tokens=8, depth=3, top_k=2)
+    objective = from_config.eagle_objective(cfg, target, head)
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+    if version == 3:
+        seen = rows.tokens.unique()
+        assert len(seen) > 32  # so the draft vocabulary holds training tokens only
+        assert set(head.draft_vocab.target_ids.tolist()) < set(seen.tolist())
+
+
+def test_early_exit_training_configs_build_exits_drafters_and_their_objective(cfg_of, target,
+                                                                             rows):
+    cfg = cfg_of("train_early_exit", "early_exit.exit_layers=[1]", "early_exit.hard_weight=0.5",
+                 "run_dir=/tmp/unused")
+    assert from_config.check_early_exit_settings(cfg) == (1,)
+    (head,) = from_config.early_exit_heads(cfg, target)
+    assert head.config.kind == "adapter" and head.exit_layer == 1
+    drafter = from_config.early_exit_drafter(cfg, head)
+    assert (drafter.max_nodes, drafter.confidence_threshold) == (6, 0.6)
+    objective = from_config.early_exit_objective(cfg, target, [head])
+    assert isinstance(objective, EarlyExitObjective) and objective.hard_weight == 0.5
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+
+
+@pytest.mark.parametrize("vocab", ["null", "16"])
+def test_draft_model_training_configs_build_the_draft_and_its_objective(cfg_of, target, rows,
+                                                                        vocab):
+    cfg = cfg_of("train_draft", "draft_model.num_layers=1", f"draft_model.draft_vocab={vocab}",
+                 "run_dir=/tmp/unused")
+    assert from_config.check_draft_model_settings(cfg) == 1
+    draft = from_config.draft_from_target(cfg, target)
+    assert draft.config.num_layers == 1 and not draft.lm_head.weight.requires_grad
+    counts = token_counts(rows.tokens, target.config.vocab_size, rows.loss_mask)
+    objective = from_config.draft_model_objective(cfg, target, draft, counts)
+    assert isinstance(objective, DraftModelObjective)
+    if vocab == "null":
+        assert objective.vocab_ids is None
+    else:  # the 16 most frequent training tokens
+        assert set(objective.vocab_ids.tolist()) == set(
+            torch.sort(-counts, stable=True).indices[:16].tolist())
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_medusa_training_configs_build_heads_and_their_objective(cfg_of, target, rows, version):
+    cfg = cfg_of("train_medusa", f"medusa.version={version}", "run_dir=/tmp/unused")
+    assert from_config.check_medusa_settings(cfg) == version
+    from_config.check_medusa_tree(cfg, target)
+    heads, config = from_config.medusa_heads(cfg, target, rows)
+    assert heads.config == config
+    objective = from_config.medusa_objective(cfg, Transformer.from_hf(tiny_llama(0)), heads)
+    assert type(objective).__name__ == ("MedusaObjective" if version == 1 else "Medusa2Objective")
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
