@@ -149,15 +149,15 @@ class SmallModelDrafter:
         forward of the draft model runs over every row at once, over the batch cache, each
         row at its own length."""
         self._batch.caches.pack(rows)
-        fed = [self._batch.rows[b] for b in rows]
-        logits = self._next_logits_of_rows(fed, [row.pending(context.token_list())
-                                                 for row, context in zip(fed, contexts,
-                                                                         strict=True)])
+        states = [self._batch.rows[b] for b in rows]
+        logits = self._next_logits_of_rows(states, [state.pending(context.token_list())
+                                                    for state, context in zip(states, contexts,
+                                                                              strict=True)])
         chains = [self._started(row_logits) for row_logits in logits]
         while any(going := [chain.goes_on(self) for chain in chains]):
-            logits = self._next_logits_of_rows(fed, [[chain.tokens[-1]] if on else []
-                                                     for chain, on in zip(chains, going,
-                                                                          strict=True)])
+            logits = self._next_logits_of_rows(states, [[chain.tokens[-1]] if on else []
+                                                        for chain, on in zip(chains, going,
+                                                                             strict=True)])
             for chain, row_logits, on in zip(chains, logits, going, strict=True):
                 if on:
                     chain.extend(self, row_logits)
@@ -250,22 +250,22 @@ class SmallModelDrafter:
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
         return self.draft_vocab.scatter(scores.float())
 
-    def _next_logits_of_rows(self, rows: list[_Fed], fed: list[list[int]]
+    def _next_logits_of_rows(self, states: list[_Fed], fed: list[list[int]]
                              ) -> list[torch.Tensor | None]:
-        """`_next_logits` for a batch's rows in one forward of the draft model over the
-        batch cache's first len(rows) rows: row i's tokens fed[i] after its own length (a
-        row fed nothing rides along, its cache unchanged); [V] each (None for a row fed
-        nothing)."""
+        """`_next_logits` for a batch's rows (`states`, in the order of the batch cache's
+        first rows) in one forward of the draft model: row i's tokens fed[i] after its own
+        length (a row fed nothing rides along, its cache unchanged); [V] each (None for a
+        row fed nothing)."""
         model, device = self.model, self._device
         for tokens in fed:
             _check_draft_ids(tokens, model)
-        lengths = [row.cache.length for row in rows]
+        lengths = [state.cache.length for state in states]
         inputs = [(torch.tensor([tokens], dtype=torch.long, device=device),
                    torch.arange(len(tokens), device=device),
                    torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device).tril())
                   for tokens in fed]
         tokens, positions, masks = pad_rows(inputs, lengths, device)
-        slots = RowSlots(self._batch.caches.first(len(rows)), lengths, tokens.shape[1])
+        slots = RowSlots(self._batch.caches.first(len(states)), lengths, tokens.shape[1])
         last = [max(len(t), 1) - 1 for t in fed]
         every = torch.arange(len(fed), device=device)
         if self.draft_vocab is None:
@@ -277,9 +277,9 @@ class SmallModelDrafter:
             scores = linear(model.norm(out.hidden[0][every, last]), self._head_rows)  # [n, K]
             logits = self.draft_vocab.scatter(scores.float())
         result = []
-        for row, tokens, row_logits in zip(rows, fed, logits, strict=True):
-            row.cache.advance(len(tokens))
-            row.tokens.extend(tokens)
+        for state, tokens, row_logits in zip(states, fed, logits, strict=True):
+            state.cache.advance(len(tokens))
+            state.tokens.extend(tokens)
             result.append(F.pad(row_logits, (0, self._padding), value=float("-inf"))
                           if tokens else None)
         return result
