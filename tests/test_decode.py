@@ -161,7 +161,8 @@ def small_pair():
     return target, draft
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(1.0, top_p=0.8), marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["small_model", "ngram"])
 def test_sampling_through_a_drafter_follows_the_target_law(small_pair, params, kind):
     target, draft = small_pair
@@ -175,7 +176,8 @@ def test_sampling_through_a_tree_drafter_follows_the_target_law(small_pair):
     assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_sampling_through_a_draft_models_first_candidates_follows_the_target_law(small_pair,
                                                                               params):
     """Three first tokens drawn without replacement, a chain under the first."""

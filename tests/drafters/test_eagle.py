@@ -207,9 +207,12 @@ STATIC_SAMPLED = {"tree": [[0], [1], [0, 0], [0, 1], [1, 0]], "sampled_children"
 
 
 @pytest.mark.parametrize("params, kwargs", [
-    (T1, DYNAMIC), (TOP_P, DYNAMIC), (T1, SAMPLED), (TOP_P, SAMPLED), (T1, STATIC_SAMPLED),
-], ids=["dynamic-t1", "dynamic-top_p", "dynamic_sampled-t1", "dynamic_sampled-top_p",
-        "static_sampled-t1"])
+    pytest.param(T1, DYNAMIC, id="dynamic-t1", marks=pytest.mark.slow),
+    pytest.param(TOP_P, DYNAMIC, id="dynamic-top_p", marks=pytest.mark.slow),
+    pytest.param(T1, SAMPLED, id="dynamic_sampled-t1"),  # the default run's case
+    pytest.param(TOP_P, SAMPLED, id="dynamic_sampled-top_p", marks=pytest.mark.slow),
+    pytest.param(T1, STATIC_SAMPLED, id="static_sampled-t1", marks=pytest.mark.slow),
+])
 def test_sampling_through_eagle_follows_the_target_law(params, kwargs):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)

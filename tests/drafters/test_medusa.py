@@ -129,7 +129,8 @@ N_SAMPLES = 1000  # ~5 s per sampling mode on one core
 SAMPLING_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(0.8, top_p=0.9), marks=pytest.mark.slow)])
 def test_sampling_through_medusa_follows_the_target_law(params):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     config = MedusaConfig(hidden_size=16, vocab_size=SMALL_VOCAB, num_heads=2)

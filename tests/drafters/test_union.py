@@ -105,7 +105,8 @@ def test_greedy_through_a_union_is_lossless_and_both_parts_are_accepted(pair):
     assert accepted["union"] > max(accepted["ranks"], accepted["lookup"]) > 0
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(0.8, top_p=0.8), marks=pytest.mark.slow)])
 def test_sampling_through_a_union_follows_the_target_law(pair, params):
     target, draft = pair
     prompt = [2, 3, 4, 2, 3, 4, 2, 3]

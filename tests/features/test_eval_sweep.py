@@ -186,6 +186,7 @@ def test_a_sweep_over_batch_sizes_compares_each_batch_with_its_own_plain_decodin
     assert (tmp_path / "speedup_vs_batch_size.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_multirun_writes_a_folder_per_job(tmp_path, quick_build):
     env = {**os.environ, "WANDB_MODE": "offline"}
     done = subprocess.run(

@@ -13,6 +13,7 @@ from selfspec.model import Transformer
 run_entry = partial(run_trainer, "draft")
 
 
+@pytest.mark.slow
 def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, quick_build):
     from transformers import AutoModelForCausalLM
 
@@ -42,14 +43,17 @@ def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, q
 
 @pytest.mark.parametrize("override, message", [
     ("draft_model.num_layers=8", "a draft must be shallower than the target"),
-    ("draft_model.num_layers=0", "draft_model.num_layers must be an integer >= 1"),
-    ("draft_model.draft_vocab=5000", "draft_model.draft_vocab must be null or 1..vocab_size"),
+    pytest.param("draft_model.num_layers=0", "draft_model.num_layers must be an integer >= 1",
+                 marks=pytest.mark.slow),
+    pytest.param("draft_model.draft_vocab=5000",
+                 "draft_model.draft_vocab must be null or 1..vocab_size", marks=pytest.mark.slow),
 ])
 def test_train_draft_refuses_impossible_settings_before_loading(tmp_path, override, message):
     done = run_entry(override, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_train_draft_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)

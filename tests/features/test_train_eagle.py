@@ -4,6 +4,7 @@ for a 70B target."""
 import json
 from functools import partial
 
+import pytest
 import torch
 from helpers import run_trainer, sharegpt_file
 
@@ -22,6 +23,7 @@ def toy_run(quick_build, tmp_path, *extra: str) -> list[str]:
             "final_eval.max_new_tokens=12", f"hydra.run.dir={tmp_path / 'run'}", *extra]
 
 
+@pytest.mark.slow
 def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build):
     done = run_entry(*toy_run(quick_build, tmp_path, "eagle.version=2"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,6 +42,7 @@ def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build)
     assert head.config.version == 1 and "fc.bias" in head.state_dict()
 
 
+@pytest.mark.slow
 def test_train_eagle3_exports_its_draft_vocabulary(tmp_path, quick_build):
     done = run_entry(*toy_run(quick_build, tmp_path, "eagle.version=3",
                               "eagle.draft_vocab_size=64", "eagle.target_layers=[0,1,1]",
@@ -57,6 +60,7 @@ def test_train_eagle3_exports_its_draft_vocabulary(tmp_path, quick_build):
     assert torch.equal(head.draft_vocab.target_ids, head.t2d.nonzero().flatten())
 
 
+@pytest.mark.slow
 def test_train_eagle_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)

@@ -4,6 +4,7 @@ and its dry run for a 70B target."""
 import json
 from functools import partial
 
+import pytest
 from helpers import run_trainer, sharegpt_file, three_layer_target
 
 from selfspec.from_config import load_early_exit
@@ -12,6 +13,7 @@ from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "early_exit")
 
+@pytest.mark.slow
 def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_build):
     model = three_layer_target(quick_build, tmp_path / "model")
     done = run_entry(
@@ -37,6 +39,7 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
     assert load_early_exit(export / "E2", target, exit_layer=2).config.kind == "adapter"
 
 
+@pytest.mark.slow
 def test_train_early_exit_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)

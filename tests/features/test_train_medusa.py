@@ -3,6 +3,7 @@
 import json
 from functools import partial
 
+import pytest
 from helpers import run_trainer, sharegpt_file, suite_threads
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
@@ -12,6 +13,7 @@ from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "medusa")
 
+@pytest.mark.slow
 def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     run_dir = tmp_path / "run"
     done = run_entry(
@@ -37,6 +39,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     assert heads.draft_vocab.t2d.sum() == 256 and heads.d2t.abs().sum() > 0  # not the default
 
 
+@pytest.mark.slow
 def test_train_medusa_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)
@@ -45,6 +48,7 @@ def test_train_medusa_dry_run_plans_a_70b_target_without_weights(tmp_path):
     assert "trainable head (MedusaHeads): 1,317,044,224 parameters" in done.stdout
 
 
+@pytest.mark.slow
 def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path, quick_build):
     run_dir = tmp_path / "run"
     done = run_entry(
@@ -70,6 +74,7 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
     assert any("lm_kl" in key for row in read_metrics(run_dir) for key in row)
 
 
+@pytest.mark.slow
 def test_train_medusa2_dry_run_plans_the_adapters(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", "medusa.version=2",
                      f"hydra.run.dir={tmp_path}", cwd=tmp_path)

@@ -98,9 +98,9 @@ def draft(world: ToyWorld, tree: Tree, mode: str, rng: random.Random):
 def emission_pvalue(setting: str, tree: Tree, mode: str, seed: int = 0,
                     drawn_ahead: bool = False, without: bool | None = None,
                     samples: int = N_SAMPLES) -> float:
-    """samples: speculative steps. drawn_ahead: verify by `tree_draws` and `tree_outcome` (the decode loop's path in
-    static steps) rather than the public verifier. without: what the verifier is told of the
-    siblings' draws (default: the truth)."""
+    """samples: speculative steps. drawn_ahead: verify by `tree_draws` and `tree_outcome`
+    (the decode loop's path in static steps) rather than the public verifier. without: what
+    the verifier is told of the siblings' draws (default: the truth)."""
     world = ToyWorld(SETTINGS[setting])
     g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     without = mode == "without" if without is None else without

@@ -290,6 +290,7 @@ def assert_matches_one_process(run_dir: Path, single: Path, version: int = 1) ->
 
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
+@pytest.mark.slow
 def test_deepspeed_on_two_processes_matches_one_process(tmp_path, single_process_run, zero):
     _torchrun(tmp_path, micro_batch=2, zero=zero, processes=2)  # same global batch of 4 rows
     assert_matches_one_process(tmp_path, single_process_run)
@@ -311,6 +312,7 @@ def first_halves(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_medusa2_under_zero3_on_two_processes_matches_one_process(tmp_path):
     """Partitioned adapters, the adapter-disabled teacher pass and the gathered adapter export."""
     single, double = tmp_path / "single", tmp_path / "double"
