@@ -73,8 +73,8 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
 ):
     taus = greedy_with_eagle(target, fitted_heads[version], DRAFTERS[mode], plain_greedy,
                              static)
-    assert all(tau > 1.0 for tau in taus), taus
-    assert sum(taus) / len(taus) > 2.0, taus
+    # measured: every prompt 2.27 or more, each mode's mean 2.78 or more
+    assert min(taus) > 2.0 and sum(taus) / len(taus) > 2.5, taus
 
 
 # ---- what it proposes ------------------------------------------------------------------------

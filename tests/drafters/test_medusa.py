@@ -111,8 +111,8 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
     target, plain_greedy, fitted_heads, tree
 ):
     taus = greedy_with_medusa(target, fitted_heads, tree_choices(tree), plain_greedy)
-    assert all(tau > 1.0 for tau in taus), taus
-    assert sum(taus) / len(taus) > 2.0, taus
+    # measured: every prompt 3.1 or more, means 3.8 (chain4) and 4.4 (medusa_small)
+    assert min(taus) > 2.5 and sum(taus) / len(taus) > 3.0, taus
 
 
 @pytest.mark.parametrize("tree", ["chain4", "medusa_small"])
