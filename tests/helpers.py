@@ -245,6 +245,26 @@ def run_trainer(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=600)
 
 
+# A trainer run of a few steps whose loss must fall: logged every step, at full rate at once.
+LEARNS = ("trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=0")
+
+
+def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: float = 0.0
+                          ) -> None:
+    """A trainer's run learned: its last logged training loss lies at least `train_share` (a
+    fraction) below its first, and, when heldout_share > 0, its last held-out loss at least
+    that fraction below the first evaluation's (the runs log every step)."""
+    from selfspec.training.tracking import read_metrics
+
+    records = read_metrics(run_dir)
+    train = [r["loss"] for r in records if "loss" in r]
+    heldout = [r["eval/loss"] for r in records if "eval/loss" in r]
+    print("LOSSES", run_dir, train, heldout)
+    assert len(train) >= 4 and train[-1] < (1 - train_share) * train[0], train
+    if heldout_share > 0:
+        assert len(heldout) >= 2 and heldout[-1] < (1 - heldout_share) * heldout[0], heldout
+
+
 def sweep_variant(cfg, label: str):
     """The sweep row of cfg named `label` (e.g. ngram/corpus/tree5), as its variant object."""
     from selfspec.from_config import plan_sweep

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import run_trainer, sharegpt_file, three_layer_target
+from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, three_layer_target
 
 from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.model import Transformer
@@ -24,11 +24,13 @@ def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, q
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
         "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", "draft_model.num_layers=1",
-        "draft_model.draft_vocab=40", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+        "draft_model.draft_vocab=40", *LEARNS,
+        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "draft vocabulary: 40" in done.stdout and "lossless=True" in done.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["lossless"] is True and summary["tau"] >= 1
+    assert_the_loss_falls(tmp_path / "run", 0.0, 0.0001)
     export = tmp_path / "run/checkpoints/step_0000004/export"
     target = Transformer.from_pretrained(model)
     draft = Transformer.from_pretrained(export)

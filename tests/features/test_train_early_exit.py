@@ -5,7 +5,7 @@ import json
 from functools import partial
 
 import pytest
-from helpers import run_trainer, sharegpt_file, three_layer_target
+from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, three_layer_target
 
 from selfspec.from_config import load_early_exit
 from selfspec.model import Transformer
@@ -21,7 +21,7 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
         f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
         "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
-        "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]",
+        "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]", *LEARNS,
         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("E=1 norm", "E=1 adapter", "E=2 norm", "E=2 adapter"):
@@ -34,6 +34,7 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
             assert summary[f"E{e}/{kind}/lossless"] is True and summary[f"E{e}/{kind}/tau"] >= 1
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [2, 4]
     assert any("eval/exit/E2_kl" in r for r in read_metrics(run_dir))
+    assert_the_loss_falls(run_dir, 0.0, 0.0001)
     target = Transformer.from_pretrained(model)
     export = run_dir / "checkpoints/step_0000004/export"
     assert load_early_exit(export / "E2", target, exit_layer=2).config.kind == "adapter"

@@ -4,7 +4,7 @@ import json
 from functools import partial
 
 import pytest
-from helpers import run_trainer, sharegpt_file, suite_threads
+from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, suite_threads
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.model import Transformer
@@ -22,7 +22,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
         "trainer.eval_every=4", f"trainer.threads={suite_threads()}", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", "medusa.draft_vocab_size=256",
-        "medusa.cache_features=true",
+        "medusa.cache_features=true", *LEARNS,
         f"hydra.run.dir={run_dir}", cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -30,6 +30,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tau"] >= 1.0 and summary["lossless"] is True
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
+    assert_the_loss_falls(run_dir, 0.0, 0.0001)
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     target = Transformer.from_pretrained(quick_build / "target")
     heads = load_head(run_dir / "checkpoints/step_0000008/export", MedusaHeads, MedusaConfig,
@@ -57,8 +58,8 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
         f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
         "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
         "trainer.eval_every=4", f"trainer.threads={suite_threads()}", "final_eval.num_prompts=2",
-        "final_eval.max_new_tokens=12", "wandb.enabled=false", f"hydra.run.dir={run_dir}",
-        cwd=tmp_path,
+        "final_eval.max_new_tokens=12", "wandb.enabled=false", *LEARNS,
+        f"hydra.run.dir={run_dir}", cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Medusa-2: verified against the LoRA-adapted target" in done.stdout
@@ -72,6 +73,7 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
     merged = merge_adapter(target, export / "adapter")  # peft's format, merged into our model
     assert isinstance(merged, Transformer)
     assert any("lm_kl" in key for row in read_metrics(run_dir) for key in row)
+    assert_the_loss_falls(run_dir, 0.0)
 
 
 @pytest.mark.slow
