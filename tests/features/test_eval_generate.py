@@ -8,20 +8,14 @@ import sys
 from helpers import load_entry
 
 from selfspec import from_config, generate
-from selfspec.from_config import REPO_ROOT
 from selfspec.measure.passes import repeated_ngram_share
 
 
-def test_dry_run_prints_the_plan_of_a_70b_model(tmp_path):
-    script = REPO_ROOT / "eval/generate.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "model=llama2-70b", "dry_run=true", "num_gpus=8",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "68,976,648,192" in run.stdout and "68.98 B" in run.stdout
-    assert "8 GPUs" in run.stdout
+def test_dry_run_prints_the_plan_of_a_70b_model(cfg_of, capsys):
+    cfg = cfg_of("generate", "model=llama2-70b", "dry_run=true", "num_gpus=8")
+    load_entry("generate").main.__wrapped__(cfg)
+    out = capsys.readouterr().out
+    assert "68,976,648,192" in out and "68.98 B" in out and "8 GPUs" in out
 
 
 def test_generate_without_weights_fails_cleanly(tmp_path):

@@ -85,6 +85,7 @@ def test_train_medusa2_dry_run_plans_the_adapters(tmp_path):
     assert "LoRA adapters on the target (rank 8): 103,546,880 parameters" in done.stdout
 
 
+@pytest.mark.slow  # tests/features/test_entry_points.py checks the same refusals in-process
 def test_a_bad_medusa_version_or_tree_is_refused_with_its_fix(tmp_path, quick_build):
     done = run_entry("medusa.version=3", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 2 and "medusa.version must be 1" in done.stderr
