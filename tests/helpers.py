@@ -92,6 +92,10 @@ def first_layers(hf_model, layers: int = 1):
 
 
 SAMPLING_PROMPT = [2, 3, 4, 2, 3, 4, 2, 3]
+# The draws of a default-run law test where a verifier without its residual update was
+# measured to fail below p = 1e-6 at this size (estimated from the chi-square statistic of the
+# full-size run under that planted bug); the others keep their full size.
+FAST_LAW_SAMPLES = 500
 
 
 def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 1000,
@@ -249,19 +253,19 @@ def run_trainer(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedPr
 LEARNS = ("trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=0")
 
 
-def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: float = 0.0
+def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: float | None = None
                           ) -> None:
-    """A trainer's run learned: its last logged training loss lies at least `train_share` (a
-    fraction) below its first, and, when heldout_share > 0, its last held-out loss at least
-    that fraction below the first evaluation's (the runs log every step)."""
+    """A trainer's run learned: the mean of its last three logged training losses lies at least
+    `train_share` (a fraction) below the mean of its first three (batches differ: one step's
+    loss is noisy), and its last held-out loss at least `heldout_share` below the first
+    evaluation's (the same rows each time)."""
     from selfspec.training.tracking import read_metrics
 
     records = read_metrics(run_dir)
     train = [r["loss"] for r in records if "loss" in r]
-    heldout = [r["eval/loss"] for r in records if "eval/loss" in r]
-    print("LOSSES", run_dir, train, heldout)
-    assert len(train) >= 4 and train[-1] < (1 - train_share) * train[0], train
-    if heldout_share > 0:
+    assert len(train) >= 4 and sum(train[-3:]) < (1 - train_share) * sum(train[:3]), train
+    if heldout_share is not None:
+        heldout = [r["eval/loss"] for r in records if "eval/loss" in r]
         assert len(heldout) >= 2 and heldout[-1] < (1 - heldout_share) * heldout[0], heldout
 
 

@@ -11,6 +11,7 @@ import torch
 from conftest import lm_head_copies
 from helpers import (
     EAGLE3_LAYERS,
+    FAST_LAW_SAMPLES,
     P_VALUE_FLOOR,
     SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
@@ -219,7 +220,8 @@ def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter
             "draft_model_candidates": lambda: SmallModelDrafter(target.first_layers(1), 2,
                                                                 first_candidates=3),
             "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm"), 3)}
-    assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), 1000,
+    samples = FAST_LAW_SAMPLES if drafter == "draft_model" else 1000  # the default run's case
+    assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), samples,
                                      cuda_graphs=True)
 
 
@@ -292,8 +294,9 @@ def test_a_new_generator_keeps_the_captured_draft(target):
 def test_static_sampled_children_keep_the_target_law(kwargs):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    samples = FAST_LAW_SAMPLES if kwargs == SAMPLED["eagle2_budget"] else 1000
     assert_drafted_sampling_is_exact(target, EagleDrafter(head, **kwargs), SamplingParams(1.0),
-                                     1000, cuda_graphs=True)
+                                     samples, cuda_graphs=True)
 
 
 @pytest.mark.slow

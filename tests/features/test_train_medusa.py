@@ -30,7 +30,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tau"] >= 1.0 and summary["lossless"] is True
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
-    assert_the_loss_falls(run_dir, 0.0, 0.0001)
+    assert_the_loss_falls(run_dir, 0.1, 0.03)  # measured: -15% and -6.7%
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     target = Transformer.from_pretrained(quick_build / "target")
     heads = load_head(run_dir / "checkpoints/step_0000008/export", MedusaHeads, MedusaConfig,
@@ -73,7 +73,7 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
     merged = merge_adapter(target, export / "adapter")  # peft's format, merged into our model
     assert isinstance(merged, Transformer)
     assert any("lm_kl" in key for row in read_metrics(run_dir) for key in row)
-    assert_the_loss_falls(run_dir, 0.0)
+    assert_the_loss_falls(run_dir, 0.015)  # measured: -3.2%
 
 
 @pytest.mark.slow
