@@ -1,8 +1,13 @@
-"""Generate a few continuations with plain decoding and with a drafter; print tau and speedup.
+"""Generate a few continuations with plain decoding and with a drafter; print tau, the speedup
+and the share of repeated 4-grams in the answers (a loop that repeats itself drafts easily: a
+speedup on such text says little about a drafter).
 
     python eval/generate.py                                   # tiny target, small draft model
     python eval/generate.py drafter=ngram sampling=t1 data=stdlib_heldout
     python eval/generate.py model=smollm2-135m drafter=medusa medusa_heads=shipped
+
+The prompts suit the target unless data= says otherwise (data=auto): MT-bench questions for a
+chat model (model.chat), HumanEval for the others.
     python eval/generate.py drafter=eagle eagle_head=<train/eagle.py run>/checkpoints/step_N/export
 
 drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, early_exit;
@@ -18,6 +23,8 @@ from omegaconf import DictConfig
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.decode import GenerationResult, generate
+from selfspec.measure.passes import repeated_ngram_share
+from selfspec.metrics import GenerationStats
 
 
 @hydra_entry_point("generate")
@@ -26,10 +33,11 @@ def main(cfg: DictConfig) -> None:
         print(from_config.model_plan(cfg).format())
         return
     settings = from_config.generation_settings(cfg)  # checked before any model loads
-    texts = from_config.prompts(cfg.data)
+    data = from_config.prompt_set(cfg)
+    texts = from_config.prompts(data)
     drafter, target = from_config.drafter_and_target(cfg, from_config.load_target(cfg))
     tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
-    prompts = from_config.encode_prompt_texts(cfg.data, texts, tokenizer)
+    prompts = from_config.encode_prompt_texts(data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 
     def run(ids: list[int], drafter, max_new_tokens: int) -> GenerationResult:
@@ -39,16 +47,25 @@ def main(cfg: DictConfig) -> None:
 
     for d in (None, drafter):  # warm-up: one-off costs stay out of the timed runs
         run(prompts[0].ids, d, 4)
+    plains, specs = GenerationStats(), GenerationStats()
+    answers = []
+    print(f"{len(prompts)} {data.name} prompts, {settings.max_new_tokens} new tokens each")
     for encoded in prompts:
         plain, spec = (run(encoded.ids, d, settings.max_new_tokens) for d in (None, drafter))
-        report(encoded.prompt.id, tokenizer.decode(spec.tokens), plain, spec)
+        print(f"=== {encoded.prompt.id}\n{tokenizer.decode(spec.tokens)}\n--- "
+              f"{summary(plain.stats, spec.stats, [spec.tokens])}")
+        plains.merge(plain.stats)
+        specs.merge(spec.stats)
+        answers.append(spec.tokens)
+    print(f"=== all {len(prompts)} prompts: {summary(plains, specs, answers)}")
 
 
-def report(prompt_id: str, text: str, plain: GenerationResult, spec: GenerationResult) -> None:
-    speedup = spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0
-    print(f"=== {prompt_id}\n{text}\n--- tau {spec.stats.tau:.2f}, "
-          f"{spec.stats.tokens_per_s:.1f} vs {plain.stats.tokens_per_s:.1f} tokens/s "
-          f"(x{speedup:.2f} over plain decoding)")
+def summary(plain: GenerationStats, spec: GenerationStats, answers: list[list[int]]) -> str:
+    """tau, both speeds and their ratio, and the share of repeated 4-grams in the answers."""
+    speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+    return (f"tau {spec.tau:.2f}, {spec.tokens_per_s:.1f} vs {plain.tokens_per_s:.1f} tokens/s "
+            f"(x{speedup:.2f} over plain decoding), repeated 4-grams "
+            f"{repeated_ngram_share(answers, 4):.2f}")
 
 
 if __name__ == "__main__":

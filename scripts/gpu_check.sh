@@ -34,6 +34,6 @@ if [[ $what == tests || $what == all ]]; then
         tests/measure/test_oracle.py tests/measure/test_floor.py \
         tests/measure/test_passes.py::test_a_training_report_line_says_where_the_drafters_time_went \
         tests/from_config/test_sweeps.py::test_a_random_weights_target_shares_its_weights_with_its_transformers_twin \
-        -q -rfEs -W ignore::UserWarning || status=1
+        --all -q -rfEs -W ignore::UserWarning || status=1
 fi
 exit ${status:-0}

@@ -22,15 +22,24 @@ from selfspec.model import ModelConfig
 from selfspec.model.lora import ADAPTER_DIR, LoraSettings, add_lora, save_adapter
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--all", action="store_true", dest="all_tests",
+                     help="run every test, the slow ones included (pyproject's addopts "
+                          "leave out those marked slow)")
+
+
 def pytest_configure(config) -> None:
-    """Torch threads for the whole suite: SELFSPEC_TEST_THREADS, default 1. The test models are
-    tiny: one thread is as fast as two, and it keeps timings sane when the other core is busy
-    (a second OpenMP thread spin-waits on a loaded core). With 2, float sums round in another
-    order, which no test may depend on."""
+    """--all: every test, whatever -m says. Torch threads for the whole suite:
+    SELFSPEC_TEST_THREADS, default 1. The test models are tiny: one thread is as fast as two,
+    and it keeps timings sane when the other core is busy (a second OpenMP thread spin-waits
+    on a loaded core). With 2, float sums round in another order, which no test may depend
+    on."""
     threads = os.environ.get("SELFSPEC_TEST_THREADS", "1")
     if not threads.isdigit() or int(threads) < 1:
         raise pytest.UsageError(f"SELFSPEC_TEST_THREADS must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(suite_threads())
+    if config.getoption("all_tests"):
+        config.option.markexpr = ""
 
 
 @pytest.fixture(autouse=True)

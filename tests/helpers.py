@@ -92,6 +92,10 @@ def first_layers(hf_model, layers: int = 1):
 
 
 SAMPLING_PROMPT = [2, 3, 4, 2, 3, 4, 2, 3]
+# The draws of a default-run law test where a verifier without its residual update was
+# measured to fail below p = 1e-6 at this size (estimated from the chi-square statistic of the
+# full-size run under that planted bug); the others keep their full size.
+FAST_LAW_SAMPLES = 500
 
 
 def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 1000,
@@ -243,6 +247,26 @@ def run_trainer(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedPr
     env = {**os.environ, "WANDB_MODE": "offline"}
     return subprocess.run([sys.executable, str(entry), *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+# A trainer run of a few steps whose loss must fall: logged every step, at full rate at once.
+LEARNS = ("trainer.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=0")
+
+
+def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: float | None = None
+                          ) -> None:
+    """A trainer's run learned: the mean of its last three logged training losses lies at least
+    `train_share` (a fraction) below the mean of its first three (batches differ: one step's
+    loss is noisy), and its last held-out loss at least `heldout_share` below the first
+    evaluation's (the same rows each time)."""
+    from selfspec.training.tracking import read_metrics
+
+    records = read_metrics(run_dir)
+    train = [r["loss"] for r in records if "loss" in r]
+    assert len(train) >= 4 and sum(train[-3:]) < (1 - train_share) * sum(train[:3]), train
+    if heldout_share is not None:
+        heldout = [r["eval/loss"] for r in records if "eval/loss" in r]
+        assert len(heldout) >= 2 and heldout[-1] < (1 - heldout_share) * heldout[0], heldout
 
 
 def sweep_variant(cfg, label: str):

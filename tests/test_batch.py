@@ -152,8 +152,8 @@ def test_a_batch_of_one_is_one_prompt(target, drafters, alone):
     assert result.stats.steps == single.stats.steps
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=1.0, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), pytest.param(
+    SamplingParams(temperature=1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_each_rows_two_token_law_is_the_targets_whatever_the_other_rows(target, drafters,
                                                                        params):
     """Row 0's first two tokens, drawn in a batch beside another prompt, follow the target's

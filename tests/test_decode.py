@@ -4,7 +4,14 @@ import copy
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, TopRankTreeDrafter, first_layers, sampled_pvalue, tiny_llama
+from helpers import (
+    FAST_LAW_SAMPLES,
+    P_VALUE_FLOOR,
+    TopRankTreeDrafter,
+    first_layers,
+    sampled_pvalue,
+    tiny_llama,
+)
 
 from selfspec import SamplingParams, Transformer, decode, generate
 from selfspec.devices import HostReads
@@ -162,27 +169,29 @@ def small_pair():
     return target, draft
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("params, samples", [(SamplingParams(1.0), FAST_LAW_SAMPLES), pytest.param(
+    SamplingParams(1.0, top_p=0.8), 1500, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["small_model", "ngram"])
-def test_sampling_through_a_drafter_follows_the_target_law(small_pair, params, kind):
+def test_sampling_through_a_drafter_follows_the_target_law(small_pair, params, samples, kind):
     target, draft = small_pair
     drafter = SmallModelDrafter(draft, 3) if kind == "small_model" else NgramDrafter(3)
-    assert sampled_pvalue(target, drafter, params) > P_VALUE_FLOOR
+    assert sampled_pvalue(target, drafter, params, samples) > P_VALUE_FLOOR
 
 
 def test_sampling_through_a_tree_drafter_follows_the_target_law(small_pair):
     target, draft = small_pair
     drafter = TopRankTreeDrafter(draft, [[0], [1], [0, 0]])
-    assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR
+    assert sampled_pvalue(target, drafter, SamplingParams(1.0), FAST_LAW_SAMPLES) > P_VALUE_FLOOR
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("params, samples", [(SamplingParams(1.0), FAST_LAW_SAMPLES), pytest.param(
+    SamplingParams(1.0, top_p=0.8), 1500, marks=pytest.mark.slow)])
 def test_sampling_through_a_draft_models_first_candidates_follows_the_target_law(small_pair,
-                                                                              params):
+                                                                              params, samples):
     """Three first tokens drawn without replacement, a chain under the first."""
     target, draft = small_pair
     drafter = SmallModelDrafter(draft, 2, first_candidates=3)
-    assert sampled_pvalue(target, drafter, params) > P_VALUE_FLOOR
+    assert sampled_pvalue(target, drafter, params, samples) > P_VALUE_FLOOR
 
 
 def test_the_end_to_end_check_catches_first_candidates_verified_as_independent_draws(

@@ -26,8 +26,9 @@ from selfspec.step import (
 )
 
 # (device, compile_steps)
-DEVICES = [("cpu", False), ("cpu", True)] + ([("cuda", False), ("cuda", True)]
-                                             if torch.cuda.is_available() else [])
+# The compiled step (inductor) compiles for half a minute on a CPU: the slow run's.
+DEVICES = [("cpu", False), pytest.param(("cpu", True), marks=pytest.mark.slow)] + (
+    [("cuda", False), ("cuda", True)] if torch.cuda.is_available() else [])
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 
 
@@ -194,6 +195,7 @@ def test_a_draft_model_runs_static_steps_of_its_own_when_the_target_does(target,
     assert eager.tokens == plain and drafter._steps is None
 
 
+@pytest.mark.slow
 def test_one_compiled_graph_per_bucket_serves_every_layer():
     """The compiled stages take a layer's weights as inputs: a new bucket adds one graph per
     stage, however many layers run it (a guard on the layer would add one per layer)."""

@@ -63,6 +63,7 @@ from selfspec.from_config.prompts import (  # noqa: F401
     data_path,
     encode_prompt_texts,
     load_prompts,
+    prompt_set,
     prompts,
     stop_ids,
     sweep_prompt_texts,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.from_config.common import REPO_ROOT
+from selfspec.from_config.common import CONF_DIR, REPO_ROOT
 from selfspec.measure.prompts import (
     EncodedPrompt,
     Prompt,
@@ -40,6 +40,17 @@ def data_path(cfg_data: DictConfig) -> Path:
     return path
 
 
+def prompt_set(cfg: DictConfig) -> DictConfig:
+    """cfg.data with data=auto resolved by the target: MT-bench first turns for a chat model
+    (model.chat: true), else HumanEval; the data.* values given beside auto apply to the set
+    chosen."""
+    if cfg.data.name != "auto":
+        return cfg.data
+    name = "mt_bench" if cfg.model.get("chat", False) else "humaneval"
+    chosen = OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml")
+    return OmegaConf.merge(chosen, {k: v for k, v in cfg.data.items() if k != "name"})
+
+
 def prompts(cfg_data: DictConfig) -> list[Prompt]:
     """The first cfg_data.num_prompts prompts of the data config's prompt set."""
     name, n = cfg_data.name, int(cfg_data.num_prompts)
@@ -53,6 +64,9 @@ def prompts(cfg_data: DictConfig) -> list[Prompt]:
         found = mt_bench_prompts(data_path(cfg_data))
     elif name == "spec_bench":
         found = spec_bench_prompts(data_path(cfg_data))
+    elif name == "auto":
+        raise ValueError("data=auto chooses by the target and only eval/generate.py takes it: "
+                         "choose data=mt_bench or data=humaneval")
     else:
         raise ValueError(
             f"unknown prompt set {name!r}: choose humaneval, stdlib_heldout, mt_bench or spec_bench"

@@ -111,7 +111,7 @@ def stdlib_instructions(count: int) -> list[str]:
 
     if count < 1:
         raise ValueError(f"stdlib_instructions: count must be >= 1, got {count}")
-    found = list(documented_names())
+    found = list(_training_names())
     random.Random(0).shuffle(found)
     return [_instruction(item, i) for i, item in enumerate(found[:count])]
 
@@ -136,6 +136,12 @@ def general_instructions(count: int) -> list[str]:
               if (t, topic) not in taken]
     random.Random(1).shuffle(second)
     return [template.format(topic=topic) for template, topic in (first + second)[:count]]
+
+
+@functools.lru_cache(maxsize=1)
+def _training_names() -> tuple[Documented, ...]:
+    """documented_names(), parsed once a process (seconds of the stdlib's source)."""
+    return tuple(documented_names())
 
 
 def documented_names() -> Iterator[Documented]:

@@ -44,6 +44,7 @@ def test_a_small_draft_model_stops_below_its_confidence_threshold(target, plain_
     assert lengths == {None: 5, 0.999: 1}
 
 
+@pytest.mark.slow  # the default run's confidence stop: an early exit's law test
 def test_sampling_through_a_small_draft_model_with_the_stop_follows_the_target_law():
     hf = tiny_llama(3, vocab=8, layers=2, hidden=16, std=0.5)
     target, draft = Transformer.from_hf(hf), Transformer.from_hf(first_layers(hf, 1))

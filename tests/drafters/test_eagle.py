@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import (
     EAGLE3_LAYERS,
+    FAST_LAW_SAMPLES,
     assert_drafted_sampling_is_exact,
     eagle_head_config,
     fit_eagle_head,
@@ -74,8 +75,8 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
 ):
     taus = greedy_with_eagle(target, fitted_heads[version], DRAFTERS[mode], plain_greedy,
                              static)
-    assert all(tau > 1.0 for tau in taus), taus
-    assert sum(taus) / len(taus) > 2.0, taus
+    # measured: every prompt 2.27 or more, each mode's mean 2.78 or more
+    assert min(taus) > 2.0 and sum(taus) / len(taus) > 2.5, taus
 
 
 # ---- what it proposes ------------------------------------------------------------------------
@@ -207,15 +208,18 @@ SAMPLED = {"total_tokens": 3, "depth": 3, "top_k": 2, "sampled_children": True}
 STATIC_SAMPLED = {"tree": [[0], [1], [0, 0], [0, 1], [1, 0]], "sampled_children": True}
 
 
-@pytest.mark.parametrize("params, kwargs", [
-    (T1, DYNAMIC), (TOP_P, DYNAMIC), (T1, SAMPLED), (TOP_P, SAMPLED), (T1, STATIC_SAMPLED),
-], ids=["dynamic-t1", "dynamic-top_p", "dynamic_sampled-t1", "dynamic_sampled-top_p",
-        "static_sampled-t1"])
-def test_sampling_through_eagle_follows_the_target_law(params, kwargs):
+@pytest.mark.parametrize("params, kwargs, samples", [
+    pytest.param(T1, DYNAMIC, N_SAMPLES, id="dynamic-t1", marks=pytest.mark.slow),
+    pytest.param(TOP_P, DYNAMIC, N_SAMPLES, id="dynamic-top_p", marks=pytest.mark.slow),
+    pytest.param(T1, SAMPLED, FAST_LAW_SAMPLES, id="dynamic_sampled-t1"),  # the default run's
+    pytest.param(TOP_P, SAMPLED, N_SAMPLES, id="dynamic_sampled-top_p", marks=pytest.mark.slow),
+    pytest.param(T1, STATIC_SAMPLED, N_SAMPLES, id="static_sampled-t1", marks=pytest.mark.slow),
+])
+def test_sampling_through_eagle_follows_the_target_law(params, kwargs, samples):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
     drafter = EagleDrafter(head, **kwargs)
-    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
+    assert_drafted_sampling_is_exact(target, drafter, params, samples)
 
 
 def test_sampled_children_come_with_their_laws(target):

@@ -148,9 +148,14 @@ N_SAMPLES = 1000
 T1, TOP_P = SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)
 
 
-@pytest.mark.parametrize("params", [T1, TOP_P], ids=["t1", "top_p"])
-@pytest.mark.parametrize("kind, threshold", [("norm", None), ("adapter", None),
-                                             ("adapter", 0.5)])
+@pytest.mark.parametrize("params, kind, threshold", [
+    pytest.param(T1, "adapter", 0.5, id="adapter-0.5-t1"),  # the default run's case
+    *(pytest.param(params, kind, threshold, id=f"{kind}-{threshold}-{name}",
+                   marks=pytest.mark.slow)
+      for name, params in (("t1", T1), ("top_p", TOP_P))
+      for kind, threshold in (("norm", None), ("adapter", None), ("adapter", 0.5))
+      if (name, kind, threshold) != ("t1", "adapter", 0.5)),
+])
 def test_sampling_through_an_early_exit_follows_the_target_law(params, kind, threshold):
     target = Transformer.from_hf(tiny_llama(3, vocab=8, layers=2, hidden=16, std=0.5))
     drafter = EarlyExitDrafter(random_exit(target, 1, kind, seed=4, std=0.1), 2, threshold)

@@ -94,7 +94,8 @@ def test_the_draft_writes_its_running_layers_then_verification_overwrites_every_
 # ---- lossless at greedy ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", range(1, 7))
+@pytest.mark.parametrize("k", [1, 2, 4, *(pytest.param(k, marks=pytest.mark.slow)
+                                          for k in (3, 5, 6))])
 def test_lossless_at_greedy_over_lengths_and_skip_sets(target, plain, k):
     for skip in SKIP_SETS:
         assert greedy_mismatches(target, LayerSkipDrafter(skip, k), PROMPTS, plain) == [], skip
@@ -109,6 +110,7 @@ def test_lossless_in_static_steps(target, plain, adaptive):
     assert greedy_mismatches(target, drafter, PROMPTS, plain, cuda_graphs=True) == []
 
 
+@pytest.mark.slow
 def test_lossless_on_the_shipped_tiny_target(tiny):
     prompts = [[0, 412, 95, 1021, 33, 7], [0, 88, 88, 301, 12, 2048, 5, 88, 301]]
     plain = plain_greedy_of(tiny, prompts)
@@ -139,7 +141,8 @@ def test_a_draft_left_in_the_cache_is_caught(target, plain):
 # ---- the law when sampling -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [T1, TOP_P], ids=["t1", "top_p"])
+@pytest.mark.parametrize("params", [T1, pytest.param(TOP_P, marks=pytest.mark.slow)],
+                         ids=["t1", "top_p"])
 def test_sampled_drafts_keep_the_targets_two_token_law(target, params):
     assert_drafted_sampling_is_exact(target, LayerSkipDrafter((1,), 2), params)
 

@@ -38,8 +38,9 @@ def test_the_pool_keeps_the_newest_distinct_continuations_per_first_token():
     assert pool.continuations(9) == [(9, 9)] and pool.continuations(5) == []
 
 
-@pytest.mark.parametrize("window, ngram, candidates", [(1, 3, 1), (3, 3, 2), (4, 4, 4),
-                                                       (6, 5, 8)])
+@pytest.mark.parametrize("window, ngram, candidates", [
+    (1, 3, 1), (3, 3, 2), *(pytest.param(*c, marks=pytest.mark.slow) for c in ((4, 4, 4),
+                                                                               (6, 5, 8)))])
 def test_greedy_output_equals_plain_decoding(target, window, ngram, candidates):
     tiny = Transformer.from_pretrained("selfspec/assets/tiny/target").eval()
     for model in (target, tiny):
@@ -69,7 +70,8 @@ class SeededPool(LookaheadDrafter):
             self._pool.add(gram)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_sampled_output_follows_the_targets_law(target, params):
     drafter = SeededPool(target, window=3, ngram=3, candidates=3)
     assert_drafted_sampling_is_exact(target, drafter, params)

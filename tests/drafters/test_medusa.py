@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 from helpers import (
+    FAST_LAW_SAMPLES,
     assert_drafted_sampling_is_exact,
     fit_medusa_heads,
     random_medusa_heads,
@@ -111,8 +112,8 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
     target, plain_greedy, fitted_heads, tree
 ):
     taus = greedy_with_medusa(target, fitted_heads, tree_choices(tree), plain_greedy)
-    assert all(tau > 1.0 for tau in taus), taus
-    assert sum(taus) / len(taus) > 2.0, taus
+    # measured: every prompt 3.1 or more, means 3.8 (chain4) and 4.4 (medusa_small)
+    assert min(taus) > 2.5 and sum(taus) / len(taus) > 3.0, taus
 
 
 @pytest.mark.parametrize("tree", ["chain4", "medusa_small"])
@@ -129,13 +130,14 @@ N_SAMPLES = 1000  # ~5 s per sampling mode on one core
 SAMPLING_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)])
-def test_sampling_through_medusa_follows_the_target_law(params):
+@pytest.mark.parametrize("params, samples", [(SamplingParams(1.0), FAST_LAW_SAMPLES), pytest.param(
+    SamplingParams(0.8, top_p=0.9), N_SAMPLES, marks=pytest.mark.slow)])
+def test_sampling_through_medusa_follows_the_target_law(params, samples):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     config = MedusaConfig(hidden_size=16, vocab_size=SMALL_VOCAB, num_heads=2)
     heads = random_medusa_heads(config, 4)
     drafter = MedusaDrafter(heads, SAMPLING_TREE)
-    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
+    assert_drafted_sampling_is_exact(target, drafter, params, samples)
 
 
 # ---- top-k products: what they propose -------------------------------------------------------
@@ -304,7 +306,7 @@ def test_products_greedy_is_lossless_and_accepted_with_fitted_heads(
 
 
 def test_sampling_through_top_k_products_follows_the_target_law():
-    vocab, n_samples, params = 8, 1000, SamplingParams(1.0)
+    vocab, n_samples, params = 8, FAST_LAW_SAMPLES, SamplingParams(1.0)
     target = Transformer.from_hf(tiny_llama(3, vocab=vocab, layers=1, hidden=16, std=0.5))
     heads = random_medusa_heads(MedusaConfig(hidden_size=16, vocab_size=vocab, num_heads=2), 4)
     drafter = MedusaProductDrafter(heads, top_k=3, max_nodes=6)

@@ -3,7 +3,7 @@ draft comes from, and that decoding through it stays exact."""
 
 import pytest
 import torch
-from helpers import P_VALUE_FLOOR, sampled_pvalue, tiny_llama
+from helpers import FAST_LAW_SAMPLES, P_VALUE_FLOOR, sampled_pvalue, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import DraftContext, LookupCorpus, NgramDrafter
@@ -103,4 +103,5 @@ def test_sampling_through_a_corpus_follows_the_target_law():
     corpus = LookupCorpus([prompt + greedy, greedy + greedy])
     for nodes in (3, 6):
         drafter = NgramDrafter(3, corpus=corpus, max_nodes=nodes)
-        assert sampled_pvalue(target, drafter, SamplingParams(1.0)) > P_VALUE_FLOOR
+        assert sampled_pvalue(target, drafter, SamplingParams(1.0),
+                              FAST_LAW_SAMPLES) > P_VALUE_FLOOR

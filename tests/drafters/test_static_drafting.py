@@ -11,6 +11,7 @@ import torch
 from conftest import lm_head_copies
 from helpers import (
     EAGLE3_LAYERS,
+    FAST_LAW_SAMPLES,
     P_VALUE_FLOOR,
     SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
@@ -208,7 +209,8 @@ def law_target() -> Transformer:
     return Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=2, hidden=16, std=0.5))
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "draft_model_candidates", "early_exit"])
+@pytest.mark.parametrize("drafter", ["draft_model", *(pytest.param(
+    d, marks=pytest.mark.slow) for d in ("draft_model_candidates", "early_exit"))])
 def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter):
     """A sampled chain (q given) in static steps, or a chain whose first token has sibling
     candidates: every draw of its rejection sampling made on the device ahead
@@ -218,7 +220,8 @@ def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter
             "draft_model_candidates": lambda: SmallModelDrafter(target.first_layers(1), 2,
                                                                 first_candidates=3),
             "early_exit": lambda: EarlyExitDrafter(random_exit(target, 1, "norm"), 3)}
-    assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), 1000,
+    samples = FAST_LAW_SAMPLES if drafter == "draft_model" else 1000  # the default run's case
+    assert_drafted_sampling_is_exact(target, make[drafter](), SamplingParams(1.0), samples,
                                      cuda_graphs=True)
 
 
@@ -255,8 +258,8 @@ def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter
     assert host_reads_per_step(model, make, PROMPTS[2], LAWS[law]) == 1
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)],
-                         ids=["t1", "top_p"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
+    SamplingParams(0.8, top_p=0.9), marks=pytest.mark.slow)], ids=["t1", "top_p"])
 def test_chosen_candidates_verified_by_draws_keep_the_target_law(params):
     """Static steps verify chosen candidates by one draw per row (`decode._verify_step`):
     the two-token law of speculative decoding, and of plain decoding, is the target's."""
@@ -286,15 +289,17 @@ def test_a_new_generator_keeps_the_captured_draft(target):
     assert outputs[0] == outputs[2] != outputs[1]
 
 
-@pytest.mark.parametrize("kwargs", [SAMPLED["eagle2_budget"], SAMPLED["static_tree"]],
-                         ids=["eagle2", "static_tree"])
+@pytest.mark.parametrize("kwargs", [SAMPLED["eagle2_budget"], pytest.param(
+    SAMPLED["static_tree"], marks=pytest.mark.slow)], ids=["eagle2", "static_tree"])
 def test_static_sampled_children_keep_the_target_law(kwargs):
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    samples = FAST_LAW_SAMPLES if kwargs == SAMPLED["eagle2_budget"] else 1000
     assert_drafted_sampling_is_exact(target, EagleDrafter(head, **kwargs), SamplingParams(1.0),
-                                     1000, cuda_graphs=True)
+                                     samples, cuda_graphs=True)
 
 
+@pytest.mark.slow
 def test_nodes_a_law_cannot_supply_are_not_verified():
     """A head so sure that its laws are one-hot in float32: each parent supplies one child,
     the rest are rows of the forward but no nodes. Verifying them (q = 0) would accept them

@@ -1,22 +1,21 @@
-"""eval/generate.py as a program: a 70B dry run prints its plan; no weights fail cleanly."""
+"""eval/generate.py as a program: a 70B dry run prints its plan; no weights fail cleanly; every
+speedup it prints carries the answers' repetition."""
 
+import re
 import subprocess
 import sys
 
-from selfspec import from_config
-from selfspec.from_config import REPO_ROOT
+from helpers import load_entry
+
+from selfspec import from_config, generate
+from selfspec.measure.passes import repeated_ngram_share
 
 
-def test_dry_run_prints_the_plan_of_a_70b_model(tmp_path):
-    script = REPO_ROOT / "eval/generate.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "model=llama2-70b", "dry_run=true", "num_gpus=8",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "68,976,648,192" in run.stdout and "68.98 B" in run.stdout
-    assert "8 GPUs" in run.stdout
+def test_dry_run_prints_the_plan_of_a_70b_model(cfg_of, capsys):
+    cfg = cfg_of("generate", "model=llama2-70b", "dry_run=true", "num_gpus=8")
+    load_entry("generate").main.__wrapped__(cfg)
+    out = capsys.readouterr().out
+    assert "68,976,648,192" in out and "68.98 B" in out and "8 GPUs" in out
 
 
 def test_generate_without_weights_fails_cleanly(tmp_path):
@@ -28,3 +27,22 @@ def test_generate_without_weights_fails_cleanly(tmp_path):
     assert run.returncode != 0
     assert "meta-llama/Llama-2-7b-hf" in run.stderr and "model.path=" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_every_printed_speedup_carries_the_repetition_of_the_answers(cfg_of, capsys):
+    cfg = cfg_of("generate", "drafter=ngram", "max_new_tokens=24", "data.num_prompts=2")
+    load_entry("generate").main.__wrapped__(cfg)
+    out = capsys.readouterr().out
+    assert out.startswith("2 humaneval prompts, 24 new tokens each")
+    shares = [float(s) for s in re.findall(r"over plain decoding\), repeated 4-grams ([\d.]+)",
+                                           out)]
+    assert len(shares) == 3  # each prompt, then all of them
+    target = from_config.load_target(cfg)
+    data = from_config.prompt_set(cfg)
+    tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
+    encoded = from_config.encode_prompt_texts(data, from_config.prompts(data), tokenizer)
+    answers = [generate(target, e.ids, max_new_tokens=24, eos_token_id=0).tokens
+               for e in encoded]
+    expected = [repeated_ngram_share([a]) for a in answers] + [repeated_ngram_share(answers)]
+    assert shares == [round(share, 2) for share in expected]
+    assert max(expected) > 0  # greedy code from the tiny target repeats itself

@@ -28,7 +28,8 @@ def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build
                      eos_token_id=list(stops)).stats for p in prompts]
     steps = sum(s.steps for s in live)
     assert row["tau"] == pytest.approx((sum(s.accepted for s in live) + steps) / steps)
-    assert row["tau"] > 1  # the toy target repeats itself: lookup drafts are accepted
+    # The toy target's code repeats itself: lookup keeps many drafts (1.83 measured)
+    assert row["tau"] > 1.5
     assert json.loads((tmp_path / "replay.json").read_text())["rows"] == [row]
     recording = (tmp_path / "greedy.json").read_text()
     assert entry.run(cfg) == [row] and (tmp_path / "greedy.json").read_text() == recording

@@ -33,7 +33,7 @@ def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
             "lookahead": ["model=tiny"], "quantized": on_toy}
 
 
-@pytest.mark.parametrize("quantize", ["null", "int8"])
+@pytest.mark.parametrize("quantize", ["null", pytest.param("int8", marks=pytest.mark.slow)])
 def test_generate_drafts_losslessly_with_every_method_of_the_registry(
         quick_build, compose_cfg, heads_dir, eagle_dir, quantize):
     """Every method, on the target and on its int8 copy (model.quantize: the target that every

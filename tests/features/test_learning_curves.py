@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import sharegpt_file, three_layer_target
 
 ENTRY = Path(__file__).resolve().parents[2] / "train" / "learning_curves.py"
 
 
+@pytest.mark.slow
 def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, quick_build):
     model = three_layer_target(quick_build, tmp_path / "model")
     run_dir = tmp_path / "run"

@@ -58,7 +58,7 @@ def test_methods_that_need_the_full_precision_target_refuse_a_quantized_one(cfg_
         from_config.check_medusa_settings(medusa2)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_drafter_keeps_the_quantized_targets_law(bits):
     full = Transformer.from_hf(tiny_llama(0, vocab=64, layers=2, hidden=64)).eval()
     target = quantized_copy(full, bits)
@@ -66,6 +66,7 @@ def test_a_drafter_keeps_the_quantized_targets_law(bits):
     assert_drafted_sampling_is_exact(target, drafter, SamplingParams(1.0))
 
 
+@pytest.mark.slow
 def test_exit_adapters_train_through_a_quantized_lm_head(tmp_path, quick_build):
     model = three_layer_target(quick_build, tmp_path / "model")
     run_dir = tmp_path / "run"

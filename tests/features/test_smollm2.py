@@ -27,6 +27,8 @@ from selfspec.training.instructions import (
     stdlib_instructions,
 )
 
+pytestmark = pytest.mark.slow  # a 20 s conversion, then a 135M model on two cores
+
 MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
 SOURCE = GGUFSource(**MODEL_CFG.gguf)
 QUESTION = "What is the capital of France? Answer in one sentence."

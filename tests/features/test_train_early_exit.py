@@ -4,7 +4,8 @@ and its dry run for a 70B target."""
 import json
 from functools import partial
 
-from helpers import run_trainer, sharegpt_file, three_layer_target
+import pytest
+from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, three_layer_target
 
 from selfspec.from_config import load_early_exit
 from selfspec.model import Transformer
@@ -12,14 +13,15 @@ from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "early_exit")
 
+@pytest.mark.slow
 def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_build):
     model = three_layer_target(quick_build, tmp_path / "model")
     done = run_entry(
         "model=local", f"model.path={model}", "train_data.source=sharegpt",
-        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
-        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=2",
-        "trainer.eval_every=2", "trainer.threads=1", "final_eval.num_prompts=2",
-        "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=12",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=6",
+        "trainer.eval_every=6", "trainer.threads=1", "final_eval.num_prompts=2",
+        "final_eval.max_new_tokens=12", "early_exit.exit_layers=[1,2]", *LEARNS,
         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("E=1 norm", "E=1 adapter", "E=2 norm", "E=2 adapter"):
@@ -30,13 +32,15 @@ def test_train_early_exit_trains_two_exits_and_reports_each(tmp_path, quick_buil
     for e in (1, 2):
         for kind in ("norm", "adapter"):
             assert summary[f"E{e}/{kind}/lossless"] is True and summary[f"E{e}/{kind}/tau"] >= 1
-    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [2, 4]
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [6, 12]
     assert any("eval/exit/E2_kl" in r for r in read_metrics(run_dir))
+    assert_the_loss_falls(run_dir, 0.01, 0.002)  # measured: -1.9% and -0.5%
     target = Transformer.from_pretrained(model)
-    export = run_dir / "checkpoints/step_0000004/export"
+    export = run_dir / "checkpoints/step_0000012/export"
     assert load_early_exit(export / "E2", target, exit_layer=2).config.kind == "adapter"
 
 
+@pytest.mark.slow
 def test_train_early_exit_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)

@@ -5,6 +5,11 @@ q(. | context). One speculative step drafts a chain or tree from q, verifies it 
 the first two emitted tokens (continued by sampling the target when only one is emitted) must
 follow p(t1) p(t2 | t1) exactly: a chi-square test at a fixed seed. The same test is run
 against deliberately broken verifiers to show that it detects a missing residual update.
+
+The default run checks every draft shape at temperature 1, each at the size at which the
+broken verifiers it guards against fail: a missing residual update shows at p < 1e-20 in
+N_FAST steps, siblings verified as if drawn with replacement only near N_SAMPLES. Top-k and
+top-p, and every case at N_SAMPLES, are in the slow run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from selfspec.verify import tree_draws, tree_outcome, verify_linear, verify_tree
 
 V = 6
 N_SAMPLES = 12_000
+N_FAST = 4_000
+slow = pytest.mark.slow
 TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
 SETTINGS = {
     "t1": SamplingParams(temperature=1.0),
@@ -89,15 +96,16 @@ def draft(world: ToyWorld, tree: Tree, mode: str, rng: random.Random):
 
 
 def emission_pvalue(setting: str, tree: Tree, mode: str, seed: int = 0,
-                    drawn_ahead: bool = False, without: bool | None = None) -> float:
-    """drawn_ahead: verify by `tree_draws` and `tree_outcome` (the decode loop's path in
-    static steps) rather than the public verifier. without: what the verifier is told of the
-    siblings' draws (default: the truth)."""
+                    drawn_ahead: bool = False, without: bool | None = None,
+                    samples: int = N_SAMPLES) -> float:
+    """samples: speculative steps. drawn_ahead: verify by `tree_draws` and `tree_outcome`
+    (the decode loop's path in static steps) rather than the public verifier. without: what
+    the verifier is told of the siblings' draws (default: the truth)."""
     world = ToyWorld(SETTINGS[setting])
     g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     without = mode == "without" if without is None else without
     counts: Counter = Counter()
-    for _ in range(N_SAMPLES):
+    for _ in range(samples):
         tokens, q, p = draft(world, tree, mode, rng)
         if drawn_ahead:
             draws = tree_draws(tree.children_table("cpu"), tokens, q, p, g, without)
@@ -109,7 +117,7 @@ def emission_pvalue(setting: str, tree: Tree, mode: str, seed: int = 0,
             emitted.append(draw(world.p((emitted[0],)), rng))
         counts[tuple(emitted[:2])] += 1
     law = joint_two_token_law(world.p(()), lambda t1: world.p((t1,)))
-    return fit_pvalue(counts, law, N_SAMPLES)
+    return fit_pvalue(counts, law, samples)
 
 
 def _verified(tree, tokens, q, p, g, without) -> list[int]:
@@ -119,43 +127,55 @@ def _verified(tree, tokens, q, p, g, without) -> list[int]:
                        ).tokens.tolist()
 
 
-CASES = [
-    (setting, shape, mode)
-    for setting in SETTINGS
-    for shape, mode in [
-        ("chain", "with"),
-        ("chain", "deterministic"),
-        ("tree", "with"),
-        ("tree", "without"),
-        ("tree", "deterministic"),
-    ]
+SHAPES = [("chain", "with"), ("chain", "deterministic"), ("tree", "with"), ("tree", "without"),
+          ("tree", "deterministic")]
+
+
+def fast_size(mode: str) -> int:
+    """The default run's steps for a draft mode: siblings drawn without replacement need
+    N_SAMPLES for their broken verifier to show, the others N_FAST."""
+    return N_SAMPLES if mode == "without" else N_FAST
+
+
+CASES = [pytest.param("t1", shape, mode, fast_size(mode), id=f"t1-{shape}-{mode}")
+         for shape, mode in SHAPES] + [
+    pytest.param(setting, shape, mode, N_SAMPLES, id=f"{setting}-{shape}-{mode}-full",
+                 marks=slow)
+    for setting in SETTINGS for shape, mode in SHAPES
 ]
 
 
-@pytest.mark.parametrize("setting, shape, mode", CASES)
-def test_emission_follows_the_target_law(setting, shape, mode):
+@pytest.mark.parametrize("setting, shape, mode, samples", CASES)
+def test_emission_follows_the_target_law(setting, shape, mode, samples):
     tree = Tree.chain(3) if shape == "chain" else TREE
-    assert emission_pvalue(setting, tree, mode) > P_VALUE_FLOOR
+    assert emission_pvalue(setting, tree, mode, samples=samples) > P_VALUE_FLOOR
 
 
-DRAWN_CASES = [(setting, shape, mode) for setting, shape, mode in CASES  # the cuts: one tree
-               if mode != "deterministic" and (setting == "t1" or mode == "without")]
+DRAWN_CASES = [pytest.param("t1", "chain", "with", N_FAST, id="t1-chain-with")] + [
+    pytest.param(setting, shape, mode, N_SAMPLES, id=f"{setting}-{shape}-{mode}-full",
+                 marks=slow)
+    for setting in SETTINGS for shape, mode in SHAPES  # the cuts: one tree
+    if mode != "deterministic" and (setting == "t1" or mode == "without")
+]
 
 
-@pytest.mark.parametrize("setting, shape, mode", DRAWN_CASES)
-def test_emission_drawn_ahead_follows_the_target_law(setting, shape, mode):
+@pytest.mark.parametrize("setting, shape, mode, samples", DRAWN_CASES)
+def test_emission_drawn_ahead_follows_the_target_law(setting, shape, mode, samples):
     """`tree_draws`: every node's tests of its children made at once, walked after."""
     tree = Tree.chain(3) if shape == "chain" else TREE
-    assert emission_pvalue(setting, tree, mode, drawn_ahead=True) > P_VALUE_FLOOR
+    assert emission_pvalue(setting, tree, mode, drawn_ahead=True,
+                           samples=samples) > P_VALUE_FLOOR
 
 
 @pytest.mark.parametrize("shape, mode", [("chain", "with"), ("tree", "with")])
 def test_the_exactness_test_catches_draws_without_the_residual(monkeypatch, shape, mode):
     monkeypatch.setattr(verify_module, "_residuals", lambda residual, proposal: residual)
     tree = Tree.chain(3) if shape == "chain" else TREE
-    assert emission_pvalue("t1", tree, mode, drawn_ahead=True) < P_VALUE_FLOOR / 10
+    assert emission_pvalue("t1", tree, mode, drawn_ahead=True,
+                           samples=N_FAST) < P_VALUE_FLOOR / 10
 
 
+@slow
 def test_the_exactness_test_catches_draws_that_forget_the_removed_siblings():
     assert emission_pvalue("t1", TREE, "without", drawn_ahead=True,
                            without=False) < P_VALUE_FLOOR / 10
@@ -181,5 +201,6 @@ def _proposal_ignoring_removed_siblings(q, node, removed, without_replacement):
 def test_the_exactness_test_catches_a_broken_verifier(monkeypatch, broken, shape, mode):
     monkeypatch.setattr(verify_module, *broken)
     tree = Tree.chain(3) if shape == "chain" else TREE
-    # The very check that passes the real verifier fails each broken one, with margin.
-    assert emission_pvalue("t1", tree, mode) < P_VALUE_FLOOR / 10
+    # The very check that passes the real verifier, at the default run's size, fails each
+    # broken one, with margin.
+    assert emission_pvalue("t1", tree, mode, samples=fast_size(mode)) < P_VALUE_FLOOR / 10

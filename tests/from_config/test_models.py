@@ -44,7 +44,7 @@ def test_default_is_the_tiny_target(cfg_of):
     cfg = cfg_of("generate")
     assert cfg.model.name == "tiny" and cfg.model.asset == "tiny/target"
     assert cfg.model.draft.asset == "tiny/draft"
-    assert (cfg.sampling.name, cfg.data.name, cfg.drafter, cfg.dry_run) == (
+    assert (cfg.sampling.name, from_config.prompt_set(cfg).name, cfg.drafter, cfg.dry_run) == (
         "greedy", "humaneval", "small_model", False)
     assert count_parameters(from_config.model_config(cfg.model)) > 0
 

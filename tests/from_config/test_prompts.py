@@ -1,4 +1,5 @@
-"""Prompt configs (from_config/prompts.py): every data config composes, question files resolve."""
+"""Prompt configs (from_config/prompts.py): every data config composes, question files resolve,
+a chat target is asked chat questions by default."""
 
 import pytest
 from helpers import group_options
@@ -28,3 +29,15 @@ def test_question_files_ship_with_the_package_and_data_path_overrides(cfg_of, tm
     assert loaded.prompt.id == "7" and loaded.ids == [2]
     with pytest.raises(ValueError, match="names no question file"):
         from_config.data_path(cfg_of("generate", "data=mt_bench", "data.asset=null").data)
+
+
+def test_a_chat_target_is_asked_mt_bench_questions_unless_data_says_otherwise(cfg_of):
+    chat = from_config.prompt_set(cfg_of("generate", "model=smollm2-135m", "data.num_prompts=3"))
+    assert (chat.name, chat.chat, chat.num_prompts) == ("mt_bench", True, 3)
+    assert from_config.prompts(chat)[0].id == "81"  # MT-bench's first question
+    code = from_config.prompt_set(cfg_of("generate", "model=tiny"))
+    assert (code.name, code.chat, code.num_prompts) == ("humaneval", False, 2)
+    chosen = from_config.prompt_set(cfg_of("generate", "model=smollm2-135m", "data=humaneval"))
+    assert chosen.name == "humaneval"
+    with pytest.raises(ValueError, match="only eval/generate.py takes it"):
+        from_config.prompts(cfg_of("train_medusa", "data=auto", "run_dir=/tmp/unused").data)

@@ -113,6 +113,7 @@ def tiny_drafters(target: Transformer, records=()) -> dict:
             "small_model": SmallModelDrafter(draft, 3)}
 
 
+@pytest.mark.slow
 def test_replayed_tau_equals_the_tau_generate_measures_on_the_same_answers(cfg_of,
                                                                            tiny_target):
     from selfspec.from_config.training import heldout_tau

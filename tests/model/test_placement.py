@@ -68,8 +68,8 @@ def test_sequential_fills_the_first_gpu_before_the_next(llama70b):
     assert counts[0] > 40 and counts[2:] == [0, 0], counts
 
 
-@pytest.mark.parametrize("entry", [["train/medusa.py"],
-                                   ["eval/sweep.py", "methods=[small_model,ngram]"]])
+@pytest.mark.parametrize("entry", [["train/medusa.py"], pytest.param(
+    ["eval/sweep.py", "methods=[small_model,ngram]"], marks=pytest.mark.slow)])
 def test_the_dry_run_prints_the_placement_and_each_devices_memory(entry, tmp_path):
     """The field's reference pair: Llama-2-70B over four GPUs, Llama-2-7B drafting beside its
     LM head; planned here, where there is no GPU and no weight."""

@@ -171,10 +171,11 @@ def test_greedy_drafting_is_lossless_at_every_draft_length(target, tiny, copies,
     assert drafted > 0
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_p=0.9)],
-                         ids=["T=1", "top_p"])
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("params, bits", [
+    pytest.param(SamplingParams(temperature=1.0), 8, id="8-T=1"),  # the default run's case
+    pytest.param(SamplingParams(temperature=1.0), 4, id="4-T=1", marks=pytest.mark.slow),
+    *(pytest.param(SamplingParams(temperature=0.8, top_p=0.9), bits, id=f"{bits}-top_p",
+                   marks=pytest.mark.slow) for bits in BITS)])
 def test_sampling_with_the_copy_keeps_the_targets_two_token_law(target, copies, bits, params):
     drafter = SmallModelDrafter(copies["random", bits], num_draft_tokens=2)
     assert_drafted_sampling_is_exact(target, drafter, params)
