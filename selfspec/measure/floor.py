@@ -80,7 +80,8 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
                                    cache_length=settings.prompt_tokens, repeats=settings.repeats,
                                    cuda_graphs=graphs)
     answers, oracle = OracleDrafter(), []
-    answers.prepare(target, prompts, settings.new_tokens)  # ahead: not inside the timed runs
+    # ahead, not inside the timed runs, and in their forward mode
+    answers.prepare(target, prompts, settings.new_tokens, settings.cuda_graphs)
     with PeakMemory(target.embed_tokens.weight.device) as memory:  # the oracle and plain runs
         for k in settings.draft_lengths:
             oracle.append({"k": k} | _against_bound(target, answers.with_draft_tokens(k),
