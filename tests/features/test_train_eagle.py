@@ -5,7 +5,7 @@ import json
 from functools import partial
 
 import torch
-from helpers import run_trainer, sharegpt_file
+from helpers import HAS_WANDB, run_trainer, sharegpt_file
 
 from selfspec.heads import EagleConfig, EagleHead, load_head
 from selfspec.model import Transformer
@@ -33,7 +33,7 @@ def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build)
     assert 0.0 <= summary["draft_time_share"] < 1.0
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
     assert any("eval/eagle/top1" in r for r in read_metrics(run_dir))
-    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert bool(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == HAS_WANDB
     target = Transformer.from_pretrained(quick_build / "target")
     head = load_head(run_dir / "checkpoints/step_0000008/export", EagleHead, EagleConfig,
                      target=target)
