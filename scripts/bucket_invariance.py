@@ -57,15 +57,17 @@ def main(argv: list[str]) -> None:
                            generator=generator).to(device)
     tokens = torch.randint(target.config.vocab_size, (1, max(args.buckets)),
                            generator=generator).to(device)
-    report = diagnose(target, prompt, tokens, modes=args.modes, buckets=args.buckets,
-                      cache_lengths=args.cache_lengths, new_tokens=args.new_tokens,
-                      draft_lengths=args.draft_lengths)
     settings = {key: value for key, value in vars(args).items() if key != "out"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": cfg.model.name, "dtype": str(
-        target.embed_tokens.weight.dtype), "settings": settings, "modes": report,
-        "machine": machine_facts()}, indent=1) + "\n")
-    for mode, found in report.items():
+    report = {}
+    for mode in args.modes:  # the file rewritten after each: a run cut short keeps the rest
+        report |= diagnose(target, prompt, tokens, modes=[mode], buckets=args.buckets,
+                           cache_lengths=args.cache_lengths, new_tokens=args.new_tokens,
+                           draft_lengths=args.draft_lengths)
+        args.out.write_text(json.dumps({
+            "model": cfg.model.name, "dtype": str(target.embed_tokens.weight.dtype),
+            "settings": settings, "modes": report, "machine": machine_facts()}, indent=1) + "\n")
+        found = report[mode]
         print(f"{mode}: {found['verdict']} ({found['seconds']:.0f} s, of which "
               f"{found['setup_seconds']:.0f} s compiling and capturing)", flush=True)
     print(f"figures in {args.out}")
