@@ -275,6 +275,13 @@ def _layer_ops(layer, keys: tuple[torch.Tensor, torch.Tensor], mask: torch.Tenso
     return ops
 
 
+def _row(tensor: torch.Tensor, axis: int, r: int) -> torch.Tensor:
+    """Row r of tensor along axis, as a tensor of its own with the strides a one-row step's
+    tensor has (`contiguous()` would keep the wider tensor's stride along its size-1 axes, and
+    a compiled op would then compile, and run, another kernel for it)."""
+    return tensor.narrow(axis, r, 1).clone(memory_format=torch.contiguous_format)
+
+
 def _row_dependence(op: Op, inputs: tuple) -> list[tuple[int, float]]:
     """(row, max |difference|) for each row whose result differs when the op runs over all
     rows or over that row alone (each input cut to the row along its rows axis)."""
@@ -284,7 +291,7 @@ def _row_dependence(op: Op, inputs: tuple) -> list[tuple[int, float]]:
         return []
     found = []
     for r in range(rows):
-        alone = op.run(*(t if axis is None else t.narrow(axis, r, 1).contiguous()
+        alone = op.run(*(t if axis is None else _row(t, axis, r)
                          for t, axis in zip(inputs, op.axes, strict=True)))
         if not torch.equal(together[:, r:r + 1], alone):
             found.append((r, _max_diff(together[:, r:r + 1], alone)))
@@ -318,6 +325,7 @@ def diagnose(target: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, *,
     for mode in modes:
         compiled, emulate = MODES[mode]
         _set_mode(target, compiled, emulate)
+        _compile_counts(reset=True)
         steps = StaticSteps(target, slots)
         stages = compiled_stages() if compiled else None
         start = time.perf_counter()
@@ -331,7 +339,8 @@ def diagnose(target: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, *,
                         "ops": summarize_ops(ops), "decode": decode,
                         "row_details": [r.as_dict() for r in rows],
                         "setup_seconds": steps.setup_seconds,
-                        "seconds": time.perf_counter() - start}
+                        "seconds": time.perf_counter() - start,
+                        "compile_counts": _compile_counts() if compiled else None}
         report[mode]["verdict"] = verdict(report[mode])
     _set_mode(target, False, False)
     return report
@@ -384,6 +393,18 @@ def verdict(mode: dict) -> str:
         f"cache {d['cache_length']}, top-2 gap {d['top2_gap']:.3g}, logits moved "
         f"{d['logits_moved']:.3g})" for d in mode["decode"])
     return f"{rows}. First ops: {ops or 'none depends on its rows'}. Decoding: {decode}"
+
+
+def _compile_counts(reset: bool = False) -> dict:
+    """dynamo's counters (graphs compiled, frames, graph breaks, recompilations): one graph per
+    stage and bucket is expected; more, or breaks, mean some steps did not run as compiled."""
+    from torch._dynamo.utils import counters
+
+    if reset:
+        counters.clear()
+    return {str(group): {str(key): count for key, count in found.items()}
+            for group, found in counters.items()
+            if group in ("frames", "stats", "graph_break", "recompiles", "unimplemented")}
 
 
 def _set_mode(target: Transformer, compiled: bool, emulate: bool) -> None:

@@ -137,6 +137,9 @@ def test_the_compiled_steps_are_diagnosed_on_the_cpu_too():
                       cache_lengths=[24], new_tokens=8, draft_lengths=[1])["compiled"]
     assert report["setup_seconds"] > 0
     assert all(d["lossless"] for d in report["decode"])
+    # one graph per stage and bucket (1 and 2), the op checks' calls included: no recompiling
+    assert report["compile_counts"]["stats"]["unique_graphs"] == 4
+    assert not report["compile_counts"].get("graph_break")
     assert {o["op"] for o in report["ops"]} <= {"input_norm", "qkv", "rope", "attention",
                                                 "o_proj", "post_norm", "mlp",
                                                 "attention_inputs", "layer_output"}
