@@ -127,11 +127,12 @@ EVERY_N = "[" + ",".join(str(n) for n in range(1, 129)) + "]"
 
 
 def pytest_command(tests: str, workers: int, per_test_s: int) -> str:
-    """pytest over tests, its results as junit XML in {run}; with pytest-xdist's workers and
-    pytest-timeout's limit per test where they are installed (the GPU machines have both: a
-    test that hangs fails alone instead of taking the part's timeout and its results)."""
+    """pytest over tests, its results as junit XML in {run}; a file that fails to import
+    loses its own tests only; with pytest-xdist's workers and pytest-timeout's limit per test
+    where they are installed (the GPU machines have both: a test that hangs fails alone
+    instead of taking the part's timeout and its results)."""
     return ("{python} -m pytest -q -rfEs -p no:cacheprovider -W ignore::UserWarning "
-            "--junitxml={run}/junit.xml -o junit_family=xunit1 "
+            "--continue-on-collection-errors --junitxml={run}/junit.xml -o junit_family=xunit1 "
             f"$({{python}} -c 'import xdist' 2>/dev/null && printf -- '-n %s' {workers}) "
             f"$({{python}} -c 'import pytest_timeout' 2>/dev/null && "
             f"printf -- '--timeout=%s' {per_test_s}) {tests}")
