@@ -1,6 +1,7 @@
 """The decode loop's floor and ceiling on this machine: plain tokens/s (selfspec and Hugging
-Face generate on the same weights), c(N), and the oracle drafter against its bound, as a
-chain and hidden in trees (conf oracle_trees).
+Face generate on the same weights), the memory floor (what a token reads, at the copy
+bandwidth measured in the same run), c(N), and the oracle drafter against its bound, as a
+chain, hidden in trees (conf oracle_trees) and against batch size (conf batch_sizes).
 
     python eval/bench_decode.py                                  # tiny target, CPU
     python eval/bench_decode.py model=random-7b device=cuda      # Llama-2-7B shape, bf16
@@ -49,6 +50,7 @@ def report(figures: dict) -> str:
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "
              f"{profile['one_token_ms']:.2f} ms; peak memory of the oracle and plain runs "
              f"{figures['peak_memory_mb']:.0f} MiB ({figures['peak_memory_kind']})",
+             _floor_line(figures["memory_floor"]),
              "c(N): " + ", ".join(f"{n}: {c:.2f}" for n, c in profile["c"].items()),
              "oracle  k   tau  speedup  bound  efficiency  lossless  time % "
              "pre/draft/fwd/probs/verify/commit/other"]
@@ -71,7 +73,24 @@ def report(figures: dict) -> str:
                   + f"  {split_percent(r['time_split'])}" for r in figures["methods"]]
         lines.append("draft costs in plain steps, random heads; projections from tau published "
                      "for Vicuna-7B (MT-bench, T=0, EAGLE-2 paper), not measured")
+    if figures["batches"]:
+        k = figures["batches"][0]["draft_tokens"]
+        lines.append(f"batch  plain tokens/s  oracle k={k} tokens/s  speedup   tau  c_B(k+1)  "
+                     f"bound  lossless")
+        lines += [f"{r['batch_size']:>5}  {r['plain_tokens_per_s']:>14.1f}  "
+                  f"{r['oracle_tokens_per_s']:>19.1f}  {r['speedup']:>6.2f}x  {r['tau']:.2f}  "
+                  f"{r['c_verify']:>8.2f}  {r['bound']:>4.2f}x  {r['lossless']}"
+                  for r in figures["batches"]]
     return "\n".join(lines)
+
+
+def _floor_line(floor: dict) -> str:
+    bandwidth = floor["copy_bytes_per_s"] / 1e9
+    return (f"memory floor: {floor['weight_bytes'] / 1e9:.2f} GB of weights and "
+            f"{floor['kv_bytes'] / 1e9:.2f} GB of K/V a token at {bandwidth:.0f} GB/s (a copy, "
+            f"read + written, measured now): {floor['floor_ms']:.2f} ms; the "
+            f"one-token forward reaches {floor['share_of_one_token_forward']:.2f} of it, plain "
+            f"decoding {floor['share_of_plain_decoding']:.2f}")
 
 
 if __name__ == "__main__":

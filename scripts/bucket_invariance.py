@@ -1,66 +1,77 @@
-"""Does a row's result depend on the bucket it runs in? Runs one decode step of
-`model=random-7b` (bf16, CUDA) as the last row-0 token alone and in buckets of 2 and 4, static
-steps as written and compiled (with and without inductor's emulated precision casts), and
-prints how far the row's hidden states and logits moved, and its argmax.
+"""Does a row's result depend on the bucket it runs in? The diagnosis of a static step that is
+not lossless (`selfspec.measure.invariance`), as written, compiled, and compiled with
+inductor's emulated precision casts, in static steps (replayed CUDA graphs on CUDA):
 
-    python scripts/bucket_invariance.py
+- each bucket's rows (full, and padded: 3 in 4, 5 in 8, 9 in 16) against themselves fed
+  alone, at each cache length: the first layer where a row moves, its logits, argmax flips
+  and their top-2 gaps;
+- each op of each layer (norm, q/k/v, RoPE, attention, o_proj, second norm, MLP; compiled:
+  its two stages) fed the same rows together and alone: which ops depend on their rows;
+- plain greedy decoding against the oracle's verification of its answer (chains of k): the
+  first token where they part, its bucket, cache length and top-2 gap.
 
-If a row's logits depend on its bucket, greedy verification can break a near-tie the other
-way from one-token decoding. Its output: docs/results/gpu/h200_compiled_step_checks.txt.
+    python scripts/bucket_invariance.py --out bucket_invariance.json        # random-7b, CUDA
+    python scripts/bucket_invariance.py --modes eager compiled --buckets 2 4 8 \
+        --cache-lengths 16 40 --new-tokens 24 device=cpu model.dtype=fp32 \
+        model.arch.hidden_size=64 model.arch.intermediate_size=128 model.arch.num_layers=2 \
+        model.arch.num_heads=4 model.arch.num_kv_heads=4 model.arch.vocab_size=256
+
+Arguments after the options are overrides of conf/bench_decode.yaml (default model=random-7b
+device=cuda). Prints one verdict per mode; the JSON holds every figure.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec import from_config
-from selfspec.step import StaticSteps
-
-LAYERS = (1, 2, 16, 32)
-
-
-def row_in_buckets(target, prompt: torch.Tensor, tokens: torch.Tensor) -> dict:
-    """The first row's output in buckets of 1, 2 and 4, after the same prefill."""
-    steps = StaticSteps(target, 512)
-    length = prompt.shape[1] - 1
-    outputs = {}
-    with torch.inference_mode():
-        target(prompt[:, :-1], torch.arange(length, device="cuda"), steps.cache)
-        for n in (1, 2, 4):
-            steps.cache.truncate(length)
-            rows = torch.cat([prompt[:, -1:], tokens[:, : n - 1]], dim=1)
-            outputs[n] = steps.forward(rows, length + torch.arange(n, device="cuda"), None,
-                                       layers=LAYERS)
-    return outputs
+from selfspec.cli import exit_on_user_error
+from selfspec.measure.invariance import MODES, diagnose
+from selfspec.measure.results import machine_facts
 
 
-def main() -> None:
-    from torch._inductor import config as inductor
-
-    with initialize_config_dir(str(Path("conf").resolve()), version_base=None):
-        cfg = compose("bench_decode", overrides=["model=random-7b", "device=cuda"])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--buckets", nargs="+", type=int, default=[2, 4, 8, 16])
+    parser.add_argument("--cache-lengths", nargs="+", type=int, default=[64, 512, 600])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--draft-lengths", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--out", type=Path, default=Path("outputs/bucket_invariance.json"))
+    parser.add_argument("overrides", nargs="*", help="conf/bench_decode.yaml overrides")
+    args = parser.parse_args(argv)
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+        cfg = compose("bench_decode", overrides=["model=random-7b", "device=cuda",
+                                                 *args.overrides])
+    from_config.set_threads(cfg)
     target = from_config.random_models(cfg)[0]
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(target.config.vocab_size, (1, 64), generator=generator).cuda()
-    tokens = torch.randint(target.config.vocab_size, (1, 4), generator=generator).cuda()
-    for compiled, emulate in ((False, False), (True, False), (True, True)):
-        inductor.emulate_precision_casts = emulate
-        torch._dynamo.reset()
-        target.compile_steps = compiled
-        outputs = row_in_buckets(target, prompt, tokens)
-        alone = outputs[1]
-        for n in (2, 4):
-            moved = [(layer, (outputs[n].hidden[i][:, 0] - alone.hidden[i][:, 0]).abs().max()
-                      .item()) for i, layer in enumerate(LAYERS)]
-            logits, reference = outputs[n].logits[0, 0], alone.logits[0, 0]
-            print(f"compiled={compiled} emulate={emulate} bucket {n} vs 1: hidden diffs {moved}, "
-                  f"logit max diff {(logits - reference).abs().max().item():.4g}, argmax "
-                  f"{logits.argmax().item()} vs {reference.argmax().item()}, ties at max "
-                  f"{(reference == reference.max()).sum().item()}", flush=True)
+    device = target.embed_tokens.weight.device
+    generator = torch.Generator().manual_seed(int(cfg.seed))
+    prompt = torch.randint(target.config.vocab_size, (1, max(args.cache_lengths)),
+                           generator=generator).to(device)
+    tokens = torch.randint(target.config.vocab_size, (1, max(args.buckets)),
+                           generator=generator).to(device)
+    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {}
+    for mode in args.modes:  # the file rewritten after each: a run cut short keeps the rest
+        report |= diagnose(target, prompt, tokens, modes=[mode], buckets=args.buckets,
+                           cache_lengths=args.cache_lengths, new_tokens=args.new_tokens,
+                           draft_lengths=args.draft_lengths)
+        args.out.write_text(json.dumps({
+            "model": cfg.model.name, "dtype": str(target.embed_tokens.weight.dtype),
+            "settings": settings, "modes": report, "machine": machine_facts()}, indent=1) + "\n")
+        found = report[mode]
+        print(f"{mode}: {found['verdict']} ({found['seconds']:.0f} s, of which "
+              f"{found['setup_seconds']:.0f} s compiling and capturing)", flush=True)
+    print(f"figures in {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main, sys.argv[1:])

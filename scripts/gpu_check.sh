@@ -1,39 +1,26 @@
 #!/bin/bash
-# The checks and figures of docs/gpu.md, on the machine this runs on (one CUDA device).
-#   bash scripts/gpu_check.sh bench   # the Llama-2-7B-shaped floor (random weights, bf16):
-#                                     # CUDA graphs as written (the oracle chains and trees,
-#                                     # every method's draft cost), then compiled
-#   bash scripts/gpu_check.sh tests   # the CUDA tests: every drafter on CUDA, graphs and the
-#                                     # compiled step against eager, CUDA logits against CPU,
-#                                     # every trainer a few steps in bf16
-#   bash scripts/gpu_check.sh         # both
-# Figures land in outputs/gpu_check/<run>/bench_decode.json.
-set -o pipefail
+# The one prepared command of a lent GPU session (docs/gpu.md): every part of the check, in
+# order of value, each under its own timeout within one budget (GPU_CHECK_BUDGET seconds,
+# default 470), each writing its figures and log; a summary table at the end.
+#   bash scripts/gpu_check.sh                # every part
+#   bash scripts/gpu_check.sh plan           # what would run, each part's timeout (any machine)
+#   bash scripts/gpu_check.sh diagnosis      # chosen parts; `tests` = cuda_tests trainers
+# Files: $OUT where set (the device machine), else outputs/gpu_check/<time> (scripts/gpu_check.py).
+# The wheels the GPU machines lack travel in .whl/ (bash scripts/gpu_wheels.sh here; run with
+# carry [".whl"]): installed into /tmp/site, and selfspec runs from this checkout
+# (PYTHONPATH), never installed.
 cd "$(dirname "$0")/.." || exit 1
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" || exit 1
-what=${1:-all}
-
-if [[ $what == bench || $what == all ]]; then
-    # As written: c(N) to 128, the oracle chains and trees (EAGLE-2's 60 nodes, Medusa's 63),
-    # and every method's draft cost with random heads, its drafts captured.
-    python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
-        compile=false 'oracle_trees=[eagle2,medusa_63]' \
-        'methods=[eagle2,eagle3,eagle1,medusa,early_exit]' \
-        hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_false || status=1
-    # Compiled: only the buckets the oracle chains use (k <= 8 verifies at most 16 rows).
-    python eval/bench_decode.py model=random-7b device=cuda num_prompts=1 repeats=2 \
-        compile=true 'cost_lengths=[1,2,4,8,16]' \
-        hydra.run.dir=outputs/gpu_check/random7b_graphs_compiled_true || status=1
+python=${PYTHON:-python3}
+if [[ $1 != plan && $1 != --dry-run ]] && compgen -G ".whl/*.whl" >/dev/null; then
+    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl; then
+        export PYTHONPATH=/tmp/site:$PWD
+    else
+        echo "warning: the wheels in .whl/ did not install; parts that need them will fail" >&2
+        export PYTHONPATH=$PWD
+    fi
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-
-if [[ $what == tests || $what == all ]]; then
-    python -m pytest tests/test_step.py tests/model/test_placement.py tests/test_batch.py \
-        tests/drafters/test_static_drafting.py \
-        tests/features/test_every_device.py \
-        tests/features/test_train_on_cuda.py tests/measure/test_costs.py \
-        tests/measure/test_oracle.py tests/measure/test_floor.py \
-        tests/measure/test_passes.py::test_a_training_report_line_says_where_the_drafters_time_went \
-        tests/from_config/test_sweeps.py::test_a_random_weights_target_shares_its_weights_with_its_transformers_twin \
-        --all -q -rfEs -W ignore::UserWarning || status=1
-fi
-exit ${status:-0}
+export WANDB_MODE=disabled PYTHONUNBUFFERED=1
+exec "$python" scripts/gpu_check.py "$@"

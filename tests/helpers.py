@@ -19,6 +19,11 @@ import torch
 from safetensors.torch import save_file
 from scipy.stats import chi2
 
+# Packages a machine may lack (the GPU machines lack both): their tests skip, and the trainers
+# keep their JSON-lines record alone.
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
 
 def suite_threads() -> int:
     """The torch threads of the test suite (SELFSPEC_TEST_THREADS, default 1), shared by the

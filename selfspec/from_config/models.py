@@ -210,16 +210,17 @@ QUANTIZE = {"int8": 8, "int4": 4}  # model.quantize: weight-only, by torchao
 
 def target_quantization(cfg_model: DictConfig) -> int | None:
     """model.quantize (null, int8 or int4) as bits, checked; refused for a dtype the quantized
-    products do not take (they compute in bf16 from fp32 activations)."""
+    products do not take (they compute in bf16, from fp32 or bf16 activations)."""
     value = cfg_model.get("quantize")
     if value is None:
         return None
     if value not in QUANTIZE:
         raise ValueError(f"model.quantize: choose null, int8 or int4 (weight-only, torchao), "
                          f"got {value!r}")
-    if cfg_model.get("dtype", "fp32") != "fp32":
-        raise ValueError(f"model.quantize={value} quantizes an fp32 target (its activations "
-                         f"stay fp32); set model.dtype=fp32, got {cfg_model.dtype}")
+    if cfg_model.get("dtype", "fp32") not in ("fp32", "bf16"):
+        raise ValueError(f"model.quantize={value} quantizes an fp32 or bf16 target (its "
+                         f"products take bf16 rows, the rest keeps the target's dtype); set "
+                         f"model.dtype=fp32 or bf16, got {cfg_model.dtype}")
     return QUANTIZE[value]
 
 

@@ -313,7 +313,8 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
                          oracle_trees=oracle_trees(cfg.get("oracle_trees") or []),
                          methods=tuple(str(m) for m in as_list(cfg.get("methods") or [])),
                          method_tree=oracle_trees([cfg.get("method_tree", "chain4")])[0][1],
-                         **lengths)
+                         batch_sizes=tuple(int(b) for b in as_list(cfg.get("batch_sizes") or [])),
+                         batch_draft_tokens=int(cfg.get("batch_draft_tokens", 4)), **lengths)
 
 
 def oracle_trees(names) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:

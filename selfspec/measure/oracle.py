@@ -17,13 +17,20 @@ import torch
 
 from selfspec.decode import generate
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.step import use_cuda_graphs
 from selfspec.tree import Tree
 
 
 class OracleDrafter:
     """Proposes the next num_draft_tokens tokens of plain greedy decoding. The answers are
-    computed by `prepare` (or, for a prompt it did not see, in `begin`) and kept per target
-    and prompt: a timed generation of a prepared prompt only replays its answer."""
+    computed by `prepare` (or, for a prompt it did not see, in `begin`) and kept per target,
+    forward mode and prompt: a timed generation of a prepared prompt only replays its answer.
+
+    The forward mode (static steps or eager, `DecodeSetup.static_steps`) is part of the key:
+    in bf16 the two round a near-tie of the greedy argmax apart, and an answer of one mode
+    replayed in the other stops being accepted at the first such tie. So is a batch: its
+    rows' answers are those of plain decoding of the same batch (`prepare_batch`), whose
+    products over B rows may round otherwise than one row's."""
 
     target_layers: tuple[int, ...] = ()
 
@@ -35,13 +42,26 @@ class OracleDrafter:
         self.num_draft_tokens = self.max_nodes = num_draft_tokens
         self._answer: list[int] = []
         self._prompt_length = 0
-        self._answers: dict[tuple, list[int]] = {}  # (id(target), prompt) -> greedy answer
+        # (id(target), static steps, prompt) -> greedy answer
+        self._answers: dict[tuple, list[int]] = {}
 
-    def prepare(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def prepare(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                cuda_graphs: bool | None = None) -> None:
         """Compute the greedy answers ahead of the generations that will replay them (which
-        `begin` would otherwise do inside the caller's timing)."""
+        `begin` would otherwise do inside the caller's timing), in the forward mode those
+        generations run (cuda_graphs: as `generate`'s)."""
+        static = use_cuda_graphs(cuda_graphs, target)
         for prompt in prompts:
-            self._answer_for(target, torch.as_tensor(list(prompt)), max_new_tokens)
+            self._answer_for(target, torch.as_tensor(list(prompt)), max_new_tokens, static)
+
+    def prepare_batch(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      cuda_graphs: bool | None = None) -> None:
+        """The answers of a batch's rows: plain greedy decoding of the prompts as one batch
+        (cuda_graphs: as `generate`'s), which a batch of these prompts then replays."""
+        results = generate(target, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                           cuda_graphs=cuda_graphs)
+        for prompt, result in zip(prompts, results, strict=True):
+            self._answers[(id(target), ("rows", len(prompts)), tuple(prompt))] = result.tokens
 
     def with_draft_tokens(self, num_draft_tokens: int) -> OracleDrafter:
         """An oracle of another draft length that shares these answers."""
@@ -55,18 +75,23 @@ class OracleDrafter:
         other._answers = self._answers
         return other
 
-    def _answer_for(self, target, prompt: torch.Tensor, length: int) -> list[int]:
-        key = (id(target), tuple(prompt.tolist()))
+    def _answer_for(self, target, prompt: torch.Tensor, length: int, static: bool
+                    ) -> list[int]:
+        key = (id(target), static, tuple(prompt.tolist()))
         known = self._answers.get(key, [])
         if len(known) < length:  # greedy answers are prefixes of longer ones
-            known = self._answers[key] = generate(target, prompt, max_new_tokens=length).tokens
+            known = self._answers[key] = generate(target, prompt, max_new_tokens=length,
+                                                  cuda_graphs=static).tokens
         return known[:length]
 
     def begin(self, setup: DecodeSetup) -> None:
         if not setup.sampling.greedy:
             raise ValueError("OracleDrafter replays greedy decoding: use temperature 0")
         room = setup.max_length - len(setup.prompt) - self.max_nodes - 1
-        self._answer = self._answer_for(setup.target, setup.prompt, room)
+        batch = (id(setup.target), ("rows", setup.rows), tuple(setup.prompt.tolist()))
+        self._answer = (self._answers[batch][:room] if batch in self._answers
+                        else self._answer_for(setup.target, setup.prompt, room,
+                                              setup.static_steps))
         self._prompt_length = len(setup.prompt)
 
     def propose(self, context: DraftContext) -> Draft:
@@ -90,6 +115,15 @@ class OracleTreeDrafter(OracleDrafter):
         self.max_nodes, self.seed = self.tree.num_nodes, seed
         self._path = path  # the rank-0 path, root to leaf (a chain: each the last's child)
         self._noise: torch.Generator | None = None
+
+    def prepare_batch(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      cuda_graphs: bool | None = None) -> None:
+        """The answers of a batch's rows: plain greedy decoding of the prompts as one batch
+        (cuda_graphs: as `generate`'s), which a batch of these prompts then replays."""
+        results = generate(target, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                           cuda_graphs=cuda_graphs)
+        for prompt, result in zip(prompts, results, strict=True):
+            self._answers[(id(target), ("rows", len(prompts)), tuple(prompt))] = result.tokens
 
     def with_draft_tokens(self, num_draft_tokens: int) -> OracleDrafter:
         raise ValueError("OracleTreeDrafter: its draft is its tree; build another tree")

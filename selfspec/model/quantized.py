@@ -4,12 +4,16 @@ verifies). `quantized_copy` builds it; `SmallModelDrafter` drafts with it like w
 draft model (its own KV cache), and the shared exact verifier keeps the output the target's,
 however far the copy's logits are from the target's.
 
-On the CPU, aten's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-are vectorized for bf16 activations only: with fp32 ones they ran 9-20x slower than the fp32
-product they replace (scripts/bench_quantized.py). So every quantized linear takes its rows in
-bf16, quantized from the bf16 rounding of the weight (the kernels want bf16 scales), and
-hands its output back in the input's dtype; the embedding, the norms, attention and the KV
-cache stay the target's fp32.
+Each device has its layouts (`layout_for`): on the CPU, aten's int8 kernel over torchao's
+per-row int8 weights and torchao's opaque int4 layout (groups of 32,
+`_weight_int4pack_mm_for_cpu`); on a CUDA GPU, aten's int8 kernel where the CUDA build has one
+(else torchao's own int8 product, which widens the weight at each call) and torchao's
+tile-packed int4 layout for tinygemm's kernel (`_weight_int4pack_mm`, groups of 128, compute
+capability 8.0 or newer). The weight-only kernels want bf16 activations (on the CPU, with fp32
+ones they ran 9-20x slower than the fp32 product they replace: scripts/bench_quantized.py), so
+every quantized linear takes its rows in bf16, quantized from the bf16 rounding of the weight,
+and hands its output back in the input's dtype; the embedding, the norms, attention and the
+KV cache stay the target's (fp32 or bf16).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +31,64 @@ from selfspec.model import Linear, Transformer
 from selfspec.quiet import quiet_imports
 
 BITS = (8, 4)
-COMPUTE_DTYPE = torch.bfloat16  # the activations dtype the CPU kernels are vectorized for
-# int4 scales and zero points per this many input columns (the CPU kernel takes 32-256); the
-# finest group drafts closest to the target at about the same speed (bench_quantized.py).
+COMPUTE_DTYPE = torch.bfloat16  # the activations dtype the weight-only kernels take
+# int4 scales and zero points per this many input columns on the CPU (its kernel takes
+# 32-256); the finest group drafts closest to the target at about the same speed
+# (bench_quantized.py).
 INT4_GROUP = 32
+# On CUDA: tinygemm's groups (32-256 run); 128, torchao's default there, halves the scales'
+# reads of 64 at a step of 2 (int4: a coarser grid than the CPU's).
+CUDA_INT4_GROUP = 128
+CUDA_INT4_CAPABILITY = (8, 0)  # tinygemm's tensor-core kernel
 # aten's int8 CPU kernel reads the input width in blocks of 16 once it has 4 rows or more (it
 # crashed the process on widths 8, 24, 40 and 56): narrower weights are widened with zeros.
 INT8_WIDTH_MULTIPLE = 16
 TORCHAO_FIX = "pip install torchao==0.18.0"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a weight is quantized and multiplied on one kind of device.
+
+    bits: 8 or 4; width_multiple: the input width is widened with zero columns to a multiple
+    of it (an int4 group, the int8 CPU kernel's block); product: "int8pack" (aten's
+    `_weight_int8pack_mm` on torchao's int8 data and per-row scales) or "torchao" (F.linear
+    on torchao's tensor, which calls its layout's kernel); torchao_config: the name of the
+    config `quantize_` takes, and its keyword arguments."""
+
+    name: str
+    bits: int
+    width_multiple: int
+    product: str
+    torchao_config: str
+    config_kwargs: tuple[tuple[str, object], ...] = ()
+
+
+CPU_INT8 = Layout("int8 per row, aten's int8pack kernel", 8, INT8_WIDTH_MULTIPLE, "int8pack",
+                  "Int8WeightOnlyConfig")
+CUDA_INT8 = Layout("int8 per row, aten's int8pack kernel (CUDA)", 8, INT8_WIDTH_MULTIPLE,
+                   "int8pack", "Int8WeightOnlyConfig")
+# Where the CUDA build has no int8pack kernel: torchao's product, which widens the int8
+# weight to bf16 at each call (exact, but it reads more than the bf16 weight would).
+CUDA_INT8_WIDENED = Layout("int8 per row, torchao's product (the weight widened each call)", 8,
+                           INT8_WIDTH_MULTIPLE, "torchao", "Int8WeightOnlyConfig")
+CPU_INT4 = Layout(f"int4 groups of {INT4_GROUP}, torchao's opaque CPU layout", 4, INT4_GROUP,
+                  "torchao", "PrototypeInt4WeightOnlyConfig", (("group_size", INT4_GROUP),))
+CUDA_INT4 = Layout(f"int4 groups of {CUDA_INT4_GROUP}, torchao's tile-packed layout "
+                   f"(tinygemm)", 4, CUDA_INT4_GROUP, "torchao", "Int4WeightOnlyConfig",
+                   (("group_size", CUDA_INT4_GROUP),
+                    ("int4_packing_format", "tile_packed_to_4d")))
+
+
+def layout_for(bits: int, device: torch.device | str) -> Layout:
+    """The layout a quantized copy on `device` uses (see the module's docstring); a device
+    that is neither the CPU nor a CUDA GPU is refused."""
+    device = _checked_device(device)
+    if device.type == "cpu":
+        return CPU_INT8 if bits == 8 else CPU_INT4
+    if bits == 4:
+        return CUDA_INT4
+    return CUDA_INT8 if int8pack_failure(str(device)) is None else CUDA_INT8_WIDENED
 
 
 class QuantizedLinear(nn.Module):
@@ -43,23 +98,24 @@ class QuantizedLinear(nn.Module):
 
     int8: torchao's `Int8Tensor` (per output row, symmetric), multiplied by aten's
     `_weight_int8pack_mm` on its int8 data (torchao 0.18's own int8 product converts the
-    whole weight to float at every call). int4: torchao's `Int4OpaqueTensor` (groups of
-    INT4_GROUP, asymmetric), multiplied through `F.linear`, which torchao sends to
-    `_weight_int4pack_mm_for_cpu`. `padding`: zero input columns the weight was widened by so
-    that an int4 group, or the int8 kernel's block of 16, divides its width (the rows get
-    zeros there: the product is unchanged).
+    whole weight to float at every call; it serves only a CUDA build without that kernel).
+    int4: torchao's opaque CPU tensor (groups of INT4_GROUP) or tile-packed CUDA tensor
+    (groups of CUDA_INT4_GROUP), asymmetric, multiplied through `F.linear`, which torchao
+    sends to `_weight_int4pack_mm_for_cpu` or tinygemm's `_weight_int4pack_mm`. `padding`:
+    zero input columns the weight was widened by so that an int4 group, or the int8 kernel's
+    block of 16, divides its width (the rows get zeros there: the product is unchanged).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: Layout,
                  padding: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.bits, self.padding = bits, padding
+        self.layout, self.bits, self.padding = layout, layout.bits, padding
         self.out_features = weight.shape[0]
         self.in_features = weight.shape[1] - padding
         # _weight_int8pack_mm takes one scale per output row, in the activations' dtype.
-        self.register_buffer("scale", None if bits == 4 else
+        self.register_buffer("scale", None if layout.product != "int8pack" else
                              weight.scale.reshape(-1).to(COMPUTE_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +135,7 @@ class QuantizedLinear(nn.Module):
         rows = rows.to(COMPUTE_DTYPE).contiguous()
         if self.padding:
             rows = F.pad(rows, (0, self.padding))
-        if self.bits == 8:
+        if self.layout.product == "int8pack":
             return torch.ops.aten._weight_int8pack_mm(rows, self.weight.qdata, self.scale)
         return F.linear(rows, self.weight)
 
@@ -92,7 +148,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits}, bias={self.bias is not None}")
+                f"{self.layout.name}, bias={self.bias is not None}")
 
 
 class _DifferentiableProduct(torch.autograd.Function):
@@ -111,17 +167,22 @@ class _DifferentiableProduct(torch.autograd.Function):
         return grad.float() @ ctx.layer.dense_weight(), None  # [n, out] @ [out, in]
 
 
-def quantized_copy(target: Transformer, bits: int) -> Transformer:
+def quantized_copy(target: Transformer, bits: int, layout: Layout | None = None) -> Transformer:
     """A deep copy of `target` whose linear layers (attention, MLP and the LM head) hold
     int8 or int4 weight-only quantizations of the target's weights (`QuantizedLinear`), on the
-    target's device; the embedding and norms are copied as they are. A tied LM head is untied
+    target's device, in its layout there (`layout_for`, or `layout`); the embedding and norms
+    are copied as they are. A tied LM head is untied
     in the copy: its head is the quantized embedding matrix, its embedding table stays full
     precision. The target is not changed. No I/O."""
     device = target.embed_tokens.weight.device
     check_quantizable(bits, device)
+    layout = layout or layout_for(bits, device)
+    if layout.bits != bits:
+        raise ValueError(f"quantized copy: the layout {layout.name!r} holds int{layout.bits} "
+                         f"weights, not int{bits}")
     quantized = copy.deepcopy(target)
     for parent, name, layer in list(linear_layers(quantized)):
-        setattr(parent, name, _quantized_linear(layer, bits))
+        setattr(parent, name, _quantized_linear(layer, layout))
     # Its products round activations to bf16, so, as a bf16 model, a forward over several rows
     # may break a near-tie of its logits otherwise than a one-row forward: the lossless check
     # reads this to count such divergences as the dtype's near-ties (measure.lossless).
@@ -131,29 +192,60 @@ def quantized_copy(target: Transformer, bits: int) -> Transformer:
 
 def check_quantizable(bits: int, device: torch.device | str) -> None:
     """Refuse what `quantized_copy` cannot build here: bits other than 8 or 4, a device other
-    than the CPU, a missing torchao, an int4 kernel that does not run on this machine."""
+    than the CPU or a CUDA GPU, a missing torchao, an int4 kernel that does not run on this
+    machine (on CUDA: a GPU older than compute capability 8.0)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
         raise ValueError(f"quantized copy: bits must be 8 or 4 (int8 or int4 weights), "
                          f"got {bits!r}")
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"quantized copy: runs on the CPU only (torchao's int8/int4 CPU "
-                         f"kernels), the target is on {device}; use device=cpu")
+    device = _checked_device(device)
     _torchao()
-    failure = int4_failure() if bits == 4 else None
+    if bits != 4:
+        return
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < CUDA_INT4_CAPABILITY:
+            raise ValueError(f"quantized copy: int4 on CUDA runs tinygemm's kernel, which needs "
+                             f"compute capability {CUDA_INT4_CAPABILITY[0]}.0 or newer; "
+                             f"{torch.cuda.get_device_name(device)} has "
+                             f"{capability[0]}.{capability[1]}: use bits 8")
+    failure = int4_failure(str(device))
     if failure is not None:
-        raise ValueError(f"quantized copy: int4 does not run on this machine (aten's "
-                         f"_weight_int4pack_mm_for_cpu: {failure}); use bits 8, or "
-                         f"torch==2.13.0 with {TORCHAO_FIX}")
+        raise ValueError(f"quantized copy: int4 does not run on this machine ({failure}); use "
+                         f"bits 8, or torch==2.13.0 with {TORCHAO_FIX}")
+
+
+def _checked_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantized copy: runs on the CPU or a CUDA GPU (torchao's int8/int4 "
+                         f"kernels), the target is on {device}; use device=cpu or device=cuda")
+    return device
 
 
 @functools.cache
-def int4_failure() -> str | None:
-    """Why torchao's int4 CPU tensor does not multiply here, or None when it does (one
-    32 x 32 product, tried once per process)."""
+def int4_failure(device: str = "cpu") -> str | None:
+    """Why torchao's int4 tensor does not multiply on `device`, or None when it does (one
+    small product, tried once per process and device)."""
+    layout = layout_for(4, device)
+    return _failure(lambda: _quantized_linear(
+        Linear(layout.width_multiple, 32, bias=False).to(device), layout)(
+        torch.ones(1, layout.width_multiple, device=device)))
+
+
+@functools.cache
+def int8pack_failure(device: str) -> str | None:
+    """Why aten's int8 weight-only kernel does not run on `device`, or None when it does (one
+    small product, tried once per process and device)."""
+    rows = torch.ones(4, INT8_WIDTH_MULTIPLE, dtype=COMPUTE_DTYPE, device=device)
+    weight = torch.ones(8, INT8_WIDTH_MULTIPLE, dtype=torch.int8, device=device)
+    scale = torch.ones(8, dtype=COMPUTE_DTYPE, device=device)
+    return _failure(lambda: torch.ops.aten._weight_int8pack_mm(rows, weight, scale))
+
+
+def _failure(product) -> str | None:
     try:
-        layer = _quantized_linear(Linear(INT4_GROUP, INT4_GROUP, bias=False), 4)
-        layer(torch.ones(1, INT4_GROUP))
-    except (RuntimeError, AssertionError, NotImplementedError) as exc:
+        product()
+    except (RuntimeError, AssertionError, NotImplementedError, ValueError) as exc:
         return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     return None
 
@@ -166,19 +258,18 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[nn.Module, str, Linear]]:
                 yield parent, name, child
 
 
-def _quantized_linear(layer: nn.Linear, bits: int) -> QuantizedLinear:
+def _quantized_linear(layer: nn.Linear, layout: Layout) -> QuantizedLinear:
     weight = layer.weight.detach().to(COMPUTE_DTYPE)
-    padding = -weight.shape[1] % (INT8_WIDTH_MULTIPLE if bits == 8 else INT4_GROUP)
+    padding = -weight.shape[1] % layout.width_multiple
     weight = F.pad(weight, (0, padding))  # zero columns, met by zero inputs
-    return QuantizedLinear(_torchao_quantized(weight, bits), layer.bias, bits, padding)
+    return QuantizedLinear(_torchao_quantized(weight, layout), layer.bias, layout, padding)
 
 
-def _torchao_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
+def _torchao_quantized(weight: torch.Tensor, layout: Layout) -> torch.Tensor:
     """weight [N, K] as torchao's weight-only tensor, through its public `quantize_`."""
     torchao = _torchao()
-    config = (torchao.Int8WeightOnlyConfig(set_inductor_config=False) if bits == 8 else
-              torchao.PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP,
-                                                     set_inductor_config=False))
+    config = getattr(torchao, layout.torchao_config)(set_inductor_config=False,
+                                                     **dict(layout.config_kwargs))
     with torch.device("meta"):  # a holder only: quantize_ works on modules
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     holder.weight = nn.Parameter(weight, requires_grad=False)
@@ -195,9 +286,14 @@ class _Torchao:
     def __init__(self) -> None:
         with quiet_imports():
             from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+            from torchao.quantization import (
+                Int4WeightOnlyConfig,
+                Int8WeightOnlyConfig,
+                quantize_,
+            )
         self.quantize_ = quantize_
         self.Int8WeightOnlyConfig = Int8WeightOnlyConfig
+        self.Int4WeightOnlyConfig = Int4WeightOnlyConfig
         self.PrototypeInt4WeightOnlyConfig = PrototypeInt4WeightOnlyConfig
 
 

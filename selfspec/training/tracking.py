@@ -2,16 +2,20 @@
 
 W&B runs online when a key is configured (WANDB_API_KEY, or a `wandb login` in ~/.netrc) and
 offline otherwise, so a run on a machine without network still leaves a W&B run folder that
-`wandb sync` can upload later. An explicit WANDB_MODE always wins. Every logged number also
-goes to `metrics.jsonl` in the run folder, for tests and for users without W&B.
+`wandb sync` can upload later. An explicit WANDB_MODE always wins; WANDB_MODE=disabled, or a
+machine without the wandb package (a GPU machine the package does not travel to), keeps the
+JSON-lines record alone. Every logged number goes to `metrics.jsonl` in the run folder, for
+tests and for users without W&B.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import netrc
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,8 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        self._run = _start_wandb(self.run_dir, project, name, config) if use_wandb else None
+        self._run = (_start_wandb(self.run_dir, project, name, config)
+                     if use_wandb and wandb_available() else None)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -95,6 +100,18 @@ class Tracker:
     @property
     def wandb_dir(self) -> Path | None:
         return Path(self._run.dir).parent if self._run is not None else None
+
+
+def wandb_available() -> bool:
+    """Whether W&B can record: WANDB_MODE is not `disabled` and the package is installed
+    (without it, one line says so and the JSON-lines record goes on alone)."""
+    if os.environ.get("WANDB_MODE") == "disabled":
+        return False
+    if importlib.util.find_spec("wandb") is None:
+        print("wandb is not installed: metrics go to metrics.jsonl alone (pip install wandb "
+              "for W&B runs)", file=sys.stderr)
+        return False
+    return True
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:

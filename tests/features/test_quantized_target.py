@@ -33,7 +33,7 @@ def test_model_quantize_loads_the_targets_quantized_copy(cfg_of):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.quantize=int2"], "model.quantize: choose null, int8 or int4"),
-    (["model.quantize=int8", "model.dtype=bf16"], "model.quantize=int8 quantizes an fp32"),
+    (["model.quantize=int8", "model.dtype=fp16"], "model.quantize=int8 quantizes an fp32 or bf16"),
     (["model.quantize=int4", "+compile=true"], "compile=true: a quantized target's products"),
     (["+compile=maybe"], "compile must be true or false"),
 ])

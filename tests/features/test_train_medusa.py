@@ -4,7 +4,8 @@ import json
 from functools import partial
 
 import pytest
-from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, suite_threads
+from helpers import (HAS_WANDB, LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file,
+                     suite_threads)
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.model import Transformer
@@ -31,7 +32,7 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     assert summary["tau"] >= 1.0 and summary["lossless"] is True
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
     assert_the_loss_falls(run_dir, 0.1, 0.03)  # measured: -15% and -6.7%
-    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert bool(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == HAS_WANDB
     target = Transformer.from_pretrained(quick_build / "target")
     heads = load_head(run_dir / "checkpoints/step_0000008/export", MedusaHeads, MedusaConfig,
                       target=target)

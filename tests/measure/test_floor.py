@@ -24,6 +24,7 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
     assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
     assert list(figures["cost_profile"]["c"]) == [1, 2, 4, 64]
+    assert figures["batches"] == [] and figures["memory_floor"]["floor_ms"] > 0
     assert [r["k"] for r in figures["oracle"]] == [1, 3]
     for row in figures["oracle"]:  # it proposes the target's own answer: all accepted
         assert row["lossless"] is True and row["tau"] == row["k"] + 1  # 8 = whole steps
@@ -55,3 +56,42 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
         FloorSettings(draft_lengths=(8,), cost_lengths=(1, 4))
     with pytest.raises(ValueError, match="cuda_graphs must be true, false or null, got 'yes'"):
         FloorSettings(cuda_graphs="yes")
+
+
+def test_the_memory_floor_counts_what_a_token_reads_at_the_measured_bandwidth(target):
+    from selfspec.measure.costs import CostProfile
+    from selfspec.measure.floor import bytes_read_per_token, copy_bandwidth, measure_memory_floor
+
+    config = target.config
+    weights, kv = bytes_read_per_token(target, 100)
+    every = sum(p.numel() * 4 for p in target.parameters())
+    table = config.vocab_size * config.hidden_size * 4  # all but one row of it is not read
+    assert weights == every - table + config.hidden_size * 4
+    assert kv == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 100 * 4
+    tied = Transformer.from_hf(tiny_llama(0, vocab=96, layers=2))
+    tied.lm_head.weight = tied.embed_tokens.weight  # one table: the LM head reads it whole
+    assert bytes_read_per_token(tied, 1)[0] == sum(p.numel() * 4 for p in tied.parameters())
+    assert copy_bandwidth("cpu", 1 << 20, repeats=3, warmup=1) > 1e8  # > 0.1 GB/s anywhere
+    profile = CostProfile({1: 0.004}, 100, "cpu", "float32")
+    floor = measure_memory_floor(target, profile, plain_tokens_per_s=125.0, nbytes=1 << 20)
+    seconds = (weights + kv) / floor["copy_bytes_per_s"]
+    assert floor["floor_ms"] == pytest.approx(1000 * seconds)
+    assert floor["share_of_one_token_forward"] == pytest.approx(seconds / 0.004)
+    assert floor["share_of_plain_decoding"] == pytest.approx(seconds * 125.0)
+
+
+def test_the_batch_curve_runs_plain_and_the_oracle_over_each_batch(target):
+    from selfspec.measure.floor import measure_batches
+
+    settings = FloorSettings(prompt_tokens=10, new_tokens=9, repeats=1, batch_sizes=(1, 3),
+                             batch_draft_tokens=2, cost_lengths=(1, 16))
+    rows = measure_batches(target, settings)
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["lossless"] is True and row["tau"] == pytest.approx(9 / 3)  # full chains
+        assert row["speedup"] == pytest.approx(row["oracle_tokens_per_s"]
+                                               / row["plain_tokens_per_s"])
+        assert row["c_verify"] > 0 and row["bound"] == pytest.approx(row["tau"] / row["c_verify"])
+    assert measure_batches(target, FloorSettings()) == []
+    with pytest.raises(ValueError, match="batch_sizes and batch_draft_tokens must be >= 1"):
+        FloorSettings(batch_sizes=(0,))

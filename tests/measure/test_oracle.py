@@ -90,3 +90,49 @@ def test_eagle2_shape_is_eagle2s_growth_of_alike_scores():
     assert [c for c in tree.choices if not any(c)] == [(0,) * d for d in range(1, 7)]
     with pytest.raises(ValueError, match="no rank-0 child of the root"):
         OracleTreeDrafter(Tree.from_paths([[1]]))
+
+
+# ---- answers of the forward mode and batch that replays them ---------------------------------
+
+
+def favour_token(token: int, when) -> callable:
+    """A forward wrapper that makes `token` the argmax of every row of the forwards `when`
+    picks (a planted difference between two ways of running the same target)."""
+
+    def wrap(forward):
+        def forward_favouring(self, tokens, *args, **kwargs):
+            out = forward(self, tokens, *args, **kwargs)
+            if when(self, tokens) and out.logits is not None:
+                out.logits[..., token] += 1e3
+            return out
+        return forward_favouring
+    return wrap
+
+
+def test_prepared_answers_are_those_of_the_forward_mode_that_replays_them(target, monkeypatch):
+    """Static steps that round otherwise than the eager forward (here: planted, every token 0):
+    an oracle prepared for static steps replays static steps' own answer in full."""
+    from selfspec.step import StaticSteps
+
+    monkeypatch.setattr(StaticSteps, "forward",
+                        favour_token(0, lambda *_: True)(StaticSteps.forward))
+    prompt, oracle = [3, 17, 5, 9], OracleDrafter(3)
+    oracle.prepare(target, [prompt], 16, cuda_graphs=True)
+    plain = generate(target, prompt, max_new_tokens=16, cuda_graphs=True).tokens
+    assert plain == [0] * 16 != generate(target, prompt, max_new_tokens=16).tokens
+    replay = generate(target, prompt, drafter=oracle, max_new_tokens=16, cuda_graphs=True)
+    assert replay.tokens == plain and replay.stats.accepted == replay.stats.drafted
+
+
+def test_a_batch_replays_the_answers_of_the_same_batch(target, monkeypatch):
+    """A batch whose forwards round otherwise than one row's (planted: every token 1 when
+    several rows run together): prepare_batch gives each row the batch's own answer."""
+    monkeypatch.setattr(Transformer, "forward", favour_token(
+        1, lambda _, tokens: tokens.shape[0] > 1)(Transformer.forward))
+    prompts, oracle = [[3, 17, 5, 9], [8, 2, 4]], OracleDrafter(2)
+    oracle.prepare_batch(target, prompts, 12)
+    results = generate(target, prompts, drafter=oracle, max_new_tokens=12)
+    assert [r.tokens for r in results] == [[1] * 12] * 2
+    assert all(r.stats.accepted == r.stats.drafted for r in results)
+    unprepared = generate(target, prompts, drafter=OracleDrafter(2), max_new_tokens=12)
+    assert all(r.stats.accepted < r.stats.drafted for r in unprepared)  # alone's answers

@@ -18,7 +18,17 @@ from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import SmallModelDrafter
 from selfspec.model import Linear
 from selfspec.model import quantized as quantized_module
-from selfspec.model.quantized import QuantizedLinear, check_quantizable, quantized_copy
+from selfspec.model.quantized import (
+    CPU_INT4,
+    CPU_INT8,
+    CUDA_INT4,
+    CUDA_INT8,
+    CUDA_INT8_WIDENED,
+    QuantizedLinear,
+    check_quantizable,
+    layout_for,
+    quantized_copy,
+)
 
 TINY = Path(__file__).resolve().parents[2] / "selfspec" / "assets" / "tiny" / "target"
 PROMPTS = [[2, 3, 4, 5, 2, 3], [9, 8, 7, 6, 5], [11, 12]]
@@ -108,7 +118,7 @@ def test_gradients_flow_through_a_quantized_product_as_through_the_weight_it_hol
     generator = torch.Generator().manual_seed(3)
     for width in (40, 64):  # 40: widened to the kernel's multiple with zero columns
         layer = Linear(width, 48)
-        quantized = quantized_module._quantized_linear(layer, bits)
+        quantized = quantized_module._quantized_linear(layer, layout_for(bits, "cpu"))
         rows = torch.randn(6, width, generator=generator, requires_grad=True)
         upstream = torch.randn(6, 48, generator=generator)
         quantized(rows).backward(upstream)
@@ -186,16 +196,95 @@ def test_bits_and_devices_it_cannot_build_are_refused(target):
         quantized_copy(target, 3)
     with torch.device("meta"):
         on_meta = Transformer(target.config)
-    with pytest.raises(ValueError, match=r"CPU only .* on meta; use device=cpu"):
+    with pytest.raises(ValueError, match=r"the CPU or a CUDA GPU .* on meta; use device=cpu or "
+                                         r"device=cuda"):
         quantized_copy(on_meta, 8)
 
 
 def test_int4_is_refused_in_one_line_naming_the_fix_where_its_kernel_fails(monkeypatch):
     assert quantized_module.int4_failure() is None  # it runs on this machine
-    monkeypatch.setattr(quantized_module, "int4_failure", lambda: "RuntimeError: no kernel")
+    monkeypatch.setattr(quantized_module, "int4_failure", lambda *_: "RuntimeError: no kernel")
     with pytest.raises(ValueError) as refused:
         check_quantizable(4, "cpu")
     message = str(refused.value)
     assert "\n" not in message and "int4 does not run on this machine" in message
     assert "use bits 8" in message and "torchao==0.18.0" in message
     check_quantizable(8, "cpu")
+
+
+# ---- layouts by device: chosen and refused on any machine, the CUDA kernels where CUDA is -----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_each_device_gets_its_layout(monkeypatch):
+    assert layout_for(8, "cpu") is CPU_INT8 and layout_for(4, "cpu") is CPU_INT4
+    assert layout_for(4, "cuda") is CUDA_INT4 and layout_for(4, "cuda:1") is CUDA_INT4
+    assert dict(CUDA_INT4.config_kwargs) == {"group_size": 128,
+                                             "int4_packing_format": "tile_packed_to_4d"}
+    assert quantized_module.int8pack_failure("cpu") is None  # the CPU's kernel runs here
+    # int8 on CUDA: aten's int8pack kernel where the CUDA build has it, else torchao's product
+    monkeypatch.setattr(quantized_module, "int8pack_failure", lambda device: None)
+    assert layout_for(8, "cuda") is CUDA_INT8
+    monkeypatch.setattr(quantized_module, "int8pack_failure",
+                        lambda device: "NotImplementedError: no CUDA kernel")
+    assert layout_for(8, "cuda") is CUDA_INT8_WIDENED
+
+
+def test_int4_on_a_gpu_older_than_tinygemm_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError) as refused:
+        check_quantizable(4, "cuda")
+    message = str(refused.value)
+    assert "\n" not in message and "compute capability 8.0 or newer" in message
+    assert "Tesla T4 has 7.5: use bits 8" in message
+    with pytest.raises(ValueError, match="the CPU or a CUDA GPU .* on mps"):
+        check_quantizable(8, "mps")
+
+
+def test_torchaos_widening_int8_product_is_the_int8pack_kernels_up_to_bf16(target):
+    """CUDA_INT8_WIDENED multiplies through torchao's own product, which runs on the CPU too:
+    the same quantized weight as aten's kernel computes with, to bf16's rounding, and a copy in
+    that layout decodes greedily as itself through speculative decoding."""
+    generator = torch.Generator().manual_seed(4)
+    layer = Linear(64, 48)
+    kernel = quantized_module._quantized_linear(layer, CPU_INT8)
+    widened = quantized_module._quantized_linear(layer, CUDA_INT8_WIDENED)
+    assert widened.scale is None and "torchao's product" in repr(widened)
+    rows = torch.randn(5, 64, generator=generator)
+    with torch.inference_mode():
+        assert relative_error(widened(rows), kernel(rows)) < 2**-7
+    copy = quantized_copy(target, 8, layout=CUDA_INT8_WIDENED)
+    assert copy.lm_head.layout is CUDA_INT8_WIDENED
+    for prompt in PROMPTS[:2]:
+        plain = generate(copy, prompt, max_new_tokens=12).tokens
+        drafted = generate(copy, prompt, drafter=SmallModelDrafter(target, num_draft_tokens=3),
+                           max_new_tokens=12)
+        assert drafted.tokens == plain and drafted.stats.drafted > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", BITS)
+def test_the_cuda_layouts_multiply_within_one_quantization_step(bits):
+    generator = torch.Generator().manual_seed(5)
+    for width, out in ((64, 48), (200, 96)):  # 200: widened to the layout's multiple
+        layer = Linear(width, out).cuda()
+        quantized = quantized_module._quantized_linear(layer, layout_for(bits, "cuda"))
+        rows = torch.randn(6, width, generator=generator).cuda()
+        with torch.inference_mode():
+            assert relative_error(quantized(rows), layer(rows)) < ONE_PRODUCT_ERROR[bits]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, None], ids=["eager", "graphs"])
+@pytest.mark.parametrize("bits", BITS)
+def test_a_quantized_cuda_target_keeps_its_own_law_under_drafting(bits, cuda_graphs):
+    """The copy is the target here: the full-precision model drafts for it, and sampling keeps
+    the copy's exact two-token law (chi-square), eager and in captured static steps."""
+    full = Transformer.from_hf(tiny_llama(0, vocab=64, layers=2, hidden=64), device="cuda")
+    copied = quantized_copy(full, bits)
+    assert copied.lm_head.layout is layout_for(bits, "cuda")
+    drafter = SmallModelDrafter(full, num_draft_tokens=2)
+    assert_drafted_sampling_is_exact(copied, drafter, SamplingParams(1.0),
+                                     cuda_graphs=cuda_graphs)

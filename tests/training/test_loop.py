@@ -12,7 +12,13 @@ import distributed_fit
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from helpers import assert_same_adam_training, suite_threads, tiny_llama
+from helpers import (
+    HAS_DEEPSPEED,
+    HAS_WANDB,
+    assert_same_adam_training,
+    suite_threads,
+    tiny_llama,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -238,6 +244,7 @@ tracker.finish()
 """
 
 
+@pytest.mark.skipif(not HAS_WANDB, reason="needs wandb")
 def test_offline_wandb_and_the_json_lines_file_hold_the_same_numbers(tmp_path):
     # A process of its own, as a training run is: W&B's service finishes writing at exit.
     env = {**os.environ, "WANDB_MODE": "offline"}
@@ -303,6 +310,7 @@ def assert_matches_one_process(run_dir: Path, single: Path, version: int = 1) ->
     assert_same_adam_training(ranks[0], reference, [max(r) for r in rates], betas)
 
 
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 @pytest.mark.slow
 def test_deepspeed_on_two_processes_matches_one_process(tmp_path, single_process_run, zero):
@@ -326,6 +334,7 @@ def first_halves(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 @pytest.mark.slow
 def test_medusa2_under_zero3_on_two_processes_matches_one_process(tmp_path):
     """Partitioned adapters, the adapter-disabled teacher pass and the gathered adapter export."""

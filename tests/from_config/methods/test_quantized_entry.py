@@ -57,7 +57,7 @@ def test_a_bad_bits_value_is_refused_in_one_line_naming_the_setting(compose_cfg,
 
 
 def test_an_int4_this_machine_cannot_run_is_refused_before_loading(compose_cfg, monkeypatch):
-    monkeypatch.setattr(quantized_module, "int4_failure", lambda: "RuntimeError: no kernel")
+    monkeypatch.setattr(quantized_module, "int4_failure", lambda *_: "RuntimeError: no kernel")
     cfg = compose_cfg("sweep", "methods=[quantized]", "quantized.bits=[8,4]")
     with pytest.raises(ValueError) as refused:
         from_config.plan_sweep(cfg, 1)
