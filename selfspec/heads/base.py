@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from selfspec.model import ModelConfig, attention_mask, rope_cos_sin
+from selfspec.model import ModelConfig, attention_mask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +60,8 @@ class Head(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """RoPE's cos and sin at `positions` and the attention mask of x's T new rows [B, T, h]
         after the cache's slots (`mask` among them, default causal), for a head with an
-        attention layer of its own: its `inv_freq` (fp32) follows the positions' device."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        attention layer of its own: its `rope` (fp32) follows the positions' device."""
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
         past = 0 if cache is None else cache.length
         return cos, sin, attention_mask(mask, x.shape[1], past, x.device)
 

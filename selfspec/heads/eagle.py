@@ -35,9 +35,9 @@ from selfspec.model import (
     Linear,
     ModelConfig,
     RMSNorm,
+    Rope,
     Transformer,
     dense_weight,
-    rope_inv_freq,
 )
 
 VERSIONS = (1, 3)
@@ -180,8 +180,8 @@ class EagleHead(Head):
             vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
             self.register_buffer("d2t", vocab.d2t)
             self.register_buffer("t2d", vocab.t2d)
-        # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
-        self.inv_freq = rope_inv_freq(layer)  # [D/2]
+        # Plain fp32 frequencies, as in Transformer: head.to(bf16) keeps them.
+        self.rope = Rope.of(layer)
 
     # ---- features in, features out ---------------------------------------------------------
 

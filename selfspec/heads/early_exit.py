@@ -27,8 +27,8 @@ from selfspec.model import (
     Attention,
     ModelConfig,
     RMSNorm,
+    Rope,
     Transformer,
-    rope_inv_freq,
 )
 
 EXIT_KINDS = ("norm", "adapter")
@@ -87,7 +87,7 @@ class ExitHead(Head):
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.self_attn = Attention(layer, layer_idx=0)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.inv_freq = rope_inv_freq(layer)  # [D/2]
+            self.rope = Rope.of(layer)
 
     @property
     def exit_layer(self) -> int:

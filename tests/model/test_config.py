@@ -9,10 +9,11 @@ from selfspec.model import ModelConfig
 
 def test_unsupported_model_type_and_rope_scaling():
     base = LlamaConfig(**HF_TINY).to_dict()
-    with pytest.raises(ValueError, match="llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=r"^unsupported model_type 'gpt2'; supported: llama, "
+                                         r"mistral, qwen2, qwen3, gemma3_text, gemma2"):
         ModelConfig.from_hf({**base, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="'yarn'"):
-        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="'dynamic'"):
+        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
     legacy = {
         **base,
         "rope_parameters": None,

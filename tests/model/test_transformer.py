@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_hf_parity, hf_logits, hf_model, tiny_llama
 
-from selfspec.model import ModelConfig, Transformer, rope_inv_freq
+from selfspec.model import ModelConfig, Rope, Transformer
 from selfspec.tree import Tree
 
 VOCAB = 64
@@ -20,7 +20,7 @@ def test_llama3_rope_scaling_matters_at_tested_positions():
     ours = Transformer.from_hf(hf).eval()
     assert ours.config.num_kv_heads == 2 and ours.config.rope_scaling["rope_type"] == "llama3"
     tokens = assert_hf_parity(ours, hf, seq_len=100)
-    ours.inv_freq = rope_inv_freq(dataclasses.replace(ours.config, rope_scaling=None))
+    ours.ropes["full"] = Rope.of(dataclasses.replace(ours.config, rope_scaling=None))
     with torch.no_grad():
         unscaled = ours(tokens, torch.arange(100)).logits
     assert (unscaled - hf_logits(hf, tokens)).abs().max() > 1e-2
