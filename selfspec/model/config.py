@@ -56,6 +56,8 @@ NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
 QK_NORMS = (None, "head", "projection")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
+WHOLE_WINDOW = ("mistral", "phi3")  # one window for every layer
+WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3")  # the families that read sliding_window
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
 _ROPE_KEYS = {  # what each RoPE scaling type needs (the optional keys are kept when given)
@@ -271,6 +273,7 @@ class ModelConfig:
             "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": None,  # not a default of the family's class (Phi-3's is 32000)
             "hidden_act": self.hidden_act,
         }
         return hf | self._family_keys()
@@ -289,16 +292,18 @@ class ModelConfig:
                    "residual_multiplier": self.residual_multiplier,
                    "attention_multiplier": self.attention_scale or self.head_dim ** -0.5,
                    "logits_scaling": self.logits_scaling}
-        if self.sliding_window is not None or self.model_type in (*GEMMA, "mistral"):
+        if self.model_type in WINDOWED:
             hf["sliding_window"] = self.sliding_window  # null where transformers has a default
-            hf["layer_types"] = [
-                "sliding_attention" if i in self.sliding_layers else "full_attention"
-                for i in range(self.num_layers)]
-            if self.model_type == "mistral":  # its window covers every layer
-                del hf["layer_types"]
+            if self.model_type not in WHOLE_WINDOW:
+                hf["layer_types"] = [
+                    "sliding_attention" if i in self.sliding_layers else "full_attention"
+                    for i in range(self.num_layers)]
             if self.model_type in ("qwen2", "qwen3"):
                 hf["use_sliding_window"] = bool(self.sliding_layers)
                 hf["max_window_layers"] = min(self.sliding_layers, default=self.num_layers)
+        if self.model_type == "phi3" and self.rope_scaling:  # it reads this key at the top
+            hf["original_max_position_embeddings"] = \
+                self.rope_scaling["original_max_position_embeddings"]
         if self.model_type == "gemma3_text":
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
@@ -332,9 +337,12 @@ class ModelConfig:
         if self.model_type == "qwen2" and not (self.attention_bias
                                                and not self.attention_out_bias):
             raise ValueError("a qwen2 config.json implies a bias on q, k and v and none on o")
-        if self.model_type == "mistral" and self.sliding_layers not in (
+        if self.model_type not in WINDOWED and self.sliding_layers:
+            raise ValueError(f"a {self.model_type} config.json has no sliding window")
+        if self.model_type in WHOLE_WINDOW and self.sliding_layers not in (
                 frozenset(), frozenset(range(self.num_layers))):
-            raise ValueError("a mistral config.json has one window for every layer or none")
+            raise ValueError(f"a {self.model_type} config.json has one window for every layer "
+                             f"or none")
         if self.model_type in ("qwen2", "qwen3") and self.sliding_layers != frozenset(
                 range(min(self.sliding_layers, default=self.num_layers), self.num_layers)):
             raise ValueError(f"a {self.model_type} config.json slides its last layers only "
@@ -370,8 +378,9 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
     types = config.get("layer_types")
     # transformers' defaults where the key is absent: Gemma's and Mistral's window is 4096
     window = config.get("sliding_window", 4096 if model_type in (*GEMMA, "mistral") else None)
-    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
-        window = None  # their window is off unless use_sliding_window
+    if model_type not in WINDOWED or (model_type in ("qwen2", "qwen3")
+                                      and not config.get("use_sliding_window", False)):
+        window = None  # no window in the family, or Qwen's off unless use_sliding_window
     if window is None:
         types = None
     elif types is None and model_type in GEMMA:  # configs written before layer_types existed

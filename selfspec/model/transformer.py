@@ -749,10 +749,9 @@ class Transformer(nn.Module):
             model = cls(config)
         state = {}
         for name, tensor in tensors:
-            key = checkpoint.our_key(name, config.tie_word_embeddings)
-            if key is not None:
+            for key, ours in checkpoint.our_tensors(name, tensor, config):
                 on = device if placement is None else placement.device_of(key)
-                state[key] = aligned(tensor.to(device=on, dtype=dtype))
+                state[key] = aligned(ours.to(device=on, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             missing = [key for key in missing if key != "lm_head.weight"]
