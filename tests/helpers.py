@@ -172,6 +172,37 @@ def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 100
     assert fit_pvalue(counts, law, samples) > P_VALUE_FLOOR
 
 
+def seeded_lookahead(target, **settings):
+    """A lookahead drafter whose pool starts with the target's likeliest two-token paths after
+    SAMPLING_PROMPT, so that the first step's draft is in play (the law tests look at two
+    tokens)."""
+    from selfspec.drafters.lookahead import LookaheadDrafter
+
+    class SeededLookahead(LookaheadDrafter):
+        def begin(self, setup) -> None:
+            super().begin(setup)
+            for gram in grams:
+                self._pool.add(gram)
+
+    device, vocab = target.embed_tokens.weight.device, target.config.vocab_size
+    with torch.inference_mode():
+        logits = target(torch.tensor([SAMPLING_PROMPT], device=device),
+                        torch.arange(len(SAMPLING_PROMPT), device=device)).logits[0, -1]
+    grams = [(SAMPLING_PROMPT[-1], a, (a * 7 + 1) % vocab) for a in logits.topk(3).indices.tolist()]
+    return SeededLookahead(**settings)
+
+
+def lookup_of_its_answer(target, **settings):
+    """An n-gram drafter whose corpus holds the target's greedy answer to SAMPLING_PROMPT (so
+    its drafts are in play after it; the context alone knows the rest)."""
+    from selfspec import generate
+    from selfspec.drafters import LookupCorpus, NgramDrafter
+
+    greedy = generate(target, SAMPLING_PROMPT, max_new_tokens=4).tokens
+    return NgramDrafter(corpus=LookupCorpus([SAMPLING_PROMPT + greedy, greedy + greedy]),
+                        **settings)
+
+
 def exact_two_token_law(target, prompt: list[int], params) -> dict:
     """The target model's exact law of its next two tokens after `prompt`, warped by params."""
     from selfspec.sampling import logits_to_probs

@@ -270,7 +270,7 @@ class SmallModelDrafter:
         out = self._forward(ids, positions, with_logits=False,
                             return_hidden=(self.model.config.num_layers,))
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
-        return self.draft_vocab.scatter(scores.float())
+        return self.draft_vocab.scatter(self.model.final_logits(scores).float())
 
 
 _FAMILIES = itertools.count()
@@ -346,7 +346,7 @@ def _next_logits_of_rows(drafters: list[SmallModelDrafter], fed: list[list[int]]
         out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
                     return_hidden=(model.config.num_layers,))
         scores = linear(model.norm(out.hidden[0][rows, last]), first._head_rows)  # [n, K]
-        logits = first.draft_vocab.scatter(scores.float())
+        logits = first.draft_vocab.scatter(model.final_logits(scores).float())
     result = []
     for drafter, tokens, row_logits in zip(drafters, fed, logits, strict=True):
         drafter._cache.advance(len(tokens))

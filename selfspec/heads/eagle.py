@@ -262,7 +262,7 @@ class EagleHead(Head):
         if self.config.version == 3:
             weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
             self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
-            self.norm.weight.copy_(target.norm.weight)
+            self.norm.weight.copy_(target.norm.gain())  # Gemma's norms scale by 1 + w
         return self
 
     # ---- EAGLE-3 training-time test ---------------------------------------------------------

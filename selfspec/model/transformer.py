@@ -576,15 +576,19 @@ class Transformer(nn.Module):
         return h if multiplier is None else h * _rounded(multiplier, h.dtype)
 
     def logits_of(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """[..., V] fp32 logits of normed states [..., hidden]: the LM head, then (in the
-        model's dtype, as transformers does) the final soft-capping and logit scaling."""
-        logits = self.lm_head(last_hidden)
+        """[..., V] fp32 logits of normed states [..., hidden]: the LM head and
+        `final_logits`."""
+        return self.final_logits(self.lm_head(last_hidden)).float()
+
+    def final_logits(self, scores: torch.Tensor) -> torch.Tensor:
+        """What the family does to the LM head's scores (any rows of it), in their dtype as
+        transformers does: the logit scaling (Granite), the final soft-capping (Gemma 2)."""
         cap, scaling = self.config.final_logit_softcapping, self.config.logits_scaling
         if scaling != 1.0:
-            logits = logits / scaling
+            scores = scores / scaling
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+            scores = torch.tanh(scores / cap) * cap
+        return scores
 
     def _layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, cache,
                       mask: torch.Tensor | None, t: int, device: torch.device
