@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, seeded_lookahead, tiny_llama
+from helpers import assert_drafted_sampling_is_exact, seeded_lookahead, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec import decode as decode_module
