@@ -618,8 +618,13 @@ def sharegpt_file(folder: Path) -> Path:
 
 def three_layer_target(quick_build: Path, folder: Path) -> Path:
     """A random 3-layer Llama with the toy tokenizer (the toy target has one layer: no E)."""
+    return family_target(quick_build, folder, "llama", layers=3)
+
+
+def family_target(quick_build: Path, folder: Path, family: str, layers: int = 4) -> Path:
+    """A random model of a family (`tiny_model`) with the toy tokenizer, saved as a folder."""
     vocab = json.loads((quick_build / "target" / "config.json").read_text())["vocab_size"]
-    model = tiny_llama(0, vocab=vocab, layers=3)
+    model = tiny_model(family, 0, vocab=vocab, layers=layers)
     model.config.max_position_embeddings = 2048  # room for HumanEval prompts
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):

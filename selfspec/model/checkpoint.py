@@ -76,6 +76,15 @@ def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str
     return _read_safetensors(_weight_files(folder), device)
 
 
+def read_tensor(folder: Path, name: str) -> torch.Tensor:
+    """One tensor of a model folder's weights by its HF name (the other tensors unread)."""
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
+    raise KeyError(f"{folder} holds no tensor {name}")
+
+
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """tensor, copied where it is a slice of a larger storage (fused q/k/v or gate/up
     weights), which safetensors refuses to save."""
