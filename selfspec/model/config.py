@@ -175,6 +175,22 @@ class ModelConfig:
             raise ValueError("a decoder layer needs norms before (pre_norms) or after "
                              "(post_norms) its attention and MLP")
 
+    @classmethod
+    def of_family(cls, **values: Any) -> ModelConfig:
+        """A config of `values` (our field names) with what their model_type's class implies
+        where they leave it out: FAMILIES' fields, Gemma's scaled embedding, GELU-tanh gates
+        and tied embeddings, Qwen2's q/k/v biases (a model config's `arch` block)."""
+        model_type = values.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(unsupported_model_type(model_type))
+        implied = dict(FAMILIES[model_type])
+        if model_type in GEMMA:
+            implied |= {"embedding_multiplier": values["hidden_size"] ** 0.5,
+                        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+        if model_type == "qwen2":
+            implied["attention_bias"] = True
+        return cls(**(implied | values))
+
     # ---- derived facts ------------------------------------------------------------------------
 
     @property
