@@ -115,7 +115,7 @@ def compose_cfg(gemma3):
             pytest.MonkeyPatch.context() as mp:
         mp.setenv("SELFSPEC_CACHE", cache)  # the session's conversion
         yield lambda config, *overrides: compose(config, overrides=[
-            "model=gemma3-270m", "progress=false", *overrides])
+            "model=gemma3-270m", *overrides])
 
 
 def test_the_entry_points_run_on_it(compose_cfg, tmp_path, capsys):
