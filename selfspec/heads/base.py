@@ -34,8 +34,13 @@ class AttentionShape:
 
     @classmethod
     def of_target(cls, target: ModelConfig) -> dict:
-        """The target's values of this shape's fields (the attention layer's shape: its own)."""
-        return {f.name: getattr(target, f.name) for f in fields(AttentionShape)}
+        """The target's values of this shape's fields (the attention layer's shape: its own).
+        A head's layer rotates all its dimensions: LongRoPE's factors, sized for a target that
+        rotates only part of each head (Phi-4-mini), are left out (RoPE at its theta)."""
+        shape = {f.name: getattr(target, f.name) for f in fields(AttentionShape)}
+        if target.rotary_dim != target.head_dim:
+            shape["rope_scaling"] = None
+        return shape
 
     def one_layer(self, intermediate_size: int = 1, mlp_bias: bool = False) -> ModelConfig:
         """A one-layer Llama config of this shape (intermediate_size 1: no MLP is used)."""

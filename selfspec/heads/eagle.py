@@ -109,6 +109,7 @@ class EagleConfig(AttentionShape):
             target_layers = default_target_layers(target.num_layers)
         shared = {f.name: getattr(target, f.name) for f in fields(cls) if hasattr(target, f.name)
                   and f.name not in ("version", "draft_vocab_size", "target_layers")}
+        shared |= AttentionShape.of_target(target)
         return cls(version=version, **shared,
                    draft_vocab_size=draft_vocab_size if version == 3 else None,
                    target_hidden_size=target.hidden_size if version == 3 else None,

@@ -1,9 +1,9 @@
 """Every drafter on every family of target: a small random Llama, Qwen3 (q/k norms, head_dim
 apart from hidden / heads) and Gemma 3 (four norms a layer, scaled embeddings, a window of
-WINDOW tokens on its even layers, shorter than every sequence decoded here). Greedy
-decoding through each drafter equals plain greedy decoding, one prompt and a batch, eagerly
-and in static steps; sampling at T = 1 keeps the target's law; the quantized target and a
-target placed over two devices decode as the plain one.
+WINDOW tokens on its even layers, shorter than every sequence decoded here), and at greedy
+Gemma 2, OLMo 2, Granite and Phi-3 too. Greedy decoding through each drafter equals plain
+greedy decoding, one prompt and a batch, eagerly and in static steps; sampling at T = 1 keeps
+the target's law; the quantized target decodes as the plain one.
 
 One lossless case per family runs by default; the sweeps over every drafter are `slow`."""
 
@@ -125,9 +125,13 @@ def test_every_family_decodes_losslessly_through_a_union_tree(family):
     assert_lossless(target, lambda: drafter_of("union", target), batch=True)
 
 
+MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-norms, multipliers,
+# LongRoPE past its original context (16 positions here) and partial rotary
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", DRAFTERS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
 def test_every_drafter_is_lossless_on_every_family(family, name):
     """Each prompt alone, eagerly and in static steps (the drafters' static drafts
     included), and, for the drafters a batch drafts, both prompts as a batch."""
