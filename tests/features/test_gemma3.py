@@ -6,6 +6,7 @@ it. Slow: the conversion takes a minute or more and ~1.1 GB of memory."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +62,7 @@ def test_the_converted_folder_holds_the_configs_facts(gemma3):
     assert loaded.model_type == "gemma3_text" and loaded.norm_scale == "one_plus_weight"
     assert loaded.sliding_window == 512 and len(loaded.sliding_layers) == 15
     assert (loaded.local_rope_theta, loaded.rope_theta) == (1e4, 1e6)
-    record = converted.json.loads((gemma3 / converted.RECORD).read_text())
+    record = json.loads((gemma3 / converted.RECORD).read_text())
     assert record["parts"] == list(SOURCE.parts) and len(record["sha256"]) == 64
     assert not list(gemma3.rglob("*.gguf"))  # the joined file is gone with the private folder
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_a_single_files_record_is_as_it_always_was(fake_conversion, tmp_path):
     stay converted."""
     source, cache = GGUFSource("pkg", "1.0", "model.gguf"), tmp_path / "cache"
     folder = gguf_model_folder("m", source, cache=cache)
-    assert "parts" not in converted.json.loads((folder / converted.RECORD).read_text())
+    assert "parts" not in json.loads((folder / converted.RECORD).read_text())
 
 
 def test_a_file_in_parts_is_joined_in_the_private_folder_and_gone_after(monkeypatch, tmp_path,
@@ -78,7 +79,7 @@ def test_a_file_in_parts_is_joined_in_the_private_folder_and_gone_after(monkeypa
     source = GGUFSource("pkg", "1.0", "model.gguf", ("pkg-part1", "pkg-part2"))
     folder = gguf_model_folder("m", source, cache=tmp_path / "cache")
     assert joined and joined[0].parent.parent.name.startswith(".m.")  # the private folder
-    record = converted.json.loads((folder / converted.RECORD).read_text())
+    record = json.loads((folder / converted.RECORD).read_text())
     assert record["parts"] == ["pkg-part1", "pkg-part2"]
     assert not list(folder.rglob("*.gguf")) and converted.is_converted(folder, source)
     assert not converted.is_converted(folder, GGUFSource("pkg", "1.0", "model.gguf"))
