@@ -16,6 +16,7 @@ import torch
 from helpers import (
     FAMILIES,
     assert_drafted_sampling_is_exact,
+    host_reads_per_step,
     lookup_of_its_answer,
     random_eagle_head,
     random_exit,
@@ -127,6 +128,15 @@ def test_every_family_decodes_losslessly_through_a_union_tree(family):
 
 MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-norms, multipliers,
 # LongRoPE past its original context (16 positions here) and partial rotary
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle2", "early_exit"])
+def test_a_sliding_familys_static_step_reads_the_host_once(name):
+    """Gemma 3 in static steps: the window's mask is built on the device, so a greedy step
+    (its static draft included) still reads the device back once."""
+    target = target_of("gemma3")
+    make = (lambda: None) if name == "plain" else (lambda: drafter_of(name, target))
+    assert host_reads_per_step(target, make, PROMPTS[0]) == 1
 
 
 @pytest.mark.slow
