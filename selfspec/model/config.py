@@ -143,6 +143,15 @@ class ModelConfig:
     local_rope_scaling: dict | None = None
     partial_rotary_factor: float = 1.0
 
+    def __repr__(self) -> str:
+        """The dataclass's repr without the family fields that hold their defaults, so that a
+        Llama, Mistral or Qwen2 config reads as it did before the families came (caches are
+        keyed by it: `selfspec.training.data.weights_fingerprint`)."""
+        shown = [f for f in fields(self) if f.name not in _FAMILY_FIELDS
+                 or not _same(getattr(self, f.name), f.default)]
+        values = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{type(self).__qualname__}({values})"
+
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(unsupported_model_type(self.model_type))
@@ -366,6 +375,14 @@ class ModelConfig:
         if self.model_type != "qwen2" and self.attention_bias != self.attention_out_bias:
             raise ValueError(f"a {self.model_type} config.json has one attention_bias for q, "
                              f"k, v and o")
+
+
+# The fields that came with the families after eos_token_ids (see __repr__).
+_FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_norm",
+                  "embedding_multiplier", "residual_multiplier", "attention_scale",
+                  "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
+                  "sliding_window", "layer_types", "local_rope_theta", "local_rope_scaling",
+                  "partial_rotary_factor")
 
 
 def _same(a: Any, b: Any) -> bool:

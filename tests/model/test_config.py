@@ -82,3 +82,18 @@ def test_gemma3_reads_the_older_rope_keys():
     assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert config.local_rope_scaling is None
+
+
+def test_a_config_of_the_original_families_reads_as_it_did():
+    """Caches are keyed by a config's repr (`weights_fingerprint`: the shipped SmolLM2 answers
+    among them): family fields at their defaults are left out of it."""
+    config = ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1,
+                         num_heads=1, num_kv_heads=1, head_dim=4)
+    assert repr(config) == (
+        "ModelConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, "
+        "num_heads=1, num_kv_heads=1, head_dim=4, rope_theta=10000.0, rope_scaling=None, "
+        "rms_norm_eps=1e-05, max_position_embeddings=2048, tie_word_embeddings=False, "
+        "attention_bias=False, attention_out_bias=False, mlp_bias=False, model_type='llama', "
+        "bos_token_id=None, eos_token_ids=())")
+    windowed = dataclasses.replace(config, model_type="mistral", sliding_window=4)
+    assert repr(windowed).endswith("eos_token_ids=(), sliding_window=4)")
