@@ -21,7 +21,7 @@ from selfspec.cli import exit_on_user_error
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
 from selfspec.heads.io import read_head, recorded_target, save_head
 from selfspec.heads.published import TargetNeeded
-from selfspec.model import ModelConfig, Transformer
+from selfspec.model import ModelConfig, Transformer, checkpoint
 from selfspec.model.lora import ADAPTER_DIR
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,6 +62,7 @@ def main(argv: list[str]) -> None:
         head, args.to, args.out, base_model=base,
         target_layers_count=target.num_layers if target else recorded.get("num_layers"),
         target_lm_head=_target_lm_head(head, target_folder),
+        target_embedding=_target_embedding(head, args.to, target_folder),
         dtype=DTYPES[args.dtype] if args.dtype else None)
     print(f"wrote {exported.folder} for {args.to}; launch with:\n  {exported.command}")
     for note in exported.notes:
@@ -74,6 +75,15 @@ def _read(folder: Path, target: ModelConfig | None):
         return read_head(folder, target)
     except TargetNeeded as needed:
         raise TargetNeeded(folder, needed.what, "pass --target MODEL_FOLDER") from None
+
+
+def _target_embedding(head, to: str, target_folder: Path | None) -> torch.Tensor | None:
+    """The target's embedding, read only for an EAGLE-3 head going to the reference code
+    (which reads it from the head's own weights)."""
+    config = getattr(head, "config", None)
+    if to != "eagle" or getattr(config, "version", None) != 3 or target_folder is None:
+        return None
+    return checkpoint.read_tensor(Path(target_folder), "model.embed_tokens.weight")
 
 
 def _target_lm_head(head, target_folder: Path | None) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.model import ModelOutput, Transformer
-from selfspec.model.kv_cache import KVCache, rows_mask
+from selfspec.model.kv_cache import KVCache, rows_mask, slot_positions
 from selfspec.model.transformer import EAGER_STAGES, compiled_stages, fuse_projections
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -79,6 +79,10 @@ class SlotView:
 
     def advance(self, t: int) -> None:
         pass  # StaticSteps advances the real cache by the step's true row count
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Every slot's position: its own, but at the new rows' slots (a sliding window)."""
+        return slot_positions(self.cache.max_slots, self.slots, positions)
 
 
 @dataclass

@@ -70,18 +70,75 @@ def joint_two_token_law(first: torch.Tensor, second_given) -> dict:
 
 def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, std: float = 0.2):
     """A seeded random `transformers` Llama; weights of std `std` make its laws peaky."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return tiny_model("llama", seed, vocab, layers, hidden, std)
+
+
+FAMILIES = ("llama", "qwen3", "gemma3")  # the targets every drafter is checked on
+WINDOW = 4  # the sliding families' window: shorter than every sequence the tests decode
+
+
+def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 32, **extra):
+    """A `transformers` config of a family shaped like its published models, scaled down:
+    Qwen3 with head_dim apart from hidden / heads; Gemma 3 with one KV head (as the 270M
+    model), a window of WINDOW tokens on its even layers and a RoPE each (the full layers'
+    scaled linearly, as Gemma 3 4B's), and a query_pre_attn_scalar of its own; Gemma 2 with
+    soft-capping that bites at this size; OLMo 2, Granite (multipliers) and Phi-3 (partial
+    rotary, LongRoPE switching at position 16)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                   for i in range(layers)]
+    gemma = dict(head_dim=16, sliding_window=WINDOW, layer_types=alternating,
+                 query_pre_attn_scalar=12, tie_word_embeddings=True)
+    rotary = int(hidden // 4 * 0.5) // 2
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**common, num_key_value_heads=2),
+        "qwen3": lambda: tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16),
+        "gemma3": lambda: tf.Gemma3TextConfig(**common, **gemma, num_key_value_heads=1,
+                                              rope_parameters={
+                                                  "full_attention": {"rope_type": "linear",
+                                                                     "factor": 2.0,
+                                                                     "rope_theta": 1e6},
+                                                  "sliding_attention": {"rope_type": "default",
+                                                                        "rope_theta": 1e4}}),
+        "gemma2": lambda: tf.Gemma2Config(**common, **gemma, num_key_value_heads=2,
+                                          attn_logit_softcapping=2.0,
+                                          final_logit_softcapping=4.0),
+        "olmo2": lambda: tf.Olmo2Config(**common, num_key_value_heads=2),
+        "granite": lambda: tf.GraniteConfig(**common, num_key_value_heads=2,
+                                            embedding_multiplier=4.0, residual_multiplier=0.5,
+                                            attention_multiplier=0.2, logits_scaling=2.0),
+        "phi3": lambda: tf.Phi3Config(**{**common, "max_position_embeddings": 64},
+                                      num_key_value_heads=2, original_max_position_embeddings=16,
+                                      rope_parameters={
+                                          "rope_type": "longrope", "rope_theta": 1e4,
+                                          "partial_rotary_factor": 0.5,
+                                          "short_factor": [1.0 + i / 4 for i in range(rotary)],
+                                          "long_factor": [2.0 + i for i in range(rotary)]}),
+    }
+    config = configs[family]()
+    for key, value in extra.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_model(family: str, seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32,
+               std: float = 0.2, **extra):
+    """A seeded random `transformers` model of a family (`family_config`); weights of std
+    `std` (norm weights around their unit gain) make its laws peaky."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )
-    model = LlamaForCausalLM(config).float().eval()
+    config = family_config(family, vocab, layers, hidden, **extra)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    unit = 0.0 if family.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, std)
+            param.normal_(unit if "norm" in name else 0.0, std)
     return model
 
 
@@ -122,6 +179,37 @@ def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 100
     assert two_from_one_step > samples / 10, two_from_one_step
     law = exact_two_token_law(target, SAMPLING_PROMPT, params)
     assert fit_pvalue(counts, law, samples) > P_VALUE_FLOOR
+
+
+def seeded_lookahead(target, **settings):
+    """A lookahead drafter whose pool starts with the target's likeliest two-token paths after
+    SAMPLING_PROMPT, so that the first step's draft is in play (the law tests look at two
+    tokens)."""
+    from selfspec.drafters.lookahead import LookaheadDrafter
+
+    class SeededLookahead(LookaheadDrafter):
+        def begin(self, setup) -> None:
+            super().begin(setup)
+            for gram in grams:
+                self._pool.add(gram)
+
+    device, vocab = target.embed_tokens.weight.device, target.config.vocab_size
+    with torch.inference_mode():
+        logits = target(torch.tensor([SAMPLING_PROMPT], device=device),
+                        torch.arange(len(SAMPLING_PROMPT), device=device)).logits[0, -1]
+    grams = [(SAMPLING_PROMPT[-1], a, (a * 7 + 1) % vocab) for a in logits.topk(3).indices.tolist()]
+    return SeededLookahead(**settings)
+
+
+def lookup_of_its_answer(target, **settings):
+    """An n-gram drafter whose corpus holds the target's greedy answer to SAMPLING_PROMPT (so
+    its drafts are in play after it; the context alone knows the rest)."""
+    from selfspec import generate
+    from selfspec.drafters import LookupCorpus, NgramDrafter
+
+    greedy = generate(target, SAMPLING_PROMPT, max_new_tokens=4).tokens
+    return NgramDrafter(corpus=LookupCorpus([SAMPLING_PROMPT + greedy, greedy + greedy]),
+                        **settings)
 
 
 def exact_two_token_law(target, prompt: list[int], params) -> dict:
@@ -559,8 +647,13 @@ def sharegpt_file(folder: Path) -> Path:
 
 def three_layer_target(quick_build: Path, folder: Path) -> Path:
     """A random 3-layer Llama with the toy tokenizer (the toy target has one layer: no E)."""
+    return family_target(quick_build, folder, "llama", layers=3)
+
+
+def family_target(quick_build: Path, folder: Path, family: str, layers: int = 4) -> Path:
+    """A random model of a family (`tiny_model`) with the toy tokenizer, saved as a folder."""
     vocab = json.loads((quick_build / "target" / "config.json").read_text())["vocab_size"]
-    model = tiny_llama(0, vocab=vocab, layers=3)
+    model = tiny_model(family, 0, vocab=vocab, layers=layers)
     model.config.max_position_embeddings = 2048  # room for HumanEval prompts
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import first_layers, tiny_llama
+from helpers import first_layers, tiny_llama, tiny_model
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import NgramDrafter, SmallModelDrafter
@@ -71,6 +71,21 @@ def test_buckets_and_the_auto_setting():
 
 
 def test_a_static_step_gives_the_eager_forward_step_after_step(target):
+    assert_static_steps_follow_the_eager_forward(target)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])  # compiling its buckets takes ~90 s here
+def test_a_sliding_familys_static_step_gives_the_eager_forward(compiled):
+    """Gemma 3 (q/k norms fused and compiled too; a window of WINDOW tokens, shorter than
+    the cache): the mask built on the device keeps each row to its window, by position."""
+    model = Transformer.from_hf(tiny_model("gemma3", 0))
+    assert model.config.sliding_window < len(PROMPT)
+    model.compile_steps = compiled
+    assert_static_steps_follow_the_eager_forward(model)
+
+
+def assert_static_steps_follow_the_eager_forward(target: Transformer) -> None:
     device = device_of(target)
     steps = StaticSteps(target, max_slots=256 + max(BUCKETS))
     eager = target.new_cache(max_slots=256)

@@ -248,7 +248,7 @@ class SmallModelDrafter:
         out = self._forward(ids, positions, with_logits=False,
                             return_hidden=(self.model.config.num_layers,))
         scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
-        return self.draft_vocab.scatter(scores.float())
+        return self.draft_vocab.scatter(self.model.final_logits(scores).float())
 
     def _next_logits_of_rows(self, states: list[_Fed], fed: list[list[int]]
                              ) -> list[torch.Tensor | None]:
@@ -275,7 +275,7 @@ class SmallModelDrafter:
             out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
                         return_hidden=(model.config.num_layers,))
             scores = linear(model.norm(out.hidden[0][every, last]), self._head_rows)  # [n, K]
-            logits = self.draft_vocab.scatter(scores.float())
+            logits = self.draft_vocab.scatter(model.final_logits(scores).float())
         result = []
         for state, tokens, row_logits in zip(states, fed, logits, strict=True):
             state.cache.advance(len(tokens))

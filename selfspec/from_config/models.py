@@ -31,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 # Fields where the config's facts and the checkpoint's config.json must agree.
 _CHECKED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                   "num_kv_heads", "head_dim", "model_type")
+                   "num_kv_heads", "head_dim", "model_type", "sliding_window", "sliding_layers")
 
 
 class ModelNotAvailable(ValueError):
@@ -49,7 +49,7 @@ def model_config(cfg_model: DictConfig) -> ModelConfig:
         arch["head_dim"] = arch["hidden_size"] // arch["num_heads"]  # unless it differs
     arch["eos_token_ids"] = tuple(arch.get("eos_token_ids") or ())
     try:
-        return ModelConfig(**arch)
+        return ModelConfig.of_family(**arch)
     except TypeError as exc:  # an unknown or missing field
         raise ValueError(f"model config {name!r}: bad `arch` block ({exc})") from None
 
@@ -122,7 +122,8 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
 def _converted_gguf(cfg_model: DictConfig, key: str) -> Path:
     """The cached conversion of the model's GGUF file (converted now if missing)."""
     g = cfg_model.gguf
-    source = GGUFSource(str(g.package), str(g.version), str(g.file))
+    source = GGUFSource(str(g.package), str(g.version), str(g.file),
+                        tuple(str(part) for part in g.get("parts") or ()))
     try:
         return gguf_model_folder(str(cfg_model.name), source)
     except SourceNotInstalled as exc:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from selfspec.model import ModelConfig, attention_mask, rope_cos_sin
+from selfspec.model import ModelConfig, attention_mask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +34,13 @@ class AttentionShape:
 
     @classmethod
     def of_target(cls, target: ModelConfig) -> dict:
-        """The target's values of this shape's fields (the attention layer's shape: its own)."""
-        return {f.name: getattr(target, f.name) for f in fields(AttentionShape)}
+        """The target's values of this shape's fields (the attention layer's shape: its own).
+        A head's layer rotates all its dimensions: LongRoPE's factors, sized for a target that
+        rotates only part of each head (Phi-4-mini), are left out (RoPE at its theta)."""
+        shape = {f.name: getattr(target, f.name) for f in fields(AttentionShape)}
+        if target.rotary_dim != target.head_dim:
+            shape["rope_scaling"] = None
+        return shape
 
     def one_layer(self, intermediate_size: int = 1, mlp_bias: bool = False) -> ModelConfig:
         """A one-layer Llama config of this shape (intermediate_size 1: no MLP is used)."""
@@ -60,10 +65,8 @@ class Head(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """RoPE's cos and sin at `positions` and the attention mask of x's T new rows [B, T, h]
         after the cache's slots (`mask` among them, default causal), for a head with an
-        attention layer of its own: its `inv_freq` (fp32) follows the positions' device."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        attention layer of its own: its `rope` (fp32) follows the positions' device."""
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
         past = 0 if cache is None else cache.length
         return cos, sin, attention_mask(mask, x.shape[1], past, x.device)
 

@@ -35,9 +35,9 @@ from selfspec.model import (
     Linear,
     ModelConfig,
     RMSNorm,
+    Rope,
     Transformer,
     dense_weight,
-    rope_inv_freq,
 )
 
 VERSIONS = (1, 3)
@@ -109,6 +109,7 @@ class EagleConfig(AttentionShape):
             target_layers = default_target_layers(target.num_layers)
         shared = {f.name: getattr(target, f.name) for f in fields(cls) if hasattr(target, f.name)
                   and f.name not in ("version", "draft_vocab_size", "target_layers")}
+        shared |= AttentionShape.of_target(target)
         return cls(version=version, **shared,
                    draft_vocab_size=draft_vocab_size if version == 3 else None,
                    target_hidden_size=target.hidden_size if version == 3 else None,
@@ -180,8 +181,8 @@ class EagleHead(Head):
             vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
             self.register_buffer("d2t", vocab.d2t)
             self.register_buffer("t2d", vocab.t2d)
-        # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
-        self.inv_freq = rope_inv_freq(layer)  # [D/2]
+        # Plain fp32 frequencies, as in Transformer: head.to(bf16) keeps them.
+        self.rope = Rope.of(layer)
 
     # ---- features in, features out ---------------------------------------------------------
 
@@ -262,7 +263,7 @@ class EagleHead(Head):
         if self.config.version == 3:
             weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
             self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
-            self.norm.weight.copy_(target.norm.weight)
+            self.norm.weight.copy_(target.norm.gain())  # Gemma's norms scale by 1 + w
         return self
 
     # ---- EAGLE-3 training-time test ---------------------------------------------------------

@@ -27,8 +27,8 @@ from selfspec.model import (
     Attention,
     ModelConfig,
     RMSNorm,
+    Rope,
     Transformer,
-    rope_inv_freq,
 )
 
 EXIT_KINDS = ("norm", "adapter")
@@ -87,7 +87,7 @@ class ExitHead(Head):
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.self_attn = Attention(layer, layer_idx=0)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.inv_freq = rope_inv_freq(layer)  # [D/2]
+            self.rope = Rope.of(layer)
 
     @property
     def exit_layer(self) -> int:
@@ -117,7 +117,7 @@ class ExitHead(Head):
                cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, V] fp32 exit logits through the target's LM head."""
         normed = self(hidden, positions, cache, target_norm=target.norm, mask=mask)
-        return target.lm_head(normed.to(target.lm_head.weight.dtype)).float()
+        return target.logits_of(normed.to(target.lm_head.weight.dtype))
 
     def init_from_target(self, target: Transformer) -> ExitHead:
         """Start the adapter as the norm exit: zero attention output, the target's final norm
@@ -125,7 +125,7 @@ class ExitHead(Head):
         if self.config.kind == "adapter":
             with torch.no_grad():
                 self.self_attn.o_proj.weight.zero_()
-                self.norm.weight.copy_(target.norm.weight)
+                self.norm.weight.copy_(target.norm.gain())  # Gemma's scale by 1 + w
         return self
 
 

@@ -50,21 +50,24 @@ class Exported:
 def export_head(
     head: nn.Module, to: str, out: str | Path, *, base_model: str | None = None,
     target_layers_count: int | None = None, target_lm_head: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    target_embedding: torch.Tensor | None = None, dtype: torch.dtype | None = None,
 ) -> Exported:
     """Write `head` for engine `to` into `out` (config.json, weights, SERVING.md).
 
     base_model: the target's name or folder (the launch command's model; Medusa's reference
     config records it); target_layers_count: the target's layer count (EAGLE-3 to the
     reference code, which fuses its default layers); target_lm_head: the target's LM head
-    weight (Medusa heads sharing it, for vLLM); dtype: of the written weights (None: as is).
+    weight (Medusa heads sharing it, for vLLM); target_embedding: the target's embedding
+    weight (EAGLE-3 to the reference code, which reads it from the head); dtype: of the
+    written weights (None: as is).
     """
     if to not in ENGINES:
         raise ExportRefused(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
     if isinstance(head, MedusaHeads):
         config, state, files, command, notes = _medusa(head, to, base_model, target_lm_head)
     elif isinstance(head, EagleHead):
-        config, state, files, command, notes = _eagle(head, to, base_model, target_layers_count)
+        config, state, files, command, notes = _eagle(head, to, base_model, target_layers_count,
+                                                      target_embedding)
     else:
         raise ExportRefused(f"no engine loads a {type(head).__name__} from a head folder: vLLM "
                             f"and SGLang serve Medusa and EAGLE heads (early exits run in "
@@ -143,13 +146,14 @@ def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
 # ---- EAGLE -----------------------------------------------------------------------------------
 
 
-def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count: int | None):
+def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count: int | None,
+           target_embedding: torch.Tensor | None):
     c = head.config
     base = base_model or BASE_PLACEHOLDER
     if to == "medusa":
         raise ExportRefused("an EAGLE head is not a Medusa head: export with --to vllm, sglang "
                             "or eagle")
-    _check_llama_layer(c)
+    _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
     llama = c.layer_config().to_hf()
     rope = dict(c.rope_scaling or {})
@@ -199,6 +203,8 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
                                 f": export with --to vllm or --to sglang, which read the ids")
         notes.append(f"fused target layers {layers} (selfspec's numbering: the input of layer "
                      f"l); a draft vocabulary of {c.draft_vocab_size} tokens (d2t, t2d)")
+        if to == "eagle":
+            notes.append(_reference_embedding(config, state, target_embedding))
     method = "eagle" if c.version == 1 else "eagle3"
     if to == "vllm":
         command = _vllm(base, {"method": method, "model": "{OUT}", "num_speculative_tokens": 5})
@@ -213,12 +219,38 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
     return config, state, "model.safetensors", command, notes
 
 
-def _check_llama_layer(c) -> None:
-    """The engines build the head's layer from a Llama config: head_dim = hidden / heads, one
-    attention_bias for q, k, v and o."""
-    if c.head_dim * c.num_heads != c.hidden_size:
-        raise ExportRefused(f"the EAGLE code and engines compute head_dim as hidden / heads "
-                            f"({c.hidden_size} / {c.num_heads}); this head's is {c.head_dim}")
+def _reference_embedding(config: dict, state: dict, embedding: torch.Tensor | None) -> str:
+    """What the reference EAGLE-3 code embeds tokens with: it loads the base model's
+    embedding only for a config without `target_hidden_size`, and otherwise takes the head's
+    own `embed_tokens.weight` (loading without strict checks: one missing stays random). So
+    the target's embedding is written into the head, or, without it, target_hidden_size is
+    left out where it equals hidden_size (its default there)."""
+    expected = (config["vocab_size"], config["hidden_size"])
+    if embedding is not None:
+        if tuple(embedding.shape) != expected:
+            raise ExportRefused(f"the target's embedding is {list(embedding.shape)}, the head "
+                                f"expects {list(expected)}: pass the head's own target")
+        state["embed_tokens.weight"] = embedding
+        return ("the target's embedding is written into the head: the reference code reads it "
+                "there when config.json names target_hidden_size")
+    if config["target_hidden_size"] != config["hidden_size"]:
+        raise ExportRefused("the reference EAGLE-3 code embeds with the head's own embedding "
+                            "when target_hidden_size differs from hidden_size: pass the target "
+                            "(--target MODEL_FOLDER) so that its embedding is written")
+    del config["target_hidden_size"]
+    return ("no target_hidden_size in config.json: the reference code loads the embedding "
+            "from the base model's checkpoint (through its index file)")
+
+
+def _check_llama_layer(c, to: str) -> None:
+    """The engines build the head's layer from a Llama config: one attention_bias for q, k, v
+    and o; the reference code also computes head_dim as hidden / heads (vLLM and SGLang read
+    the config's head_dim)."""
+    if to == "eagle" and c.head_dim * c.num_heads != c.hidden_size:
+        raise ExportRefused(f"the reference EAGLE code computes head_dim as hidden / heads "
+                            f"({c.hidden_size} / {c.num_heads}); this head's is {c.head_dim} "
+                            f"(its target's): export with --to vllm or --to sglang, which read "
+                            f"head_dim from config.json")
     if c.attention_bias != c.attention_out_bias:
         raise ExportRefused("a Llama config has one attention_bias for q, k, v and o; this head "
                             "has a bias on q, k, v only (Qwen2 style), which the engines' Llama "

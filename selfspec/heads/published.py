@@ -229,11 +229,13 @@ def _medusa_module(state: dict, hidden: int, vocab: int, num_heads: int, num_lay
 # ---- EAGLE -----------------------------------------------------------------------------------
 
 
-def eagle_layer_config(config: dict) -> ModelConfig:
-    """The head layer's architecture from a published one-layer Llama config.json; head_dim is
-    hidden / heads, as the reference computes it."""
-    hf = {"model_type": "llama", **config, "num_hidden_layers": 1}
-    hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+def eagle_layer_config(config: dict, q_rows: int) -> ModelConfig:
+    """The head layer's architecture from a published one-layer config.json: a Llama layer
+    whatever model_type the config names (heads for Qwen3 targets may say qwen3), head_dim
+    from its q_proj's rows (q_rows): hidden / heads for the reference code's heads, the
+    config's head_dim for heads the engines serve (Qwen3-0.6B's: 128 of a 1024 hidden)."""
+    hf = {**config, "model_type": "llama", "num_hidden_layers": 1}
+    hf["head_dim"] = q_rows // hf["num_attention_heads"]
     return ModelConfig.from_hf(hf)
 
 
@@ -247,10 +249,10 @@ def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int 
         del state["fc.bias"]  # SGLang's zero fc bias on a bias-free head: dropping it is exact
     state = {re.sub(r"^layers\.0\.", "midlayer.", k) if "d2t" in state else k: v
              for k, v in state.items()}
-    layer = eagle_layer_config(config)
     h, in_features = state["fc.weight"].shape
     version = 1 if in_features == 2 * h else 3
     prefix = "layers.0" if version == 1 else "midlayer"
+    layer = eagle_layer_config(config, state[f"{prefix}.self_attn.q_proj.weight"].shape[0])
     has = {name: f"{prefix}.{name}" in state for name in
            ("self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.gate_proj.bias")}
     shared = {f.name: getattr(layer, f.name) for f in fields(EagleConfig)

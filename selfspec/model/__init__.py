@@ -1,8 +1,10 @@
-"""Our compact decoder for the Llama family (`transformer`), its architecture (`config`), its
-Hugging Face checkpoint I/O (`checkpoint`) and the CPU's few-row products (`cpu_linear`)."""
+"""Our one decoder for every family (`transformer`), its architecture as configuration
+(`config`), RoPE (`rope`), its Hugging Face checkpoint I/O (`checkpoint`) and the CPU's
+few-row products (`cpu_linear`)."""
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import Linear, aligned, dense_weight, linear, use_packed_products
+from selfspec.model.rope import Rope, apply_rope, rope_cos_sin
 from selfspec.model.transformer import (
     MLP,
     Attention,
@@ -11,16 +13,16 @@ from selfspec.model.transformer import (
     ModelOutput,
     RMSNorm,
     Transformer,
-    apply_rope,
     attention_kernels,
     attention_mask,
     compiled_stages,
     fuse_projections,
-    rope_cos_sin,
-    rope_inv_freq,
+    rms_norm,
+    window_mask,
 )
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "LayerStages", "Linear", "ModelConfig",
-           "ModelOutput", "RMSNorm", "Transformer", "aligned", "apply_rope", "attention_kernels",
-           "attention_mask", "compiled_stages", "dense_weight", "fuse_projections", "linear",
-           "rope_cos_sin", "rope_inv_freq", "use_packed_products"]
+           "ModelOutput", "RMSNorm", "Rope", "Transformer", "aligned", "apply_rope",
+           "attention_kernels", "attention_mask", "compiled_stages", "dense_weight",
+           "fuse_projections", "linear", "rms_norm", "rope_cos_sin", "use_packed_products",
+           "window_mask"]

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint I/O of our models: parameter names both ways, the safetensors files
 of a model folder (single or sharded), read one tensor at a time, and a folder written back
-that transformers loads."""
+that transformers loads. Phi-3's checkpoints fuse q/k/v (`qkv_proj`) and gate/up
+(`gate_up_proj`): they are split on reading and fused again on writing."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from selfspec.model.config import ModelConfig
+from selfspec.model.config import ARCHITECTURES, ModelConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+FUSED_FAMILIES = ("phi3",)  # checkpoints with fused qkv_proj and gate_up_proj
 
 
 def hf_key(name: str) -> str:
@@ -30,9 +30,59 @@ def our_key(name: str, tied: bool) -> str | None:
     return name.removeprefix("model.")
 
 
+def our_tensors(name: str, tensor: torch.Tensor, config: ModelConfig
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our (name, tensor) pairs for one HF tensor: none for what we do not keep, the q/k/v
+    or gate/up rows of a fused projection (views, no copy), else the tensor as it is."""
+    key = our_key(name, config.tie_word_embeddings)
+    if key is None:
+        return
+    for fused, parts in _fused_parts(config).items():
+        if key.endswith(fused):
+            rows = tensor.split(list(parts.values()), dim=0)
+            for part, piece in zip(parts, rows, strict=True):
+                yield key.removesuffix(fused) + part, piece
+            return
+    yield key, tensor
+
+
+def _fused_parts(config: ModelConfig) -> dict[str, dict[str, int]]:
+    """A fused family's fused HF names (a suffix) and the rows each of ours takes, in order."""
+    if config.model_type not in FUSED_FAMILIES:
+        return {}
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inner = config.intermediate_size
+    return {"self_attn.qkv_proj.weight": {"self_attn.q_proj.weight": q,
+                                          "self_attn.k_proj.weight": kv,
+                                          "self_attn.v_proj.weight": kv},
+            "mlp.gate_up_proj.weight": {"mlp.gate_proj.weight": inner,
+                                        "mlp.up_proj.weight": inner}}
+
+
+def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under HF names, fused projections fused as the family's checkpoints
+    store them (a tied LM head is left out)."""
+    hf = {hf_key(name): tensor for name, tensor in state.items()
+          if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    for fused, parts in _fused_parts(config).items():
+        for layer in range(config.num_layers):
+            prefix = f"model.layers.{layer}."
+            hf[prefix + fused] = torch.cat([hf.pop(prefix + part) for part in parts])
+    return hf
+
+
 def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs of a model folder's weights, one at a time."""
     return _read_safetensors(_weight_files(folder), device)
+
+
+def read_tensor(folder: Path, name: str) -> torch.Tensor:
+    """One tensor of a model folder's weights by its HF name (the other tensors unread)."""
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
+    raise KeyError(f"{folder} holds no tensor {name}")
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,9 +98,8 @@ def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: Mod
     our parameter names (a tied LM head is left out)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_key(name): _own_storage(tensor.contiguous().cpu())
-               for name, tensor in state.items()
-               if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    tensors = {name: _own_storage(tensor.contiguous().cpu())
+               for name, tensor in hf_state(state, config).items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf() | {"architectures": [ARCHITECTURES[config.model_type]],
                            "dtype": str(dtype).removeprefix("torch.")}

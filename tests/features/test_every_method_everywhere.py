@@ -4,12 +4,17 @@ settings moved to conf/drafters.yaml still read under their old keys, with a war
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from helpers import load_entry, toy
+import torch
+from conftest import lm_head_copies
+from helpers import family_target, load_entry, toy
 from hydra import compose, initialize_config_dir
 
-from selfspec import from_config, generate
+from selfspec import Transformer, from_config, generate
 from selfspec.from_config.methods import registry
+from selfspec.heads import EagleConfig, EagleHead, describe_target, save_head
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
 
@@ -53,6 +58,48 @@ def test_generate_drafts_losslessly_with_every_method_of_the_registry(
             assert result.tokens == generate(target, prompt, max_new_tokens=12).tokens, name
             drafted += result.stats.drafted
         assert drafted > 0, name
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def family_settings(request, tmp_path_factory, quick_build) -> dict[str, list[str]]:
+    """method_settings for a random 4-layer target of the family with the toy tokenizer:
+    its first layer as the draft model, and heads made for it."""
+    root = tmp_path_factory.mktemp(request.param)
+    folder = family_target(quick_build, root / "target", request.param)
+    target = Transformer.from_pretrained(folder)
+    target.first_layers(1).save_pretrained(root / "draft")
+    shutil.copy(folder / "tokenizer.json", root / "draft" / "tokenizer.json")
+    info = describe_target(target)
+    heads = lm_head_copies(target)
+    save_head(root / "medusa", heads, heads.config, info)
+    torch.manual_seed(0)
+    eagle = EagleHead(EagleConfig.for_target(target.config, 3, draft_vocab_size=64,
+                                             target_layers=(1, 2, 4)))
+    save_head(root / "eagle", eagle, eagle.config, info)
+    on = ["model=local", f"model.path={folder}", f"model.draft.path={root / 'draft'}"]
+    return {"small_model": on, "ngram": on, "medusa": [*on, f"medusa_heads={root / 'medusa'}"],
+            "ngram+medusa": [*on, f"medusa_heads={root / 'medusa'}"],
+            "eagle": [*on, f"eagle_head={root / 'eagle'}", "eagle.total_tokens=6",
+                      "eagle.top_k=2"],
+            "early_exit": [*on, "early_exit.exit_layers=2"], "layer_skip": on,
+            "lookahead": on, "quantized": on}
+
+
+@pytest.mark.slow
+def test_every_method_of_the_registry_drafts_losslessly_for_every_family(compose_cfg,
+                                                                         family_settings):
+    """eval/generate.py's path (the config, the method's loader, its drafter) on a Qwen3 and
+    a Gemma 3 target, whose window is shorter than the prompts and answers."""
+    ours = [name for name, e in registry().items() if e.ours]
+    assert sorted(ours) == sorted(family_settings)
+    for name in ours:
+        cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2",
+                          *family_settings[name])
+        target = from_config.load_target(cfg)
+        drafter, _ = from_config.drafter_and_target(cfg, target)
+        for prompt in PROMPTS:
+            result = generate(target, prompt, drafter=drafter, max_new_tokens=12)
+            assert result.tokens == generate(target, prompt, max_new_tokens=12).tokens, name
 
 
 def test_eval_generate_runs_medusa_heads_by_name(quick_build, compose_cfg, heads_dir, capsys):

@@ -21,6 +21,7 @@ PUBLISHED_PARAMS = {
     "qwen2.5-7b-instruct": 7.62e9,
     "qwen2.5-72b-instruct": 72.7e9,
     "smollm2-135m": 135e6,  # SmolLM2-135M-Instruct: 134.5M, the LM head tied to the embedding
+    "gemma3-270m": 268.1e6,  # Gemma 3 270M: 268,098,176, 168M of them the tied embedding
 }
 
 

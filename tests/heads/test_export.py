@@ -110,3 +110,59 @@ def test_vllm_reads_the_exported_medusa_config(tmp_path):
     export_head(heads, "vllm", tmp_path / "vllm")
     config = VllmMedusaConfig.from_pretrained(str(tmp_path / "vllm"))
     assert (config.num_heads, config.vocab_size, config.hidden_size) == (3, V, H)
+
+
+# ---- EAGLE-3 to the reference code: its embedding -------------------------------------------
+
+
+def reference_eagle3_embedding(folder, base_embedding: torch.Tensor) -> torch.Tensor | None:
+    """What the reference EAGLE-3 code (SafeAILab/EAGLE cb7e084, eagle/model/cnets.py
+    `Model.__init__` and ea_model.py's `load_state_dict(..., strict=False)`) embeds tokens
+    with: the base model's embedding when config.json has no `target_hidden_size`, else the
+    head's own `embed_tokens.weight`, and None where that is absent (it stays random)."""
+    config = json.loads((folder / "config.json").read_text())
+    if "target_hidden_size" not in config:
+        return base_embedding
+    return load_file(str(folder / "model.safetensors")).get("embed_tokens.weight")
+
+
+def test_an_eagle3_head_for_the_reference_code_embeds_with_the_targets_embedding(
+        tmp_path, target):
+    from selfspec.heads import EagleConfig, EagleHead
+
+    head = EagleHead(EagleConfig.for_target(target.config, 3, draft_vocab_size=24))
+    embedding = target.embed_tokens.weight.detach()
+    export_head(head, "eagle", tmp_path / "with", target_layers_count=LAYERS,
+                target_embedding=embedding)
+    assert torch.equal(reference_eagle3_embedding(tmp_path / "with", None), embedding)
+    exported = export_head(head, "eagle", tmp_path / "without", target_layers_count=LAYERS)
+    assert "target_hidden_size" not in json.loads((tmp_path / "without" / "config.json")
+                                                  .read_text())
+    assert reference_eagle3_embedding(tmp_path / "without", embedding) is embedding
+    assert any("from the base model" in note for note in exported.notes)
+    vllm = export_head(head, "vllm", tmp_path / "vllm", target_embedding=embedding).folder
+    assert "embed_tokens.weight" not in load_file(str(vllm / "model.safetensors"))
+    for folder in ("with", "without"):  # both read back as the same head
+        again, _ = read_head(tmp_path / folder, target.config)
+        same_state(again.state_dict(), head.state_dict())
+
+
+def test_a_head_whose_head_dim_is_its_targets_serves_on_the_engines_only(tmp_path):
+    """A Qwen3 target's head_dim is not hidden / heads: vLLM and SGLang read the config's
+    head_dim, the reference code computes hidden / heads and is refused."""
+    from selfspec.heads import EagleConfig, EagleHead
+    from selfspec.model import ModelConfig
+
+    qwen3 = ModelConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=LAYERS,
+                        num_heads=4, num_kv_heads=2, head_dim=16, model_type="qwen3",
+                        qk_norm="head")
+    head = EagleHead(EagleConfig.for_target(qwen3, 3, draft_vocab_size=24))
+    for engine in ("vllm", "sglang"):
+        folder = export_head(head, engine, tmp_path / engine, target_layers_count=LAYERS).folder
+        config = json.loads((folder / "config.json").read_text())
+        assert config["head_dim"] == 16 and config["model_type"] == "llama"
+        again, _ = read_head(folder, qwen3)
+        assert again.config.head_dim == 16
+        same_state(again.state_dict(), head.state_dict())
+    with pytest.raises(ExportRefused, match="computes head_dim as hidden / heads"):
+        export_head(head, "eagle", tmp_path / "eagle", target_layers_count=LAYERS)

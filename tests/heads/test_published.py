@@ -19,6 +19,7 @@ from helpers import (
     medusa_reference_folder,
     same_state,
     tiny_llama,
+    tiny_model,
 )
 from helpers import PUBLISHED_CHAIN as CHAIN
 from helpers import PUBLISHED_DRAFT_V as DRAFT_V
@@ -152,6 +153,42 @@ def test_eagle3_layer_ids_that_disagree_or_collide_are_refused(tmp_path, target)
                                             target_layers=(1, 3, 6)))
     with pytest.raises(ExportRefused, match="reference EAGLE-3 code fuses the default layers"):
         export_head(head, "eagle", tmp_path / "ref", target_layers_count=LAYERS)
+
+
+def test_a_published_eagle3_head_for_a_qwen3_target_loads_and_drafts_losslessly(tmp_path):
+    """The standard EAGLE-3 layout as heads for Qwen3 targets are published: a Llama layer
+    whose head_dim is the target's (Qwen3-0.6B's heads: 128 of a 1024 hidden, 16 heads),
+    the Qwen3 config keys it was copied from (model_type qwen3 in some, sliding_window null,
+    tie_word_embeddings false), bf16 weights and the fused layers under vLLM's key."""
+    qwen3 = Transformer.from_hf(tiny_model("qwen3", 0, vocab=V, layers=LAYERS, hidden=H)).eval()
+    assert qwen3.config.head_dim * qwen3.config.num_heads != qwen3.config.hidden_size
+    config = EagleConfig.for_target(qwen3.config, 3, draft_vocab_size=DRAFT_V)
+    torch.manual_seed(7)
+    head = EagleHead(config)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    folder = tmp_path / "qwen3_eagle3"
+    folder.mkdir()
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+             for k, v in head.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    published = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "qwen3",
+                 "hidden_size": H, "intermediate_size": config.intermediate_size,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                 "max_position_embeddings": 40960, "vocab_size": V, "draft_vocab_size": DRAFT_V,
+                 "target_hidden_size": H, "sliding_window": None, "use_sliding_window": False,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                 "eagle_aux_hidden_state_layer_ids": list(config.target_layers)}
+    (folder / "config.json").write_text(json.dumps(published))
+    loaded = load_head(folder, target=qwen3)
+    assert loaded.config.head_dim == 16 and loaded.config.version == 3
+    assert loaded.config.target_layers == config.target_layers
+    same_state(loaded.to(torch.bfloat16).state_dict(), state)
+    plain = {tuple(p): generate(qwen3, p, max_new_tokens=20).tokens for p in PUBLISHED_PROMPTS}
+    assert_lossless(qwen3, plain, lambda: EagleDrafter(loaded.float(), total_tokens=6, depth=3,
+                                                       top_k=2))
 
 
 # ---- refusals --------------------------------------------------------------------------------

