@@ -4,8 +4,14 @@ import json
 from functools import partial
 
 import pytest
-from helpers import (HAS_WANDB, LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file,
-                     suite_threads)
+from helpers import (
+    HAS_WANDB,
+    LEARNS,
+    assert_the_loss_falls,
+    run_trainer,
+    sharegpt_file,
+    suite_threads,
+)
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.model import Transformer
