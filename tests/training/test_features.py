@@ -205,3 +205,113 @@ def test_the_claim_is_written_before_any_shard(target, tmp_path):
         store_spec(target, (5,), "bf16", "x")
     with pytest.raises(ValueError, match="store dtype must be one of fp32, bf16, fp8"):
         store_spec(target, (), "fp16", "x")
+
+
+# ---- training from a store -------------------------------------------------------------------
+
+
+def objective(method: str, target, features):
+    """A fresh objective of `method` over the toy target, its trainable weights seeded alike
+    each time, reading the target's states from `features` (None: its forward)."""
+    from helpers import (
+        EAGLE3_LAYERS,
+        eagle_head_config,
+        first_layers,
+        random_eagle_head,
+        random_exit,
+        reduced_medusa_heads,
+    )
+
+    from selfspec.training.objectives import (
+        DraftModelObjective,
+        Eagle3Objective,
+        EagleObjective,
+        EarlyExitObjective,
+        MedusaObjective,
+    )
+
+    source = None if features is None else StoredFeatures(features, {
+        "eagle3": EAGLE3_LAYERS, "early_exit": (1,)}.get(method, ()))
+    torch.manual_seed(3)
+    if method == "medusa":
+        return MedusaObjective(target, reduced_medusa_heads(target, list(range(0, 64, 2)), 2),
+                               features=source)
+    if method == "eagle1":
+        return EagleObjective(target, random_eagle_head(eagle_head_config(target, 1), 3),
+                              feature_noise=0.1, features=source,
+                              generator=torch.Generator().manual_seed(4))
+    if method == "eagle3":
+        return Eagle3Objective(target, random_eagle_head(eagle_head_config(target, 3), 3),
+                               steps=2, features=source)
+    if method == "early_exit":
+        return EarlyExitObjective(target, [random_exit(target, 1, "adapter")], features=source)
+    draft = Transformer.from_hf(first_layers(tiny_llama(0), 1))
+    draft.lm_head.requires_grad_(False)
+    return DraftModelObjective(target, draft, features=source)
+
+
+def train_losses(objective, data: TokenRows, steps: int, lr: float = 1e-2) -> list[float]:
+    """The loss of each of `steps` AdamW steps over batches of 4 rows in a fixed order."""
+    objective.train()
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    losses = []
+    for step in range(steps):
+        batch = data.select(torch.arange(step * 4, step * 4 + 4) % len(data))
+        out = objective(batch.tokens, batch.loss_mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+    return losses
+
+
+def held_loss(objective, data: TokenRows) -> float:
+    """The loss over every row at once, in eval mode (no feature noise)."""
+    objective.eval()
+    with torch.no_grad():
+        return float(objective(data.tokens, data.loss_mask).loss)
+
+
+METHODS = ["medusa", "eagle1", "eagle3", "early_exit", "draft"]
+
+
+@pytest.fixture(scope="module")
+def training_store(target, tmp_path_factory):
+    from helpers import EAGLE3_LAYERS
+
+    data = rows(n=8, length=16)
+    writer = StoreWriter(tmp_path_factory.mktemp("store"),
+                         store_spec(target, EAGLE3_LAYERS, "fp32", data_key(data.tokens)))
+    writer.finish(build_store(target, data, writer, prefix="train", batch_size=4,
+                              progress=False))
+    return data, FeatureStore(writer.folder)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_steps_from_an_fp32_store_have_the_losses_of_online_training(method, target,
+                                                                      training_store):
+    data, store = training_store
+    online = train_losses(objective(method, target, None), data, steps=3)
+    stored = train_losses(objective(method, target, store), data, steps=3)
+    assert stored == pytest.approx(online, rel=1e-5)
+    assert len(set(online)) == 3  # the weights moved between steps
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_from_a_store_lowers_the_loss_without_running_the_target(method, target,
+                                                                           training_store):
+    data, store = training_store
+    trained = objective(method, target, store)
+    layer_calls = []
+    hooks = [layer.register_forward_hook(lambda *args: layer_calls.append(1))
+             for layer in target.layers]
+    try:
+        before = held_loss(trained, data)
+        train_losses(trained, data, steps=16)
+        after = held_loss(trained, data)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not layer_calls  # the target's layers never ran
+    assert after < 0.95 * before
