@@ -52,7 +52,8 @@ def main(cfg: DictConfig) -> None:
     size = cfg.draft_model.draft_vocab
     objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
                                     bool(cfg.draft_model.cache_features),
-                                    None if size is None else most_frequent(counts, int(size)))
+                                    None if size is None else most_frequent(counts, int(size)),
+                                    from_config.trainer_features(cfg, target, train, heldout))
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -6,7 +6,7 @@ values.
 One module per concern: `common` (paths, checked settings, devices), `models` (weights and
 tokenizers), `prompts`, `methods/` (the method registry: one module per method, with its
 variants, heads, drafters and trainer settings), `generation` (eval/generate.py's drafter),
-`training` and `sweeps`.
+`training`, `features` (feature stores) and `sweeps`.
 """
 
 from selfspec.from_config.common import (  # noqa: F401
@@ -18,6 +18,11 @@ from selfspec.from_config.common import (  # noqa: F401
     positive_int,
     sampling_params,
     set_threads,
+)
+from selfspec.from_config.features import (  # noqa: F401
+    build_feature_store,
+    store_layers,
+    trainer_features,
 )
 from selfspec.from_config.generation import (  # noqa: F401
     build_drafter,

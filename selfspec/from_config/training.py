@@ -30,17 +30,21 @@ from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.measure.replay import GreedyRecord, cached_records, replay
 from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
+from selfspec.model.fingerprint import weights_fingerprint
 from selfspec.model.lora import add_lora
 from selfspec.training import checkpoints
 from selfspec.training.data import (
+    document_rows,
+    first_answers,
+    load_jsonl_documents,
     load_sharegpt,
-    packed_chat_dataset,
     packed_stdlib_dataset,
+    render_conversation,
     rows_from_dataset,
     self_distill,
     self_distill_rows,
-    weights_fingerprint,
 )
+from selfspec.training.features import FeatureSource, StoreWriter
 from selfspec.training.instructions import (
     cache_name,
     general_instructions,
@@ -234,15 +238,19 @@ def deepspeed_config(cfg: DictConfig) -> dict | None:
 
 
 def training_rows(
-    cfg: DictConfig, tokenizer, target: Transformer | None = None
+    cfg: DictConfig, tokenizer, target: Transformer | None = None,
+    store: StoreWriter | None = None,
 ) -> tuple[TokenRows, TokenRows]:
     """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
     train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
-    each corpus row after its first tokens (stdlib) first."""
+    each corpus row after its first tokens (stdlib) first (writing their states into `store`
+    as it generates them, when given). train_data.max_answers: the first N answers (chat
+    conversations, JSON-lines documents, corpus rows) in a fixed shuffled order."""
     source, seq_len = cfg.train_data.source, positive_int(cfg, "trainer.seq_len", 2)
-    for key in ("max_rows", "self_distill_rows"):
+    for key in ("max_rows", "self_distill_rows", "max_answers"):
         if cfg.train_data.get(key) is not None:
             positive_int(cfg, f"train_data.{key}")
+    answers = cfg.train_data.get("max_answers")
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
         train, heldout = (
@@ -250,7 +258,14 @@ def training_rows(
             for split in ("train", "heldout")
         )
         if self_distill_enabled(cfg):
-            train, heldout = distilled_corpus(cfg, target, train, heldout)
+            train, heldout = distilled_corpus(cfg, target, train, heldout, store)
+        if answers is not None:
+            train = train.select(torch.tensor(first_answers(range(len(train)), answers)))
+    elif source == "jsonl":
+        if not cfg.train_data.get("path"):
+            raise ValueError("train_data.source=jsonl needs train_data.path=/file.jsonl")
+        train, heldout = document_rows(load_jsonl_documents(cfg.train_data.path, tokenizer),
+                                       seq_len, answers)
     elif source == "sharegpt":
         if not cfg.train_data.get("path"):
             raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
@@ -260,25 +275,25 @@ def training_rows(
                 conversations, target, tokenizer, seed=int(cfg.seed),
                 max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
             )
-        train, heldout = chat_rows(conversations, tokenizer, seq_len)
+        train, heldout = chat_rows(conversations, tokenizer, seq_len, answers)
     elif source == "instructions":
         train, heldout = chat_rows(instruction_conversations(cfg, target, tokenizer),
-                                   tokenizer, seq_len)
+                                   tokenizer, seq_len, answers)
     else:
-        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib, instructions "
-                         f"or sharegpt")
+        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib, instructions, "
+                         f"sharegpt or jsonl")
     cap = cfg.train_data.get("max_rows")
     if cap is not None:
         train = train.select(torch.arange(min(int(cap), len(train))))
     return train, heldout
 
 
-def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int
-              ) -> tuple[TokenRows, TokenRows]:
-    """(train, held-out) packed chat rows; every 20th conversation is held out."""
-    cut = max(1, len(conversations) // 20)
-    return tuple(rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
-                 for part in (conversations[cut:], conversations[:cut]))
+def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int,
+              max_answers: int | None = None) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed chat rows; the first twentieth of the conversations is held
+    out (`data.document_rows`), max_answers of the rest trained on."""
+    return document_rows([render_conversation(tokenizer, c) for c in conversations], seq_len,
+                         max_answers)
 
 
 def instruction_conversations(cfg: DictConfig, target: Transformer | None, tokenizer
@@ -320,11 +335,14 @@ def self_distill_enabled(cfg: DictConfig) -> bool:
 
 
 def distilled_corpus(
-    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows
+    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows,
+    store: StoreWriter | None = None,
 ) -> tuple[TokenRows, TokenRows]:
     """The stdlib rows continued by the target itself: as many training rows as the run will
     draw (steps x global batch, or train_data.max_rows or self_distill_rows if fewer: the run
-    then goes over them for several epochs) and the held-out rows that evaluation reads."""
+    then goes over them for several epochs) and the held-out rows that evaluation reads.
+    store: the feature store that the generation writes (`train/store.py`), a shard of
+    store.rows_per_shard rows per generated batch."""
     if target is None:
         raise ValueError("train_data.self_distill needs the target to generate with")
     t = cfg.trainer
@@ -333,41 +351,51 @@ def distilled_corpus(
     caps = (cfg.train_data.get(key) for key in ("max_rows", "self_distill_rows"))
     count = min([drawn, *(int(cap) for cap in caps if cap is not None)])
     options = {"prompt_tokens": int(cfg.train_data.self_distill_prompt_tokens),
-               "cache_dir": cfg.train_data.get("cache_dir")}
-    return (self_distill_rows(train, target, count=count, **options),
-            self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
+               "cache_dir": cfg.train_data.get("cache_dir"), "store": store}
+    if store is not None:
+        options["batch_size"] = positive_int(cfg, "store.rows_per_shard")
+    return (self_distill_rows(train, target, count=count, store_prefix="train", **options),
+            self_distill_rows(heldout, target, count=int(t.eval_rows), store_prefix="heldout",
+                              **options))
 
 
 def medusa_objective(
-    cfg: DictConfig, target: Transformer, heads: MedusaHeads
+    cfg: DictConfig, target: Transformer, heads: MedusaHeads,
+    features: FeatureSource | None = None,
 ) -> MedusaObjective | Medusa2Objective:
-    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
+    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA.
+    features: the target's states read from a feature store (Medusa-1)."""
     decay = float(cfg.medusa.decay)
     cache = bool(cfg.medusa.get("cache_features", False))
     if medusa_version(cfg) == 1:
-        return MedusaObjective(target, heads, decay=decay, cache_features=cache)
-    if cache:
-        raise ValueError("medusa.cache_features=true needs a frozen target (Medusa-1): "
-                         "Medusa-2 trains the target, whose features change every step")
+        return MedusaObjective(target, heads, decay=decay, cache_features=cache,
+                               features=features)
+    if cache or features is not None:
+        raise ValueError("medusa.cache_features=true and trainer.features need a frozen target "
+                         "(Medusa-1): Medusa-2 trains the target, whose features change every "
+                         "step")
     adapted = add_lora(target, lora_settings(cfg))
     return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
                             adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
 
 
 def eagle_objective(
-    cfg: DictConfig, target: Transformer, head: EagleHead
+    cfg: DictConfig, target: Transformer, head: EagleHead,
+    features: FeatureSource | None = None,
 ) -> EagleObjective | Eagle3Objective:
     """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
     next feature and token law with uniform feature noise (drawn from torch's default
-    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test."""
+    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test.
+    features: the target's states read from a feature store."""
     e = cfg.eagle
     cache = bool(e.get("cache_features", False))
     if eagle_version(cfg) < 3:
         return EagleObjective(target, head, feature_weight=float(e.feature_weight),
                               token_weight=float(e.token_weight),
-                              feature_noise=float(e.feature_noise), cache_features=cache)
+                              feature_noise=float(e.feature_noise), cache_features=cache,
+                              features=features)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
-                           cache_features=cache)
+                           cache_features=cache, features=features)
 
 
 def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) -> None:

@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,7 @@ from selfspec.files import (
     writer_pid,
 )
 from selfspec.model import Transformer
+from selfspec.model.fingerprint import weights_fingerprint
 from selfspec.training.loop import TokenRows
 
 FORMAT = 1
@@ -60,8 +62,8 @@ class TargetStates:
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """What a store holds, fixed before its first shard: the target (a hash of
-    `data.weights_fingerprint`), the residual streams kept beside the last hidden state, the
+    """What a store holds, fixed before its first shard: the target (a hash of its
+    `weights_fingerprint`), the residual streams kept beside the last hidden state, the
     storage dtype (fp32, bf16 or fp8: e4m3 with a per-token scale), the hidden size, and what
     its rows are (a hash of their tokens, or of the settings that generate them)."""
 
@@ -124,8 +126,6 @@ class StoreIndex:
 
 def target_key(target: Transformer) -> str:
     """A short hash of the target's weights fingerprint."""
-    from selfspec.training.data import weights_fingerprint
-
     return _digest(weights_fingerprint(target))
 
 
@@ -177,6 +177,44 @@ def decode(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
     if scale is None:
         return stored.to(dtype)
     return (stored.float() * scale[..., None]).to(dtype)
+
+
+# ---- sources of states for objectives -------------------------------------------------------
+
+
+class FeatureSource(Protocol):
+    """Where an objective gets the frozen target's states of its rows instead of running the
+    target at every step: `FeatureCache` (computed once, kept in memory) or
+    `features.StoredFeatures` (read from a feature store on disk)."""
+
+    layers: tuple[int, ...]
+
+    def states(self, target: Transformer, tokens: torch.Tensor) -> TargetStates: ...
+
+
+class FeatureCache:
+    """The frozen target's last hidden states of each training row (and the residual streams
+    `layers`, for EAGLE-3), computed once and kept: a frozen target gives the same features
+    every epoch, so training over a small data set for many epochs pays the target's forward
+    once per row (EAGLE precomputes its features the same way). Memory: rows x seq_len x
+    hidden x (1 + len(layers)) values in the target's dtype."""
+
+    def __init__(self, layers: tuple[int, ...] = ()) -> None:
+        self.layers = tuple(layers)
+        self.rows: dict[bytes, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def states(self, target: Transformer, tokens: torch.Tensor) -> TargetStates:
+        """The states of rows tokens [B, T]: last hidden [B, T, H], the streams `layers`."""
+        keys = [row.cpu().numpy().tobytes() for row in tokens]
+        missing = sorted({i for i, key in enumerate(keys) if key not in self.rows})
+        if missing:
+            new = target_states(target, tokens[missing], self.layers)
+            joined = torch.cat([new.last, *new.streams], dim=-1)  # [b, T, H x (1 + n)]
+            self.rows.update((keys[i], h) for i, h in zip(missing, joined, strict=True))
+        joined = torch.stack([self.rows[key] for key in keys])
+        last, *streams = joined.split(target.config.hidden_size, dim=-1)
+        return TargetStates(last, tuple(streams))
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -387,8 +425,9 @@ class FeatureStore:
 
 
 class StoredFeatures:
-    """An objective's source of target states read from a store (where `FeatureCache`
-    computes them): the last hidden state and the streams `layers` of each row."""
+    """An objective's source of target states read from a store (a `FeatureSource`, where
+    `FeatureCache` computes them): the last hidden state and the streams `layers` of each
+    row."""
 
     def __init__(self, store: FeatureStore, layers: Iterable[int] = ()):
         self.store, self.layers = store, tuple(layers)

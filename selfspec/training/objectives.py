@@ -9,7 +9,7 @@ adapters on the target (`selfspec.model.lora`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,12 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
-from selfspec.training.features import TargetStates, target_states
+from selfspec.training.features import (
+    FeatureCache,
+    FeatureSource,
+    TargetStates,
+    target_states,
+)
 from selfspec.training.losses import (
     LossOutput,
     eagle3_loss,
@@ -37,41 +42,6 @@ if TYPE_CHECKING:
 def freeze(target: Transformer) -> Transformer:
     target.requires_grad_(False)
     return target.eval()
-
-
-class FeatureSource(Protocol):
-    """Where an objective gets the frozen target's states of its rows instead of running the
-    target at every step: `FeatureCache` (computed once, kept in memory) or
-    `features.StoredFeatures` (read from a feature store on disk)."""
-
-    layers: tuple[int, ...]
-
-    def states(self, target: Transformer, tokens: torch.Tensor) -> TargetStates: ...
-
-
-class FeatureCache:
-    """The frozen target's last hidden states of each training row (and the residual streams
-    `layers`, for EAGLE-3), computed once and kept: a frozen target gives the same features
-    every epoch, so training over a small data set for many epochs pays the target's forward
-    once per row (EAGLE precomputes its features the same way). Memory: rows x seq_len x
-    hidden x (1 + len(layers)) values in the target's dtype."""
-
-    def __init__(self, layers: tuple[int, ...] = ()) -> None:
-        self.layers = tuple(layers)
-        self.rows: dict[bytes, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def states(self, target: Transformer, tokens: torch.Tensor) -> TargetStates:
-        """The states of rows tokens [B, T]: last hidden [B, T, H], the streams `layers`."""
-        keys = [row.cpu().numpy().tobytes() for row in tokens]
-        missing = sorted({i for i, key in enumerate(keys) if key not in self.rows})
-        if missing:
-            new = target_states(target, tokens[missing], self.layers)
-            joined = torch.cat([new.last, *new.streams], dim=-1)  # [b, T, H x (1 + n)]
-            self.rows.update((keys[i], h) for i, h in zip(missing, joined, strict=True))
-        joined = torch.stack([self.rows[key] for key in keys])
-        last, *streams = joined.split(target.config.hidden_size, dim=-1)
-        return TargetStates(last, tuple(streams))
 
 
 def feature_source(layers: tuple[int, ...], cache_features: bool,
