@@ -28,7 +28,7 @@ from selfspec.heads.eagle import EagleHead, draft_vocabulary
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.measure.replay import GreedyRecord, cached_records, replay
-from selfspec.metrics import GenerationStats
+from selfspec.metrics import TauEstimate
 from selfspec.model import Transformer
 from selfspec.model.fingerprint import weights_fingerprint
 from selfspec.model.lora import add_lora
@@ -176,9 +176,12 @@ def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
         start = time.perf_counter()
         taus = {name: heldout_tau(target, drafter, verified, records, replayable)
                 for name, (drafter, verified) in drafters_of(target, folder).items()}
-        named = {f"eval/tau/{name}": tau for name, tau in taus.items() if name}
+        named = {f"eval/tau/{name}": t.tau for name, t in taus.items() if name}
+        errors = {f"eval/tau_se/{name}" if name else "eval/tau_se": t.standard_error
+                  for name, t in taus.items() if t.prompts > 1 and (name or len(taus) == 1)}
         seconds = time.perf_counter() - start  # what judging costs the run, beside its steps
-        return {"eval/tau": sum(taus.values()) / len(taus), "eval/tau_seconds": seconds} | named
+        mean = sum(t.tau for t in taus.values()) / len(taus)
+        return {"eval/tau": mean, "eval/tau_seconds": seconds} | named | errors
 
     return judge
 
@@ -189,19 +192,20 @@ def _zero3(cfg: DictConfig) -> bool:
 
 
 def heldout_tau(target: Transformer, drafter: Drafter, verified: Transformer,
-                records: list[GreedyRecord], replayable: bool) -> float:
-    """The drafter's greedy tau over the records' prompts: replayed over the recorded answers,
-    or decoded by `generate` on `verified` (a Medusa-2 export's adapted target, or a drafter
-    that drafts in the target's own cache, which a replay does not keep)."""
-    stats = GenerationStats()
+                records: list[GreedyRecord], replayable: bool) -> TauEstimate:
+    """The drafter's greedy tau over the records' prompts, with its standard error over them:
+    replayed over the recorded answers, or decoded by `generate` on `verified` (a Medusa-2
+    export's adapted target, or a drafter that drafts in the target's own cache, which a
+    replay does not keep)."""
+    per_prompt = []
     for record in records:
         if replayable and verified is target:
-            stats.merge(replay(target, drafter, record))
+            per_prompt.append(replay(target, drafter, record))
         else:
-            stats.merge(generate(verified, record.prompt, drafter=drafter,
-                                 max_new_tokens=record.answer_length,
-                                 eos_token_id=list(target.config.eos_token_ids)).stats)
-    return stats.tau
+            per_prompt.append(generate(verified, record.prompt, drafter=drafter,
+                                       max_new_tokens=record.answer_length,
+                                       eos_token_id=list(target.config.eos_token_ids)).stats)
+    return TauEstimate.of(per_prompt)
 
 
 def compare_on_final_eval(cfg: DictConfig, target: Transformer, drafter: Drafter) -> Comparison:
@@ -228,6 +232,7 @@ def train_settings(cfg: DictConfig) -> TrainSettings:
         stop_after_no_gain=(None if t.get("stop_after_no_gain") is None
                             else int(t.stop_after_no_gain)),
         max_minutes=None if t.get("max_minutes") is None else float(t.max_minutes),
+        epochs=None if t.get("epochs") is None else float(t.epochs),
     )
 
 
