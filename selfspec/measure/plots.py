@@ -323,8 +323,11 @@ def data_curves_figure(curves: Mapping[str, Mapping[int, Sequence[Row]]], title:
         last.errorbar(sizes, [p["tau"] for p in ends], yerr=[p.get("tau_se") or 0.0 for p in ends],
                       marker="o", markersize=3, capsize=2, label=method,
                       color=(colors or {}).get(method) or f"C{i}")
-    if any(len(by_size) > 1 for by_size in curves.values()):
+    sizes = sorted({size for by_size in curves.values() for size in by_size})
+    if len(sizes) > 1:
         last.set_xscale("log")
+        last.minorticks_off()
+    last.set_xticks(sizes, [f"{size:,}" for size in sizes])
     last.set(title="after the last epoch", xlabel="training answers",
              ylabel="held-out tau (greedy)")
     last.grid(alpha=0.3)
