@@ -72,12 +72,15 @@ def build_feature_store(cfg: DictConfig) -> StoreIndex | None:
     heldout = heldout.select(torch.arange(min(settings["heldout_rows"], len(heldout))))
     options = {"batch_size": settings["batch_size"], "rows_per_shard": settings["rows_per_shard"],
                "rank": launch.rank, "world": launch.world}
-    names = [*build_store(target, train, writer, prefix="train", **options),
-             *build_store(target, heldout, writer, prefix="heldout", **options)]
+    parts = [build_store(target, rows, writer, prefix=prefix, **options)
+             for prefix, rows in (("train", train), ("heldout", heldout))]
+    if launch.world > 1:
+        mine = [name for part in parts for name in part[launch.rank :: launch.world]]
+        print(f"rank {launch.rank} of {launch.world}: shards {', '.join(mine)}", flush=True)
     launch.barrier()
     if launch.rank > 0:
         return None
-    index = writer.finish(names)
+    index = writer.finish([name for part in parts for name in part])
     if index is None:
         raise RuntimeError(f"{writer.folder}: shards are missing after every rank finished")
     return index
