@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -58,8 +59,8 @@ def build_feature_store(cfg: DictConfig) -> StoreIndex | None:
     set_threads(cfg, "trainer.threads")
     settings = store_settings(cfg)
     launch = Launch.from_environment()
-    if launch.world > 1:
-        torch.distributed.init_process_group("gloo")
+    if launch.world > 1:  # the others wait while rank 0 writes the rows: hours, for answers
+        torch.distributed.init_process_group("gloo", timeout=timedelta(days=2))
     target = load_target(cfg)
     layers = store_layers(cfg, target.config.num_layers)
     writer = StoreWriter(settings["out"], store_spec(target, layers, settings["dtype"],
