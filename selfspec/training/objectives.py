@@ -2,8 +2,9 @@
 
 `selfspec.training.loop.fit` trains any of these; each method adds one class here, a head in
 `selfspec.heads` and a loss in `selfspec.training.losses`. With a frozen target its features
-are computed without gradients and handed to the head explicitly; Medusa-2 also trains LoRA
-adapters on the target (`selfspec.model.lora`).
+are computed without gradients, or read from a feature source (`features.FeatureCache`, a
+feature store's `features.StoredFeatures`), and handed to the head explicitly; Medusa-2 also
+trains LoRA adapters on the target (`selfspec.model.lora`).
 """
 
 from __future__ import annotations
