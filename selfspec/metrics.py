@@ -3,6 +3,8 @@ time of a step goes."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # The timed phases of a generation, in loop order: the prefill (once per generation), then per
@@ -125,6 +127,31 @@ class GenerationStats:
 # What a batch's rows share (`generate` gives each row the batch's figures): counted once
 # when their stats are merged.
 SHARED_BY_ROWS = ("split_steps", "loop_steps", *(f"{p}_time_s" for p in PHASES))
+
+
+@dataclass(frozen=True)
+class TauEstimate:
+    """tau over several prompts, pooled (their accepted tokens and steps summed, as
+    `GenerationStats.merge` does), with its standard error over prompts: the ratio
+    estimator's, by the delta method (NaN with fewer than two prompts). With equal steps per
+    prompt it is the standard deviation of the prompts' tau over sqrt(prompts)."""
+
+    tau: float
+    standard_error: float
+    prompts: int
+
+    @classmethod
+    def of(cls, per_prompt: Sequence[GenerationStats]) -> TauEstimate:
+        n = len(per_prompt)
+        steps = [s.steps for s in per_prompt]
+        tokens = [s.accepted + s.steps for s in per_prompt]  # what the steps emitted
+        if not sum(steps):
+            return cls(0.0, math.nan, n)
+        tau = sum(tokens) / sum(steps)
+        if n < 2:
+            return cls(tau, math.nan, n)
+        spread = sum((y - tau * x) ** 2 for y, x in zip(tokens, steps, strict=True))
+        return cls(tau, math.sqrt(spread / (n * (n - 1))) / (sum(steps) / n), n)
 
 
 def describe_split(split: dict[str, dict[str, float]] | None) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from selfspec.metrics import OTHER, PHASES, GenerationStats, describe_split
 
@@ -57,3 +60,20 @@ def test_as_dict_carries_the_split_and_the_node_histogram():
     record = timed(2, 1.0, forward=0.5).as_dict()
     assert record["time_split"]["forward"]["share"] == pytest.approx(0.5)
     assert record["nodes_histogram"] == [0, 0, 2] and record["forward_time_s"] == 0.5
+
+
+def test_tau_over_prompts_is_pooled_with_its_standard_error():
+    from selfspec.metrics import TauEstimate
+
+    def prompt(steps: int, accepted: int) -> GenerationStats:
+        return GenerationStats(steps=steps, accepted=accepted)
+
+    equal = [prompt(10, a) for a in (5, 10, 15, 30)]  # tau 1.5, 2, 2.5, 4 over equal steps
+    estimate = TauEstimate.of(equal)
+    taus = torch.tensor([1.5, 2.0, 2.5, 4.0], dtype=torch.float64)
+    assert estimate.tau == pytest.approx(float(taus.mean()))
+    assert estimate.standard_error == pytest.approx(float(taus.std() / 2))  # sd / sqrt(n)
+    uneven = TauEstimate.of([prompt(10, 10), prompt(30, 0)])  # pooled: 50 tokens / 40 steps
+    assert uneven.tau == pytest.approx(1.25) and uneven.prompts == 2
+    assert uneven.standard_error > 0
+    assert math.isnan(TauEstimate.of([prompt(4, 2)]).standard_error)

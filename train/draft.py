@@ -42,7 +42,8 @@ def main(cfg: DictConfig) -> None:
     draft = from_config.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
-    objective = from_config.draft_model_objective(cfg, target, draft, counts)
+    objective = from_config.draft_model_objective(
+        cfg, target, draft, counts, from_config.trainer_features(cfg, target, train, heldout))
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -40,7 +40,9 @@ def main(cfg: DictConfig) -> None:
     from_config.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
-    objective = from_config.eagle_objective(cfg, target, head)
+    features = from_config.trainer_features(cfg, target, train, heldout,
+                                            head.config.target_layers)
+    objective = from_config.eagle_objective(cfg, target, head, features)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     buffers = {name: b.detach().clone() for name, b in head.named_buffers()}  # EAGLE-3 d2t, t2d
 

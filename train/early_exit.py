@@ -42,7 +42,9 @@ def main(cfg: DictConfig) -> None:
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
-    objective = from_config.early_exit_objective(cfg, target, heads)
+    features = from_config.trainer_features(cfg, target, train, heldout,
+                                            [head.exit_layer for head in heads])
+    objective = from_config.early_exit_objective(cfg, target, heads, features)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     configs = [head.config for head in heads]
 

@@ -44,7 +44,8 @@ def main(cfg: DictConfig) -> None:
     heads, head_config = from_config.medusa_heads(cfg, target, train)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)  # before Medusa-2 wraps the target with adapters
-    objective = from_config.medusa_objective(cfg, target, heads)
+    features = from_config.trainer_features(cfg, target, train, heldout)
+    objective = from_config.medusa_objective(cfg, target, heads, features)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     buffers = {name: b.detach().clone() for name, b in heads.named_buffers()}  # d2t, t2d

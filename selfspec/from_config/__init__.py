@@ -8,7 +8,7 @@ tokenizers), `prompts`, `methods/` (the method registry: one module per method, 
 registry entry: its variants, checks, what it loads, its drafter), `generation`
 (eval/generate.py's drafter), `training` (what every trainer shares), `trainers` (what each
 trainer composes: its settings checked, its fresh module, its objective, its export's
-drafters) and `sweeps`.
+drafters), `features` (feature stores) and `sweeps`.
 """
 
 from selfspec.from_config.common import (  # noqa: F401
@@ -20,6 +20,11 @@ from selfspec.from_config.common import (  # noqa: F401
     positive_int,
     sampling_params,
     set_threads,
+)
+from selfspec.from_config.features import (  # noqa: F401
+    build_feature_store,
+    store_layers,
+    trainer_features,
 )
 from selfspec.from_config.generation import (  # noqa: F401
     build_drafter,

@@ -39,6 +39,7 @@ from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer, dense_weight
 from selfspec.model.lora import LoraSettings, add_lora
+from selfspec.training.features import FeatureSource
 from selfspec.training.loop import TokenRows
 from selfspec.training.objectives import (
     DraftModelObjective,
@@ -121,16 +122,20 @@ def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None =
 
 
 def medusa_objective(
-    cfg: DictConfig, target: Transformer, heads: MedusaHeads
+    cfg: DictConfig, target: Transformer, heads: MedusaHeads,
+    features: FeatureSource | None = None,
 ) -> MedusaObjective | Medusa2Objective:
-    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA."""
+    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA.
+    features: the target's states read from a feature store (Medusa-1)."""
     decay = float(cfg.medusa.decay)
     cache = bool(cfg.medusa.get("cache_features", False))
     if medusa_version(cfg) == 1:
-        return MedusaObjective(target, heads, decay=decay, cache_features=cache)
-    if cache:
-        raise ValueError("medusa.cache_features=true needs a frozen target (Medusa-1): "
-                         "Medusa-2 trains the target, whose features change every step")
+        return MedusaObjective(target, heads, decay=decay, cache_features=cache,
+                               features=features)
+    if cache or features is not None:
+        raise ValueError("medusa.cache_features=true and trainer.features need a frozen target "
+                         "(Medusa-1): Medusa-2 trains the target, whose features change every "
+                         "step")
     adapted = add_lora(target, lora_settings(cfg))
     return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
                             adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
@@ -217,19 +222,22 @@ def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) ->
 
 
 def eagle_objective(
-    cfg: DictConfig, target: Transformer, head: EagleHead
+    cfg: DictConfig, target: Transformer, head: EagleHead,
+    features: FeatureSource | None = None,
 ) -> EagleObjective | Eagle3Objective:
     """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
     next feature and token law with uniform feature noise (drawn from torch's default
-    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test."""
+    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test.
+    features: the target's states read from a feature store."""
     e = cfg.eagle
     cache = bool(e.get("cache_features", False))
     if eagle_version(cfg) < 3:
         return EagleObjective(target, head, feature_weight=float(e.feature_weight),
                               token_weight=float(e.token_weight),
-                              feature_noise=float(e.feature_noise), cache_features=cache)
+                              feature_noise=float(e.feature_noise), cache_features=cache,
+                              features=features)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
-                           cache_features=cache)
+                           cache_features=cache, features=features)
 
 
 def eagle_drafter(cfg: DictConfig, eagle: EagleHead) -> EagleDrafter:
@@ -276,11 +284,13 @@ def early_exit_heads(cfg: DictConfig, target: Transformer) -> list[ExitHead]:
             for e in early_exit_layers(cfg, target.config.num_layers)]
 
 
-def early_exit_objective(cfg: DictConfig, target: Transformer, heads: list[ExitHead]
-                         ) -> EarlyExitObjective:
-    """The exits trained together from one target forward, each on the target's final law
-    (plus early_exit.hard_weight x cross-entropy to the tokens)."""
-    return EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight))
+def early_exit_objective(cfg: DictConfig, target: Transformer, heads: list[ExitHead],
+                         features: FeatureSource | None = None) -> EarlyExitObjective:
+    """The exits trained together from one target forward (or the states of a feature
+    store), each on the target's final law (plus early_exit.hard_weight x cross-entropy to
+    the tokens)."""
+    return EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight),
+                              features=features)
 
 
 def early_exit_drafter(cfg: DictConfig, head: ExitHead, k: int | None = None,
@@ -338,14 +348,15 @@ def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
 
 
 def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transformer,
-                          counts: torch.Tensor) -> DraftModelObjective:
+                          counts: torch.Tensor, features: FeatureSource | None = None
+                          ) -> DraftModelObjective:
     """The draft distilled on the frozen target's law (plus draft_model.hard_weight x
     cross-entropy to the tokens), over draft_model.draft_vocab's most frequent tokens of the
-    training rows' counts [V] when set."""
+    training rows' counts [V] when set; features: the target's states from a feature store."""
     d = cfg.draft_model
     vocab = None if d.draft_vocab is None else most_frequent(counts, int(d.draft_vocab))
     return DraftModelObjective(target, draft, float(d.hard_weight), bool(d.cache_features),
-                               vocab)
+                               vocab, features)
 
 
 def draft_model_drafters(cfg: DictConfig, target: Transformer, export: Path

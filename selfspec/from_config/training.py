@@ -26,18 +26,22 @@ from selfspec.from_config.models import (
 from selfspec.from_config.prompts import load_prompts
 from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.measure.replay import GreedyRecord, cached_records, replay
-from selfspec.metrics import GenerationStats
+from selfspec.metrics import TauEstimate
 from selfspec.model import Transformer
+from selfspec.model.fingerprint import weights_fingerprint
 from selfspec.training import checkpoints
 from selfspec.training.data import (
+    document_rows,
+    first_answers,
+    load_jsonl_documents,
     load_sharegpt,
-    packed_chat_dataset,
     packed_stdlib_dataset,
+    render_conversation,
     rows_from_dataset,
     self_distill,
     self_distill_rows,
-    weights_fingerprint,
 )
+from selfspec.training.features import StoreWriter
 from selfspec.training.instructions import (
     cache_name,
     general_instructions,
@@ -165,9 +169,12 @@ def tau_judge(cfg: DictConfig, target: Transformer, drafters_of: DraftersOf,
         start = time.perf_counter()
         taus = {name: heldout_tau(target, drafter, verified, records, replayable)
                 for name, (drafter, verified) in drafters_of(target, folder).items()}
-        named = {f"eval/tau/{name}": tau for name, tau in taus.items() if name}
+        named = {f"eval/tau/{name}": t.tau for name, t in taus.items() if name}
+        errors = {f"eval/tau_se/{name}" if name else "eval/tau_se": t.standard_error
+                  for name, t in taus.items() if t.prompts > 1 and (name or len(taus) == 1)}
         seconds = time.perf_counter() - start  # what judging costs the run, beside its steps
-        return {"eval/tau": sum(taus.values()) / len(taus), "eval/tau_seconds": seconds} | named
+        mean = sum(t.tau for t in taus.values()) / len(taus)
+        return {"eval/tau": mean, "eval/tau_seconds": seconds} | named | errors
 
     return judge
 
@@ -178,19 +185,20 @@ def _zero3(cfg: DictConfig) -> bool:
 
 
 def heldout_tau(target: Transformer, drafter: Drafter, verified: Transformer,
-                records: list[GreedyRecord], replayable: bool) -> float:
-    """The drafter's greedy tau over the records' prompts: replayed over the recorded answers,
-    or decoded by `generate` on `verified` (a Medusa-2 export's adapted target, or a drafter
-    that drafts in the target's own cache, which a replay does not keep)."""
-    stats = GenerationStats()
+                records: list[GreedyRecord], replayable: bool) -> TauEstimate:
+    """The drafter's greedy tau over the records' prompts, with its standard error over them:
+    replayed over the recorded answers, or decoded by `generate` on `verified` (a Medusa-2
+    export's adapted target, or a drafter that drafts in the target's own cache, which a
+    replay does not keep)."""
+    per_prompt = []
     for record in records:
         if replayable and verified is target:
-            stats.merge(replay(target, drafter, record))
+            per_prompt.append(replay(target, drafter, record))
         else:
-            stats.merge(generate(verified, record.prompt, drafter=drafter,
-                                 max_new_tokens=record.answer_length,
-                                 eos_token_id=list(target.config.eos_token_ids)).stats)
-    return stats.tau
+            per_prompt.append(generate(verified, record.prompt, drafter=drafter,
+                                       max_new_tokens=record.answer_length,
+                                       eos_token_id=list(target.config.eos_token_ids)).stats)
+    return TauEstimate.of(per_prompt)
 
 
 def compare_on_final_eval(cfg: DictConfig, target: Transformer, drafter: Drafter) -> Comparison:
@@ -217,6 +225,7 @@ def train_settings(cfg: DictConfig) -> TrainSettings:
         stop_after_no_gain=(None if t.get("stop_after_no_gain") is None
                             else int(t.stop_after_no_gain)),
         max_minutes=None if t.get("max_minutes") is None else float(t.max_minutes),
+        epochs=None if t.get("epochs") is None else float(t.epochs),
     )
 
 
@@ -227,15 +236,19 @@ def deepspeed_config(cfg: DictConfig) -> dict | None:
 
 
 def training_rows(
-    cfg: DictConfig, tokenizer, target: Transformer | None = None
+    cfg: DictConfig, tokenizer, target: Transformer | None = None,
+    store: StoreWriter | None = None,
 ) -> tuple[TokenRows, TokenRows]:
     """(train, held-out) packed rows of cfg.train_data at cfg.trainer.seq_len; with
     train_data.self_distill the target rewrites the assistant turns (sharegpt) or continues
-    each corpus row after its first tokens (stdlib) first."""
+    each corpus row after its first tokens (stdlib) first (writing their states into `store`
+    as it generates them, when given). train_data.max_answers: the first N answers (chat
+    conversations, JSON-lines documents, corpus rows) in a fixed shuffled order."""
     source, seq_len = cfg.train_data.source, positive_int(cfg, "trainer.seq_len", 2)
-    for key in ("max_rows", "self_distill_rows"):
+    for key in ("max_rows", "self_distill_rows", "max_answers"):
         if cfg.train_data.get(key) is not None:
             positive_int(cfg, f"train_data.{key}")
+    answers = cfg.train_data.get("max_answers")
     if source == "stdlib":
         cache = cfg.train_data.get("cache_dir")
         train, heldout = (
@@ -243,7 +256,14 @@ def training_rows(
             for split in ("train", "heldout")
         )
         if self_distill_enabled(cfg):
-            train, heldout = distilled_corpus(cfg, target, train, heldout)
+            train, heldout = distilled_corpus(cfg, target, train, heldout, store)
+        if answers is not None:
+            train = train.select(torch.tensor(first_answers(range(len(train)), answers)))
+    elif source == "jsonl":
+        if not cfg.train_data.get("path"):
+            raise ValueError("train_data.source=jsonl needs train_data.path=/file.jsonl")
+        train, heldout = document_rows(load_jsonl_documents(cfg.train_data.path, tokenizer),
+                                       seq_len, answers)
     elif source == "sharegpt":
         if not cfg.train_data.get("path"):
             raise ValueError("train_data.source=sharegpt needs train_data.path=/file.json")
@@ -253,25 +273,25 @@ def training_rows(
                 conversations, target, tokenizer, seed=int(cfg.seed),
                 max_new_tokens=int(cfg.train_data.self_distill_max_new_tokens),
             )
-        train, heldout = chat_rows(conversations, tokenizer, seq_len)
+        train, heldout = chat_rows(conversations, tokenizer, seq_len, answers)
     elif source == "instructions":
         train, heldout = chat_rows(instruction_conversations(cfg, target, tokenizer),
-                                   tokenizer, seq_len)
+                                   tokenizer, seq_len, answers)
     else:
-        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib, instructions "
-                         f"or sharegpt")
+        raise ValueError(f"unknown train_data.source {source!r}: choose stdlib, instructions, "
+                         f"sharegpt or jsonl")
     cap = cfg.train_data.get("max_rows")
     if cap is not None:
         train = train.select(torch.arange(min(int(cap), len(train))))
     return train, heldout
 
 
-def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int
-              ) -> tuple[TokenRows, TokenRows]:
-    """(train, held-out) packed chat rows; every 20th conversation is held out."""
-    cut = max(1, len(conversations) // 20)
-    return tuple(rows_from_dataset(packed_chat_dataset(tokenizer, part, seq_len))
-                 for part in (conversations[cut:], conversations[:cut]))
+def chat_rows(conversations: list[list[dict]], tokenizer, seq_len: int,
+              max_answers: int | None = None) -> tuple[TokenRows, TokenRows]:
+    """(train, held-out) packed chat rows; the first twentieth of the conversations is held
+    out (`data.document_rows`), max_answers of the rest trained on."""
+    return document_rows([render_conversation(tokenizer, c) for c in conversations], seq_len,
+                         max_answers)
 
 
 def instruction_conversations(cfg: DictConfig, target: Transformer | None, tokenizer
@@ -313,11 +333,14 @@ def self_distill_enabled(cfg: DictConfig) -> bool:
 
 
 def distilled_corpus(
-    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows
+    cfg: DictConfig, target: Transformer | None, train: TokenRows, heldout: TokenRows,
+    store: StoreWriter | None = None,
 ) -> tuple[TokenRows, TokenRows]:
     """The stdlib rows continued by the target itself: as many training rows as the run will
     draw (steps x global batch, or train_data.max_rows or self_distill_rows if fewer: the run
-    then goes over them for several epochs) and the held-out rows that evaluation reads."""
+    then goes over them for several epochs) and the held-out rows that evaluation reads.
+    store: the feature store that the generation writes (`train/store.py`), a shard of
+    store.rows_per_shard rows per generated batch."""
     if target is None:
         raise ValueError("train_data.self_distill needs the target to generate with")
     t = cfg.trainer
@@ -326,6 +349,10 @@ def distilled_corpus(
     caps = (cfg.train_data.get(key) for key in ("max_rows", "self_distill_rows"))
     count = min([drawn, *(int(cap) for cap in caps if cap is not None)])
     options = {"prompt_tokens": int(cfg.train_data.self_distill_prompt_tokens),
-               "cache_dir": cfg.train_data.get("cache_dir")}
-    return (self_distill_rows(train, target, count=count, **options),
-            self_distill_rows(heldout, target, count=int(t.eval_rows), **options))
+               "cache_dir": cfg.train_data.get("cache_dir"), "store": store}
+    if store is not None:
+        options["batch_size"] = positive_int(cfg, "store.rows_per_shard")
+    return (self_distill_rows(train, target, count=count, store_prefix="train", **options),
+            self_distill_rows(heldout, target, count=int(t.eval_rows), store_prefix="heldout",
+                              **options))
+

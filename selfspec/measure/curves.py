@@ -14,10 +14,12 @@ from selfspec.training.tracking import read_metrics
 
 
 def tau_curve(run_dir: str | Path) -> list[dict[str, float]]:
-    """[{"step", "minutes", "tokens_seen", "tau", "tau_seconds"}] of every evaluation that
-    judged tau (tau_seconds: what judging it took)."""
+    """[{"step", "minutes", "tokens_seen", "epochs", "tau", "tau_se", "tau_seconds"}] of every
+    evaluation that judged tau (tau_se: its standard error over the prompts, None when not
+    logged; tau_seconds: what judging it took)."""
     return [{"step": r["step"], "minutes": r["minutes"], "tokens_seen": r["tokens_seen"],
-             "tau": r["eval/tau"], "tau_seconds": r.get("eval/tau_seconds", 0.0)}
+             "epochs": r.get("epochs"), "tau": r["eval/tau"], "tau_se": r.get("eval/tau_se"),
+             "tau_seconds": r.get("eval/tau_seconds", 0.0)}
             for r in read_metrics(run_dir) if "eval/tau" in r]
 
 

@@ -294,3 +294,42 @@ def learning_curves_figure(curves: Mapping[str, Sequence[Row]], title: str,
         axes.grid(alpha=0.3)
     panels[0].legend(fontsize=7)
     return figure
+
+
+def data_curves_figure(curves: Mapping[str, Mapping[int, Sequence[Row]]], title: str,
+                       colors: Colors | None = None) -> Figure:
+    """Held-out tau against data and epochs: a panel per method with tau after each epoch, a
+    line per training set size (answers), and a last panel with each method's tau after its
+    last epoch against the answers it trained on. Error bars: the standard error over the
+    held-out prompts. curves: {method: {answers: [{"epochs", "tau", "tau_se"}, ...]}}."""
+    panels_count = len(curves) + 1
+    width = PANEL_WIDTH * panels_count
+    figure = Figure(figsize=(width, 3.8), layout="constrained")
+    panels = figure.subplots(1, panels_count, squeeze=False)[0]
+    figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
+    for axes, (method, by_size) in zip(panels, curves.items(), strict=False):
+        for i, (answers, points) in enumerate(sorted(by_size.items())):
+            axes.errorbar([p["epochs"] for p in points], [p["tau"] for p in points],
+                          yerr=[p.get("tau_se") or 0.0 for p in points], marker="o",
+                          markersize=3, capsize=2, color=f"C{i}", label=f"{answers:,} answers")
+        axes.set(title=method, xlabel="epochs", ylabel="held-out tau (greedy)")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    last = panels[-1]
+    for i, (method, by_size) in enumerate(curves.items()):
+        sizes = sorted(size for size, points in by_size.items() if points)
+        ends = [by_size[size][-1] for size in sizes]
+        last.errorbar(sizes, [p["tau"] for p in ends], yerr=[p.get("tau_se") or 0.0 for p in ends],
+                      marker="o", markersize=3, capsize=2, label=method,
+                      color=(colors or {}).get(method) or f"C{i}")
+    sizes = sorted({size for by_size in curves.values() for size in by_size})
+    if len(sizes) > 1:
+        last.set_xscale("log")
+        last.minorticks_off()
+    last.set_xticks(sizes, [f"{size:,}" for size in sizes])
+    last.set(title="after the last epoch", xlabel="training answers",
+             ylabel="held-out tau (greedy)")
+    last.grid(alpha=0.3)
+    last.legend(fontsize=7)
+    return figure

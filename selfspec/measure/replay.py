@@ -54,7 +54,8 @@ def cached_records(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
                    ) -> list[GreedyRecord]:
     """`record_greedy` of every prompt, written once to cache_dir (JSON) and read back by later
     runs, keyed by the target's weights and these settings (as the training answers are)."""
-    from selfspec.training.data import cache_key, weights_fingerprint
+    from selfspec.model.fingerprint import weights_fingerprint
+    from selfspec.training.data import cache_key
 
     key = cache_key("greedy", weights_fingerprint(target), [list(p) for p in prompts],
                     max_new_tokens, list(stop_ids), LOOKAHEAD)

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+from selfspec.files import partial_path, remove_abandoned_partials
+
 RECORD = "selfspec_source.json"
 CONVERSION = 1  # bumped when the converted folder changes: older conversions are redone
 GGUF_REQUIREMENT = "gguf>=0.19,<0.20"
@@ -82,8 +84,8 @@ def gguf_model_folder(name: str, source: GGUFSource, cache: Path | None = None) 
         check_installed(source)
     gguf_file = None if source.parts else locate_gguf(source)
     require_gguf_reader()
-    _remove_abandoned_partials(folder)
-    partial = folder.with_name(f".{name}.{os.getpid()}.partial")
+    remove_abandoned_partials(folder.parent, prefix=f".{folder.name}.")
+    partial = partial_path(folder.with_name(f".{name}"))
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     log.warning("converting %s once into %s (about a minute)", source.file, folder)
@@ -235,25 +237,6 @@ def _move_into_place(partial: Path, folder: Path, source: GGUFSource) -> None:
     except OSError:  # a non-empty folder appeared meanwhile
         if not is_converted(folder, source):
             raise
-
-
-def _remove_abandoned_partials(folder: Path) -> None:
-    """Delete partial folders that conversions killed midway left behind (their process is
-    gone); those of a conversion still running are kept."""
-    for partial in folder.parent.glob(f".{folder.name}.*.partial"):
-        pid = partial.name.removeprefix(f".{folder.name}.").removesuffix(".partial")
-        if pid.isdigit() and not _process_exists(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
 
 
 def _sha256(path: Path) -> str:

@@ -17,9 +17,14 @@ import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from selfspec.model.fingerprint import weights_fingerprint
+
+if TYPE_CHECKING:
+    from selfspec.training.features import StoreWriter, TargetStates
 
 Split = Literal["train", "heldout", "all"]
 
@@ -136,12 +141,115 @@ def packed_stdlib_dataset(tokenizer, split: Split, seq_len: int, cache_dir: str 
 
 def packed_chat_dataset(tokenizer, conversations: list[list[dict]], seq_len: int):
     """ShareGPT-style conversations packed into windows with assistant-only loss masks."""
+    return packed_documents([render_conversation(tokenizer, c) for c in conversations], seq_len)
+
+
+Document = tuple[list[int], list[int]]  # a document's token ids and loss mask (1 = learned)
+
+
+def packed_documents(documents: Sequence[Document], seq_len: int):
+    """Documents concatenated in order and cut into windows of seq_len: a `datasets.Dataset`
+    with columns `tokens` and `loss_mask` (the short tail is dropped)."""
     import datasets
 
-    rendered = [render_conversation(tokenizer, c) for c in conversations]
-    ids = [r[0] for r in rendered]
-    masks = [r[1] for r in rendered]
-    return datasets.Dataset.from_dict(_pack_batch(ids, masks, seq_len))
+    return datasets.Dataset.from_dict(_pack_batch([d[0] for d in documents],
+                                                  [d[1] for d in documents], seq_len))
+
+
+def document_rows(documents: Sequence[Document], seq_len: int, max_answers: int | None = None):
+    """(train, held-out) `TokenRows` of documents: the first twentieth (at least one) is held
+    out, the rest packed for training. max_answers: train on the first max_answers of them in
+    a fixed shuffled order (`first_answers`), so that smaller sets are prefixes of larger
+    ones, rows included."""
+    cut = max(1, len(documents) // 20)
+    train = list(documents[cut:])
+    if max_answers is not None:
+        train = first_answers(train, max_answers)
+    return tuple(rows_from_dataset(packed_documents(part, seq_len))
+                 for part in (train, documents[:cut]))
+
+
+def first_answers(items: Sequence, count: int) -> list:
+    """The first `count` items (all, if fewer) in a fixed shuffled order that does not depend
+    on count: the sets of several counts are nested, each a prefix of the next."""
+    import random
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"train_data.max_answers must be an integer >= 1 (or null), got "
+                         f"{count!r}")
+    order = list(range(len(items)))
+    random.Random(0).shuffle(order)
+    return [items[i] for i in order[:count]]
+
+
+def load_jsonl_documents(path: str | Path, tokenizer) -> list[Document]:
+    """Training documents from a JSON-lines file, one a line, in any of these forms (what a
+    serving engine's batch run, or selfspec's own self-distillation, writes):
+
+        {"tokens": [ids], "loss_mask": [0/1, ...]}     token ids (no mask: every token learned)
+        {"prompt_ids": [ids], "answer_ids": [ids]}     token ids, the answer learned
+        {"messages": [{"role", "content"}, ...]}       chat turns (or ShareGPT's
+                                                       "conversations" of {"from", "value"})
+        {"prompt": "...", "answer": "..."}             one exchange (a self-distillation cache)
+
+    Chat turns go through the tokenizer's chat template, the assistant's turns learned."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"train_data.path: no JSON-lines file at {path}")
+    documents = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                documents.append(_document(line, tokenizer, f"{path}, line {number}"))
+    if not documents:
+        raise ValueError(f"{path} holds no documents (it is empty)")
+    return documents
+
+
+def _document(line: str, tokenizer, where: str) -> Document:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    if "tokens" in record:
+        ids = _ids(record["tokens"], where)
+        mask = _ids(record.get("loss_mask", [1] * len(ids)), where)
+        if len(mask) != len(ids) or not set(mask) <= {0, 1}:
+            raise ValueError(f"{where}: loss_mask must be 0s and 1s, one per token")
+        return ids, mask
+    if "prompt_ids" in record and "answer_ids" in record:
+        prompt, answer = _ids(record["prompt_ids"], where), _ids(record["answer_ids"], where)
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    if "prompt" in record and "answer" in record:
+        turns = [{"role": "user", "content": record["prompt"]},
+                 {"role": "assistant", "content": record["answer"]}]
+        return render_conversation(tokenizer, turns)
+    turns = record.get("messages") or record.get("conversations")
+    if isinstance(turns, list) and all(isinstance(t, dict) for t in turns):
+        return render_conversation(tokenizer, chat_messages(turns))
+    raise ValueError(f"{where}: expected tokens, prompt_ids and answer_ids, messages (chat "
+                     f"turns) or prompt and answer")
+
+
+def _ids(values, where: str) -> list[int]:
+    if not isinstance(values, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{where}: token ids must be a list of integers >= 0")
+    return values
+
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "chatgpt": "assistant", "system": "system"}
+
+
+def chat_messages(turns: list[dict]) -> list[dict]:
+    """Chat turns as {"role", "content"} messages, from either form: {"role", "content"} or
+    ShareGPT's {"from", "value"} (human/user become "user", gpt/assistant/chatgpt
+    "assistant")."""
+    return [{"role": ROLES.get(t.get("from", t.get("role")), "user"),
+             "content": t.get("value", t.get("content", ""))} for t in turns]
 
 
 def load_sharegpt(path: str | Path) -> list[list[dict]]:
@@ -160,13 +268,9 @@ def load_sharegpt(path: str | Path) -> list[list[dict]]:
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise ValueError(f"ShareGPT file {path} must hold a JSON list of records "
                          f'({{"conversations": [...]}} each)')
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "chatgpt": "assistant", "system": "system"}
     conversations = []
     for record in records:
-        turns = record.get("conversations") or record.get("messages") or []
-        messages = [{"role": roles.get(t.get("from", t.get("role")), "user"),
-                     "content": t.get("value", t.get("content", ""))} for t in turns]
+        messages = chat_messages(record.get("conversations") or record.get("messages") or [])
         if any(m["role"] == "assistant" for m in messages):
             conversations.append(messages)
     if not conversations:
@@ -296,7 +400,8 @@ def self_distill(conversations: list[list[dict]], target, tokenizer, *, max_new_
 
 
 def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = None,
-                      batch_size: int = 64, cache_dir: str | Path | None = None):
+                      batch_size: int = 64, cache_dir: str | Path | None = None,
+                      store: StoreWriter | None = None, store_prefix: str = "train"):
     """Corpus rows rewritten by the target: each keeps its first `prompt_tokens` tokens and
     continues with the target's own greedy output to the row's length; the loss counts only
     that continuation. The corpus counterpart of `self_distill` for chat data.
@@ -304,6 +409,11 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     rows: `TokenRows` [N, T]; count: how many rows to rewrite, picked evenly across the corpus
     (None = all). Generated `batch_size` rows at a time, and cached in cache_dir, keyed by the
     target's weights and these settings.
+    store: also keep the target's states of every row in that feature store as they are
+    generated (the generation's forwards compute them: one more one-token forward per batch
+    completes a row), a shard per batch named as `features.build_store` names the shards of
+    `store_prefix` at batch_size rows a shard; a batch whose shard is written already is read
+    back instead of generated, so an interrupted run resumes at the batch it was writing.
     """
     from safetensors.torch import load_file, save_file
 
@@ -320,10 +430,12 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     if cached is not None and cached.is_file():
         return TokenRows(**load_file(str(cached)))
     prompts = picked.tokens[:, :prompt_tokens]  # [count, P]
-    tokens = torch.cat([_greedy_continuations(target, batch, length - prompt_tokens)
-                        for batch in _batches(prompts, batch_size)])  # [count, T]
-    mask = torch.zeros_like(tokens)
+    mask = torch.zeros(count, length, dtype=torch.long)
     mask[:, prompt_tokens:] = 1
+    tokens = torch.cat([
+        _distilled_batch(target, batch, length - prompt_tokens, store,
+                         f"{store_prefix}-{first:08d}", mask[first : first + len(batch)])
+        for first, batch in _batches(prompts, batch_size)])  # [count, T]
     distilled = TokenRows(tokens, mask)
     if cached is not None:  # written whole, then renamed: other ranks never read half a file
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -333,46 +445,60 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     return distilled
 
 
-def _batches(prompts: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
+def _distilled_batch(target, prompts: torch.Tensor, new_tokens: int, store: StoreWriter | None,
+                     shard: str, mask: torch.Tensor) -> torch.Tensor:
+    """One batch's rows [B, P + new_tokens]: generated, or read back from its shard; with a
+    store, the shard written with the states the generation computed."""
+    from selfspec.training.loop import TokenRows
+
+    if store is None:
+        return _greedy_continuations(target, prompts, new_tokens)[0]
+    if store.done(shard):
+        return store.rows(shard).tokens
+    tokens, states = _greedy_continuations(target, prompts, new_tokens, store.spec.layers)
+    store.write(shard, TokenRows(tokens, mask), states)
+    return tokens
+
+
+def _batches(prompts: torch.Tensor, batch_size: int) -> Iterable[tuple[int, torch.Tensor]]:
+    """(first row, prompts [b, P]) of each batch, with a progress bar."""
     from tqdm.auto import tqdm
 
     starts = range(0, len(prompts), batch_size)
-    return (prompts[s : s + batch_size] for s in tqdm(starts, desc="self-distill"))
+    return ((s, prompts[s : s + batch_size]) for s in tqdm(starts, desc="self-distill"))
 
 
 @torch.inference_mode()
-def _greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def _greedy_continuations(target, prompts: torch.Tensor, new_tokens: int,
+                          layers: tuple[int, ...] | None = None
+                          ) -> tuple[torch.Tensor, TargetStates | None]:
     """[B, P + new_tokens]: every prompt row [B, P] of equal length and its greedy
-    continuation (argmax, lowest id on ties, as greedy decoding), all rows in one batch."""
+    continuation (argmax, lowest id on ties, as greedy decoding), all rows in one batch.
+    With `layers`, also the target's states of every position of the rows (`TargetStates`,
+    on the CPU), gathered from the generation's own forwards and one more for the last token."""
+    from selfspec.training.features import TargetStates
+
     device = target.embed_tokens.weight.device
     batch, length = prompts.shape
     cache = target.new_cache(batch_size=batch, max_slots=length + new_tokens)
-    out = target(prompts.to(device), torch.arange(length, device=device), cache)
+    hidden = () if layers is None else tuple(layers)
+    out = target(prompts.to(device), torch.arange(length, device=device), cache,
+                 return_hidden=hidden)
+    states = [out]
     generated = []
     for i in range(new_tokens):
         token = out.logits[:, -1].argmax(dim=-1)  # [B]
         generated.append(token)
-        if i + 1 < new_tokens:
+        if i + 1 < new_tokens or layers is not None:  # the last token's states: one more
             position = torch.tensor([length + i], device=device)
-            out = target(token[:, None], position, cache)
-    return torch.cat([prompts, torch.stack(generated, dim=1).cpu()], dim=1)
-
-
-def weights_fingerprint(target) -> str:
-    """What identifies the target's weights: a sum over every parameter (cheap, and any
-    retrained or adapted target differs) with the architecture. A quantized layer's weight,
-    which has no sum of its own, counts as the weight its kernel computes with."""
-    total = sum(float(_plain(target, name, p).double().sum())
-                for name, p in target.named_parameters())
-    return f"{target.config}|{total:.12e}"
-
-
-def _plain(model, name: str, parameter) -> torch.Tensor:
-    owner, _, kind = name.rpartition(".")
-    layer = model.get_submodule(owner)
-    if kind == "weight" and hasattr(layer, "dense_weight"):  # a quantized layer
-        return layer.dense_weight().detach()
-    return parameter.detach()
+            out = target(token[:, None], position, cache, return_hidden=hidden)
+            states.append(out)
+    tokens = torch.cat([prompts, torch.stack(generated, dim=1).cpu()], dim=1)
+    if layers is None:
+        return tokens, None
+    return tokens, TargetStates(
+        torch.cat([s.last_hidden.cpu() for s in states], dim=1),  # [B, P + new, H]
+        tuple(torch.cat([s.hidden[i].cpu() for s in states], dim=1) for i in range(len(hidden))))
 
 
 def _rows_hash(rows) -> str:

@@ -78,6 +78,13 @@ GENERAL_TEMPLATES = (
     "Write a product description for an imaginary gadget that has to do with {topic}.",
     "Outline a five-minute presentation on {topic}: a title and three main points.",
 )
+# Asked of every (template, topic) pair again, one wave per style, after the plain prompts: the
+# same tasks answered in another shape, so that the general prompts reach tens of thousands.
+STYLES = (
+    "Keep the answer short: three sentences at most.",
+    "Answer as a numbered list.",
+    "Write for a reader who already knows the subject well.",
+)
 TOPICS_FILE = "topics.txt"  # in selfspec/assets/prompts/: one topic a line, `#` comments
 
 
@@ -104,25 +111,31 @@ class Documented:
 
 
 def stdlib_instructions(count: int) -> list[str]:
-    """`count` user prompts (or all there are, if fewer), deterministic: the documented names
-    of the training stdlib files in a fixed shuffled order, each asked in one of TEMPLATES in
-    turn. A larger count extends a smaller one's list, so cached answers stay useful."""
+    """`count` distinct user prompts (or all there are, if fewer: up to len(TEMPLATES) per
+    documented name), deterministic: the documented names of the training stdlib files in a
+    fixed shuffled order, each asked in one of TEMPLATES in turn; past the last name the list
+    starts again with each name in the next template. A prompt met before (two names with
+    one docstring) is skipped. A larger count extends a smaller one's list, so cached
+    answers stay useful."""
     import random
 
     if count < 1:
         raise ValueError(f"stdlib_instructions: count must be >= 1, got {count}")
     found = list(_training_names())
     random.Random(0).shuffle(found)
-    return [_instruction(item, i) for i, item in enumerate(found[:count])]
+    n = len(found)
+    every = (_instruction(found[i % n], i % n + i // n) for i in range(n * len(TEMPLATES)))
+    return list(dict.fromkeys(every))[:count]
 
 
 
 def general_instructions(count: int) -> list[str]:
-    """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(topics())),
-    deterministic: every (template, topic) pair in a fixed shuffled order, so that templates
-    and topics both vary along the list; a longer list extends a shorter one. The first wave's
-    pairs (FIRST_WAVE) come first, in the order they had before the second wave was added, so
-    answers cached for them stay the first ones used."""
+    """`count` general chat prompts (at most len(GENERAL_TEMPLATES) x len(topics()) x
+    (1 + len(STYLES))), deterministic: every (template, topic) pair in a fixed shuffled order,
+    so that templates and topics both vary along the list, then every pair again with each of
+    STYLES appended, a wave per style in its own order; a longer list extends a shorter one.
+    The first wave's pairs (FIRST_WAVE) come first, in the order they had before the second
+    wave was added, so answers cached for them stay the first ones used."""
     import random
 
     if count < 0:
@@ -135,7 +148,15 @@ def general_instructions(count: int) -> list[str]:
     second = [(t, topic) for t in GENERAL_TEMPLATES for topic in topics()
               if (t, topic) not in taken]
     random.Random(1).shuffle(second)
-    return [template.format(topic=topic) for template, topic in (first + second)[:count]]
+    plain = [template.format(topic=topic) for template, topic in first + second]
+    prompts = plain[:count]
+    for wave, style in enumerate(STYLES, start=2):
+        if len(prompts) >= count:
+            break
+        styled = [f"{prompt} {style}" for prompt in plain]
+        random.Random(wave).shuffle(styled)
+        prompts += styled[: count - len(prompts)]
+    return prompts
 
 
 @functools.lru_cache(maxsize=1)

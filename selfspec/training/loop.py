@@ -14,12 +14,13 @@ and a resumed run sees exactly the batches the interrupted one would have seen.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +62,8 @@ class TrainSettings:
     early after that many steps, as an interruption would (the schedule still spans max_steps).
     max_minutes: a training-time budget (evaluations not counted): the run evaluates, saves
     and finishes at the first step past it (the schedule still spans max_steps).
+    epochs: train for this many passes over the rows instead of max_steps, evaluating and
+    saving at the end of each (`for_rows` sets max_steps, eval_every and save_every).
     """
 
     run_dir: str
@@ -83,6 +86,7 @@ class TrainSettings:
     keep_best: str = "last"  # which step's export the run ends with: last, loss or tau
     stop_after_no_gain: int | None = None  # evaluations without a better keep_best value
     max_minutes: float | None = None
+    epochs: float | None = None
 
     def __post_init__(self) -> None:
         at_least = {"max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "save_every": 1,
@@ -101,6 +105,8 @@ class TrainSettings:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"trainer.epochs must be > 0 (or null), got {self.epochs}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"trainer.max_minutes must be > 0 (or null), got {self.max_minutes}")
         if self.stop_after is not None and self.stop_after < 1:
@@ -113,6 +119,18 @@ class TrainSettings:
             raise ValueError(f"trainer.stop_after_no_gain must be >= 1 evaluations (or null) and "
                              f"needs trainer.keep_best=tau or loss to judge by, got "
                              f"{self.stop_after_no_gain} with keep_best={self.keep_best}")
+
+
+    def for_rows(self, rows: int, processes: int) -> TrainSettings:
+        """These settings for a run over `rows` training rows on `processes` processes: with
+        epochs, max_steps covers that many passes and every pass ends with an evaluation and
+        a checkpoint."""
+        if self.epochs is None:
+            return self
+        per_step = self.micro_batch_size * self.grad_accum * processes
+        per_epoch = max(1, math.ceil(rows / per_step))
+        return replace(self, max_steps=math.ceil(self.epochs * per_epoch), eval_every=per_epoch,
+                       save_every=per_epoch)
 
 
 @dataclass(frozen=True)
@@ -173,6 +191,7 @@ def fit(
     step's export (`best.BestStep`), and settings.stop_after_no_gain ends the run early.
     """
     set_seed(settings.seed)
+    settings = settings.for_rows(len(train), accelerator.num_processes)
     optimizer, scheduler = _optimizer_and_schedule(objective, settings)
     model, optimizer = accelerator.prepare(objective, optimizer)
     clock = TrainingClock()
@@ -190,13 +209,14 @@ def fit(
     best = _best_step(settings, checkpoints, export, judge)
     done = start
     bar = tqdm(range(start, last), desc="train", disable=not accelerator.is_main_process)
-    tokens_per_step = (settings.micro_batch_size * settings.grad_accum
-                       * accelerator.num_processes * train.tokens.shape[1])
+    rows_per_step = settings.micro_batch_size * settings.grad_accum * accelerator.num_processes
+    tokens_per_step = rows_per_step * train.tokens.shape[1]
     out_of_time = False
     for step in bar:
         metrics = _train_step(model, optimizer, scheduler, train, step, settings, accelerator)
         done = step + 1
-        metrics |= {"minutes": clock.minutes(), "tokens_seen": done * tokens_per_step}
+        metrics |= {"minutes": clock.minutes(), "tokens_seen": done * tokens_per_step,
+                    "epochs": done * rows_per_step / len(train)}
         out_of_time = _out_of_time(clock, settings.max_minutes, accelerator)
         evaluated = evaluation is not None and (_due(done, settings.eval_every, end)
                                                 or out_of_time)

@@ -2,8 +2,9 @@
 
 `selfspec.training.loop.fit` trains any of these; each method adds one class here, a head in
 `selfspec.heads` and a loss in `selfspec.training.losses`. With a frozen target its features
-are computed without gradients and handed to the head explicitly; Medusa-2 also trains LoRA
-adapters on the target (`selfspec.model.lora`).
+are computed without gradients, or read from a feature source (`features.FeatureCache`, a
+feature store's `features.StoredFeatures`), and handed to the head explicitly; Medusa-2 also
+trains LoRA adapters on the target (`selfspec.model.lora`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
+from selfspec.training.features import (
+    FeatureCache,
+    FeatureSource,
+    TargetStates,
+    target_states,
+)
 from selfspec.training.losses import (
     LossOutput,
     eagle3_loss,
@@ -38,55 +45,45 @@ def freeze(target: Transformer) -> Transformer:
     return target.eval()
 
 
-class FeatureCache:
-    """The frozen target's last hidden states of each training row (and the residual streams
-    `layers`, for EAGLE-3), computed once and kept: a frozen target gives the same features
-    every epoch, so training over a small data set for many epochs pays the target's forward
-    once per row (EAGLE precomputes its features the same way). Memory: rows x seq_len x
-    hidden x (1 + len(layers)) values in the target's dtype."""
+def feature_source(layers: tuple[int, ...], cache_features: bool,
+                   features: FeatureSource | None, name: str) -> FeatureSource | None:
+    """An objective's source of target states: `features` (e.g. a store), a `FeatureCache`
+    when cache_features, or None (the target runs at every step)."""
+    if features is None:
+        return FeatureCache(layers) if cache_features else None
+    if cache_features:
+        raise ValueError(f"{name}: give cache_features or features (a feature store), not both")
+    missing = sorted(set(layers) - set(features.layers))
+    if missing:
+        raise ValueError(f"{name}: the features lack the target's layers {missing}")
+    return features
 
-    def __init__(self, layers: tuple[int, ...] = ()) -> None:
-        self.layers = tuple(layers)
-        self.rows: dict[bytes, torch.Tensor] = {}
 
-    def __call__(self, target: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-        return self.states(target, tokens)[0]  # [B, T, H]
-
-    @torch.no_grad()
-    def states(self, target: Transformer, tokens: torch.Tensor
-               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(last hidden [B, T, H], the streams `layers`, each [B, T, H]) of rows tokens [B, T]."""
-        keys = [row.cpu().numpy().tobytes() for row in tokens]
-        missing = sorted({i for i, key in enumerate(keys) if key not in self.rows})
-        if missing:
-            new = tokens[missing]
-            out = target(new, torch.arange(new.shape[1], device=new.device),
-                         return_hidden=self.layers)
-            joined = torch.cat([out.last_hidden, *out.hidden], dim=-1)  # [b, T, H x (1 + n)]
-            self.rows.update((keys[i], h) for i, h in zip(missing, joined, strict=True))
-        joined = torch.stack([self.rows[key] for key in keys])
-        last, *streams = joined.split(target.config.hidden_size, dim=-1)
-        return last, tuple(streams)
+def frozen_states(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...],
+                  features: FeatureSource | None) -> TargetStates:
+    """The frozen target's states of rows tokens [B, T] (its last hidden state and the streams
+    `layers`) from the feature source, or from its forward without the LM head."""
+    if features is None:
+        return target_states(target, tokens, layers)
+    states = features.states(target, tokens)
+    kept = dict(zip(features.layers, states.streams, strict=True))
+    return TargetStates(states.last, tuple(kept[i] for i in layers))
 
 
 class MedusaObjective(nn.Module):
     """Medusa-1: heads read the frozen target's last hidden state and learn the tokens after
     the next one (head k predicts t + k + 2), with per-head weights decay**k.
-    cache_features: keep each row's features (`FeatureCache`) for runs of many epochs."""
+    cache_features: keep each row's features (`FeatureCache`) for runs of many epochs;
+    features: read them from elsewhere (a feature store)."""
 
     def __init__(self, target: Transformer, heads: MedusaHeads, decay: float = 0.8,
-                 cache_features: bool = False):
+                 cache_features: bool = False, features: FeatureSource | None = None):
         super().__init__()
         self.target, self.heads, self.decay = freeze(target), heads, decay
-        self.features = FeatureCache() if cache_features else None
+        self.features = feature_source((), cache_features, features, "MedusaObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        if self.features is not None:
-            hidden = self.features(self.target, tokens)
-        else:
-            with torch.no_grad():
-                hidden = self.target(tokens, positions).last_hidden  # [B, T, H]
+        hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
         labels, mask = self.heads.labels(tokens, loss_mask)
         logits = self.heads(hidden, self.target.lm_head)
         return medusa_loss(logits, labels, mask, decay=self.decay)
@@ -145,12 +142,13 @@ class EagleObjective(nn.Module):
     [-feature_noise, feature_noise] (the head learns to read its own imperfect features), drawn
     from `generator` (None: torch's default generator, which `fit` seeds and checkpoints).
     cache_features: keep each row's last hidden states (`FeatureCache`; the noise is drawn
-    afresh every step).
+    afresh every step); features: read them from elsewhere (a feature store).
     """
 
     def __init__(self, target: Transformer, head: EagleHead, feature_weight: float = 1.0,
                  token_weight: float = 0.1, feature_noise: float = 0.0,
-                 generator: torch.Generator | None = None, cache_features: bool = False):
+                 generator: torch.Generator | None = None, cache_features: bool = False,
+                 features: FeatureSource | None = None):
         super().__init__()
         if head.config.version != 1:
             raise ValueError("EagleObjective trains EAGLE-1 heads; use Eagle3Objective for EAGLE-3")
@@ -159,7 +157,7 @@ class EagleObjective(nn.Module):
         self.target, self.head = freeze(target), head
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.feature_noise, self.generator = feature_noise, generator
-        self.features = FeatureCache() if cache_features else None
+        self.features = feature_source((), cache_features, features, "EagleObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         last, _, target_logits, embeds = _target_states(self.target, tokens, (), self.features)
@@ -184,17 +182,19 @@ class Eagle3Objective(nn.Module):
     """EAGLE-3: the head fuses the frozen target's layers `head.config.target_layers` and is
     trained by the training-time test (`EagleHead.unroll`, `steps` steps, step j weighing
     decay**j) against the target's law restricted to the head's draft vocabulary.
-    cache_features: keep each row's fused streams and last hidden state (`FeatureCache`)."""
+    cache_features: keep each row's fused streams and last hidden state (`FeatureCache`);
+    features: read them from elsewhere (a feature store holding those layers)."""
 
     def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
-                 cache_features: bool = False):
+                 cache_features: bool = False, features: FeatureSource | None = None):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"Eagle3Objective: steps must be an integer >= 1, got {steps!r}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
-        self.features = FeatureCache(head.config.target_layers) if cache_features else None
+        self.features = feature_source(head.config.target_layers, cache_features, features,
+                                       "Eagle3Objective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         last, streams, target_logits, embeds = _target_states(
@@ -210,9 +210,11 @@ class EarlyExitObjective(nn.Module):
     forward (so that a sweep can pick E): each exit reads the residual stream after its layer
     and learns the target's final law (`exit_loss`: soft cross-entropy, plus hard_weight x
     cross-entropy to the tokens). The loss is the mean over exits; metrics are per exit,
-    `exit/E{E}_*`."""
+    `exit/E{E}_*`. features: the target's states read from elsewhere (a feature store holding
+    the exit layers) instead of its forward."""
 
-    def __init__(self, target: Transformer, heads: Sequence[ExitHead], hard_weight: float = 0.0):
+    def __init__(self, target: Transformer, heads: Sequence[ExitHead], hard_weight: float = 0.0,
+                 features: FeatureSource | None = None):
         super().__init__()
         layers = [head.exit_layer for head in heads]
         if not layers or len(set(layers)) != len(layers):
@@ -222,10 +224,11 @@ class EarlyExitObjective(nn.Module):
             raise ValueError(f"EarlyExitObjective: hard_weight must be >= 0, got {hard_weight}")
         self.target, self.heads = freeze(target), nn.ModuleList(heads)
         self.hard_weight = hard_weight
+        self.features = feature_source(tuple(layers), False, features, "EarlyExitObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         layers = tuple(head.exit_layer for head in self.heads)
-        _, streams, target_logits, _ = _target_states(self.target, tokens, layers, None)
+        _, streams, target_logits, _ = _target_states(self.target, tokens, layers, self.features)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         total, metrics = target_logits.new_zeros(()), {}
         for head, hidden in zip(self.heads, streams, strict=True):
@@ -245,10 +248,12 @@ class DraftModelObjective(nn.Module):
     draft_vocab: both laws restricted to those ids (EAGLE-3's loss), the draft scoring only
     them, as it will when drafting; on a small real target the full LM head and its softmax
     are most of a training step. cache_features: the target's last hidden states are computed
-    once per row and its LM head re-applied, not its layers (see FeatureCache)."""
+    once per row and its LM head re-applied, not its layers (see FeatureCache); features: read
+    them from elsewhere (a feature store)."""
 
     def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
-                 cache_features: bool = False, draft_vocab: DraftVocab | None = None):
+                 cache_features: bool = False, draft_vocab: DraftVocab | None = None,
+                 features: FeatureSource | None = None):
         super().__init__()
         if not hard_weight >= 0:
             raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
@@ -256,19 +261,14 @@ class DraftModelObjective(nn.Module):
             raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
                              "supported (tokens outside it have no label); set one of them")
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
-        self.features = FeatureCache() if cache_features else None
+        self.features = feature_source((), cache_features, features, "DraftModelObjective")
         ids = None if draft_vocab is None else draft_vocab.target_ids
         self.register_buffer("vocab_ids", ids, persistent=False)
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         with torch.no_grad():
-            if self.features is None:
-                hidden = self.target(tokens, positions, with_logits=False,
-                                     return_hidden=(self.target.config.num_layers,)).hidden[0]
-                hidden = self.target.norm(hidden)
-            else:
-                hidden = self.features(self.target, tokens)
+            hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
             teacher = self._scores(self.target, hidden)
         out = self.draft(tokens, positions, with_logits=False,
                          return_hidden=(self.draft.config.num_layers,))
@@ -285,18 +285,20 @@ class DraftModelObjective(nn.Module):
 
 def _target_states(
     target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...],
-    cache: FeatureCache | None,
+    features: FeatureSource | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-    """What EAGLE heads learn from, without gradients: the frozen target's last hidden states
-    [B, T, H], its residual streams `layers` (each [B, T, H]), its logits [B, T, V] fp32 and
-    its embeddings of tokens [B, T, H]. With a cache (built for the same layers) the target's
-    layers run once per row and only its LM head is re-applied."""
+    """What EAGLE heads and exits learn from, without gradients: the frozen target's last
+    hidden states [B, T, H], its residual streams `layers` (each [B, T, H]), its logits
+    [B, T, V] fp32 and its embeddings of tokens [B, T, H]. With a feature source (holding at
+    least those layers) the target's layers do not run: its LM head is applied to the last
+    hidden state, as its forward does."""
     with torch.no_grad():
-        if cache is None:
+        if features is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             out = target(tokens, positions, return_hidden=layers)
             last, streams, logits = out.last_hidden, out.hidden, out.logits
         else:
-            last, streams = cache.states(target, tokens)
+            states = frozen_states(target, tokens, layers, features)
+            last, streams = states.last, states.streams
             logits = target.logits_of(last)  # what the forward computes from last
         return last, streams, logits, target.embed_tokens(tokens)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from helpers import sharegpt_file
 
 from selfspec.cli import USAGE_ERROR
 
@@ -21,6 +22,7 @@ TRAIN, GENERATE, SWEEP, LOSSLESS = ("train/medusa.py", "eval/generate.py", "eval
                                     "eval/lossless.py")
 EAGLE = "train/eagle.py"
 EARLY_EXIT = "train/early_exit.py"
+STORE = "train/store.py"
 HELDOUT = "scripts/heldout_loss.py"
 EXPORT = "scripts/export_heads.py"
 NO_SUCH_GPU = "device=cuda:99"
@@ -74,6 +76,19 @@ BAD_INPUTS = [
     (EARLY_EXIT, ["early_exit.num_draft_tokens=0"],
      r"early_exit.num_draft_tokens must be an integer >= 1"),
     (EARLY_EXIT, ["early_exit.hard_weight=-1"], r"early_exit.hard_weight must be >= 0"),
+    (STORE, ["store.dtype=fp16"], r"store.dtype must be one of fp32, bf16, fp8, got 'fp16'"),
+    (STORE, ["store.out=null"], r"store.out: give the folder to write the feature store into"),
+    (STORE, ["store.rows_per_shard=0"], r"store.rows_per_shard must be an integer >= 1"),
+    (STORE, ["store.layers=[9]"], r"store.layers: each entry is a layer count in \[0, 8\] or "
+                                  r"eagle3, got 9"),
+    (STORE, ["model=local", "model.path={toy}", "store.layers=[]", "train_data.source=jsonl"],
+     r"train_data.source=jsonl needs train_data.path"),
+    (TRAIN, ["model=local", "model.path={toy}", "train_data.source=sharegpt",
+             "train_data.path={chat}", "trainer.seq_len=32", "trainer.features={out}"],
+     r"export_out holds no finished feature store \(no index.json\)"),
+    (TRAIN, ["model=local", "model.path={toy}", "train_data.source=sharegpt",
+             "train_data.path={chat}", "trainer.seq_len=32", "train_data.max_answers=0"],
+     r"train_data.max_answers must be an integer >= 1, got 0"),
     (TRAIN, ["model=gpt5"], r"Could not find 'model/gpt5'"),
     (TRAIN, ["model=local"], r"model.path: not set"),
     (TRAIN, ["model=llama2-70b"], r"meta-llama/Llama-2-70b-hf.* is not available on this"),
@@ -148,8 +163,10 @@ def files(tmp_path_factory, quick_build) -> dict[str, str]:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink(missing_ok=True)
     (root / "chat.json").write_text("def not_json(): pass\n")
+    (root / "chat").mkdir()
     return {"toy": str(toy), "no_heads": str(config.parent), "cut_short": str(weights.parent),
             "no_tokenizer": str(no_tokenizer), "not_json": str(root / "chat.json"),
+            "chat": str(sharegpt_file(root / "chat")),
             "out": str(root / "export_out"), **exit_exports(root), **head_exports(root)}
 
 

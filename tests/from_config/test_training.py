@@ -127,8 +127,9 @@ def test_replayed_tau_equals_the_tau_generate_measures_on_the_same_answers(cfg_o
     for name, drafter in tiny_drafters(tiny_target, records).items():
         replayed = heldout_tau(tiny_target, drafter, tiny_target, records, replayable=True)
         decoded = heldout_tau(tiny_target, drafter, tiny_target, records, replayable=False)
-        assert replayed == pytest.approx(decoded, abs=1e-9), name
-        assert replayed > 1.0, name  # drafts were accepted: the equality is not trivial
+        assert replayed.tau == pytest.approx(decoded.tau, abs=1e-9), name
+        assert replayed.standard_error == pytest.approx(decoded.standard_error, abs=1e-9)
+        assert replayed.tau > 1.0 and replayed.prompts == 3, name  # not trivially equal
 
 
 def test_tau_is_judged_on_prompts_held_out_from_the_final_report(cfg_of, tiny_target):
@@ -152,5 +153,7 @@ def test_the_judge_names_each_drafter_and_averages_them(cfg_of, tiny_target, tmp
     judged = judge(tmp_path)
     named = [judged[f"eval/tau/{name}"] for name in drafters]
     assert judged["eval/tau"] == pytest.approx(sum(named) / len(named))
+    assert all(judged[f"eval/tau_se/{name}"] >= 0 for name in drafters)
+    assert "eval/tau_se" not in judged  # the mean of several drafters has none
     off = cfg_of("train_medusa", "trainer.tau_prompts=0", "run_dir=/tmp/unused")
     assert from_config.tau_judge(off, tiny_target, lambda target, folder: {}) is None

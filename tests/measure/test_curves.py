@@ -11,12 +11,14 @@ def test_a_runs_tau_curve_and_its_final_report(tmp_path):
     tracker.log({"loss": 3.0, "minutes": 0.1, "tokens_seen": 512}, step=1)
     tracker.log({"loss": 2.0, "eval/tau": 1.4, "eval/tau_seconds": 1.0, "minutes": 0.2,
                  "tokens_seen": 1024}, step=2)
-    tracker.log({"loss": 1.0, "eval/tau": 1.9, "eval/tau_seconds": 2.0, "minutes": 0.45,
-                 "tokens_seen": 2048}, step=4)
+    tracker.log({"loss": 1.0, "eval/tau": 1.9, "eval/tau_se": 0.1, "eval/tau_seconds": 2.0,
+                 "minutes": 0.45, "tokens_seen": 2048, "epochs": 2.0}, step=4)
     curve = tau_curve(tmp_path)
     assert curve == [
-        {"step": 2, "minutes": 0.2, "tokens_seen": 1024, "tau": 1.4, "tau_seconds": 1.0},
-        {"step": 4, "minutes": 0.45, "tokens_seen": 2048, "tau": 1.9, "tau_seconds": 2.0}]
+        {"step": 2, "minutes": 0.2, "tokens_seen": 1024, "epochs": None, "tau": 1.4,
+         "tau_se": None, "tau_seconds": 1.0},
+        {"step": 4, "minutes": 0.45, "tokens_seen": 2048, "epochs": 2.0, "tau": 1.9,
+         "tau_se": 0.1, "tau_seconds": 2.0}]
     assert judge_share(curve) == 3.0 / (27.0 + 3.0)
     (tmp_path / "summary.json").write_text(json.dumps({"tau": 2.0, "speedup": 1.3}))
     assert final_report(tmp_path) == {"tau": 2.0, "speedup": 1.3}

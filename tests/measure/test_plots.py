@@ -121,3 +121,23 @@ def test_plot_sweep_writes_every_figure_for_one_panel(tmp_path):
     paths = plots.plot_sweep(sweep_rows("one_panel_k1"), tmp_path)
     assert set(paths) == {f.__name__ for f in FIGURES}
     assert all(p.stat().st_size > 1000 for p in paths.values())
+
+
+def curve(epochs: int, start: float) -> list[dict]:
+    return [{"epochs": float(e), "tau": start + 0.1 * e, "tau_se": 0.05}
+            for e in range(1, 1 + epochs)]
+
+
+@pytest.mark.parametrize("sizes", [(100,), (100, 400, 1600)], ids=["one_size", "many_sizes"])
+def test_data_curves_draw_a_panel_per_method_and_tau_against_answers(sizes):
+    curves = {method: {n: curve(3, 1.0 + n / 1000) for n in sizes}
+              for method in ("medusa", "eagle2")}
+    fig = plots.data_curves_figure(curves, "held-out tau against data and epochs, smollm2-135m")
+    assert len(fig.axes) == 3  # two methods, then tau after the last epoch against answers
+    assert_titles_inside(fig)
+    lines = fig.axes[0].get_lines()
+    assert [list(line.get_xdata()) for line in lines if len(line.get_xdata()) == 3][:1] == [
+        [1.0, 2.0, 3.0]]
+    ends = [line for line in fig.axes[-1].get_lines() if len(line.get_xdata()) == len(sizes)]
+    assert [list(line.get_xdata()) for line in ends][0] == list(sizes)
+    assert list(ends[0].get_ydata()) == pytest.approx([1.3 + n / 1000 for n in sizes])

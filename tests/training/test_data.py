@@ -11,6 +11,9 @@ from transformers import AutoTokenizer
 from selfspec.decode import generate
 from selfspec.model import Transformer
 from selfspec.training.data import (
+    document_rows,
+    first_answers,
+    load_jsonl_documents,
     load_sharegpt,
     pack_token_stream,
     packed_chat_dataset,
@@ -21,6 +24,12 @@ from selfspec.training.data import (
     self_distill_rows,
     stdlib_files,
     stdlib_manifest_sha256,
+)
+from selfspec.training.features import (
+    FeatureStore,
+    StoreWriter,
+    build_store,
+    store_spec,
 )
 from selfspec.training.loop import TokenRows
 
@@ -140,3 +149,72 @@ def test_a_quantized_targets_weights_have_a_fingerprint_of_their_own():
     assert weights_fingerprint(full) == f"{full.config}|{total:.12e}"
     int8, int4 = (weights_fingerprint(quantized_copy(full, bits)) for bits in (8, 4))
     assert len({int8, int4, weights_fingerprint(full)}) == 3
+
+
+def test_corpus_self_distillation_stores_the_states_it_generates_and_resumes(tmp_path,
+                                                                           monkeypatch):
+    from selfspec.training import data
+
+    target = Transformer.from_hf(tiny_llama(0))
+    rows = corpus_rows()
+    spec = store_spec(target, (1,), "fp32", "distilled")
+    writer = StoreWriter(tmp_path / "generated", spec)
+    calls = []
+    real = data._greedy_continuations
+    monkeypatch.setattr(data, "_greedy_continuations",
+                        lambda *args: calls.append(len(args[1])) or real(*args))
+    distilled = self_distill_rows(rows, target, prompt_tokens=6, count=5, batch_size=2,
+                                  store=writer)
+    assert calls == [2, 2, 1]
+    forwards = []
+    hook = target.register_forward_hook(lambda m, args, out: forwards.append(1))
+    names = build_store(target, distilled, writer, prefix="train", rows_per_shard=2,
+                        progress=False)  # the shards the generation wrote: nothing to run
+    hook.remove()
+    assert not forwards and writer.finish(names) is not None
+    forced = StoreWriter(tmp_path / "forced", spec)  # one teacher-forced pass afterwards
+    forced.finish(build_store(target, distilled, forced, prefix="train", progress=False))
+    generated, teacher_forced = (FeatureStore(w.folder).read(distilled.tokens, (1,),
+                                                             torch.float32)
+                                 for w in (writer, forced))
+    torch.testing.assert_close(generated.last, teacher_forced.last)
+    torch.testing.assert_close(generated.streams[0], teacher_forced.streams[0])
+    writer.path(names[1]).unlink()  # a run killed before its second batch's shard
+    calls.clear()
+    again = self_distill_rows(rows, target, prompt_tokens=6, count=5, batch_size=2,
+                              store=writer)
+    assert calls == [2] and torch.equal(again.tokens, distilled.tokens)  # the rest read back
+
+
+def test_nested_answer_sets_are_prefixes_of_each_other_rows_included():
+    documents = [([i] * (3 + i % 5), [0] + [1] * (2 + i % 5)) for i in range(2, 80)]
+    assert first_answers(list(range(10)), 4) == first_answers(list(range(10)), 7)[:4]
+    assert sorted(first_answers(list(range(10)), 99)) == list(range(10))
+    assert first_answers(list(range(10)), 4) != list(range(4))  # shuffled
+    small, held = document_rows(documents, 8, max_answers=20)
+    large, held_large = document_rows(documents, 8, max_answers=60)
+    assert torch.equal(held.tokens, held_large.tokens)  # the held-out set does not move
+    assert torch.equal(small.tokens, large.tokens[: len(small)])
+    assert torch.equal(small.loss_mask, large.loss_mask[: len(small)])
+    with pytest.raises(ValueError, match="max_answers must be an integer >= 1"):
+        first_answers(documents, 0)
+
+
+def test_jsonl_documents_take_token_ids_and_chat_turns(tmp_path, tokenizer):
+    lines = [{"tokens": [5, 6, 7]}, {"tokens": [5, 6], "loss_mask": [0, 1]},
+             {"prompt_ids": [9, 9], "answer_ids": [4]},
+             {"messages": CHAT}, {"conversations": [{"from": "human", "value": "add one"},
+                                                    {"from": "gpt", "value": CHAT[1]["content"]}]},
+             {"prompt": "add one", "answer": CHAT[1]["content"]}]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    docs = load_jsonl_documents(path, tokenizer)
+    assert docs[:3] == [([5, 6, 7], [1, 1, 1]), ([5, 6], [0, 1]), ([9, 9, 4], [0, 0, 1])]
+    chat = render_conversation(tokenizer, CHAT)
+    assert docs[3] == docs[4] == docs[5] == chat
+    for bad, says in [({"tokens": [1, -2]}, "integers >= 0"),
+                      ({"tokens": [1, 2], "loss_mask": [1]}, "one per token"),
+                      ({"text": "hi"}, "expected tokens, prompt_ids and answer_ids")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"answers.jsonl, line 1: .*{says}"):
+            load_jsonl_documents(path, tokenizer)

@@ -15,6 +15,7 @@ from selfspec.training import instructions
 from selfspec.training.instructions import (
     FIRST_WAVE,
     GENERAL_TEMPLATES,
+    STYLES,
     general_instructions,
     self_distilled_conversations,
     stdlib_instructions,
@@ -41,9 +42,9 @@ def evaluation_texts() -> list[str]:
 
 
 def test_training_prompts_share_no_passage_with_any_evaluation_prompt():
-    training = stdlib_instructions(10_000)  # every documented name
-    assert len(training) > 1000
-    training += general_instructions(10_000)  # every template with every topic
+    training = stdlib_instructions(100_000)  # every documented name in every template
+    assert len(training) > 6000
+    training += general_instructions(100_000)  # every template with every topic and style
     evaluation = set().union(*map(shingles, evaluation_texts()))
     assert len(evaluation) > 50_000  # the evaluation files were really read
     leaked = [p for p in training if shingles(p) & evaluation]
@@ -62,8 +63,9 @@ def test_prompts_are_deterministic_and_a_longer_list_extends_a_shorter_one():
 
 
 def test_general_prompts_cross_every_template_with_every_topic_in_a_fixed_mixed_order():
-    every = general_instructions(10_000)
-    assert len(every) == len(set(every)) == len(GENERAL_TEMPLATES) * len(topics())
+    pairs = len(GENERAL_TEMPLATES) * len(topics())
+    every = general_instructions(pairs)
+    assert len(every) == len(set(every)) == pairs
     assert general_instructions(30) == every[:30] and general_instructions(0) == []
     first = every[:len(GENERAL_TEMPLATES)]  # both vary from the start of the list
     assert len({next(t for t in topics() if t in p) for p in first}) > len(first) // 2
@@ -72,11 +74,34 @@ def test_general_prompts_cross_every_template_with_every_topic_in_a_fixed_mixed_
         general_instructions(-1)
 
 
+def test_each_style_asks_every_pair_again_after_the_plain_prompts():
+    pairs = len(GENERAL_TEMPLATES) * len(topics())
+    every = general_instructions(10**6)
+    assert len(every) == len(set(every)) == pairs * (1 + len(STYLES))
+    assert every[:pairs] == general_instructions(pairs)  # the plain prompts keep their place
+    for wave, style in enumerate(STYLES, start=1):
+        styled = every[wave * pairs : (wave + 1) * pairs]
+        assert all(p.endswith(f" {style}") for p in styled)
+        assert {p.removesuffix(f" {style}") for p in styled} == set(every[:pairs])
+        assert styled[:5] != [f"{p} {style}" for p in every[:5]]  # an order of its own
+    assert general_instructions(pairs + 7) == every[: pairs + 7]
+
+
+def test_stdlib_prompts_ask_each_name_in_every_template_once_the_names_run_out():
+    names = len(list(instructions.documented_names()))
+    every = stdlib_instructions(10**6)
+    assert len(every) == len(set(every)) > 0.99 * names * len(instructions.TEMPLATES)
+    assert every[:names] == stdlib_instructions(names)
+    asked = {name: {p for p in every if f"`{name}`" in p or f".{name}`" in p}
+             for name in ("urlopen", "dedent")}  # every template but the summary names it
+    assert all(len(prompts) == len(instructions.TEMPLATES) - 1 for prompts in asked.values())
+
+
 def test_the_first_waves_prompts_keep_their_place_at_the_head_of_the_list():
     templates, first_topics = FIRST_WAVE
     first_wave = {t.format(topic=topic) for t in GENERAL_TEMPLATES[:templates]
                   for topic in topics()[:first_topics]}
-    every = general_instructions(10_000)
+    every = general_instructions(len(GENERAL_TEMPLATES) * len(topics()))
     assert set(every[:len(first_wave)]) == first_wave
     assert len(every) > len(first_wave)  # the second wave follows
 

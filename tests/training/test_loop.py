@@ -427,3 +427,17 @@ def test_trained_medusa_heads_beat_untrained_ones_on_held_out_code(tmp_path):
     # measured: held-out loss 6.42 to 6.04, tau 2.10 against 1.02
     assert heldout[-1] < 0.97 * heldout[0], heldout
     assert trained_tau > untrained_tau + 0.5, (trained_tau, untrained_tau)
+
+
+def test_epochs_set_the_steps_and_evaluate_at_the_end_of_each_pass(tmp_path):
+    """trainer.epochs: 32 rows in steps of 4 are 8 steps a pass; 2.5 passes are 20 steps, each
+    pass ends with an evaluation and a checkpoint, and every step logs its passes."""
+    result, exported = run(tmp_path, epochs=2.5, max_steps=1, eval_every=1, save_every=1)
+    records = read_metrics(tmp_path)
+    assert result.step == 20 and result.finished
+    assert [r["step"] for r in records if "eval/loss" in r] == [8, 16, 20]
+    assert [r["epochs"] for r in records if "eval/loss" in r] == [1.0, 2.0, 2.5]
+    assert [folder.parent.name for folder in exported] == [
+        "step_0000008", "step_0000016", "step_0000020"]
+    with pytest.raises(ValueError, match=r"trainer.epochs must be > 0 \(or null\), got 0"):
+        TrainSettings(run_dir=str(tmp_path), max_steps=2, epochs=0)

@@ -1,0 +1,126 @@
+"""Held-out tau against training data and epochs: each method trained on nested subsets of the
+answers (the first N of a fixed shuffled order) for several epochs, tau with its standard
+error over the held-out prompts after every epoch.
+
+    python train/data_curves.py                                   # tiny target, a few minutes
+    python train/data_curves.py --config-name data_curves_smollm2   # SmolLM2: hours
+
+Builds one feature store over the largest subset first (`train/store.py`, in <run_dir>/store),
+which every run reads instead of running the target; then runs each trainer
+(`train/<trainer>.py`, its run in <run_dir>/<method>/N<answers>), and writes curves.json and
+data_curves.png into the run folder and prints a table. Run it again to resume: the store
+resumes at its first missing shard, a finished run is kept and an interrupted one resumes
+from its last epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from learning_curves import METHODS, model_overrides
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.cli import hydra_entry_point
+from selfspec.errors import SelfspecError
+from selfspec.measure.curves import tau_curve
+from selfspec.measure.plots import data_curves_figure
+
+TRAIN = Path(__file__).resolve().parent
+
+
+@hydra_entry_point("data_curves")
+def main(cfg: DictConfig) -> None:
+    methods, sizes = checked(cfg)
+    folder = Path(cfg.run_dir)
+    store = build_store(cfg, folder / "store", max(sizes)) if cfg.store.enabled else None
+    results: dict[str, dict[int, list]] = {name: {} for name in methods}
+    for answers in sizes:
+        for name, (trainer, *settings) in methods.items():
+            run_dir = folder / name / f"N{answers}"
+            if not finished(run_dir, float(cfg.epochs)):
+                print(f"== {name}, {answers:,} answers: train/{trainer}.py, {cfg.epochs} epochs",
+                      flush=True)
+                run([TRAIN / f"{trainer}.py", *trainer_overrides(cfg, run_dir, answers, store),
+                     *settings, *(cfg.method_overrides.get(name) or [])], f"{name} N={answers}")
+            results[name][answers] = tau_curve(run_dir)
+    (folder / "curves.json").write_text(json.dumps(results, indent=1))
+    data_curves_figure(results, f"held-out tau against answers and epochs, {cfg.model.name} "
+                       f"({cfg.tau_prompts} prompts)").savefig(folder / "data_curves.png",
+                                                               dpi=110)
+    print(table(results))
+    print(f"figures in {folder.resolve()}")
+
+
+def checked(cfg: DictConfig) -> tuple[dict[str, list[str]], list[int]]:
+    methods = OmegaConf.to_container(cfg.methods)
+    if not isinstance(methods, list) or not methods or not set(methods) <= set(METHODS):
+        raise SelfspecError(f"methods: give a list of {', '.join(METHODS)}, got {methods}")
+    sizes = OmegaConf.to_container(cfg.answers)
+    if not isinstance(sizes, list) or not sizes or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise SelfspecError(f"answers: give a list of training set sizes >= 1, got {sizes}")
+    if not cfg.epochs > 0 or not int(cfg.tau_prompts) >= 2:
+        raise SelfspecError(f"epochs must be > 0 and tau_prompts >= 2 (a standard error needs "
+                            f"two prompts), got {cfg.epochs} and {cfg.tau_prompts}")
+    unknown = set(cfg.method_overrides or {}) - set(METHODS)
+    if unknown:
+        raise SelfspecError(f"method_overrides: unknown methods {sorted(unknown)}")
+    return {name: METHODS[name] for name in methods}, sorted(set(sizes))
+
+
+def build_store(cfg: DictConfig, out: Path, answers: int) -> Path:
+    """One feature store over the largest subset (the smaller ones are its prefixes)."""
+    print(f"== feature store over {answers:,} answers: train/store.py", flush=True)
+    run([TRAIN / "store.py", *model_overrides(), f"device={cfg.device}", *threads(cfg),
+         *cfg.rows, f"train_data.max_answers={answers}", f"store.out={out}",
+         f"store.dtype={cfg.store.dtype}",
+         f"store.layers={json.dumps(OmegaConf.to_container(cfg.store.layers))}",
+         f"hydra.run.dir={out}"], "the feature store")
+    return out
+
+
+def trainer_overrides(cfg: DictConfig, run_dir: Path, answers: int, store: Path | None
+                      ) -> list[str]:
+    """What every trainer is given alike: the target, the rows (the first `answers`), the
+    epochs, held-out tau on tau_prompts prompts after each epoch, and the store."""
+    overrides = [*model_overrides(), f"device={cfg.device}", *threads(cfg), *cfg.rows,
+                 f"train_data.max_answers={answers}", f"trainer.epochs={cfg.epochs}",
+                 "trainer.keep_best=tau", f"trainer.tau_prompts={cfg.tau_prompts}",
+                 "trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    if store is not None:
+        overrides.append(f"trainer.features={store}")
+    return overrides + list(cfg.train_overrides)
+
+
+def threads(cfg: DictConfig) -> list[str]:
+    return [] if cfg.threads is None else [f"trainer.threads={cfg.threads}"]
+
+
+def finished(run_dir: Path, epochs: float) -> bool:
+    """Whether a run folder holds the evaluation after its last epoch."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return False
+    return any((p["epochs"] or 0) >= epochs - 1e-9 for p in tau_curve(run_dir))
+
+
+def run(command: list, what: str) -> None:
+    done = subprocess.run([sys.executable, *map(str, command)])
+    if done.returncode != 0:
+        raise SelfspecError(f"{what}: {Path(command[0]).name} failed (exit {done.returncode})")
+
+
+def table(results: dict[str, dict[int, list]]) -> str:
+    """A line per method and set size: tau +- its standard error after each epoch."""
+    lines = ["method       answers  tau after each epoch (+- standard error over prompts)"]
+    for name, by_size in results.items():
+        for answers, curve in sorted(by_size.items()):
+            taus = "  ".join(f"{p['tau']:.3f}+-{p['tau_se'] or 0:.3f}" for p in curve)
+            lines.append(f"{name:<12} {answers:>7,}  {taus}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
