@@ -26,6 +26,13 @@ from selfspec.from_config.generation import (  # noqa: F401
     generation_settings,
 )
 from selfspec.from_config.methods import entry, method_names, registry  # noqa: F401
+from selfspec.from_config.methods.dflash import (  # noqa: F401
+    check_dflash_settings,
+    dflash_config,
+    dflash_drafter,
+    dflash_training,
+    load_dflash,
+)
 from selfspec.from_config.methods.eagle import (  # noqa: F401
     EAGLE_VERSIONS,
     check_eagle_settings,

@@ -9,12 +9,14 @@ adapters on the target (`selfspec.model.lora`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.heads.dflash import DFlashHead, PrefixKeys
 from selfspec.heads.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
@@ -22,6 +24,7 @@ from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
 from selfspec.training.losses import (
     LossOutput,
+    dflash_loss,
     eagle3_loss,
     eagle_loss,
     exit_loss,
@@ -281,6 +284,145 @@ class DraftModelObjective(nn.Module):
         weight = model.lm_head.weight
         weight = weight if self.vocab_ids is None else weight[self.vocab_ids]
         return F.linear(normed, weight).float()
+
+
+@dataclass(frozen=True)
+class BlockFeatures:
+    """What a block drafter learns from, of training rows [B, T]: the frozen target's residual
+    streams at the head's `target_layers` (each [B, T, H]) and, for the loss against its law,
+    its normed last hidden state [B, T, H] (None: cross-entropy against the data), whose
+    logits come back through the target's LM head. A forward computes them
+    (`DFlashObjective.features`); a feature store may supply them instead."""
+
+    streams: tuple[torch.Tensor, ...]
+    last_hidden: torch.Tensor | None = None
+
+
+class DFlashObjective(nn.Module):
+    """DFlash: per row, `anchors` block starts are drawn among the positions whose next token
+    is supervised (from `generator`, or torch's default generator, which `fit` seeds and
+    checkpoints; held-out evaluation draws from a fixed seed). A block at anchor a is
+    [token a, mask x (B - 1)] at positions a..a + B - 1; it attends to the context strictly
+    before a (every draft layer's keys of the target's fused streams there) and to itself,
+    bidirectionally, never to another block. Slot k predicts token a + k, scored against the
+    data or (teacher=True) against the target's law at a + k - 1, slot k weighing
+    exp(-(k - 1) / gamma) (`losses.dflash_loss`). With a draft vocabulary, slots whose token
+    lies outside it do not count and the law is restricted to it.
+    cache_features: keep each row's streams (`FeatureCache`) for runs of many epochs."""
+
+    def __init__(self, target: Transformer, head: DFlashHead, anchors: int = 16,
+                 gamma: float = 4.0, teacher: bool = False,
+                 generator: torch.Generator | None = None, cache_features: bool = False):
+        super().__init__()
+        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
+            raise ValueError(f"DFlashObjective: anchors must be an integer >= 1, got {anchors!r}")
+        if not gamma > 0:
+            raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
+        self.target, self.head, self.anchors = freeze(target), head, anchors
+        self.gamma, self.teacher, self.generator = float(gamma), bool(teacher), generator
+        self.cache = FeatureCache(head.config.target_layers) if cache_features else None
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        return self.loss(tokens, loss_mask, self.features(tokens))
+
+    @torch.no_grad()
+    def features(self, tokens: torch.Tensor) -> BlockFeatures:
+        """The frozen target's streams (and last hidden state, for teacher=True) of rows
+        tokens [B, T]."""
+        layers = self.head.config.target_layers
+        if self.cache is not None:
+            last, streams = self.cache.states(self.target, tokens)
+        else:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            out = self.target(tokens, positions, return_hidden=layers,
+                              with_logits=self.teacher)
+            last, streams = out.last_hidden, out.hidden
+        return BlockFeatures(tuple(streams), last if self.teacher else None)
+
+    def loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, features: BlockFeatures
+             ) -> LossOutput:
+        """The loss of rows tokens [B, T] (loss_mask [B, T]: which tokens are prediction
+        targets) from their target features; no target layer runs here, only its embedding
+        and LM head."""
+        blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
+                               self._generator(tokens.device))
+        batch, length = tokens.shape
+        context = self.head.context(features.streams)  # [B, T, h]
+        keys = PrefixKeys(self.head.context_keys(context, torch.arange(length,
+                                                                       device=tokens.device)))
+        embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
+        hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
+        size = self.head.config.block_size
+        hidden = hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
+        logits = self.head.logits(hidden, self.target.lm_head)  # [B, A, K, V']
+        labels, valid = blocks.labels, blocks.valid
+        teacher = None
+        if features.last_hidden is not None:
+            at = (blocks.label_positions - 1).clamp(max=length - 1)  # [B, A, K]: law of a + k
+            rows = features.last_hidden[torch.arange(batch, device=tokens.device)[:, None, None],
+                                        at]  # [B, A, K, H]
+            with torch.no_grad():
+                teacher = self.target.lm_head(rows).float()  # [B, A, K, V]
+        vocab = self.head.draft_vocab
+        if vocab is not None:
+            labels, kept = vocab.draft_ids(labels)
+            valid = valid & kept
+            if teacher is not None:
+                teacher = teacher[..., vocab.t2d]
+        return dflash_loss(logits, labels, valid, self.gamma, teacher)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.training:
+            return self.generator
+        return torch.Generator(device=device).manual_seed(0)  # the same held-out blocks
+
+
+@dataclass(frozen=True)
+class AnchorBlocks:
+    """A batch's training blocks, A per row of B slots (N = A x B rows): tokens [B, N] (each
+    block's anchor token, then the mask token), positions [B, N], mask [B, N, T + N] (the
+    context strictly before its anchor, and its own block), label_positions [B, A, B - 1]
+    (a + k), labels [B, A, B - 1] (the tokens there) and valid [B, A, B - 1] (a drawn anchor,
+    a label inside the row and supervised)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    label_positions: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def anchor_blocks(tokens: torch.Tensor, loss_mask: torch.Tensor, config, anchors: int,
+                  generator: torch.Generator | None) -> AnchorBlocks:
+    """Up to `anchors` distinct anchors per row, drawn uniformly among its positions a >= 1
+    whose next token is supervised (fixed shapes: a row with fewer has blocks that count
+    nothing), and the blocks at them."""
+    batch, length = tokens.shape
+    device, size = tokens.device, config.block_size
+    count = max(1, min(anchors, length - 2))
+    allowed = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    allowed[:, 1:-1] = loss_mask[:, 2:].bool()  # anchor a: token a + 1 is supervised
+    keys = torch.rand(batch, length, generator=generator, device=device)
+    keys = keys.masked_fill(~allowed, -1.0)
+    chosen, order = torch.topk(keys, count, dim=-1)  # [B, A]
+    drawn, anchor = chosen >= 0, order  # [B, A] each
+    offsets = torch.arange(size, device=device)
+    positions = anchor[..., None] + offsets  # [B, A, S]
+    ids = torch.full((batch, count, size), config.mask_token_id, dtype=torch.long,
+                     device=device)
+    ids[..., 0] = tokens.gather(1, anchor)
+    label_positions = positions[..., 1:]  # [B, A, S - 1]
+    inside = label_positions < length
+    at = label_positions.clamp(max=length - 1).flatten(1)
+    labels = tokens.gather(1, at).view_as(label_positions)
+    supervised = loss_mask.bool().gather(1, at).view_as(label_positions)
+    context = torch.arange(length, device=device) < anchor[..., None]  # [B, A, T]
+    own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=device)] * count)
+    mask = torch.cat([context.repeat_interleave(size, dim=1),
+                      own.expand(batch, -1, -1)], dim=-1)  # [B, N, T + N]
+    return AnchorBlocks(ids.flatten(1), positions.flatten(1), mask, label_positions, labels,
+                        drawn[..., None] & inside & supervised)
 
 
 def _target_states(
