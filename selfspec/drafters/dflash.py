@@ -176,8 +176,8 @@ class Drafted:
 @dataclass(frozen=True)
 class BlockShape:
     """What a draft of k positions looks like: a chain (nodes None) or a best-first tree of
-    `nodes` nodes over a vocabulary of `vocab` tokens: each depth keeps a beam of `width`
-    rank tuples, each extended by the `width` top ranks of the next position."""
+    `nodes` nodes over a vocabulary of `vocab` tokens, whose nodes are the `width` top
+    candidates of their position (a node has at most that many children)."""
 
     k: int
     nodes: int | None
@@ -189,7 +189,16 @@ class BlockShape:
 
     @property
     def max_nodes(self) -> int:
-        return self.k if self.nodes is None else min(self.nodes, self.k * self.width)
+        """k for a chain; a tree's nodes, or as many rank tuples as there are if fewer."""
+        if self.nodes is None:
+            return self.k
+        tuples, level = 0, 1
+        for _ in range(self.k):
+            level *= self.width
+            tuples += level
+            if tuples >= self.nodes:
+                return self.nodes
+        return tuples
 
     def draft(self, logits: torch.Tensor, law: SamplingParams | None,
               generator: torch.Generator | None) -> Drafted:
@@ -202,7 +211,7 @@ class BlockShape:
             return Drafted(sample_rows(laws, generator), laws)
         scores = torch.log_softmax(logits.double(), dim=-1) if laws is None else laws.double().log()
         ranked = ranked_on_device(logits if laws is None else laws, self.width)  # [k, width]
-        tree = best_first_tree(scores.gather(1, ranked), self.max_nodes)
+        tree = best_first_tree(scores.gather(1, ranked), self.nodes, self.max_nodes)
         if laws is None:
             # Chosen ranks lie within the scored vocabulary: every node has a finite score.
             return Drafted(ranked[tree.depths - 1, tree.ranks], None, tree.parents)
@@ -221,34 +230,36 @@ class BlockTree:
     valid: torch.Tensor
 
 
-def best_first_tree(scores: torch.Tensor, nodes: int) -> BlockTree:
+def best_first_tree(scores: torch.Tensor, beam: int, nodes: int) -> BlockTree:
     """The `nodes` best rank tuples, a tuple scoring the sum of its ranks' scores:
-    scores [k, W] the log-probabilities of each position's W top tokens, best first.
+    scores [k, R] the log-probabilities of each position's R top tokens, best first.
 
     DDTree pops them from a heap one by one (a popped tuple pushes its first child and its
-    next sibling); here, in fixed shapes, depth d keeps the W best tuples of depth d (each of
-    the W kept at depth d - 1 extended by each of the W ranks), and the pool of all depths gives
-    the `nodes` best. Both find the same set: the best tuples of any depth lie among that depth's
-    W best, whose parents are the W best a depth above. Ties go to the shallower tuple, then
-    the earlier made, so a parent precedes its child and every kept child's parent is kept."""
-    k, width = scores.shape
-    beam = scores[0]  # [W]
-    kept, parents, ranks = [beam], [torch.full_like(beam, -1, dtype=torch.long)], [
-        torch.arange(width, device=scores.device)]
+    next sibling); here, in fixed shapes, depth d keeps its `beam` best tuples (each of the
+    beam kept at depth d - 1 extended by each of the R ranks), and the pool of all depths gives
+    the `nodes` best. Both find the same set when beam >= nodes: the best tuples of any depth
+    lie among that depth's best `beam`, whose parents are the best a depth above. Ties go to
+    the shallower tuple, then the earlier made, so a parent precedes its child and every kept
+    child's parent is kept. Slots of a beam wider than its depth's tuples score -inf."""
+    k, ranks = scores.shape
+    device = scores.device
+    first = torch.full((beam,), float("-inf"), dtype=scores.dtype, device=device)
+    first[: min(beam, ranks)] = scores[0, :beam]
+    kept, parents = [first], [torch.full((beam,), -1, dtype=torch.long, device=device)]
+    made = [torch.arange(beam, device=device).clamp(max=ranks - 1)]
     for depth in range(1, k):
-        candidates = (beam[:, None] + scores[depth][None, :]).flatten()  # [W * W]
-        order = torch.sort(candidates, descending=True, stable=True).indices[:width]
-        beam = candidates[order]
-        kept.append(beam)
-        parents.append((depth - 1) * width + order // width)  # pool index of the parent
-        ranks.append(order % width)
-    pool = torch.cat(kept)  # [k * W], depth by depth
+        candidates = (kept[-1][:, None] + scores[depth][None, :]).flatten()  # [beam * R]
+        order = torch.sort(candidates, descending=True, stable=True).indices[:beam]
+        kept.append(candidates[order])
+        parents.append((depth - 1) * beam + order // ranks)  # pool index of the parent
+        made.append(order % ranks)
+    pool = torch.cat(kept)  # [k * beam], depth by depth
     pick = torch.sort(pool, descending=True, stable=True).indices[:nodes]  # [N]
     node_of = torch.full_like(pool, -1, dtype=torch.long)
-    node_of[pick] = torch.arange(len(pick), device=pool.device)
+    node_of[pick] = torch.arange(len(pick), device=device)
     parent_pool = torch.cat(parents)[pick]
     return BlockTree(parents=torch.where(parent_pool >= 0, node_of[parent_pool.clamp(min=0)], -1),
-                     depths=pick // width + 1, ranks=torch.cat(ranks)[pick],
+                     depths=pick // beam + 1, ranks=torch.cat(made)[pick],
                      valid=pool[pick] > float("-inf"))
 
 

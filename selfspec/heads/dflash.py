@@ -52,7 +52,7 @@ def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
     """`count` residual streams of a target of num_layers layers, spaced evenly from the output
     of layer 1 to that of layer L - 3 (the references' rule; one stream: the middle layer's
     output), in selfspec's numbering (hidden l = the stream after l layers = the output of
-    layer l - 1): for 36 layers and 5 streams, 2, 9, 17, 25, 34."""
+    layer l - 1): for 36 layers and 5 streams, 2, 10, 18, 26, 34."""
     if count < 1 or num_layers < 1:
         raise ValueError(f"DFlash: need >= 1 target layer and >= 1 stream, got {num_layers} "
                          f"layers and {count} streams")

@@ -346,15 +346,8 @@ class DFlashObjective(nn.Module):
         and LM head."""
         blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
                                self._generator(tokens.device))
+        logits = self.block_logits(features, blocks)  # [B, A, K, V']
         batch, length = tokens.shape
-        context = self.head.context(features.streams)  # [B, T, h]
-        keys = PrefixKeys(self.head.context_keys(context, torch.arange(length,
-                                                                       device=tokens.device)))
-        embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
-        hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
-        size = self.head.config.block_size
-        hidden = hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
-        logits = self.head.logits(hidden, self.target.lm_head)  # [B, A, K, V']
         labels, valid = blocks.labels, blocks.valid
         teacher = None
         if features.last_hidden is not None:
@@ -370,6 +363,18 @@ class DFlashObjective(nn.Module):
             if teacher is not None:
                 teacher = teacher[..., vocab.t2d]
         return dflash_loss(logits, labels, valid, self.gamma, teacher)
+
+    def block_logits(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
+        """[B, A, K, V'] each block's slot scores (K = block_size - 1) over its context."""
+        batch, length, _ = features.streams[0].shape
+        context = self.head.context(features.streams)  # [B, T, h]
+        positions = torch.arange(length, device=context.device)
+        keys = PrefixKeys(self.head.context_keys(context, positions))
+        embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
+        hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
+        size = self.head.config.block_size
+        hidden = hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
+        return self.head.logits(hidden, self.target.lm_head)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.training:
