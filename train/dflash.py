@@ -83,7 +83,8 @@ def report(cfg: DictConfig, head_folder: Path, metrics: dict, tracker: Tracker) 
     tracker.log_summary({**comparison.as_dict(), **top1, "head": str(head_folder)})
     shape = (f"a chain of {drafter.k}" if drafter.shape.nodes is None
              else f"a best-first tree of {drafter.shape.nodes} nodes, {drafter.k} deep")
-    print(f"DFlash head ({drafter.head.config.num_layers} layers, blocks of "
+    layers = drafter.head.config.num_layers
+    print(f"DFlash head ({layers} layer{'s' if layers > 1 else ''}, blocks of "
           f"{drafter.head.config.block_size}, drafting {shape}): {head_folder}")
     print(f"top-1 agreement with the data per slot (held-out): {top1}")
     print(comparison.describe(cfg.data.name))
