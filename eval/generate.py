@@ -4,9 +4,11 @@
     python eval/generate.py drafter=ngram sampling=t1 data=stdlib_heldout
     python eval/generate.py model=smollm2-135m drafter=medusa medusa_heads=shipped
     python eval/generate.py drafter=eagle eagle_head=<train/eagle.py run>/checkpoints/step_N/export
+    python eval/generate.py drafter=dflash dflash_head=<train/dflash.py run>/checkpoints/best/export
 
-drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, early_exit;
-the registry in selfspec/from_config/methods/), or none; its settings are conf/drafters.yaml's.
+drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, dflash,
+early_exit; the registry in selfspec/from_config/methods/), or none; its settings are
+conf/drafters.yaml's.
     python eval/generate.py model=llama2-70b dry_run=true num_gpus=8   # plan only, no weights
 """
 

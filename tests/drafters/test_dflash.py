@@ -206,14 +206,17 @@ def test_the_chain_and_the_tree_come_from_the_block_over_the_committed_context(t
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("static", [False, True])
 def test_the_context_cache_equals_a_recomputation_after_accepts_and_rejections(
-        target, plain_greedy, fitted, shape):
+        target, plain_greedy, fitted, shape, static):
     head = fitted[5]
     drafter = DFlashDrafter(head, **SHAPES[shape])
     prompt = PROMPTS[3]
-    out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS)
+    out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS,
+                   cuda_graphs=static)
     assert out.stats.steps >= 4 and 0 < out.stats.accepted < out.stats.drafted  # both outcomes
     committed = drafter._committed
+    cache = drafter._static.cache if static else drafter._cache
     history = (prompt + out.tokens)[: committed + 1]
     context = committed_context(target, head, history)
     config = head.config
@@ -221,11 +224,17 @@ def test_the_context_cache_equals_a_recomputation_after_accepts_and_rejections(
     with torch.no_grad():
         head.write_context(head.context(context.features.hidden)[None], torch.arange(committed),
                            fresh)
-    assert drafter._cache.length == committed == fresh.length
-    torch.testing.assert_close(drafter._cache.k[:, :, :, :committed], fresh.k, atol=1e-5,
-                               rtol=1e-4)
-    torch.testing.assert_close(drafter._cache.v[:, :, :, :committed], fresh.v, atol=1e-5,
-                               rtol=1e-4)
+    assert fresh.length == committed and (static or cache.length == committed)
+    torch.testing.assert_close(cache.k[:, :, :, :committed], fresh.k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, :, :, :committed], fresh.v, atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_decodes_each_row_as_it_decodes_alone(target, plain_greedy, fitted):
+    prompts = [list(p) for p in plain_greedy]
+    outs = generate(target, prompts, drafter=DFlashDrafter(fitted[5], tree_nodes=6),
+                    max_new_tokens=NEW_TOKENS)
+    assert [o.tokens for o in outs] == list(plain_greedy.values())
+    assert all(o.stats.tau > 1.5 for o in outs)
 
 
 def test_no_features_yet_means_an_empty_draft(target):
