@@ -6,6 +6,7 @@ for transformers' assisted generation alike.
 
     python train/draft.py                                          # tiny target, CPU minutes
     python train/draft.py draft_model.num_layers=3 draft_model.draft_vocab=2048
+    python train/draft.py draft_model.parallel=4        # PARD: 4 tokens from one forward
     python train/draft.py model=llama2-70b dry_run=true            # memory plan, no weights
     torchrun --nproc_per_node 2 train/draft.py deepspeed=zero2 hydra.run.dir=runs/d1
     python train/draft.py trainer.resume=true hydra.run.dir=runs/d1     # continue a run
@@ -26,6 +27,7 @@ from selfspec.drafters import SmallModelDrafter
 from selfspec.heads.draft_vocab import (
     load_draft_vocab,
     most_frequent,
+    rarest_token,
     save_token_counts,
     token_counts,
 )
@@ -49,10 +51,14 @@ def main(cfg: DictConfig) -> None:
     draft = from_config.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
-    size = cfg.draft_model.draft_vocab
+    size, parallel = cfg.draft_model.draft_vocab, int(cfg.draft_model.get("parallel", 1))
+    mask = cfg.draft_model.get("mask_token_id")
+    mask = (rarest_token(token_counts(train.tokens, target.config.vocab_size)) if mask is None
+            else int(mask)) if parallel > 1 else None
     objective = DraftModelObjective(target, draft, float(cfg.draft_model.hard_weight),
                                     bool(cfg.draft_model.cache_features),
-                                    None if size is None else most_frequent(counts, int(size)))
+                                    None if size is None else most_frequent(counts, int(size)),
+                                    parallel=parallel, mask_token_id=mask)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -63,6 +69,8 @@ def main(cfg: DictConfig) -> None:
         trained.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         save_token_counts(folder, counts)
+        if mask is not None:
+            from_config.write_pard(folder, mask, parallel)
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export, judge=judge)
@@ -89,7 +97,9 @@ def drafters_of(cfg: DictConfig, target: Transformer, export: Path
     size = cfg.draft_model.draft_vocab
     vocab = None if size is None else load_draft_vocab(export, int(size))
     k = int(cfg.draft_model.num_draft_tokens)
-    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab), target)}
+    mask = (from_config.read_pard(export)["mask_token_id"]
+            if int(cfg.draft_model.get("parallel", 1)) > 1 else None)
+    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab, mask_token_id=mask), target)}
 
 
 def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
@@ -101,7 +111,9 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
     top1 = metrics.get("eval/draft/top1")
     tracker.log_summary({**comparison.as_dict(), "draft": str(export),
                          "heldout_top1": None if top1 is None else round(top1, 3)})
-    print(f"draft model: {export} (draft vocabulary: {size or 'whole'})")
+    parallel = int(cfg.draft_model.get("parallel", 1))
+    print(f"draft model: {export} (draft vocabulary: {size or 'whole'}"
+          f"{f'; PARD, up to {parallel} tokens a forward' if parallel > 1 else ''})")
     print(f"held-out top-1 agreement with the target: {top1}")
     print(comparison.describe(cfg.data.name))
 

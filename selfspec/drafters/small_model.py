@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
+from selfspec.drafters.dflash import BlockShape
 from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.model.kv_cache import KVCache, RowSlots, pad_rows
@@ -41,13 +42,19 @@ class SmallModelDrafter:
     them. They come out of the draft forward the chain needs anyway, so the tree costs the
     draft nothing; verification grows by W - 1 rows (on SmolLM2, MT-bench: the first token
     right in 25% of steps, one of the top three in 36%).
+
+    mask_token_id: PARD, a draft trained to fill masks (`training.objectives`,
+    DraftModelObjective's `parallel`): all k tokens come from one forward over the newly
+    committed tokens then k - 1 mask tokens, the output after the root and after each mask
+    giving a law per position, none depending on a drafted token (a chain of their top
+    tokens, or one draw from each, q = the laws). The masks' keys are dropped again.
     """
 
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, num_draft_tokens: int = 4,
                  confidence_threshold: float | None = None, draft_vocab: DraftVocab | None = None,
-                 first_candidates: int = 1):
+                 first_candidates: int = 1, mask_token_id: int | None = None):
         for name, value in (("num_draft_tokens", num_draft_tokens),
                             ("first_candidates", first_candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,6 +71,8 @@ class SmallModelDrafter:
                            .contiguous())
         self.num_draft_tokens, self.first_candidates = num_draft_tokens, first_candidates
         self.max_nodes = num_draft_tokens + first_candidates - 1
+        self.mask_token_id = _checked_mask(mask_token_id, model, first_candidates,
+                                           self.confidence_threshold)
         # Greedy candidates come from the ids the draft scores (the rest are -inf).
         scored = (model.config.vocab_size if draft_vocab is None
                   else draft_vocab.target_ids.numel())
@@ -92,7 +101,8 @@ class SmallModelDrafter:
         self._fed = []
         # In static steps a chain stays on the device, each token (the argmax, or a draw)
         # fed to the next step.
-        self._on_device = self._steps is not None and self.confidence_threshold is None
+        self._on_device = (self._steps is not None and self.confidence_threshold is None
+                           and self.mask_token_id is None)
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
     @torch.inference_mode()
@@ -131,6 +141,8 @@ class SmallModelDrafter:
     def propose(self, context: DraftContext) -> Draft:
         if self._on_device:
             return self._propose_on_device(context)
+        if self.mask_token_id is not None:
+            return self._propose_in_parallel(context)
         chain = self._started(self._next_logits(self._pending(context)))
         while chain.goes_on(self):
             chain.extend(self, self._next_logits([chain.tokens[-1]]))
@@ -142,7 +154,7 @@ class SmallModelDrafter:
         """A batch's drafts (`Drafter.propose`, the rows' drafters in order, this one first),
         each row's the same as it drafts alone: each forward of the draft model runs over
         every row at once, over the batch cache the rows share, each at its own length."""
-        if self._batch is None:  # its own static steps, or no batch cache: row by row
+        if self._batch is None or self.mask_token_id is not None:  # row by row
             return [d.propose(c) for d, c in zip(drafters, contexts, strict=True)]
         self._pack(drafters)
         logits = _next_logits_of_rows(drafters, [d._pending(c) for d, c in
@@ -157,6 +169,20 @@ class SmallModelDrafter:
                 if on:
                     chain.extend(d, row_logits)
         return [d._draft(chain) for d, chain in zip(drafters, chains, strict=True)]
+
+    def _propose_in_parallel(self, context: DraftContext) -> Draft:
+        """PARD: the pending tokens and k - 1 masks in one forward, the masks' keys dropped
+        again; a chain from the k laws (`BlockShape`: argmax, or a draw from each)."""
+        masks = self.num_draft_tokens - 1
+        logits = self._feed(self._pending(context) + [self.mask_token_id] * masks,
+                            last=masks + 1)[0, -(masks + 1):]  # [k, V_draft]
+        self._cache.truncate(self._cache.length - masks)
+        del self._fed[len(self._fed) - masks:]
+        logits = F.pad(logits, (0, self._padding), value=float("-inf"))  # [k, V]
+        law = None if self.sampling.greedy else self.sampling
+        drafted = BlockShape(self.num_draft_tokens, None, logits.shape[-1]).draft(
+            logits, law, self.generator)
+        return Draft.chain(drafted.tokens, drafted.q)
 
     def _pending(self, context: DraftContext) -> list[int]:
         """The tokens to feed before drafting: those after the longest prefix its cache
@@ -253,9 +279,9 @@ class SmallModelDrafter:
         del self._fed[n:]
         return n
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def _feed(self, tokens: list[int], last: int = 1) -> torch.Tensor:
         """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
-        vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
+        vocabulary, [1, last, V] at the last tokens, -inf outside the vocabulary)."""
         start = self._cache.length
         if isinstance(tokens, torch.Tensor):  # drafted on the device: known to be in range
             ids = tokens.view(1, -1)
@@ -269,7 +295,7 @@ class SmallModelDrafter:
             return self._forward(ids, positions).logits
         out = self._forward(ids, positions, with_logits=False,
                             return_hidden=(self.model.config.num_layers,))
-        scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
+        scores = linear(self.model.norm(out.hidden[0][:, -last:]), self._head_rows)  # [1, l, K]
         return self.draft_vocab.scatter(scores.float())
 
 
@@ -354,6 +380,22 @@ def _next_logits_of_rows(drafters: list[SmallModelDrafter], fed: list[list[int]]
         result.append(F.pad(row_logits, (0, drafter._padding), value=float("-inf"))
                       if tokens else None)
     return result
+
+
+def _checked_mask(mask_token_id: int | None, model: Transformer, first_candidates: int,
+                  confidence_threshold: float | None) -> int | None:
+    """A PARD mask token id, refused where it cannot draft (None: drafting token by token)."""
+    if mask_token_id is None:
+        return None
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) \
+            or not 0 <= mask_token_id < model.config.vocab_size:
+        raise ValueError(f"SmallModelDrafter: mask_token_id must be a token id of the draft "
+                         f"model (0..{model.config.vocab_size - 1}), got {mask_token_id!r}")
+    if first_candidates != 1 or confidence_threshold is not None:
+        raise ValueError("SmallModelDrafter: a parallel draft (mask_token_id) drafts a chain "
+                         "of all its tokens at once: leave first_candidates at 1 and "
+                         "confidence_threshold unset")
+    return mask_token_id
 
 
 def _check_draft_ids(tokens: list[int], model: Transformer) -> None:

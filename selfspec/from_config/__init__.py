@@ -68,6 +68,8 @@ from selfspec.from_config.methods.small_model import (  # noqa: F401
     check_draft_model_settings,
     draft_from_target,
     freeze_draft_embeddings,
+    read_pard,
+    write_pard,
 )
 from selfspec.from_config.models import (  # noqa: F401
     DTYPES,

@@ -248,17 +248,30 @@ class DraftModelObjective(nn.Module):
     draft_vocab: both laws restricted to those ids (EAGLE-3's loss), the draft scoring only
     them, as it will when drafting; on a small real target the full LM head and its softmax
     are most of a training step. cache_features: the target's last hidden states are computed
-    once per row and its LM head re-applied, not its layers (see FeatureCache)."""
+    once per row and its LM head re-applied, not its layers (see FeatureCache).
+
+    parallel: K > 1 trains PARD's parallel draft, which fills k - 1 mask tokens
+    (`mask_token_id`) after the last real one in one forward: the row is replicated K times
+    (`parallel_rows`), copy j holding the mask at every position, and the mask at position p of
+    copy j sees the real tokens up to p - j and the masks of copies 1..j at p - j + 1..p, so
+    it stands where a draft's j-th mask stands and learns the target's law at p, as the
+    real row does. Every copy's rows count alike."""
 
     def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
-                 cache_features: bool = False, draft_vocab: DraftVocab | None = None):
+                 cache_features: bool = False, draft_vocab: DraftVocab | None = None,
+                 parallel: int = 1, mask_token_id: int | None = None):
         super().__init__()
         if not hard_weight >= 0:
             raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
         if hard_weight and draft_vocab is not None:
             raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
                              "supported (tokens outside it have no label); set one of them")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1 \
+                or (parallel > 1) != (mask_token_id is not None):
+            raise ValueError(f"DraftModelObjective: parallel must be an integer >= 1, with a "
+                             f"mask_token_id when > 1, got {parallel!r} and {mask_token_id!r}")
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
+        self.parallel, self.mask_token_id = parallel, mask_token_id
         self.features = FeatureCache() if cache_features else None
         ids = None if draft_vocab is None else draft_vocab.target_ids
         self.register_buffer("vocab_ids", ids, persistent=False)
@@ -273,11 +286,22 @@ class DraftModelObjective(nn.Module):
             else:
                 hidden = self.features(self.target, tokens)
             teacher = self._scores(self.target, hidden)
-        out = self.draft(tokens, positions, with_logits=False,
+        rows = parallel_rows(tokens, loss_mask, self.parallel, self.mask_token_id)
+        out = self.draft(rows.tokens, rows.positions, mask=rows.mask, with_logits=False,
                          return_hidden=(self.draft.config.num_layers,))
-        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))
-        part = exit_loss(logits, teacher, tokens, loss_mask, self.hard_weight)
-        return LossOutput(part.loss, {f"draft/{k}": v for k, v in part.metrics.items()})
+        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))  # [B, K T, V]
+        copies = logits.view(*tokens.shape[:1], self.parallel, tokens.shape[1], -1)
+        parts = [exit_loss(copies[:, j], teacher, tokens, rows.loss_mask[:, j],
+                           self.hard_weight) for j in range(self.parallel)]
+        part = parts[0]
+        metrics = {f"draft/{k}": v for k, v in part.metrics.items()}
+        if self.parallel == 1:
+            return LossOutput(part.loss, metrics)
+        counts = rows.loss_mask[:, :, 1:].sum(dim=(0, 2)).float()  # [K] rows each copy counts
+        loss = sum(p.loss * n for p, n in zip(parts, counts, strict=True)) / counts.sum().clamp(
+            min=1.0)
+        metrics |= {f"draft/mask{j}_top1": p.metrics["top1"] for j, p in enumerate(parts) if j}
+        return LossOutput(loss, metrics)
 
     def _scores(self, model: Transformer, normed: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (or [B, T, K] over the draft vocabulary) of final-norm states."""
@@ -428,6 +452,42 @@ def anchor_blocks(tokens: torch.Tensor, loss_mask: torch.Tensor, config, anchors
                       own.expand(batch, -1, -1)], dim=-1)  # [B, N, T + N]
     return AnchorBlocks(ids.flatten(1), positions.flatten(1), mask, label_positions, labels,
                         drawn[..., None] & inside & supervised)
+
+
+@dataclass(frozen=True)
+class ParallelRows:
+    """PARD's replicated rows of a batch [B, T] (K copies): tokens [B, K T] (the real row, then
+    K - 1 rows of masks), positions [K T] (each copy at 0..T-1), mask [K T, K T] (None: one
+    copy, causal) and loss_mask [B, K, T] (copy j's token p + 1 counts from p >= j, where a
+    real token precedes its masks)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    loss_mask: torch.Tensor
+
+
+def parallel_rows(tokens: torch.Tensor, loss_mask: torch.Tensor, copies: int,
+                  mask_token_id: int | None) -> ParallelRows:
+    """The rows a parallel draft trains on (`DraftModelObjective`); one copy: the row as it
+    is, causal."""
+    batch, length = tokens.shape
+    device = tokens.device
+    positions = torch.arange(length, device=device)
+    if copies == 1:
+        return ParallelRows(tokens, positions, None, loss_mask[:, None])
+    masks = torch.full((batch, (copies - 1) * length), mask_token_id, dtype=tokens.dtype,
+                       device=device)
+    copy = torch.arange(copies, device=device).repeat_interleave(length)  # [K T]
+    at = positions.repeat(copies)  # [K T]
+    # Row (j, p) sees key (i, q): the real tokens q <= p - j (i = 0), and for 1 <= i <= j the
+    # mask of copy i at q = p - j + i.
+    j, p = copy[:, None], at[:, None]
+    i, q = copy[None, :], at[None, :]
+    sees = torch.where(i == 0, q <= p - j, (i <= j) & (q == p - j + i))  # [K T, K T]
+    counted = loss_mask.bool()[:, None, :] & (positions[None, None, :] >= torch.arange(
+        copies, device=device)[None, :, None] + 1)  # [B, K, T]: row p counts via token p + 1
+    return ParallelRows(torch.cat([tokens, masks], dim=1), at, sees, counted)
 
 
 def _target_states(

@@ -382,3 +382,27 @@ def test_dflash_training_lowers_the_loss_and_leaves_the_target_frozen(target, op
     assert all(p.grad is None for p in target.parameters())
     objective.eval()  # held-out evaluation draws the same blocks every time
     assert objective(tokens, mask).metrics == objective(tokens, mask).metrics
+
+
+# ---- PARD ------------------------------------------------------------------------------------
+
+
+def test_pards_replicated_rows_see_what_a_parallel_draft_sees(target):
+    """Copy j's position p of the replicated rows gives the draft's logits after the real
+    tokens up to p - j and j mask tokens: what drafting computes at its j-th mask."""
+    from selfspec.training.objectives import parallel_rows
+
+    draft = target.first_layers(1)
+    tokens = torch.randint(2, 60, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    rows = parallel_rows(tokens, mask, 3, 63)
+    with torch.no_grad():
+        logits = draft(rows.tokens, rows.positions, mask=rows.mask).logits  # [B, 3 T, V]
+        for b, j, p in [(0, 0, 5), (1, 1, 4), (0, 2, 13), (1, 2, 2)]:
+            ids = tokens[b, :p - j + 1].tolist() + [63] * j
+            alone = draft(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+            torch.testing.assert_close(logits[b, j * 14 + p], alone, atol=1e-5, rtol=1e-5)
+    assert not rows.loss_mask[:, 2, :3].any() and rows.loss_mask[:, 2, 3:].all()
+    with pytest.raises(ValueError, match="parallel must be an integer >= 1, with a "
+                                         "mask_token_id"):
+        DraftModelObjective(target, draft, parallel=3)

@@ -27,7 +27,7 @@ from selfspec.from_config.methods.entry import (
 )
 from selfspec.from_config.models import model_config
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
-from selfspec.heads.draft_vocab import draft_vocabulary, token_counts
+from selfspec.heads.draft_vocab import draft_vocabulary, rarest_token, token_counts
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
 from selfspec.model import ModelConfig, Transformer
@@ -164,8 +164,3 @@ def dflash_training(cfg: DictConfig, target: Transformer, train: TokenRows) -> D
                                 teacher=d.loss == "kl",
                                 cache_features=bool(d.get("cache_features", False)))
     return DFlashTraining(head, config, objective)
-
-
-def rarest_token(counts: torch.Tensor) -> int:
-    """The id with the lowest count [V], the highest id among equals."""
-    return int(len(counts) - 1 - torch.argmin(counts.flip(0)))

@@ -7,7 +7,7 @@ from helpers import tiny_llama, toy
 
 from selfspec import from_config
 from selfspec.from_config.methods import entry
-from selfspec.from_config.methods.dflash import rarest_token
+from selfspec.heads.draft_vocab import rarest_token
 from selfspec.model import Transformer
 from selfspec.training.loop import TokenRows
 
