@@ -9,9 +9,11 @@ speedup on such text says little about a drafter).
 The prompts suit the target unless data= says otherwise (data=auto): MT-bench questions for a
 chat model (model.chat), HumanEval for the others.
     python eval/generate.py drafter=eagle eagle_head=<train/eagle.py run>/checkpoints/step_N/export
+    python eval/generate.py drafter=dflash dflash_head=<train/dflash.py run>/checkpoints/best/export
 
-drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, early_exit;
-the registry in selfspec/from_config/methods/), or none; its settings are conf/drafters.yaml's.
+drafter: any method of selfspec (small_model, ngram, medusa, ngram+medusa, eagle, dflash,
+early_exit; the registry in selfspec/from_config/methods/), or none; its settings are
+conf/drafters.yaml's.
     python eval/generate.py model=llama2-70b dry_run=true num_gpus=8   # plan only, no weights
 """
 

@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 
 from selfspec import Transformer, from_config, generate
 from selfspec.heads import (
+    DFlashConfig,
+    DFlashHead,
     EagleConfig,
     EagleHead,
     MedusaConfig,
@@ -100,6 +102,18 @@ def eagle_dir(request, tmp_path_factory, quick_build) -> Path:
     torch.manual_seed(request.param)
     head = EagleHead(EagleConfig.for_target(target.config, request.param, **extra))
     folder = tmp_path_factory.mktemp(f"eagle{request.param}") / "export"
+    return save_head(folder, head, head.config, describe_target(target))
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, quick_build) -> Path:
+    """A random DFlash export for the toy target (one layer: it fuses the streams 0, 1, 1)."""
+    target = Transformer.from_pretrained(quick_build / "target")
+    config = DFlashConfig.for_target(target.config, mask_token_id=target.config.vocab_size - 1,
+                                     block_size=5, target_layers=(0, 1, 1))
+    torch.manual_seed(0)
+    head = DFlashHead(config)
+    folder = tmp_path_factory.mktemp("dflash") / "export"
     return save_head(folder, head, head.config, describe_target(target))
 
 

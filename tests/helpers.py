@@ -518,6 +518,56 @@ def random_eagle_head(config, seed: int, std: float = 0.2):
     return head.eval()
 
 
+def dflash_head_config(target, **overrides):
+    """A DFlash head config for the target: one layer, blocks of 5, the last id as the mask,
+    the streams 0, 1 and 2 (the toy target has two layers)."""
+    from selfspec.heads import DFlashConfig
+
+    options = {"mask_token_id": target.config.vocab_size - 1, "block_size": 5,
+               "target_layers": (0, 1, 2)} | overrides
+    return DFlashConfig.for_target(target.config, **options)
+
+
+def random_dflash_head(config, seed: int, std: float = 0.2):
+    """A DFlash head with every weight random (norms around 1) and, with a draft vocabulary,
+    every other id first."""
+    from selfspec.heads import DFlashHead, draft_vocabulary
+
+    torch.manual_seed(seed)
+    head = DFlashHead(config)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, std)
+    if config.draft_vocab_size is not None:
+        vocab = config.vocab_size
+        ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])
+        head.set_draft_vocab(draft_vocabulary(ids[: config.draft_vocab_size], vocab,
+                                              config.draft_vocab_size))
+    return head.eval()
+
+
+def fit_dflash_head(target, continuations: dict, steps: int = 60, anchors: int = 16, **config):
+    """A DFlash head fit (AdamW, full batch, cross-entropy) to the target's own greedy
+    continuations, given as {prompt tuple: new tokens}. Returns (head in eval mode, metrics)."""
+    from selfspec.heads import DFlashHead
+    from selfspec.training.objectives import DFlashObjective
+
+    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    torch.manual_seed(0)
+    head = DFlashHead(dflash_head_config(target, **config)).init_from_target(target)
+    objective = DFlashObjective(target, head, anchors=anchors)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        out = objective(tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return head.eval(), out.metrics
+
+
 def random_exit(target, exit_layer: int, kind: str, seed: int = 1, std: float = 0.2):
     """An exit with every weight random (norms around 1); the norm exit has none."""
     from selfspec.heads import ExitConfig, ExitHead

@@ -6,6 +6,7 @@ for transformers' assisted generation alike.
 
     python train/draft.py                                          # tiny target, CPU minutes
     python train/draft.py draft_model.num_layers=3 draft_model.draft_vocab=2048
+    python train/draft.py draft_model.parallel=4        # PARD: 4 tokens from one forward
     python train/draft.py model=llama2-70b dry_run=true            # memory plan, no weights
     torchrun --nproc_per_node 2 train/draft.py deepspeed=zero2 hydra.run.dir=runs/d1
     python train/draft.py trainer.resume=true hydra.run.dir=runs/d1     # continue a run
@@ -42,8 +43,9 @@ def main(cfg: DictConfig) -> None:
     draft = from_config.draft_from_target(cfg, target)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
+    mask = from_config.draft_model_mask(cfg, target, train)  # PARD's; None: token by token
     objective = from_config.draft_model_objective(
-        cfg, target, draft, counts, from_config.trainer_features(cfg, target, train, heldout))
+        cfg, target, draft, counts, mask, from_config.trainer_features(cfg, target, train, heldout))
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -54,6 +56,8 @@ def main(cfg: DictConfig) -> None:
         trained.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         save_token_counts(folder, counts)
+        if mask is not None:
+            from_config.write_pard(folder, mask, int(cfg.draft_model.parallel))
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export, judge=judge)
@@ -82,7 +86,9 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
     top1 = metrics.get("eval/draft/top1")
     tracker.log_summary({**comparison.as_dict(), "draft": str(export),
                          "heldout_top1": None if top1 is None else round(top1, 3)})
-    print(f"draft model: {export} (draft vocabulary: {size or 'whole'})")
+    parallel = int(cfg.draft_model.get("parallel", 1))
+    print(f"draft model: {export} (draft vocabulary: {size or 'whole'}"
+          f"{f'; PARD, up to {parallel} tokens a forward' if parallel > 1 else ''})")
     print(f"held-out top-1 agreement with the target: {top1}")
     print(comparison.describe(cfg.data.name))
 

@@ -8,6 +8,7 @@ from selfspec.drafters.base import (
     EarlyLayers,
     TargetFeatures,
 )
+from selfspec.drafters.dflash import DFlashDrafter
 from selfspec.drafters.eagle import EagleDrafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
@@ -16,6 +17,7 @@ from selfspec.drafters.small_model import SmallModelDrafter, check_same_vocabula
 from selfspec.drafters.union import UnionDrafter
 
 __all__ = [
+    "DFlashDrafter",
     "DecodeSetup",
     "Draft",
     "DraftContext",

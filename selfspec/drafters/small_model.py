@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
+from selfspec.drafters.dflash import BlockShape
 from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.model.kv_cache import BatchRows, KVCache, RowSlots, pad_rows
@@ -41,13 +42,19 @@ class SmallModelDrafter:
     them. They come out of the draft forward the chain needs anyway, so the tree costs the
     draft nothing; verification grows by W - 1 rows (on SmolLM2, MT-bench: the first token
     right in 25% of steps, one of the top three in 36%).
+
+    mask_token_id: PARD, a draft trained to fill masks (`training.objectives`,
+    DraftModelObjective's `parallel`): all k tokens come from one forward over the newly
+    committed tokens then k - 1 mask tokens, the output after the root and after each mask
+    giving a law per position, none depending on a drafted token (a chain of their top
+    tokens, or one draw from each, q = the laws). The masks' keys are dropped again.
     """
 
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, num_draft_tokens: int = 4,
                  confidence_threshold: float | None = None, draft_vocab: DraftVocab | None = None,
-                 first_candidates: int = 1):
+                 first_candidates: int = 1, mask_token_id: int | None = None):
         for name, value in (("num_draft_tokens", num_draft_tokens),
                             ("first_candidates", first_candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,6 +71,8 @@ class SmallModelDrafter:
                            .contiguous())
         self.num_draft_tokens, self.first_candidates = num_draft_tokens, first_candidates
         self.max_nodes = num_draft_tokens + first_candidates - 1
+        self.mask_token_id = _checked_mask(mask_token_id, model, first_candidates,
+                                           self.confidence_threshold)
         # Greedy candidates come from the ids the draft scores (the rest are -inf).
         scored = (model.config.vocab_size if draft_vocab is None
                   else draft_vocab.target_ids.numel())
@@ -78,7 +87,8 @@ class SmallModelDrafter:
         self._begin_cache(setup)
         # In static steps a chain stays on the device, each token (the argmax, or a draw)
         # fed to the next step.
-        self._on_device = self._steps is not None and self.confidence_threshold is None
+        self._on_device = (self._steps is not None and self.confidence_threshold is None
+                           and self.mask_token_id is None)
         self._drafted_at = None  # where the last device chain's tokens sit in the history
 
     def begin_rows(self, setups: Sequence[DecodeSetup]) -> None:
@@ -137,6 +147,8 @@ class SmallModelDrafter:
     def propose(self, context: DraftContext) -> Draft:
         if self._on_device:
             return self._propose_on_device(context)
+        if self.mask_token_id is not None:
+            return self._propose_in_parallel(context)
         chain = self._started(self._next_logits(self._pending(context)))
         while chain.goes_on(self):
             chain.extend(self, self._next_logits([chain.tokens[-1]]))
@@ -150,6 +162,8 @@ class SmallModelDrafter:
         row at its own length."""
         self._batch.caches.pack(rows)
         states = [self._batch.rows[b] for b in rows]
+        if self.mask_token_id is not None:
+            return self._propose_rows_in_parallel(states, contexts)
         logits = self._next_logits_of_rows(states, [state.pending(context.token_list())
                                                     for state, context in zip(states, contexts,
                                                                               strict=True)])
@@ -162,6 +176,35 @@ class SmallModelDrafter:
                 if on:
                     chain.extend(self, row_logits)
         return [self._draft(chain) for chain in chains]
+
+    def _propose_in_parallel(self, context: DraftContext) -> Draft:
+        """PARD: the pending tokens and k - 1 masks in one forward, the masks' keys dropped
+        again; a chain from the k laws."""
+        masks = self.num_draft_tokens - 1
+        logits = self._feed(self._pending(context) + [self.mask_token_id] * masks,
+                            last=masks + 1)[0, -(masks + 1):]  # [k, V_draft]
+        self._fed.drop(masks)
+        return self._parallel_draft(F.pad(logits, (0, self._padding), value=float("-inf")))
+
+    def _propose_rows_in_parallel(self, states: list[_Fed], contexts: Sequence[DraftContext]
+                                  ) -> list[Draft]:
+        """PARD for a batch's rows: one forward of the draft model over every row's pending
+        tokens and k - 1 masks."""
+        masks = self.num_draft_tokens - 1
+        fed = [state.pending(context.token_list()) + [self.mask_token_id] * masks
+               for state, context in zip(states, contexts, strict=True)]
+        logits = self._next_logits_of_rows(states, fed, last=masks + 1)
+        for state in states:
+            state.drop(masks)
+        return [self._parallel_draft(row_logits) for row_logits in logits]
+
+    def _parallel_draft(self, logits: torch.Tensor) -> Draft:
+        """A chain from the k laws of logits [k, V] (`BlockShape`: argmax, or a draw from
+        each)."""
+        law = None if self.sampling.greedy else self.sampling
+        drafted = BlockShape(self.num_draft_tokens, None, logits.shape[-1]).draft(
+            logits, law, self.generator)
+        return Draft.chain(drafted.tokens, drafted.q)
 
     def _pending(self, context: DraftContext) -> list[int]:
         """The tokens to feed before drafting: those after the longest prefix its cache
@@ -231,9 +274,9 @@ class SmallModelDrafter:
     def _device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def _feed(self, tokens: list[int], last: int = 1) -> torch.Tensor:
         """Run the draft model over new tokens; returns logits [1, T, V] (with a draft
-        vocabulary, [1, 1, V] at the last token, -inf outside the vocabulary)."""
+        vocabulary, [1, last, V] at the last tokens, -inf outside the vocabulary)."""
         start = self._fed.cache.length
         if isinstance(tokens, torch.Tensor):  # drafted on the device: known to be in range
             ids = tokens.view(1, -1)
@@ -247,15 +290,16 @@ class SmallModelDrafter:
             return self._forward(ids, positions).logits
         out = self._forward(ids, positions, with_logits=False,
                             return_hidden=(self.model.config.num_layers,))
-        scores = linear(self.model.norm(out.hidden[0][:, -1:]), self._head_rows)  # [1, 1, K]
+        scores = linear(self.model.norm(out.hidden[0][:, -last:]), self._head_rows)  # [1, l, K]
         return self.draft_vocab.scatter(self.model.final_logits(scores).float())
 
-    def _next_logits_of_rows(self, states: list[_Fed], fed: list[list[int]]
+    def _next_logits_of_rows(self, states: list[_Fed], fed: list[list[int]], last: int = 1
                              ) -> list[torch.Tensor | None]:
         """`_next_logits` for a batch's rows (`states`, in the order of the batch cache's
         first rows) in one forward of the draft model: row i's tokens fed[i] after its own
         length (a row fed nothing rides along, its cache unchanged); [V] each (None for a
-        row fed nothing)."""
+        row fed nothing), or with last > 1 [last, V] at each row's last tokens (every row fed
+        at least that many)."""
         model, device = self.model, self._device
         for tokens in fed:
             _check_draft_ids(tokens, model)
@@ -266,16 +310,18 @@ class SmallModelDrafter:
                   for tokens in fed]
         tokens, positions, masks = pad_rows(inputs, lengths, device)
         slots = RowSlots(self._batch.caches.first(len(states)), lengths, tokens.shape[1])
-        last = [max(len(t), 1) - 1 for t in fed]
-        every = torch.arange(len(fed), device=device)
+        at = torch.tensor([[max(len(t), last) - last + j for j in range(last)] for t in fed],
+                          device=device)  # [n, last]: each row's last tokens
+        every = torch.arange(len(fed), device=device)[:, None]
         if self.draft_vocab is None:
             out = model(tokens, positions, slots, mask=slots.mask(masks))
-            logits = out.logits[every, last]  # [n, V_draft]
+            logits = out.logits[every, at]  # [n, last, V_draft]
         else:
             out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
                         return_hidden=(model.config.num_layers,))
-            scores = linear(model.norm(out.hidden[0][every, last]), self._head_rows)  # [n, K]
+            scores = linear(model.norm(out.hidden[0][every, at]), self._head_rows)  # [n, l, K]
             logits = self.draft_vocab.scatter(model.final_logits(scores).float())
+        logits = logits[:, 0] if last == 1 else logits
         result = []
         for state, tokens, row_logits in zip(states, fed, logits, strict=True):
             state.cache.advance(len(tokens))
@@ -312,6 +358,11 @@ class _Fed:
         tokens are the history's (their values filled in), the rest are dropped."""
         del self.tokens[start + max(0, accepted):]
         self.tokens[start:] = history[start:len(self.tokens)]
+
+    def drop(self, count: int) -> None:
+        """Forget the last `count` tokens fed (a parallel draft's masks)."""
+        self.cache.truncate(self.cache.length - count)
+        del self.tokens[len(self.tokens) - count:]
 
 
 class _DraftRows:
@@ -365,6 +416,22 @@ class _Chain:
         self.tokens.append(draw(probs, drafter.sampling, drafter.generator))
         self.laws.append(probs)
         self.logits = logits
+
+
+def _checked_mask(mask_token_id: int | None, model: Transformer, first_candidates: int,
+                  confidence_threshold: float | None) -> int | None:
+    """A PARD mask token id, refused where it cannot draft (None: drafting token by token)."""
+    if mask_token_id is None:
+        return None
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) \
+            or not 0 <= mask_token_id < model.config.vocab_size:
+        raise ValueError(f"SmallModelDrafter: mask_token_id must be a token id of the draft "
+                         f"model (0..{model.config.vocab_size - 1}), got {mask_token_id!r}")
+    if first_candidates != 1 or confidence_threshold is not None:
+        raise ValueError("SmallModelDrafter: a parallel draft (mask_token_id) drafts a chain "
+                         "of all its tokens at once: leave first_candidates at 1 and "
+                         "confidence_threshold unset")
+    return mask_token_id
 
 
 def _check_draft_ids(tokens: list[int], model: Transformer) -> None:

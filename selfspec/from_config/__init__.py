@@ -33,6 +33,7 @@ from selfspec.from_config.generation import (  # noqa: F401
     generation_settings,
 )
 from selfspec.from_config.methods import entry, method_names, registry  # noqa: F401
+from selfspec.from_config.methods.dflash import load_dflash  # noqa: F401
 from selfspec.from_config.methods.eagle import load_eagle  # noqa: F401
 from selfspec.from_config.methods.early_exit import (  # noqa: F401
     early_exit_layers,
@@ -47,6 +48,7 @@ from selfspec.from_config.methods.medusa import (  # noqa: F401
     tree_depth,
 )
 from selfspec.from_config.methods.ngram import corpus_path  # noqa: F401
+from selfspec.from_config.methods.small_model import read_pard, write_pard  # noqa: F401
 from selfspec.from_config.models import (  # noqa: F401
     DTYPES,
     TOKENIZER_FILES,
@@ -97,13 +99,20 @@ from selfspec.from_config.sweeps import (  # noqa: F401
 )
 from selfspec.from_config.trainers import (  # noqa: F401
     EAGLE_VERSIONS,
+    check_dflash_settings,
     check_draft_model_settings,
     check_eagle_settings,
     check_early_exit_settings,
     check_medusa_settings,
     check_medusa_tree,
+    dflash_config,
+    dflash_drafter,
+    dflash_drafters,
+    dflash_head,
+    dflash_objective,
     draft_from_target,
     draft_model_drafters,
+    draft_model_mask,
     draft_model_objective,
     eagle_config,
     eagle_draft_vocab,

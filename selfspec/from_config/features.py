@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.from_config.common import positive_int, set_threads
 from selfspec.from_config.models import load_target, load_tokenizer
 from selfspec.from_config.training import training_rows
+from selfspec.heads.dflash import default_target_layers as dflash_target_layers
 from selfspec.heads.eagle import default_target_layers
 from selfspec.model import Transformer
 from selfspec.training.data import cache_key
@@ -102,17 +103,19 @@ def store_settings(cfg: DictConfig) -> dict:
 
 def store_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
     """store.layers: residual streams kept beside the last hidden state, each a layer count l
-    (the stream after l layers: an early exit at E reads E) or `eagle3` (EAGLE-3's default
-    fused layers for this target)."""
+    (the stream after l layers: an early exit at E reads E), `eagle3` (EAGLE-3's default
+    fused layers for this target) or `dflash` (a DFlash head's default ones)."""
     layers: list[int] = []
     for item in OmegaConf.to_container(cfg.store.layers) or []:
         if item == "eagle3":
             layers += default_target_layers(num_layers)
+        elif item == "dflash":
+            layers += dflash_target_layers(num_layers)
         elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= num_layers:
             layers.append(item)
         else:
             raise ValueError(f"store.layers: each entry is a layer count in [0, {num_layers}] "
-                             f"or eagle3, got {item!r}")
+                             f"eagle3 or dflash, got {item!r}")
     return tuple(sorted(set(layers)))
 
 

@@ -4,7 +4,7 @@ its entry point (train/<method>.py) through `from_config`, each in the same four
 1. `check_<method>_settings(cfg)`: every setting checked from the config alone, before any
    weights load (a trainer passes it to `start_training`);
 2. the fresh trainable module, sized for the target (`medusa_heads`, `eagle_head`,
-   `early_exit_heads`, `draft_from_target`);
+   `early_exit_heads`, `draft_from_target`, `dflash_head`);
 3. `<method>_objective(cfg, target, module, ...)`: what `training.loop.fit` trains;
 4. `<method>_drafters(cfg, target, export)`: the drafters an export makes, each with the
    target it verifies on, for the trainer's judge (`from_config.tau_judge`) and its report.
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.drafters import EagleDrafter, EarlyExitDrafter, SmallModelDrafter
+from selfspec.drafters import DFlashDrafter, EagleDrafter, EarlyExitDrafter, SmallModelDrafter
 from selfspec.from_config.common import checked_settings
+from selfspec.from_config.methods.dflash import load_dflash
 from selfspec.from_config.methods.eagle import load_eagle
 from selfspec.from_config.methods.early_exit import (
     early_exit_layers,
@@ -31,9 +32,17 @@ from selfspec.from_config.methods.early_exit import (
 )
 from selfspec.from_config.methods.entry import is_count
 from selfspec.from_config.methods.medusa import load_medusa, medusa_drafter
+from selfspec.from_config.methods.small_model import read_pard
 from selfspec.from_config.models import model_config, target_quantization
 from selfspec.from_config.training import ExportDrafters
-from selfspec.heads.draft_vocab import draft_vocabulary, load_draft_vocab, most_frequent
+from selfspec.heads.dflash import DFlashConfig, DFlashHead
+from selfspec.heads.draft_vocab import (
+    draft_vocabulary,
+    load_draft_vocab,
+    most_frequent,
+    rarest_token,
+    token_counts,
+)
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
@@ -42,6 +51,7 @@ from selfspec.model.lora import LoraSettings, add_lora
 from selfspec.training.features import FeatureSource
 from selfspec.training.loop import TokenRows
 from selfspec.training.objectives import (
+    DFlashObjective,
     DraftModelObjective,
     Eagle3Objective,
     EagleObjective,
@@ -331,6 +341,17 @@ def check_draft_model_settings(cfg: DictConfig) -> int:
     size = d.get("draft_vocab")
     if size is not None and not (isinstance(size, int) and 1 <= size <= target.vocab_size):
         raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
+    parallel, mask = d.get("parallel", 1), d.get("mask_token_id")
+    if not is_count(parallel):
+        raise ValueError(f"draft_model.parallel must be an integer >= 1 (1: token by token; "
+                         f"K: PARD, K tokens from one forward), got {parallel!r}")
+    if mask is not None and (isinstance(mask, bool) or not isinstance(mask, int)
+                             or not 0 <= mask < target.vocab_size):
+        raise ValueError(f"draft_model.mask_token_id must be null or a token id in "
+                         f"[0, {target.vocab_size}), got {mask!r}")
+    if parallel > 1 and d.num_draft_tokens > parallel:
+        raise ValueError(f"draft_model.num_draft_tokens={d.num_draft_tokens}: a draft trained "
+                         f"to fill {parallel - 1} masks drafts at most {parallel} tokens at once")
     return int(d.num_layers)
 
 
@@ -347,16 +368,31 @@ def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
     return draft
 
 
+def draft_model_mask(cfg: DictConfig, target: Transformer, train: TokenRows) -> int | None:
+    """PARD's mask token (draft_model.parallel > 1): draft_model.mask_token_id, or (null) the
+    training rows' rarest token, so that it stands for nothing the rows say; None for a draft
+    that drafts token by token."""
+    d = cfg.draft_model
+    if int(d.get("parallel", 1)) == 1:
+        return None
+    if d.get("mask_token_id") is not None:
+        return int(d.mask_token_id)
+    return rarest_token(token_counts(train.tokens, target.config.vocab_size))
+
+
 def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transformer,
-                          counts: torch.Tensor, features: FeatureSource | None = None
-                          ) -> DraftModelObjective:
+                          counts: torch.Tensor, mask_token_id: int | None = None,
+                          features: FeatureSource | None = None) -> DraftModelObjective:
     """The draft distilled on the frozen target's law (plus draft_model.hard_weight x
     cross-entropy to the tokens), over draft_model.draft_vocab's most frequent tokens of the
-    training rows' counts [V] when set; features: the target's states from a feature store."""
+    training rows' counts [V] when set; features: the target's states from a feature store.
+    With a mask token (`draft_model_mask`), PARD's parallel draft of draft_model.parallel
+    tokens."""
     d = cfg.draft_model
     vocab = None if d.draft_vocab is None else most_frequent(counts, int(d.draft_vocab))
     return DraftModelObjective(target, draft, float(d.hard_weight), bool(d.cache_features),
-                               vocab, features)
+                               vocab, features, parallel=int(d.get("parallel", 1)),
+                               mask_token_id=mask_token_id)
 
 
 def draft_model_drafters(cfg: DictConfig, target: Transformer, export: Path
@@ -367,4 +403,87 @@ def draft_model_drafters(cfg: DictConfig, target: Transformer, export: Path
     size = cfg.draft_model.draft_vocab
     vocab = None if size is None else load_draft_vocab(export, int(size))
     k = int(cfg.draft_model.num_draft_tokens)
-    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab), target)}
+    mask = read_pard(export)["mask_token_id"] if int(cfg.draft_model.get("parallel", 1)) > 1 \
+        else None
+    return {"": (SmallModelDrafter(draft, k, draft_vocab=vocab, mask_token_id=mask), target)}
+
+
+# ---- DFlash block drafters (train/dflash.py) ----------------------------------------------------
+
+DFLASH_LOSSES = ("ce", "kl")  # against the data; against the target's law
+
+
+def dflash_config(cfg: DictConfig, target: ModelConfig, mask_token_id: int) -> DFlashConfig:
+    """The head's config for the target from cfg.dflash (target_layers null: num_features
+    streams spaced as the references space them)."""
+    d = cfg.dflash
+    layers = d.get("target_layers")
+    try:
+        return DFlashConfig.for_target(
+            target, mask_token_id=mask_token_id, num_layers=d.num_layers,
+            block_size=d.block_size, num_features=d.num_features,
+            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
+            draft_vocab_size=d.get("draft_vocab_size"), qk_norm=bool(d.qk_norm))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("DFlashConfig: ", "dflash.", 1)) from None
+
+
+def check_dflash_settings(cfg: DictConfig) -> None:
+    """Every cfg.dflash setting checked from the config alone (a head on the meta device, no
+    weights): the head, its objective's settings and the drafter the report uses."""
+    d, target = cfg.dflash, model_config(cfg.model)
+    mask = d.get("mask_token_id")
+    with torch.device("meta"):
+        meta_head = DFlashHead(dflash_config(cfg, target, 0 if mask is None else mask))
+    dflash_drafter(cfg, meta_head)
+    if not is_count(d.anchors):
+        raise ValueError(f"dflash.anchors must be an integer >= 1, got {d.anchors!r}")
+    if not float(d.gamma) > 0:
+        raise ValueError(f"dflash.gamma must be > 0 (slot k weighs exp(-(k-1)/gamma)), got "
+                         f"{d.gamma}")
+    if d.loss not in DFLASH_LOSSES:
+        raise ValueError(f"dflash.loss must be ce (against the data) or kl (against the "
+                         f"target's law), got {d.loss!r}")
+
+
+def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlashHead:
+    """A fresh head sized for the target. The mask token is dflash.mask_token_id, or (null)
+    the training rows' rarest token (the highest id among equals), so that it stands for
+    nothing the rows say; with dflash.draft_vocab_size the draft vocabulary is the rows' most
+    frequent tokens (where the loss counts). Its final norm (and LM head rows) start from the
+    target's."""
+    mask = cfg.dflash.get("mask_token_id")
+    if mask is None:
+        mask = rarest_token(token_counts(train.tokens, target.config.vocab_size))
+    config = dflash_config(cfg, target.config, int(mask))
+    torch.manual_seed(int(cfg.seed))
+    head = DFlashHead(config).to(target.embed_tokens.weight)
+    if config.draft_vocab_size is not None:
+        head.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
+                                              config.draft_vocab_size, train.loss_mask))
+    return head.init_from_target(target)
+
+
+def dflash_objective(cfg: DictConfig, target: Transformer, head: DFlashHead,
+                     features: FeatureSource | None = None) -> DFlashObjective:
+    """Blocks at dflash.anchors anchors a row, slots weighted by dflash.gamma, against the data
+    (dflash.loss=ce) or the target's law (kl); features: the target's states from a feature
+    store."""
+    d = cfg.dflash
+    return DFlashObjective(target, head, anchors=int(d.anchors), gamma=float(d.gamma),
+                           teacher=d.loss == "kl",
+                           cache_features=bool(d.get("cache_features", False)),
+                           features=features)
+
+
+def dflash_drafter(cfg: DictConfig, trained: DFlashHead) -> DFlashDrafter:
+    """train/dflash.py's drafter (held-out tau, the report): dflash.num_draft_tokens (null:
+    the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes."""
+    d = cfg.dflash
+    return DFlashDrafter(trained, d.get("num_draft_tokens"), tree_nodes=d.get("tree_nodes"),
+                         sampled_children=bool(d.sampled_children))
+
+
+def dflash_drafters(cfg: DictConfig, target: Transformer, export: Path) -> ExportDrafters:
+    """The exported head, drafting as the config says (dflash.num_draft_tokens, tree_nodes)."""
+    return {"": (dflash_drafter(cfg, load_dflash(export, target)), target)}

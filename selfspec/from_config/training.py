@@ -60,6 +60,8 @@ RESUMABLE_CHANGES = (
     "dry_run", "num_gpus", "run_dir",
     # EAGLE: how the report drafts, not what the head learns
     "eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children",
+    # DFlash: how the report drafts
+    "dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children",
     # early exit: how the report drafts
     "early_exit.num_draft_tokens", "early_exit.confidence_threshold",
 )

@@ -83,6 +83,12 @@ def most_frequent(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
     return DraftVocab(d2t, t2d)
 
 
+def rarest_token(counts: torch.Tensor) -> int:
+    """The id with the lowest count [V], the highest id among equals: a mask token that
+    stands for nothing the counted rows say (DFlash's, PARD's)."""
+    return int(len(counts) - 1 - torch.argmin(counts.flip(0)))
+
+
 def check_vocab_covers(vocab: DraftVocab, vocab_size: int) -> None:
     if len(vocab.t2d) != vocab_size:
         raise ValueError(f"the draft vocabulary maps into {len(vocab.t2d)} token ids, the "

@@ -1,11 +1,12 @@
 """Write a head in the folder layout a serving engine or the reference code loads, with the
 launch command (`scripts/export_heads.py`; the layouts are `selfspec.heads.published`).
 
-| head | vllm | sglang | medusa (reference) | eagle (reference) |
-|---|---|---|---|---|
-| Medusa | yes: top-1 chains | no | yes | no |
-| EAGLE-1 | fc without bias | yes | no | yes |
-| EAGLE-3 | yes | yes | no | default fused layers only |
+| head | vllm | sglang | medusa (reference) | eagle (reference) | dflash (reference) |
+|---|---|---|---|---|---|
+| Medusa | yes: top-1 chains | no | yes | no | no |
+| EAGLE-1 | fc without bias | yes | no | yes | no |
+| EAGLE-3 | yes | yes | no | default fused layers only | no |
+| DFlash | q/k norms; draft vocabulary too | q/k norms, the target's LM head | no | no | as SGLang |
 
 What an engine cannot serve is refused with the reason and the fix, before anything is written.
 """
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from selfspec.heads.dflash import DFlashHead
 from selfspec.heads.eagle import EagleHead, default_target_layers
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.published import (
@@ -29,7 +31,7 @@ from selfspec.heads.published import (
     medusa_vllm_state,
 )
 
-ENGINES = ("vllm", "sglang", "medusa", "eagle")
+ENGINES = ("vllm", "sglang", "medusa", "eagle", "dflash")
 SERVING_FILE = "SERVING.md"
 BASE_PLACEHOLDER = "<base-model>"
 
@@ -68,10 +70,12 @@ def export_head(
     elif isinstance(head, EagleHead):
         config, state, files, command, notes = _eagle(head, to, base_model, target_layers_count,
                                                       target_embedding)
+    elif isinstance(head, DFlashHead):
+        config, state, files, command, notes = _dflash(head, to, base_model, target_layers_count)
     else:
         raise ExportRefused(f"no engine loads a {type(head).__name__} from a head folder: vLLM "
-                            f"and SGLang serve Medusa and EAGLE heads (early exits run in "
-                            f"selfspec only)")
+                            f"and SGLang serve Medusa, EAGLE and DFlash heads (early exits run "
+                            f"in selfspec only)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
@@ -86,8 +90,8 @@ def export_head(
 
 
 def serving_text(head: nn.Module, to: str, exported: Exported) -> str:
-    kind = type(head).__name__ if not isinstance(head, EagleHead) else \
-        f"EAGLE-{head.config.version}"
+    kind = (f"EAGLE-{head.config.version}" if isinstance(head, EagleHead)
+            else "DFlash" if isinstance(head, DFlashHead) else type(head).__name__)
     lines = [f"# Serving this {kind} head with {to}", "", "```bash", exported.command, "```", ""]
     lines += [f"- {note}" for note in exported.notes]
     return "\n".join(lines) + "\n"
@@ -100,9 +104,11 @@ def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
             target_lm_head: torch.Tensor | None):
     c = heads.config
     base = base_model or BASE_PLACEHOLDER
-    if to in ("sglang", "eagle"):
-        raise ExportRefused(f"{'SGLang' if to == 'sglang' else 'the EAGLE code'} serves EAGLE "
-                            f"heads, not Medusa heads: export with --to vllm or --to medusa")
+    if to in ("sglang", "eagle", "dflash"):
+        who = {"sglang": "SGLang serves EAGLE and DFlash", "eagle": "the EAGLE code serves EAGLE",
+               "dflash": "the DFlash code serves DFlash"}[to]
+        raise ExportRefused(f"{who} heads, not Medusa heads: export with --to vllm or --to "
+                            f"medusa")
     if to == "medusa":
         if heads.draft_vocab is not None:
             raise ExportRefused("the reference Medusa code scores the whole vocabulary and has no "
@@ -150,9 +156,9 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
            target_embedding: torch.Tensor | None):
     c = head.config
     base = base_model or BASE_PLACEHOLDER
-    if to == "medusa":
-        raise ExportRefused("an EAGLE head is not a Medusa head: export with --to vllm, sglang "
-                            "or eagle")
+    if to in ("medusa", "dflash"):
+        raise ExportRefused(f"an EAGLE head is not a {to.capitalize()} head: export with --to "
+                            f"vllm, sglang or eagle")
     _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
     llama = c.layer_config().to_hf()
@@ -255,6 +261,68 @@ def _check_llama_layer(c, to: str) -> None:
         raise ExportRefused("a Llama config has one attention_bias for q, k, v and o; this head "
                             "has a bias on q, k, v only (Qwen2 style), which the engines' Llama "
                             "EAGLE heads do not build")
+
+
+# ---- DFlash ----------------------------------------------------------------------------------
+
+
+def _dflash(head: DFlashHead, to: str, base_model: str | None, target_layers_count: int | None):
+    """The published DFlash layout (z-lab's `DFlashDraftModel`, which SGLang and vLLM read): a
+    Qwen3 config of the draft's layers, `dflash_config` with the block size, the mask token and
+    the fused layers numbered by the layer whose output each is (ours - 1); our tensor names."""
+    c = head.config
+    base = base_model or BASE_PLACEHOLDER
+    if to in ("medusa", "eagle"):
+        raise ExportRefused(f"a DFlash head is not {'a Medusa' if to == 'medusa' else 'an EAGLE'} "
+                            f"head: export with --to vllm, sglang or dflash")
+    if not c.qk_norm:
+        raise ExportRefused("the engines and the reference code build DFlash layers as Qwen3's, "
+                            "with per-head q/k RMSNorm, which this head's layers lack: train it "
+                            "with dflash.qk_norm=true")
+    if c.attention_bias != c.attention_out_bias or c.mlp_bias:
+        raise ExportRefused("a Qwen3 config has one attention_bias for q, k, v and o and no MLP "
+                            "bias; this head's layers differ (a Qwen2-style target's): train it "
+                            "for a target without such biases")
+    if 0 in c.target_layers:
+        raise ExportRefused("DFlash configs number a fused stream by the layer whose output it "
+                            "is, so they cannot name the embeddings (stream 0): train with "
+                            "dflash.target_layers >= 1")
+    if c.draft_vocab_size is not None and to != "vllm":
+        raise ExportRefused(f"{'SGLang' if to == 'sglang' else 'the reference DFlash code'} "
+                            f"scores a DFlash draft with the target's LM head, over the whole "
+                            f"vocabulary: export with --to vllm (which reads d2t), or train with "
+                            f"dflash.draft_vocab_size=null")
+    outputs = [i - 1 for i in c.target_layers]
+    layer = c.layer_config().to_hf()
+    config = layer | {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "num_hidden_layers": c.num_layers, "attention_bias": c.attention_bias,
+        "tie_word_embeddings": False, "layer_types": ["full_attention"] * c.num_layers,
+        "use_sliding_window": False, "block_size": c.block_size,
+        "target_hidden_size": c.target_hidden_size or c.hidden_size,
+        "dflash_config": {"block_size": c.block_size, "mask_token_id": c.mask_token_id,
+                          "target_layer_ids": outputs}}
+    if target_layers_count is not None:
+        config["num_target_layers"] = target_layers_count
+    state = dict(head.state_dict())
+    notes = [f"blocks of {c.block_size} slots: up to {c.block_size - 1} tokens a forward; mask "
+             f"token {c.mask_token_id} (the target's embedding of it); fused target layers "
+             f"{outputs} (the outputs of those layers; selfspec's streams {list(c.target_layers)})"]
+    if to == "vllm":
+        config["eagle_aux_hidden_state_layer_ids"] = list(c.target_layers)  # vLLM's numbering
+        spec = {"method": "dflash", "model": "{OUT}", "num_speculative_tokens": c.block_size - 1}
+        if c.draft_vocab_size is not None:
+            config["draft_vocab_size"] = c.draft_vocab_size
+            notes.append(f"a draft vocabulary of {c.draft_vocab_size} tokens (lm_head, d2t)")
+        return config, state, "model.safetensors", _vllm(base, spec), notes
+    if to == "sglang":
+        command = (f"python -m sglang.launch_server --model-path {shlex.quote(base)} "
+                   f"--speculative-algorithm DFLASH --speculative-draft-model-path {{OUT}}")
+    else:
+        command = ("python -c \"from dflash.model import DFlashDraftModel; "
+                   "DFlashDraftModel.from_pretrained('{OUT}')\"  # then its spec_generate(target, "
+                   f"...); target: {base}")
+    return config, state, "model.safetensors", command, notes
 
 
 # ---- writing ---------------------------------------------------------------------------------

@@ -15,6 +15,10 @@
   `d2t`, `t2d`; the fused layers in `eagle_aux_hidden_state_layer_ids` (vLLM, top level, the
   input of that layer: ours) or `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang, one
   less than ours), else the default (2, L//2, L-3) of the target.
+- DFlash (z-lab's `DFlashDraftModel`, read by SGLang and vLLM): a Qwen3 config.json of the
+  draft's layers with `dflash_config` {block_size, mask_token_id, target_layer_ids (the output
+  of that layer: ours - 1)}; `layers.{i}.*` with q/k norms, `norm`, `fc`, `hidden_norm`, and
+  (vLLM) `lm_head` + `d2t` for a draft vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from selfspec.heads.base import AttentionShape
+from selfspec.heads.dflash import DFlashConfig, DFlashHead
+from selfspec.heads.dflash import default_target_layers as dflash_layers
 from selfspec.heads.eagle import EagleConfig, EagleHead, default_target_layers
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, aligned
@@ -37,7 +44,7 @@ from selfspec.model import ModelConfig, aligned
 MEDUSA_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 LAYOUTS = {"medusa": "Medusa (reference layout)", "medusa-vllm": "Medusa (vLLM layout)",
-           "eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
+           "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
 class TargetNeeded(ValueError):
@@ -83,13 +90,15 @@ def read_published(folder: Path, target: ModelConfig | None = None,
     if config.get("model_type") == "medusa":
         return _read_vllm_medusa(folder, config, target_lm_head)
     state = _read_weights(folder, WEIGHT_FILES)
+    if "dflash_config" in config or "DFlashDraftModel" in config.get("architectures", ()):
+        return _read_dflash(folder, config, state)
     if "fc.weight" in state:
         return _read_eagle(folder, config, state, target and target.num_layers)
     raise ValueError(
         f"load_head: no head checkpoint recognised in {folder}: expected head_config.json "
         f"(selfspec), medusa_lm_head.pt/.safetensors (Medusa), a config.json with model_type "
         f"medusa (vLLM Medusa), or config.json + model.safetensors/pytorch_model.bin holding "
-        f"fc.weight (EAGLE-1/EAGLE-3)")
+        f"fc.weight (EAGLE-1/EAGLE-3) or with dflash_config (DFlash)")
 
 
 # ---- Medusa ----------------------------------------------------------------------------------
@@ -301,6 +310,60 @@ def _fused_layers(config: dict, target_num_layers: int | None, folder: Path) -> 
                          f"layers; this head needs a deeper target or explicit layer ids in "
                          f"config.json (eagle_aux_hidden_state_layer_ids)")
     return layers
+
+
+# ---- DFlash ----------------------------------------------------------------------------------
+
+
+def _read_dflash(folder: Path, config: dict, state: dict) -> PublishedHead:
+    d = config.get("dflash_config") or {}
+    mask = d.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        raise ValueError(f"load_head: {folder}/config.json names no dflash_config.mask_token_id "
+                         f"(the token every mask slot carries)")
+    layer = ModelConfig.from_hf({**config, "model_type": "llama"})
+    layers = _dflash_layers(config, d, layer.num_layers, folder)
+    state = dict(state)
+    draft = state.get("lm_head.weight")
+    if draft is not None and "t2d" not in state:  # vLLM's layout: d2t alone
+        t2d = torch.zeros(layer.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(state["d2t"])) + state["d2t"]] = True
+        state["t2d"] = t2d
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+    dflash = DFlashConfig(
+        **{f.name: getattr(layer, f.name) for f in fields(AttentionShape)},
+        intermediate_size=layer.intermediate_size, mlp_bias=layer.mlp_bias,
+        num_layers=layer.num_layers, block_size=int(d.get("block_size",
+                                                          config.get("block_size", 16))),
+        mask_token_id=int(mask), target_layers=layers,
+        target_hidden_size=state["fc.weight"].shape[1] // len(layers),
+        draft_vocab_size=None if draft is None else int(draft.shape[0]),
+        qk_norm="layers.0.self_attn.q_norm.weight" in state)
+    notes = [f"{dflash.num_layers} layers, blocks of {dflash.block_size}, fused target layers "
+             f"{list(layers)}"]
+    module = adopt(DFlashHead, dflash, state, "DFlash")
+    return PublishedHead("dflash", module, dflash, config.get("base_model_name_or_path"),
+                         state["fc.weight"].dtype, notes)
+
+
+def _dflash_layers(config: dict, d: dict, draft_layers: int, folder: Path) -> tuple[int, ...]:
+    """DFlash's fused streams in our numbering: dflash_config.target_layer_ids (the output of
+    that layer: one less than ours) or vLLM's eagle_aux_hidden_state_layer_ids (ours), else
+    the references' default for num_target_layers and as many streams as draft layers."""
+    ids, vllm = d.get("target_layer_ids"), config.get("eagle_aux_hidden_state_layer_ids")
+    found = {tuple(i + 1 for i in ids) if ids else None, tuple(vllm) if vllm else None}
+    found.discard(None)
+    if len(found) > 1:
+        raise ValueError(f"load_head: {folder}/config.json gives two different fused layer lists "
+                         f"(dflash_config.target_layer_ids {ids}, which counts one less, and "
+                         f"eagle_aux_hidden_state_layer_ids {vllm}): keep one")
+    if found:
+        return found.pop()
+    if config.get("num_target_layers") is None:
+        raise ValueError(f"load_head: {folder}/config.json names neither the fused layers "
+                         f"(dflash_config.target_layer_ids) nor num_target_layers")
+    return dflash_layers(int(config["num_target_layers"]), draft_layers)
 
 
 # ---- shared ----------------------------------------------------------------------------------

@@ -10,8 +10,17 @@ from collections.abc import Sequence
 
 import torch
 
-from selfspec.drafters import EagleDrafter, EarlyExitDrafter, MedusaDrafter
-from selfspec.heads import EagleConfig, EagleHead, ExitConfig, ExitHead, MedusaConfig, MedusaHeads
+from selfspec.drafters import DFlashDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter
+from selfspec.heads import (
+    DFlashConfig,
+    DFlashHead,
+    EagleConfig,
+    EagleHead,
+    ExitConfig,
+    ExitHead,
+    MedusaConfig,
+    MedusaHeads,
+)
 from selfspec.measure.costs import CostProfile
 from selfspec.measure.passes import compare_with_plain
 from selfspec.model import Transformer
@@ -24,6 +33,7 @@ METHODS = {  # name: (published tau or None, what drafts)
     "eagle1": (3.94, "EAGLE-1 head, the static tree (EAGLE-1's tau is for its own tree)"),
     "medusa": (2.52, "4 Medusa heads, the static tree"),
     "early_exit": (None, "adapter exit at E = L/4, 4 tokens a step"),
+    "dflash": (None, "DFlash head, one layer, 8 tokens drafted in one forward (a chain)"),
 }
 
 
@@ -41,6 +51,10 @@ def random_drafter(name: str, target: Transformer, tree: Sequence[Sequence[int]]
     if name == "medusa":
         heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=4))
         return MedusaDrafter(heads.to(weight).eval(), tree)
+    if name == "dflash":
+        head_config = DFlashConfig.for_target(config, mask_token_id=config.vocab_size - 1,
+                                              block_size=9)
+        return DFlashDrafter(DFlashHead(head_config).to(weight).eval())
     if name == "early_exit":
         exit_config = ExitConfig.for_target(config, max(1, config.num_layers // 4))
         return EarlyExitDrafter(ExitHead(exit_config).to(weight).eval(), 4)
@@ -69,7 +83,7 @@ def method_cost_row(name: str, target: Transformer, tree: Sequence[Sequence[int]
 
 def _levels(drafter) -> int:
     """The drafter's sequential forwards a step: an early exit's tokens, an EAGLE tree's
-    levels, one for Medusa's heads."""
+    levels, one for Medusa's heads and for DFlash's block."""
     if isinstance(drafter, EarlyExitDrafter):
         return drafter.num_draft_tokens
     if isinstance(drafter, EagleDrafter):

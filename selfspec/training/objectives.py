@@ -10,12 +10,14 @@ trains LoRA adapters on the target (`selfspec.model.lora`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.heads.dflash import DFlashHead, PrefixKeys
 from selfspec.heads.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
@@ -29,6 +31,7 @@ from selfspec.training.features import (
 )
 from selfspec.training.losses import (
     LossOutput,
+    dflash_loss,
     eagle3_loss,
     eagle_loss,
     exit_loss,
@@ -249,38 +252,238 @@ class DraftModelObjective(nn.Module):
     them, as it will when drafting; on a small real target the full LM head and its softmax
     are most of a training step. cache_features: the target's last hidden states are computed
     once per row and its LM head re-applied, not its layers (see FeatureCache); features: read
-    them from elsewhere (a feature store)."""
+    them from elsewhere (a feature store).
+
+    parallel: K > 1 trains PARD's parallel draft, which fills k - 1 mask tokens
+    (`mask_token_id`) after the last real one in one forward: the row is replicated K times
+    (`parallel_rows`), copy j holding the mask at every position, and the mask at position p of
+    copy j sees the real tokens up to p - j and the masks of copies 1..j at p - j + 1..p, so
+    it stands where a draft's j-th mask stands and learns the target's law at p, as the
+    real row does. Every copy's rows count alike."""
 
     def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
                  cache_features: bool = False, draft_vocab: DraftVocab | None = None,
-                 features: FeatureSource | None = None):
+                 features: FeatureSource | None = None, parallel: int = 1,
+                 mask_token_id: int | None = None):
         super().__init__()
         if not hard_weight >= 0:
             raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
         if hard_weight and draft_vocab is not None:
             raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
                              "supported (tokens outside it have no label); set one of them")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1 \
+                or (parallel > 1) != (mask_token_id is not None):
+            raise ValueError(f"DraftModelObjective: parallel must be an integer >= 1, with a "
+                             f"mask_token_id when > 1, got {parallel!r} and {mask_token_id!r}")
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
+        self.parallel, self.mask_token_id = parallel, mask_token_id
         self.features = feature_source((), cache_features, features, "DraftModelObjective")
         ids = None if draft_vocab is None else draft_vocab.target_ids
         self.register_buffer("vocab_ids", ids, persistent=False)
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
         with torch.no_grad():
             hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
             teacher = self._scores(self.target, hidden)
-        out = self.draft(tokens, positions, with_logits=False,
+        rows = parallel_rows(tokens, loss_mask, self.parallel, self.mask_token_id)
+        out = self.draft(rows.tokens, rows.positions, mask=rows.mask, with_logits=False,
                          return_hidden=(self.draft.config.num_layers,))
-        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))
-        part = exit_loss(logits, teacher, tokens, loss_mask, self.hard_weight)
-        return LossOutput(part.loss, {f"draft/{k}": v for k, v in part.metrics.items()})
+        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))  # [B, K T, V]
+        copies = logits.view(*tokens.shape[:1], self.parallel, tokens.shape[1], -1)
+        parts = [exit_loss(copies[:, j], teacher, tokens, rows.loss_mask[:, j],
+                           self.hard_weight) for j in range(self.parallel)]
+        part = parts[0]
+        metrics = {f"draft/{k}": v for k, v in part.metrics.items()}
+        if self.parallel == 1:
+            return LossOutput(part.loss, metrics)
+        counts = rows.loss_mask[:, :, 1:].sum(dim=(0, 2)).float()  # [K] rows each copy counts
+        loss = sum(p.loss * n for p, n in zip(parts, counts, strict=True)) / counts.sum().clamp(
+            min=1.0)
+        metrics |= {f"draft/mask{j}_top1": p.metrics["top1"] for j, p in enumerate(parts) if j}
+        return LossOutput(loss, metrics)
 
     def _scores(self, model: Transformer, normed: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (or [B, T, K] over the draft vocabulary) of final-norm states."""
         weight = model.lm_head.weight
         weight = weight if self.vocab_ids is None else weight[self.vocab_ids]
         return model.final_logits(F.linear(normed, weight)).float()
+
+
+@dataclass(frozen=True)
+class BlockFeatures:
+    """What a block drafter learns from, of training rows [B, T]: the frozen target's residual
+    streams at the head's `target_layers` (each [B, T, H]) and, for the loss against its law,
+    its normed last hidden state [B, T, H] (None: cross-entropy against the data), whose
+    logits come back through the target's LM head. A forward computes them
+    (`DFlashObjective.features`); a feature store may supply them instead."""
+
+    streams: tuple[torch.Tensor, ...]
+    last_hidden: torch.Tensor | None = None
+
+
+class DFlashObjective(nn.Module):
+    """DFlash: per row, `anchors` block starts are drawn among the positions whose next token
+    is supervised (from `generator`, or torch's default generator, which `fit` seeds and
+    checkpoints; held-out evaluation draws from a fixed seed). A block at anchor a is
+    [token a, mask x (B - 1)] at positions a..a + B - 1; it attends to the context strictly
+    before a (every draft layer's keys of the target's fused streams there) and to itself,
+    bidirectionally, never to another block. Slot k predicts token a + k, scored against the
+    data or (teacher=True) against the target's law at a + k - 1, slot k weighing
+    exp(-(k - 1) / gamma) (`losses.dflash_loss`). With a draft vocabulary, slots whose token
+    lies outside it do not count and the law is restricted to it.
+    cache_features: keep each row's streams (`FeatureCache`) for runs of many epochs;
+    features: read them from elsewhere (a feature store)."""
+
+    def __init__(self, target: Transformer, head: DFlashHead, anchors: int = 16,
+                 gamma: float = 4.0, teacher: bool = False,
+                 generator: torch.Generator | None = None, cache_features: bool = False,
+                 features: FeatureSource | None = None):
+        super().__init__()
+        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
+            raise ValueError(f"DFlashObjective: anchors must be an integer >= 1, got {anchors!r}")
+        if not gamma > 0:
+            raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
+        self.target, self.head, self.anchors = freeze(target), head, anchors
+        self.gamma, self.teacher, self.generator = float(gamma), bool(teacher), generator
+        self.features = feature_source(head.config.target_layers, cache_features, features,
+                                       "DFlashObjective")
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        return self.loss(tokens, loss_mask, self.block_features(tokens))
+
+    @torch.no_grad()
+    def block_features(self, tokens: torch.Tensor) -> BlockFeatures:
+        """The frozen target's streams (and last hidden state, for teacher=True) of rows
+        tokens [B, T]."""
+        states = frozen_states(self.target, tokens, self.head.config.target_layers,
+                               self.features)
+        return BlockFeatures(states.streams, states.last if self.teacher else None)
+
+    def loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, features: BlockFeatures
+             ) -> LossOutput:
+        """The loss of rows tokens [B, T] (loss_mask [B, T]: which tokens are prediction
+        targets) from their target features; no target layer runs here, only its embedding
+        and LM head."""
+        blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
+                               self._generator(tokens.device))
+        logits = self.block_logits(features, blocks)  # [B, A, K, V']
+        batch, length = tokens.shape
+        labels, valid = blocks.labels, blocks.valid
+        teacher = None
+        if features.last_hidden is not None:
+            at = (blocks.label_positions - 1).clamp(max=length - 1)  # [B, A, K]: law of a + k
+            rows = features.last_hidden[torch.arange(batch, device=tokens.device)[:, None, None],
+                                        at]  # [B, A, K, H]
+            with torch.no_grad():
+                teacher = self.target.logits_of(rows)  # [B, A, K, V]
+        vocab = self.head.draft_vocab
+        if vocab is not None:
+            labels, kept = vocab.draft_ids(labels)
+            valid = valid & kept
+            if teacher is not None:
+                teacher = teacher[..., vocab.t2d]
+        return dflash_loss(logits, labels, valid, self.gamma, teacher)
+
+    def block_logits(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
+        """[B, A, K, V'] each block's slot scores (K = block_size - 1) over its context."""
+        batch, length, _ = features.streams[0].shape
+        context = self.head.context(features.streams)  # [B, T, h]
+        positions = torch.arange(length, device=context.device)
+        keys = PrefixKeys(self.head.context_keys(context, positions))
+        embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
+        hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
+        size = self.head.config.block_size
+        hidden = hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
+        return self.head.logits(hidden, self.target.lm_head)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.training:
+            return self.generator
+        return torch.Generator(device=device).manual_seed(0)  # the same held-out blocks
+
+
+@dataclass(frozen=True)
+class AnchorBlocks:
+    """A batch's training blocks, A per row of B slots (N = A x B rows): tokens [B, N] (each
+    block's anchor token, then the mask token), positions [B, N], mask [B, N, T + N] (the
+    context strictly before its anchor, and its own block), label_positions [B, A, B - 1]
+    (a + k), labels [B, A, B - 1] (the tokens there) and valid [B, A, B - 1] (a drawn anchor,
+    a label inside the row and supervised)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    label_positions: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def anchor_blocks(tokens: torch.Tensor, loss_mask: torch.Tensor, config, anchors: int,
+                  generator: torch.Generator | None) -> AnchorBlocks:
+    """Up to `anchors` distinct anchors per row, drawn uniformly among its positions a >= 1
+    whose next token is supervised (fixed shapes: a row with fewer has blocks that count
+    nothing), and the blocks at them."""
+    batch, length = tokens.shape
+    device, size = tokens.device, config.block_size
+    count = max(1, min(anchors, length - 2))
+    allowed = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    allowed[:, 1:-1] = loss_mask[:, 2:].bool()  # anchor a: token a + 1 is supervised
+    keys = torch.rand(batch, length, generator=generator, device=device)
+    keys = keys.masked_fill(~allowed, -1.0)
+    chosen, order = torch.topk(keys, count, dim=-1)  # [B, A]
+    drawn, anchor = chosen >= 0, order  # [B, A] each
+    offsets = torch.arange(size, device=device)
+    positions = anchor[..., None] + offsets  # [B, A, S]
+    ids = torch.full((batch, count, size), config.mask_token_id, dtype=torch.long,
+                     device=device)
+    ids[..., 0] = tokens.gather(1, anchor)
+    label_positions = positions[..., 1:]  # [B, A, S - 1]
+    inside = label_positions < length
+    at = label_positions.clamp(max=length - 1).flatten(1)
+    labels = tokens.gather(1, at).view_as(label_positions)
+    supervised = loss_mask.bool().gather(1, at).view_as(label_positions)
+    context = torch.arange(length, device=device) < anchor[..., None]  # [B, A, T]
+    own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=device)] * count)
+    mask = torch.cat([context.repeat_interleave(size, dim=1),
+                      own.expand(batch, -1, -1)], dim=-1)  # [B, N, T + N]
+    return AnchorBlocks(ids.flatten(1), positions.flatten(1), mask, label_positions, labels,
+                        drawn[..., None] & inside & supervised)
+
+
+@dataclass(frozen=True)
+class ParallelRows:
+    """PARD's replicated rows of a batch [B, T] (K copies): tokens [B, K T] (the real row, then
+    K - 1 rows of masks), positions [K T] (each copy at 0..T-1), mask [K T, K T] (None: one
+    copy, causal) and loss_mask [B, K, T] (copy j's token p + 1 counts from p >= j, where a
+    real token precedes its masks)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    loss_mask: torch.Tensor
+
+
+def parallel_rows(tokens: torch.Tensor, loss_mask: torch.Tensor, copies: int,
+                  mask_token_id: int | None) -> ParallelRows:
+    """The rows a parallel draft trains on (`DraftModelObjective`); one copy: the row as it
+    is, causal."""
+    batch, length = tokens.shape
+    device = tokens.device
+    positions = torch.arange(length, device=device)
+    if copies == 1:
+        return ParallelRows(tokens, positions, None, loss_mask[:, None])
+    masks = torch.full((batch, (copies - 1) * length), mask_token_id, dtype=tokens.dtype,
+                       device=device)
+    copy = torch.arange(copies, device=device).repeat_interleave(length)  # [K T]
+    at = positions.repeat(copies)  # [K T]
+    # Row (j, p) sees key (i, q): the real tokens q <= p - j (i = 0), and for 1 <= i <= j the
+    # mask of copy i at q = p - j + i.
+    j, p = copy[:, None], at[:, None]
+    i, q = copy[None, :], at[None, :]
+    sees = torch.where(i == 0, q <= p - j, (i <= j) & (q == p - j + i))  # [K T, K T]
+    counted = loss_mask.bool()[:, None, :] & (positions[None, None, :] >= torch.arange(
+        copies, device=device)[None, :, None] + 1)  # [B, K, T]: row p counts via token p + 1
+    return ParallelRows(torch.cat([tokens, masks], dim=1), at, sees, counted)
 
 
 def _target_states(

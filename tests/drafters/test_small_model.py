@@ -96,3 +96,65 @@ def test_a_vocabulary_for_another_target_is_refused_before_generating(target):
     drafter = SmallModelDrafter(target.first_layers(1), 2, draft_vocab=vocab)
     with pytest.raises(ValueError, match="maps into 32 token ids, the target has 64"):
         generate(target, PROMPTS[0], drafter=drafter, max_new_tokens=4)
+
+
+# ---- PARD: a draft trained to fill masks drafts k tokens in one forward ------------------------
+
+MASK = 63
+
+
+@pytest.fixture(scope="module")
+def pard_draft(target, plain_greedy):
+    """The target's first two layers trained (PARD's replicated rows, 4 copies) on the target's
+    own greedy continuations of PROMPTS."""
+    from selfspec.training.objectives import DraftModelObjective
+
+    rows = [list(p) + tokens for p, tokens in plain_greedy.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    torch.manual_seed(0)
+    draft = target.first_layers(2)
+    objective = DraftModelObjective(target, draft, parallel=4, mask_token_id=MASK)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    for _ in range(40):
+        out = objective(tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    assert out.metrics["draft/mask2_top1"] > 0.5, out.metrics
+    return draft.eval()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_parallel_draft_drafts_k_tokens_in_one_forward_losslessly(target, plain_greedy,
+                                                                   pard_draft, static):
+    calls = []
+    hook = pard_draft.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for prompt, expected in plain_greedy.items():
+            calls.clear()
+            drafter = SmallModelDrafter(pard_draft, 4, mask_token_id=MASK)
+            result = generate(target, list(prompt), drafter=drafter,
+                              max_new_tokens=NEW_TOKENS, cuda_graphs=static)
+            assert result.tokens == expected
+            assert result.stats.tau > 2.0, result.stats.tau
+            assert len(calls) == result.stats.steps  # one draft forward a step
+            assert drafter._cache.length == len(drafter._fed) <= len(prompt) + NEW_TOKENS
+    finally:
+        hook.remove()
+
+
+@pytest.mark.slow
+def test_a_parallel_draft_keeps_the_target_law(target, pard_draft):
+    drafter = SmallModelDrafter(pard_draft, 3, mask_token_id=MASK)
+    assert_drafted_sampling_is_exact(target, drafter, SamplingParams(temperature=1.0))
+
+
+def test_a_parallel_draft_refuses_what_it_cannot_draft(target):
+    draft = target.first_layers(1)
+    with pytest.raises(ValueError, match="leave first_candidates at 1"):
+        SmallModelDrafter(draft, 3, first_candidates=2, mask_token_id=MASK)
+    with pytest.raises(ValueError, match=r"mask_token_id must be a token id of the draft model "
+                                         r"\(0\.\.63\)"):
+        SmallModelDrafter(draft, 3, mask_token_id=64)

@@ -134,7 +134,7 @@ BAD_INPUTS = [
     (EXPORT, ["{eagle_biased}", "--to", "vllm", "{out}"],
      r"vLLM builds EAGLE-1's fc without a bias .*eagle.fc_bias=false.*--to sglang"),
     (EXPORT, ["{medusa_heads}", "--to", "sglang", "{out}"],
-     r"SGLang serves EAGLE heads, not Medusa heads: export with --to vllm"),
+     r"SGLang serves EAGLE and DFlash heads, not Medusa heads: export with --to vllm"),
     (EXPORT, ["{medusa_shared}", "--to", "vllm", "{out}"],
      r"share the target's LM head, which the export writes: pass --target"),
 ]

@@ -25,7 +25,7 @@ def compose_cfg():
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 
-def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
+def method_settings(quick_build, heads_dir, eagle_dir, dflash_dir) -> dict[str, list[str]]:
     """What each of our methods needs, by name: the toy target (one layer) with its heads, or
     for early exit and layer skipping the shipped tiny target (8 layers)."""
     on_toy = toy(quick_build)[:3]
@@ -34,17 +34,18 @@ def method_settings(quick_build, heads_dir, eagle_dir) -> dict[str, list[str]]:
             "ngram+medusa": [*on_toy, f"medusa_heads={heads_dir}"],
             "eagle": [*on_toy, f"eagle_head={eagle_dir}", "eagle.total_tokens=6",
                       "eagle.top_k=2"],
+            "dflash": [*on_toy, f"dflash_head={dflash_dir}", "dflash.tree_nodes=4"],
             "early_exit": ["model=tiny"], "layer_skip": ["model=tiny"],
             "lookahead": ["model=tiny"], "quantized": on_toy}
 
 
 @pytest.mark.parametrize("quantize", ["null", pytest.param("int8", marks=pytest.mark.slow)])
 def test_generate_drafts_losslessly_with_every_method_of_the_registry(
-        quick_build, compose_cfg, heads_dir, eagle_dir, quantize):
+        quick_build, compose_cfg, heads_dir, eagle_dir, dflash_dir, quantize):
     """Every method, on the target and on its int8 copy (model.quantize: the target that every
     output is then exact against)."""
     ours = [name for name, e in registry().items() if e.ours]
-    settings = method_settings(quick_build, heads_dir, eagle_dir)
+    settings = method_settings(quick_build, heads_dir, eagle_dir, dflash_dir)
     assert sorted(ours) == sorted(settings)  # a new method needs a line here, and a test
     for name in ours:
         cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2", *settings[name],

@@ -150,3 +150,24 @@ def test_the_script_finds_the_target_a_published_head_records(tmp_path, target_f
     out = run_export([str(tmp_path / "eagle3"), "--to", "sglang", str(tmp_path / "out")], capsys)
     assert f"--model-path {target_folder}" in out
     same_state(load_file(str(tmp_path / "out" / "model.safetensors")), state)
+
+
+def test_the_script_exports_a_selfspec_dflash_export_to_every_engine(tmp_path, target,
+                                                                     target_folder, capsys):
+    from helpers import random_dflash_head
+
+    from selfspec.heads import DFlashConfig, DFlashHead, describe_target, save_head
+
+    config = DFlashConfig.for_target(target.config, mask_token_id=V - 1, num_layers=2)
+    head = random_dflash_head(config, seed=1)
+    save_head(tmp_path / "head", head, config, describe_target(target))
+    commands = {"vllm": '"method": "dflash"', "sglang": "--speculative-algorithm DFLASH",
+                "dflash": "DFlashDraftModel.from_pretrained"}
+    for engine, command in commands.items():
+        out = run_export([str(tmp_path / "head"), "--to", engine, str(tmp_path / engine),
+                          "--target", str(target_folder)], capsys)
+        assert command in out and str(target_folder) in out
+        config_json = json.loads((tmp_path / engine / "config.json").read_text())
+        assert config_json["num_target_layers"] == LAYERS
+        again = load_head(tmp_path / engine, DFlashHead, target=target)
+        same_state(again.state_dict(), head.state_dict())

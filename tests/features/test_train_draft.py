@@ -63,3 +63,35 @@ def test_train_draft_dry_run_plans_a_70b_target_without_weights(tmp_path):
     h, kv, ffn = 8192, 1024, 28672  # Llama-2-70B
     layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
     assert f"first 2 layers and final norm): {2 * layer + h:,} parameters" in done.stdout
+
+
+@pytest.mark.slow
+def test_train_draft_trains_a_parallel_draft_a_sweep_drafts_with(tmp_path, quick_build):
+    from helpers import toy
+    from hydra import compose, initialize_config_dir
+
+    from selfspec import from_config, generate
+
+    model = three_layer_target(quick_build, tmp_path / "model")
+    done = run_entry(
+        "model=local", f"model.path={model}", "train_data.source=sharegpt",
+        f"train_data.path={sharegpt_file(tmp_path)}", "trainer.max_steps=4",
+        "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.save_every=4",
+        "trainer.eval_every=4", "trainer.threads=1", "final_eval.num_prompts=2",
+        "final_eval.max_new_tokens=12", "draft_model.num_layers=1", "draft_model.parallel=3",
+        "draft_model.num_draft_tokens=3", "wandb.enabled=false",
+        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PARD, up to 3 tokens a forward" in done.stdout and "lossless=True" in done.stdout
+    export = tmp_path / "run/checkpoints/step_0000004/export"
+    assert json.loads((export / "pard.json").read_text())["parallel"] == 3
+    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+        cfg = compose("generate", overrides=[
+            *toy(quick_build)[:2], f"model.path={model}", f"model.draft.path={export}",
+            "drafter=small_model", "small_model.parallel=[true]", "num_draft_tokens=3"])
+    target = from_config.load_target(cfg)
+    drafter, _ = from_config.drafter_and_target(cfg, target)
+    assert drafter.mask_token_id is not None
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == \
+        generate(target, prompt, max_new_tokens=12).tokens

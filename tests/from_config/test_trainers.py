@@ -89,3 +89,38 @@ def test_medusa_training_configs_build_heads_and_their_objective(cfg_of, target,
     objective = from_config.medusa_objective(cfg, Transformer.from_hf(tiny_llama(0)), heads)
     assert type(objective).__name__ == ("MedusaObjective" if version == 1 else "Medusa2Objective")
     assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+
+
+@pytest.mark.parametrize("overrides", [[], ["dflash.loss=kl", "dflash.draft_vocab_size=32",
+                                             "dflash.tree_nodes=6", "dflash.mask_token_id=3"]])
+def test_dflash_training_configs_build_their_head_drafter_and_objective(cfg_of, overrides):
+    cfg = cfg_of("train_dflash", "dflash.target_layers=[0,1,2]", "dflash.block_size=4",
+                 "run_dir=/tmp/unused", *overrides)
+    from_config.check_dflash_settings(cfg)
+    target = Transformer.from_hf(tiny_llama(0))
+    tokens = torch.randint(2, 60, (6, 12), generator=torch.Generator().manual_seed(0))
+    rows = TokenRows(tokens, torch.ones_like(tokens))  # ids below 60: 63 is never seen
+    head = from_config.dflash_head(cfg, target, rows)
+    objective = from_config.dflash_objective(cfg, target, head)
+    assert head.config.target_layers == (0, 1, 2)
+    if overrides:
+        assert head.config.mask_token_id == 3 and objective.teacher
+        assert set(head.draft_vocab.target_ids.tolist()) < set(tokens.unique().tolist())
+    else:  # the rarest token of the rows: one they never hold, the highest such id
+        assert head.config.mask_token_id == 63
+    drafter = from_config.dflash_drafter(cfg, head)
+    assert drafter.k == 3 and drafter.shape.nodes == (6 if overrides else None)
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dflash.loss=mse", "dflash.loss must be ce"),
+    ("dflash.gamma=0", "dflash.gamma must be > 0"),
+    ("dflash.anchors=0", "dflash.anchors must be an integer >= 1"),
+    ("dflash.block_size=1", "dflash.block_size must be an integer >= 2"),
+    ("dflash.num_draft_tokens=9", r"num_draft_tokens must be in 1\.\.8"),
+])
+def test_impossible_dflash_settings_are_refused_before_anything_loads(cfg_of, override, message):
+    cfg = cfg_of("train_dflash", override, "run_dir=/tmp/unused")
+    with pytest.raises(ValueError, match=message):
+        from_config.check_dflash_settings(cfg)

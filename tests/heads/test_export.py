@@ -16,7 +16,7 @@ from helpers import (
     trained_like_medusa,
 )
 from helpers import PUBLISHED_V as V
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from selfspec import Transformer, generate
 from selfspec.drafters.medusa import MedusaDrafter
@@ -74,7 +74,7 @@ def test_shared_lm_head_medusa_to_vllm_carries_the_targets_lm_head(tmp_path, tar
     same_state(loaded.state_dict(), heads.state_dict())
 
 
-@pytest.mark.parametrize("engine", ["sglang", "eagle"])
+@pytest.mark.parametrize("engine", ["sglang", "eagle", "dflash"])
 def test_medusa_heads_are_refused_where_no_medusa_is_served(tmp_path, engine):
     heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
     with pytest.raises(ExportRefused, match="not Medusa heads: export with --to vllm"):
@@ -97,6 +97,70 @@ def test_a_bias_free_eagle1_head_serves_on_vllm_and_sglang(tmp_path, target):
     assert not weights["fc.bias"].any()  # SGLang's fc always has one: zero is exact
     again, _ = read_head(tmp_path / "sglang")
     same_state(again.state_dict(), stored.state_dict())
+
+
+# ---- DFlash ----------------------------------------------------------------------------------
+
+
+def dflash_head(target, **overrides):
+    from helpers import random_dflash_head
+
+    from selfspec.heads import DFlashConfig
+
+    options = {"mask_token_id": V - 1, "num_layers": 2, "block_size": 5} | overrides
+    return random_dflash_head(DFlashConfig.for_target(target.config, **options), seed=3)
+
+
+@pytest.mark.parametrize("engine, vocab", [("sglang", None), ("dflash", None), ("vllm", None),
+                                           ("vllm", 40)])
+def test_a_dflash_head_exports_to_each_engine_and_reimports_bit_exactly(tmp_path, target,
+                                                                         plain, engine, vocab):
+    from selfspec.drafters import DFlashDrafter
+
+    head = dflash_head(target, draft_vocab_size=vocab)
+    assert head.config.target_layers == (2, 4, 6)  # the outputs of layers 1, 3, 5 of 8
+    exported = export_head(head, engine, tmp_path / engine, base_model="org/toy",
+                           target_layers_count=LAYERS)
+    config = json.loads((tmp_path / engine / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"block_size": 5, "mask_token_id": V - 1,
+                                       "target_layer_ids": [1, 3, 5]}
+    assert config["num_hidden_layers"] == 2 and config["num_target_layers"] == LAYERS
+    weights = load_file(str(tmp_path / engine / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.1.mlp.down_proj.weight"} <= weights.keys()
+    assert not any(k.startswith("embed_tokens") for k in weights)  # the target's, never ours
+    if engine == "vllm":
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+        assert '"method": "dflash"' in exported.command and '"num_speculative_tokens": 4' in \
+            exported.command
+    elif engine == "sglang":
+        assert "--speculative-algorithm DFLASH" in exported.command
+    loaded = load_head(tmp_path / engine, target=target)
+    assert loaded.config == head.config
+    same_state(loaded.state_dict(), head.state_dict())
+    assert_lossless(target, plain, lambda: DFlashDrafter(loaded, tree_nodes=6))
+    if vocab is not None:  # vLLM's loader reads d2t alone: t2d follows from it
+        (tmp_path / "bare").mkdir()
+        save_file({k: v for k, v in weights.items() if k != "t2d"},
+                  str(tmp_path / "bare" / "model.safetensors"))
+        (tmp_path / "bare" / "config.json").write_text(json.dumps(config))
+        same_state(load_head(tmp_path / "bare", target=target).state_dict(), head.state_dict())
+
+
+@pytest.mark.parametrize("change, engine, message", [
+    ({"qk_norm": False}, "sglang", "per-head q/k RMSNorm, which this head's layers lack"),
+    ({"target_layers": (0, 3)}, "vllm", "cannot name the embeddings"),
+    ({"draft_vocab_size": 40}, "sglang", "export with --to vllm"),
+    ({"draft_vocab_size": 40}, "dflash", "export with --to vllm"),
+    ({}, "eagle", "a DFlash head is not an EAGLE head"),
+    ({}, "medusa", "a DFlash head is not a Medusa head"),
+])
+def test_what_an_engine_cannot_serve_of_a_dflash_head_is_refused(tmp_path, target, change,
+                                                                  engine, message):
+    with pytest.raises(ExportRefused, match=message):
+        export_head(dflash_head(target, **change), engine, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # ---- the engines' own loaders, where they are installed --------------------------------------

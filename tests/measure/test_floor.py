@@ -18,7 +18,8 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     tree = ((0,), (1,), (0, 0))
     settings = FloorSettings(prompt_tokens=12, new_tokens=8, num_prompts=1, repeats=1,
                              draft_lengths=(1, 3), cost_lengths=(1, 2, 4, 64),
-                             oracle_trees=(("small", tree),), methods=("eagle2", "medusa"),
+                             oracle_trees=(("small", tree),),
+                             methods=("eagle2", "medusa", "dflash"),
                              method_tree=tree)
     figures = measure_floor(target, hf_model, settings)
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
@@ -36,8 +37,11 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
     # two deep: every step keeps the oracle's two tokens and adds one
     assert row["tau"] == 3.0 and row["bound"] == pytest.approx(
         row["tau"] / figures["cost_profile"]["c"][4])
-    eagle2, medusa = figures["methods"]
+    eagle2, medusa, dflash = figures["methods"]
     assert (eagle2["method"], eagle2["nodes"], medusa["nodes"]) == ("eagle2", 60, 3)
+    # DFlash drafts 8 tokens in one forward: its cost is its one level's
+    assert (dflash["nodes"], dflash["lossless"], dflash["published_tau"]) == (8, True, None)
+    assert dflash["draft_cost_per_level"] == dflash["draft_cost"] > 0
     for row in (eagle2, medusa):
         assert row["lossless"] is True and row["draft_cost"] > 0
         assert row["step_cost"] == pytest.approx(row["c_verify"] + row["draft_cost"])

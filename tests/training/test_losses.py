@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from selfspec.training.losses import (
+    dflash_loss,
     eagle3_loss,
     eagle_loss,
     exit_loss,
@@ -184,3 +185,40 @@ def test_kl_to_teacher_matches_a_hand_computation_and_honours_the_mask():
     assert kl_to_teacher(logits, teacher, torch.zeros(2, 4)).item() == 0.0
     with pytest.raises(ValueError, match=r"must both be \[B, T, V\]"):
         kl_to_teacher(logits, teacher[:, :3])
+
+
+# ---- DFlash ----------------------------------------------------------------------------------
+
+
+def test_dflash_loss_weighs_slot_k_by_exp_minus_k_minus_1_over_gamma():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 4, V, generator=g)  # [B, A, K, V]
+    labels = torch.randint(V, (2, 3, 4), generator=g)
+    valid = torch.rand(2, 3, 4, generator=g) > 0.3
+    out = dflash_loss(logits, labels, valid, gamma=2.0)
+    total = weights = 0.0
+    for b in range(2):
+        for a in range(3):
+            for k in range(4):
+                if valid[b, a, k]:
+                    w = math.exp(-k / 2.0)  # slot k + 1 weighs exp(-(k + 1 - 1) / gamma)
+                    ce = -torch.log_softmax(logits[b, a, k], -1)[labels[b, a, k]]
+                    total, weights = total + w * float(ce), weights + w
+    assert math.isclose(float(out.loss), total / weights, rel_tol=1e-5)
+    hits = (logits.argmax(-1) == labels) & valid
+    share = float(hits[..., 1].sum()) / float(valid[..., 1].sum())
+    assert out.metrics["dflash/slot2_top1"] == share
+
+
+def test_dflash_loss_against_the_targets_law_is_the_kl_plus_its_entropy():
+    g = torch.Generator().manual_seed(6)
+    logits, teacher = torch.randn(1, 2, 3, V, generator=g), torch.randn(1, 2, 3, V, generator=g)
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    labels = torch.zeros(1, 2, 3, dtype=torch.long)  # ignored against a teacher
+    out = dflash_loss(logits, labels, valid, gamma=1e9, teacher_logits=teacher)
+    expected = soft_cross_entropy(logits, teacher).mean()
+    assert math.isclose(float(out.loss), float(expected), rel_tol=1e-5)
+    none = dflash_loss(logits, labels, torch.zeros_like(valid), gamma=1.0, teacher_logits=teacher)
+    assert float(none.loss) == 0.0  # no valid slot: zero, not NaN
+    with pytest.raises(ValueError, match="gamma must be > 0"):
+        dflash_loss(logits, labels, valid, gamma=0.0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     EAGLE3_LAYERS,
+    dflash_head_config,
     eagle_head_config,
     fit_exits,
     medusa2_objective,
@@ -22,6 +23,7 @@ from selfspec.model.kv_cache import KVCache
 from selfspec.model.lora import LINEAR_LAYERS
 from selfspec.training.losses import eagle_loss, exit_loss, kl_to_teacher, soft_cross_entropy
 from selfspec.training.objectives import (
+    DFlashObjective,
     DraftModelObjective,
     Eagle3Objective,
     EagleObjective,
@@ -327,3 +329,80 @@ def test_one_run_trains_several_exits_towards_the_target(target4, greedy4, fitte
     _, before = fit_exits(target4, greedy4, steps=1)
     for e in heads:
         assert metrics[f"exit/E{e}_kl"] < before[f"exit/E{e}_kl"]
+
+
+# ---- DFlash ----------------------------------------------------------------------------------
+
+
+def test_anchors_are_drawn_among_positions_whose_next_token_is_supervised(target):
+    from selfspec.heads import DFlashHead
+    from selfspec.training.objectives import anchor_blocks
+
+    tokens = torch.randint(2, 63, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 20, dtype=torch.bool)
+    mask[:, 12:17] = True
+    mask[2] = False  # a row with nothing supervised counts nothing
+    config = DFlashHead(dflash_head_config(target, block_size=4)).config
+    blocks = anchor_blocks(tokens, mask, config, 6, torch.Generator().manual_seed(1))
+    anchors = blocks.positions.view(3, 6, 4)[..., 0]  # [B, A]
+    drawn = blocks.valid.any(-1)
+    assert set(anchors[0][drawn[0]].tolist()) == set(range(11, 16))  # all 5 there are, once
+    assert not blocks.valid[2].any()
+    assert (blocks.labels == tokens.gather(1, blocks.label_positions.clamp(max=19).flatten(1))
+            .view_as(blocks.labels)).all()
+    assert (blocks.valid <= mask.gather(1, blocks.label_positions.clamp(max=19).flatten(1))
+            .view_as(blocks.valid)).all()
+    ids = blocks.tokens.view(3, 6, 4)
+    assert (ids[..., 1:] == config.mask_token_id).all()
+    assert (ids[..., 0] == tokens.gather(1, anchors)).all()
+
+
+@pytest.mark.parametrize("options", [{}, {"teacher": True}, {"draft_vocab_size": 40}])
+def test_dflash_training_lowers_the_loss_and_leaves_the_target_frozen(target, options):
+    from selfspec.heads import DFlashHead
+
+    teacher = options.pop("teacher", False)
+    head = DFlashHead(dflash_head_config(target, **options)).init_from_target(target)
+    if head.config.draft_vocab_size is not None:
+        head.set_draft_vocab(draft_vocabulary(torch.arange(40), 64, 40))
+    objective = DFlashObjective(target, head, anchors=8, teacher=teacher)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    rows = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6 + [9, 10]]
+    tokens, mask = torch.tensor(rows), torch.ones(2, 20, dtype=torch.bool)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(12):
+        out = objective(tokens, mask)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss))
+    assert losses[-1] < losses[0] - 0.5, losses  # against a law: its entropy stays
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    assert all(p.grad is None for p in target.parameters())
+    objective.eval()  # held-out evaluation draws the same blocks every time
+    assert objective(tokens, mask).metrics == objective(tokens, mask).metrics
+
+
+# ---- PARD ------------------------------------------------------------------------------------
+
+
+def test_pards_replicated_rows_see_what_a_parallel_draft_sees(target):
+    """Copy j's position p of the replicated rows gives the draft's logits after the real
+    tokens up to p - j and j mask tokens: what drafting computes at its j-th mask."""
+    from selfspec.training.objectives import parallel_rows
+
+    draft = target.first_layers(1)
+    tokens = torch.randint(2, 60, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    rows = parallel_rows(tokens, mask, 3, 63)
+    with torch.no_grad():
+        logits = draft(rows.tokens, rows.positions, mask=rows.mask).logits  # [B, 3 T, V]
+        for b, j, p in [(0, 0, 5), (1, 1, 4), (0, 2, 13), (1, 2, 2)]:
+            ids = tokens[b, :p - j + 1].tolist() + [63] * j
+            alone = draft(torch.tensor([ids]), torch.arange(len(ids))).logits[0, -1]
+            torch.testing.assert_close(logits[b, j * 14 + p], alone, atol=1e-5, rtol=1e-5)
+    assert not rows.loss_mask[:, 2, :3].any() and rows.loss_mask[:, 2, 3:].all()
+    with pytest.raises(ValueError, match="parallel must be an integer >= 1, with a "
+                                         "mask_token_id"):
+        DraftModelObjective(target, draft, parallel=3)

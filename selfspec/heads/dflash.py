@@ -1,0 +1,310 @@
+"""DFlash: a block drafter that proposes a whole block of tokens in one forward.
+
+A block is [the last committed token, mask x (B - 1)] at the next B positions; attention inside
+the block is bidirectional, so slot k (1 <= k < B) reads every other slot and its output scores
+the token k positions after the root. The mask slots all carry one fixed token id of the
+target's vocabulary (`mask_token_id`, through the target's own frozen embedding), as the
+published DFlash drafts do: nothing about the mask is learned but what the layers make of it.
+
+Conditioning: the target's residual streams at `target_layers` (hidden l = the stream after l
+layers; by default several, spaced as the references space them: the outputs of layers 1 to
+L - 3), concatenated, through `fc` and `hidden_norm`, give one context vector per committed
+position. Every draft layer projects those vectors with its own k/v products (and RoPE at their
+positions) into keys and values placed in front of the block's own: the context never passes
+through the layers' MLPs, only into their attention.
+
+Layers: `num_layers` decoder layers of the target's kind (`selfspec.model.DecoderLayer`), with
+Qwen3's per-head q/k RMSNorm when `qk_norm` (the layers every published DFlash draft and every
+engine that serves one uses); then a final `norm`. No embedding and, by default, no LM head:
+the target's embedding and LM head are used. With `draft_vocab_size` the head scores a reduced
+vocabulary with an LM head of its own (`d2t`, `t2d`: `selfspec.heads.draft_vocab`).
+
+Parameter names are the published checkpoints': layers.{i}.self_attn.{q,k,v,o}_proj,
+layers.{i}.self_attn.{q,k}_norm, layers.{i}.mlp.*, layers.{i}.{input,post_attention}_layernorm,
+norm, fc, hidden_norm (and lm_head, d2t, t2d with a draft vocabulary). Trainable modules only:
+no decoding logic here (`selfspec.drafters.dflash` drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from selfspec.heads.base import AttentionShape, Head
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab
+from selfspec.model import (
+    Attention,
+    DecoderLayer,
+    Linear,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    dense_weight,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """`count` residual streams of a target of num_layers layers, spaced evenly from the output
+    of layer 1 to that of layer L - 3 (the references' rule; one stream: the middle layer's
+    output), in selfspec's numbering (hidden l = the stream after l layers = the output of
+    layer l - 1): for 36 layers and 5 streams, 2, 10, 18, 26, 34."""
+    if count < 1 or num_layers < 1:
+        raise ValueError(f"DFlash: need >= 1 target layer and >= 1 stream, got {num_layers} "
+                         f"layers and {count} streams")
+    if count == 1:
+        outputs = [num_layers // 2]
+    else:
+        start, end = 1, max(num_layers - 3, 1)
+        outputs = [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+    return tuple(min(out + 1, num_layers) for out in outputs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig(AttentionShape):
+    """hidden_size, vocab_size: the target's; the layers' sizes (intermediate_size, heads,
+    head_dim, RoPE, biases) default to the target's (`for_target`).
+    num_layers: the draft's own decoder layers. block_size: B, the slots of one forward (the
+    root and B - 1 masks): it drafts up to B - 1 tokens. mask_token_id: the target token whose
+    embedding every mask slot carries. target_layers: the fused residual streams of the target
+    (hidden l = after l layers). target_hidden_size: their width (None: hidden_size).
+    draft_vocab_size: a reduced vocabulary scored by the head's own LM head (None: the
+    target's LM head scores the whole vocabulary). qk_norm: per-head q/k RMSNorm (Qwen3's
+    layers, which the engines build)."""
+
+    intermediate_size: int
+    num_layers: int = 1
+    block_size: int = 8
+    mask_token_id: int
+    target_layers: tuple[int, ...]
+    target_hidden_size: int | None = None
+    draft_vocab_size: int | None = None
+    qk_norm: bool = True
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim", "num_layers"):
+            _check_count(name, getattr(self, name))
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or self.block_size < 2:
+            raise ValueError(f"DFlashConfig: block_size must be an integer >= 2 (the root and "
+                             f"at least one mask), got {self.block_size!r}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) \
+                or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DFlashConfig: mask_token_id must be a token id in "
+                             f"[0, {self.vocab_size}), got {self.mask_token_id!r}")
+        if not self.target_layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                         for i in self.target_layers):
+            raise ValueError(f"DFlashConfig: target_layers must be one or more layer ids >= 0, "
+                             f"got {self.target_layers!r}")
+        if self.draft_vocab_size is not None:
+            _check_count("draft_vocab_size", self.draft_vocab_size)
+            if self.draft_vocab_size > self.vocab_size:
+                raise ValueError(f"DFlashConfig: draft_vocab_size {self.draft_vocab_size} "
+                                 f"exceeds the target's vocab_size {self.vocab_size}")
+
+    @classmethod
+    def for_target(
+        cls, target: ModelConfig, *, mask_token_id: int, num_layers: int = 1,
+        block_size: int = 8, target_layers: tuple[int, ...] | None = None,
+        num_features: int = 3, draft_vocab_size: int | None = None, qk_norm: bool = True,
+    ) -> DFlashConfig:
+        """A head whose layers are sized like the target's; target_layers default to
+        `num_features` streams spaced as `default_target_layers` spaces them."""
+        layers = target_layers or default_target_layers(target.num_layers, num_features)
+        return cls(**AttentionShape.of_target(target), intermediate_size=target.intermediate_size,
+                   mlp_bias=target.mlp_bias, num_layers=num_layers, block_size=block_size,
+                   mask_token_id=mask_token_id, target_layers=tuple(layers),
+                   target_hidden_size=target.hidden_size, draft_vocab_size=draft_vocab_size,
+                   qk_norm=qk_norm)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """How many tokens the head scores: the draft vocabulary or the full one."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the fused target states `fc` reads."""
+        return (self.target_hidden_size or self.hidden_size) * len(self.target_layers)
+
+    def layer_config(self) -> ModelConfig:
+        """The config each draft layer is built from."""
+        return self.one_layer(self.intermediate_size, self.mlp_bias)
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DFlashConfig: {name} must be an integer >= 1, got {value!r}")
+
+
+class QKNormAttention(Attention):
+    """The decoder's attention with Qwen3's per-head RMSNorm on q and k before RoPE."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
+        q, k, v = super().projections(x, fused)  # [B, H, T, D], [B, H_kv, T, D] x 2
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class DFlashHead(Head):
+    """A DFlash block drafter's trainable part: `context(streams)` fuses the target's states,
+    `write_context` turns them into every layer's keys and values in a cache, `forward` runs
+    a block over that cache and returns its normed hidden states; `logits` scores them."""
+
+    config_class = DFlashConfig
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        layer, h = config.layer_config(), config.hidden_size
+        self.layers = nn.ModuleList(_draft_layer(layer, i, config.qk_norm)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.fc = Linear(config.feature_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
+            vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
+            self.register_buffer("d2t", vocab.d2t)
+            self.register_buffer("t2d", vocab.t2d)
+        # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
+        self.inv_freq = rope_inv_freq(layer)  # [D/2]
+
+    # ---- the context ---------------------------------------------------------------------
+
+    def context(self, streams: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """[..., h] the context vectors of the target's streams (`target_layers` order, each
+        [..., target_hidden])."""
+        if len(streams) != len(self.config.target_layers):
+            raise ValueError(f"DFlashHead: it fuses {len(self.config.target_layers)} target "
+                             f"states (layers {self.config.target_layers}), got {len(streams)}")
+        return self.hidden_norm(self.fc(torch.cat(streams, dim=-1)))
+
+    def context_keys(self, context: torch.Tensor, positions: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys (RoPE at `positions` [C] or [B, C]) and values [B, H_kv, C, D] of
+        context vectors [B, C, h]: what the block attends to ahead of its own slots."""
+        cos, sin = self._rope(positions, context.dtype)
+        keys = []
+        for layer in self.layers:
+            _, k, v = layer.self_attn.projections(context)
+            keys.append((apply_rope(k, cos, sin), v))
+        return keys
+
+    def write_context(self, context: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        """Write the context vectors' keys and values into `cache` (KVCache-like, one layer per
+        draft layer) at its next slots, and advance it by C."""
+        for i, (k, v) in enumerate(self.context_keys(context, positions)):
+            cache.write(i, k, v)
+        cache.advance(context.shape[1])
+
+    # ---- a block -------------------------------------------------------------------------
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, h] the block's slots: the root's embedding, the masks'
+        positions: torch.Tensor,  # [T] or [B, T]
+        cache=None,
+        mask: torch.Tensor | None = None,  # [T, past + T] bool; None: every slot
+    ) -> torch.Tensor:
+        """The block's normed hidden states [B, T, h]. The slots attend to the cache (the
+        context written there, or `PrefixKeys`) and to one another as `mask` says (default:
+        every cached slot and the whole block, bidirectionally); with a KVCache the block's
+        own keys are written there too and it advances by T (the drafter cuts them off)."""
+        t = embeds.shape[1]
+        if mask is None:
+            past = 0 if cache is None else cache.length
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=embeds.device)
+        cos, sin, attn_mask = self.rope_and_mask(embeds, positions, cache, mask)
+        hidden = embeds
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attn_mask, cache)
+        if cache is not None:
+            cache.advance(t)
+        return self.norm(hidden)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    # ---- token scores ----------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[..., output_vocab_size] fp32 scores of normed hidden states: through the head's own
+        LM head (a draft vocabulary) or the target's (pass it)."""
+        if self.config.draft_vocab_size is not None:
+            return self.lm_head(hidden).float()
+        if lm_head is None:
+            raise ValueError("DFlashHead.logits: the head scores through the target's LM head: "
+                             "pass lm_head=target.lm_head")
+        return lm_head(hidden).float()
+
+    def target_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None
+                      ) -> torch.Tensor:
+        """[..., vocab_size] fp32 scores over the target's vocabulary (-inf outside a draft
+        vocabulary)."""
+        logits = self.logits(hidden, lm_head)
+        vocab = self.draft_vocab
+        return logits if vocab is None else vocab.scatter(logits)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        return None if self.config.draft_vocab_size is None else DraftVocab(self.d2t, self.t2d)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, vocab: DraftVocab) -> DFlashHead:
+        size, full = self.config.draft_vocab_size, self.config.vocab_size
+        if size is None or (len(vocab.d2t), len(vocab.t2d)) != (size, full) \
+                or int(vocab.t2d.sum()) != size:
+            raise ValueError(f"DFlashHead.set_draft_vocab: the head was built for a draft "
+                             f"vocabulary of {size} of {full} ids, got {len(vocab.d2t)} of "
+                             f"{len(vocab.t2d)}")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+        return self
+
+    @torch.no_grad()
+    def init_from_target(self, target: Transformer) -> DFlashHead:
+        """Start the final norm from the target's and, with a draft vocabulary, the LM head
+        from the target's rows of it."""
+        self.norm.weight.copy_(target.norm.weight)
+        if self.config.draft_vocab_size is not None:
+            weight = dense_weight(target.lm_head)  # [V, h]
+            self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
+        return self
+
+
+def _draft_layer(config: ModelConfig, index: int, qk_norm: bool) -> DecoderLayer:
+    layer = DecoderLayer(config, index)
+    if qk_norm:
+        layer.self_attn = QKNormAttention(config, index)
+    return layer
+
+
+class PrefixKeys:
+    """Keys and values held ahead of a forward's own (training: every position's context,
+    computed with gradients): speaks the write/advance protocol of
+    `selfspec.model.kv_cache.KVCache`, returning per layer its prefix then the new keys."""
+
+    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.prefix = prefix
+        self.length = prefix[0][0].shape[2]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        before_k, before_v = self.prefix[layer]
+        return torch.cat([before_k, k], dim=2), torch.cat([before_v, v], dim=2)
+
+    def advance(self, t: int) -> None:
+        pass
