@@ -27,7 +27,7 @@ no decoding logic here (`selfspec.drafters.dflash` drafts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -35,16 +35,14 @@ from torch import nn
 from selfspec.heads.base import AttentionShape, Head
 from selfspec.heads.draft_vocab import DraftVocab, default_vocab
 from selfspec.model import (
-    Attention,
     DecoderLayer,
     Linear,
     ModelConfig,
     RMSNorm,
+    Rope,
     Transformer,
     apply_rope,
     dense_weight,
-    rope_cos_sin,
-    rope_inv_freq,
 )
 
 
@@ -143,19 +141,6 @@ def _check_count(name: str, value) -> None:
         raise ValueError(f"DFlashConfig: {name} must be an integer >= 1, got {value!r}")
 
 
-class QKNormAttention(Attention):
-    """The decoder's attention with Qwen3's per-head RMSNorm on q and k before RoPE."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
-        q, k, v = super().projections(x, fused)  # [B, H, T, D], [B, H_kv, T, D] x 2
-        return self.q_norm(q), self.k_norm(k), v
-
-
 class DFlashHead(Head):
     """A DFlash block drafter's trainable part: `context(streams)` fuses the target's states,
     `write_context` turns them into every layer's keys and values in a cache, `forward` runs
@@ -177,8 +162,7 @@ class DFlashHead(Head):
             vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
             self.register_buffer("d2t", vocab.d2t)
             self.register_buffer("t2d", vocab.t2d)
-        # A plain fp32 attribute, as in Transformer: head.to(bf16) keeps the frequencies.
-        self.inv_freq = rope_inv_freq(layer)  # [D/2]
+        self.rope = Rope.of(layer)  # fp32, not a buffer: head.to(bf16) keeps the frequencies
 
     # ---- the context ---------------------------------------------------------------------
 
@@ -234,9 +218,7 @@ class DFlashHead(Head):
         return self.norm(hidden)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        return rope_cos_sin(self.inv_freq, positions, dtype)
+        return self.rope.cos_sin(positions, dtype)
 
     # ---- token scores ----------------------------------------------------------------------
 
@@ -286,10 +268,8 @@ class DFlashHead(Head):
 
 
 def _draft_layer(config: ModelConfig, index: int, qk_norm: bool) -> DecoderLayer:
-    layer = DecoderLayer(config, index)
-    if qk_norm:
-        layer.self_attn = QKNormAttention(config, index)
-    return layer
+    """A draft layer of the target's kind, with Qwen3's per-head q/k norms when qk_norm."""
+    return DecoderLayer(replace(config, qk_norm="head" if qk_norm else None), index)
 
 
 class PrefixKeys:

@@ -211,7 +211,7 @@ def test_the_context_cache_equals_a_recomputation_after_accepts_and_rejections(
         target, plain_greedy, fitted, shape, static):
     head = fitted[5]
     drafter = DFlashDrafter(head, **SHAPES[shape])
-    prompt = PROMPTS[3]
+    prompt = PROMPTS[0]  # the fitted head drafts some of its tokens wrong
     out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS,
                    cuda_graphs=static)
     assert out.stats.steps >= 4 and 0 < out.stats.accepted < out.stats.drafted  # both outcomes

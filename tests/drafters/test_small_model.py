@@ -140,7 +140,7 @@ def test_a_parallel_draft_drafts_k_tokens_in_one_forward_losslessly(target, plai
             assert result.tokens == expected
             assert result.stats.tau > 2.0, result.stats.tau
             assert len(calls) == result.stats.steps  # one draft forward a step
-            assert drafter._cache.length == len(drafter._fed) <= len(prompt) + NEW_TOKENS
+            assert drafter._fed.cache.length == len(drafter._fed.tokens) <= len(prompt) + NEW_TOKENS
     finally:
         hook.remove()
 
