@@ -169,7 +169,7 @@ def _decode(
             in enumerate(zip(prompts, _drafters(drafter, len(prompts), together), strict=True))]
     # A batch's drafters run eagerly: a row's static steps would be its own.
     setups = [DecodeSetup(target, prompt, sampling, generator, max_length, row.cache,
-                          static_steps=steps is not None and len(rows) == 1)
+                          static_steps=steps is not None and len(rows) == 1, rows=len(rows))
               for row, prompt in zip(rows, prompts, strict=True)]
     if together is not None:
         together.begin_rows(setups)

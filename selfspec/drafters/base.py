@@ -124,6 +124,8 @@ class DecodeSetup:
     layers itself (its draft's K/V there are then reused by verification: `EarlyLayers`).
     static_steps: whether the target runs static steps (CUDA graphs on CUDA, `selfspec.step`);
     a drafter with a model of its own runs that model the same way.
+    rows: how many prompts the generation decodes together (a batch's rows may decode
+    differently from one prompt alone, up to float rounding).
     """
 
     target: Transformer
@@ -133,6 +135,7 @@ class DecodeSetup:
     max_length: int
     target_cache: KVCache | None = None
     static_steps: bool = False
+    rows: int = 1
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.heads.dflash import DFlashHead
-from selfspec.heads.io import check_sizes
+from selfspec.heads.io import check_fused_target
 from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked_on_device
@@ -70,7 +70,7 @@ class DFlashDrafter:
         self._use_static = False
 
     def begin(self, setup: DecodeSetup) -> None:
-        check_head_target("DFlashDrafter", self.head, setup.target)
+        check_fused_target("DFlashDrafter", self.head.config, setup.target)
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._committed = 0
@@ -351,17 +351,3 @@ class StaticDFlashDraft:
         hidden = head(embeds, block, SlotView(self.cache, block), mask=mask)
         logits = head.target_logits(hidden[0, 1:drafter.k + 1], self.target.lm_head)
         return drafter.shape.draft(logits, self.law, self._steps.generator)
-
-
-def check_head_target(who: str, head: DFlashHead, target: Transformer) -> None:
-    """Refuse a head trained for another target: sizes, or fused layers it does not have."""
-    ours, theirs = head.config, target.config
-    check_sizes(who, "the head has", ours, target, "load a head trained for this target")
-    if (ours.target_hidden_size or theirs.hidden_size) != theirs.hidden_size:
-        raise ValueError(f"{who}: the head fuses target states of width "
-                         f"{ours.target_hidden_size}, the target's are {theirs.hidden_size}")
-    missing = [i for i in ours.target_layers if not 0 <= i <= theirs.num_layers]
-    if missing:
-        raise ValueError(f"{who}: the head fuses target layers {list(ours.target_layers)}, but "
-                         f"the target has {theirs.num_layers} layers (no {missing}): load a "
-                         f"head trained for this target")

@@ -53,8 +53,7 @@ from selfspec.drafters.eagle_static import (
     level_plan,
 )
 from selfspec.heads.eagle import EagleHead
-from selfspec.heads.io import check_sizes
-from selfspec.model import Transformer
+from selfspec.heads.io import check_fused_target
 from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked
 from selfspec.sampling import gumbel_top, logits_to_probs
@@ -123,7 +122,7 @@ class EagleDrafter:
         self._use_static = False
 
     def begin(self, setup: DecodeSetup) -> None:
-        check_head_target("EagleDrafter", self.head, setup.target)
+        check_fused_target("EagleDrafter", self.head.config, setup.target)
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
@@ -341,20 +340,6 @@ def _scored(growth: _Growth, parent: int, child: tuple[int, float, int]
 
 
 # ---- checks (all before any generation) ----------------------------------------------------
-
-
-def check_head_target(who: str, head: EagleHead, target: Transformer) -> None:
-    """Refuse a head trained for another target: sizes, or fused layers it does not have."""
-    ours, theirs = head.config, target.config
-    check_sizes(who, "the head has", ours, target, "load a head trained for this target")
-    if (ours.target_hidden_size or theirs.hidden_size) != theirs.hidden_size:
-        raise ValueError(f"{who}: the head fuses target states of width "
-                         f"{ours.target_hidden_size}, the target's are {theirs.hidden_size}")
-    missing = [i for i in ours.target_layers if not 0 <= i <= theirs.num_layers]
-    if missing:
-        raise ValueError(f"{who}: the head fuses target layers {list(ours.target_layers)}, but "
-                         f"the target has {theirs.num_layers} layers (no {missing}): load a "
-                         f"head trained for this target")
 
 
 def _static_shape(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic: tuple

@@ -35,14 +35,26 @@ from selfspec.step import CapturedSteps, weights_of
 from selfspec.tree import DeviceTree, Tree
 
 
-class MedusaDrafter:
+class _HeadsDrafter:
+    """What both Medusa drafters share: the heads, checked against the target at `begin`, and
+    the target's LM head and static root drafting they read."""
+
+    heads: MedusaHeads
+    target_layers: tuple[int, ...] = ()  # only last_hidden is needed, which always comes
+
+    def begin(self, setup: DecodeSetup) -> None:
+        _check_target(type(self).__name__, self.heads, setup)
+        self._lm_head = setup.target.lm_head
+        self._static = _StaticRoot.kept(self._static, self.heads,
+                                        self._lm_head, setup.static_steps)
+
+
+class MedusaDrafter(_HeadsDrafter):
     """Proposes `tree` filled from the heads' rankings.
 
     tree: a `Tree` or Medusa choices such as `[[0], [1], [0, 0]]`; its depth must not exceed
     the number of heads (node depth d uses head d-1).
     """
-
-    target_layers: tuple[int, ...] = ()  # only last_hidden is needed, which always comes
 
     def __init__(self, heads: MedusaHeads, tree: Tree | Sequence[Sequence[int]]):
         self.heads = heads
@@ -70,12 +82,6 @@ class MedusaDrafter:
         self._rank_of = torch.tensor([c[-1] for c in self.tree.choices], dtype=torch.long)  # [N]
         self._ranks = worst + 1  # how many candidates per head the tree uses
 
-    def begin(self, setup: DecodeSetup) -> None:
-        _check_target("MedusaDrafter", self.heads, setup)
-        self._lm_head = setup.target.lm_head
-        self._static = _StaticRoot.kept(self._static, self.heads,
-                                        self._lm_head, setup.static_steps)
-
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
         hidden = _root_state(self.heads, self._lm_head, context)
@@ -98,7 +104,7 @@ class MedusaDrafter:
         return self.heads.target_ids(tokens)
 
 
-class MedusaProductDrafter:
+class MedusaProductDrafter(_HeadsDrafter):
     """Proposes, each step, the best prefix-closed tree of the heads' top-k products.
 
     Head d-1 contributes its top_k tokens with their probabilities (softmax of its logits);
@@ -111,8 +117,6 @@ class MedusaProductDrafter:
     size of the full product tree, top_k + top_k^2 + ... + top_k^depth.
     """
 
-    target_layers: tuple[int, ...] = ()  # only last_hidden is needed, which always comes
-
     def __init__(
         self, heads: MedusaHeads, top_k: int, max_nodes: int, depth: int | None = None
     ) -> None:
@@ -122,12 +126,6 @@ class MedusaProductDrafter:
         self._lm_head = None  # the target's, set by begin (heads that share it read it)
         self._static: _StaticRoot | None = None  # drafting in static shapes, kept
         self.max_nodes = min(max_nodes, sum(top_k**d for d in range(1, depth + 1)))
-
-    def begin(self, setup: DecodeSetup) -> None:
-        _check_target("MedusaProductDrafter", self.heads, setup)
-        self._lm_head = setup.target.lm_head
-        self._static = _StaticRoot.kept(self._static, self.heads,
-                                        self._lm_head, setup.static_steps)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:

@@ -12,7 +12,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from selfspec.model import ModelConfig, attention_mask
+from selfspec.heads.draft_vocab import DraftVocab
+from selfspec.model import ModelConfig, Transformer, attention_mask, dense_weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,3 +80,14 @@ def head_types() -> dict[str, type[Head]]:
         found[cls.__name__] = cls
         todo += cls.__subclasses__()
     return found
+
+
+@torch.no_grad()
+def start_from_target(norm: nn.Module, lm_head: nn.Module | None, target: Transformer,
+                      vocab: DraftVocab | None) -> None:
+    """A head's final norm from what the target's multiplies by (w, or Gemma's 1 + w) and,
+    with a draft vocabulary, its LM head from the target's rows of it."""
+    norm.weight.copy_(target.norm.gain())
+    if vocab is not None:
+        weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
+        lm_head.weight.copy_(weight[vocab.target_ids.to(weight.device)])

@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from selfspec.heads.base import AttentionShape, Head
-from selfspec.heads.draft_vocab import DraftVocab, default_vocab
+from selfspec.heads.base import AttentionShape, Head, start_from_target
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
 from selfspec.model import (
     DecoderLayer,
     Linear,
@@ -42,7 +42,6 @@ from selfspec.model import (
     Rope,
     Transformer,
     apply_rope,
-    dense_weight,
 )
 
 
@@ -244,26 +243,16 @@ class DFlashHead(Head):
     def draft_vocab(self) -> DraftVocab | None:
         return None if self.config.draft_vocab_size is None else DraftVocab(self.d2t, self.t2d)
 
-    @torch.no_grad()
     def set_draft_vocab(self, vocab: DraftVocab) -> DFlashHead:
-        size, full = self.config.draft_vocab_size, self.config.vocab_size
-        if size is None or (len(vocab.d2t), len(vocab.t2d)) != (size, full) \
-                or int(vocab.t2d.sum()) != size:
-            raise ValueError(f"DFlashHead.set_draft_vocab: the head was built for a draft "
-                             f"vocabulary of {size} of {full} ids, got {len(vocab.d2t)} of "
-                             f"{len(vocab.t2d)}")
-        self.d2t.copy_(vocab.d2t)
-        self.t2d.copy_(vocab.t2d)
+        set_head_vocab("DFlashHead", self, vocab, self.config.draft_vocab_size,
+                       self.config.vocab_size)
         return self
 
     @torch.no_grad()
     def init_from_target(self, target: Transformer) -> DFlashHead:
         """Start the final norm from the target's and, with a draft vocabulary, the LM head
         from the target's rows of it."""
-        self.norm.weight.copy_(target.norm.weight)
-        if self.config.draft_vocab_size is not None:
-            weight = dense_weight(target.lm_head)  # [V, h]
-            self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
+        start_from_target(self.norm, getattr(self, "lm_head", None), target, self.draft_vocab)
         return self
 
 

@@ -116,3 +116,16 @@ def load_draft_vocab(folder: str | Path, draft_vocab_size: int) -> DraftVocab:
                                 f"training-data token counts (train/draft.py writes them); "
                                 f"drop draft_vocab to score the whole vocabulary")
     return most_frequent(load_file(str(path))["token_counts"], draft_vocab_size)
+
+
+def set_head_vocab(who: str, head: torch.nn.Module, vocab: DraftVocab, size: int | None,
+                   full: int) -> None:
+    """Copy `vocab` into a head's d2t and t2d buffers; refused unless the head was built for a
+    draft vocabulary of `size` of `full` target ids."""
+    if size is None or (len(vocab.d2t), len(vocab.t2d)) != (size, full) \
+            or int(vocab.t2d.sum()) != size:
+        raise ValueError(f"{who}.set_draft_vocab: built for a draft vocabulary of {size} of "
+                         f"{full} ids, got {len(vocab.d2t)} of {len(vocab.t2d)}")
+    with torch.no_grad():
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d)

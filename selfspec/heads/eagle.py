@@ -26,8 +26,13 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from selfspec.heads.base import AttentionShape, Head
-from selfspec.heads.draft_vocab import DraftVocab, default_vocab, draft_vocabulary  # noqa: F401
+from selfspec.heads.base import AttentionShape, Head, start_from_target
+from selfspec.heads.draft_vocab import (  # noqa: F401
+    DraftVocab,
+    default_vocab,
+    draft_vocabulary,
+    set_head_vocab,
+)
 from selfspec.model import (
     MLP,
     Attention,
@@ -37,7 +42,6 @@ from selfspec.model import (
     RMSNorm,
     Rope,
     Transformer,
-    dense_weight,
 )
 
 VERSIONS = (1, 3)
@@ -246,14 +250,9 @@ class EagleHead(Head):
             raise ValueError("EagleHead: EAGLE-1 heads have no draft vocabulary")
         return DraftVocab(self.d2t, self.t2d)
 
-    @torch.no_grad()
     def set_draft_vocab(self, vocab: DraftVocab) -> EagleHead:
-        expected = (self.config.output_vocab_size, self.config.vocab_size)
-        if (len(vocab.d2t), len(vocab.t2d)) != expected or int(vocab.t2d.sum()) != expected[0]:
-            raise ValueError(f"EagleHead.set_draft_vocab: need d2t [{expected[0]}] and t2d "
-                             f"[{expected[1]}] with {expected[0]} ids set")
-        self.d2t.copy_(vocab.d2t)
-        self.t2d.copy_(vocab.t2d)
+        set_head_vocab("EagleHead", self, vocab, self.config.output_vocab_size,
+                       self.config.vocab_size)
         return self
 
     @torch.no_grad()
@@ -261,9 +260,7 @@ class EagleHead(Head):
         """EAGLE-3: start the LM head from the target's rows of the draft vocabulary and the
         final norm from the target's (EAGLE-1 reads the target's own LM head: nothing to do)."""
         if self.config.version == 3:
-            weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
-            self.lm_head.weight.copy_(weight[self.draft_vocab.target_ids.to(weight.device)])
-            self.norm.weight.copy_(target.norm.gain())  # Gemma's norms scale by 1 + w
+            start_from_target(self.norm, self.lm_head, target, self.draft_vocab)
         return self
 
     # ---- EAGLE-3 training-time test ---------------------------------------------------------

@@ -234,6 +234,21 @@ def check_sizes(who: str, subject: str, config: Any, target: Transformer, fix: s
             raise ValueError(f"{who}: {subject} {key} {ours}, the target {theirs}: {fix}")
 
 
+def check_fused_target(who: str, config: Any, target: Transformer) -> None:
+    """Refuse a head that fuses target states (EAGLE-3, DFlash) trained for another target:
+    its sizes, the width of the states it fuses, or fused layers the target does not have."""
+    check_sizes(who, "the head has", config, target, "load a head trained for this target")
+    theirs = target.config
+    if (config.target_hidden_size or theirs.hidden_size) != theirs.hidden_size:
+        raise ValueError(f"{who}: the head fuses target states of width "
+                         f"{config.target_hidden_size}, the target's are {theirs.hidden_size}")
+    missing = [i for i in config.target_layers if not 0 <= i <= theirs.num_layers]
+    if missing:
+        raise ValueError(f"{who}: the head fuses target layers {list(config.target_layers)}, "
+                         f"but the target has {theirs.num_layers} layers (no {missing}): load "
+                         f"a head trained for this target")
+
+
 def _check_target(
     folder: Path, trained_for: dict[str, Any], config: Any, target: Transformer
 ) -> None:

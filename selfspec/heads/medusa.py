@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.base import Head
-from selfspec.heads.draft_vocab import DraftVocab, default_vocab
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
 from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
 
@@ -114,16 +114,10 @@ class MedusaHeads(Head):
     def draft_vocab(self) -> DraftVocab | None:
         return None if self.config.draft_vocab_size is None else DraftVocab(self.d2t, self.t2d)
 
-    @torch.no_grad()
     def set_draft_vocab(self, vocab: DraftVocab) -> MedusaHeads:
         """Score these target tokens (before `init_from_lm_head`, which copies their rows)."""
-        size = self.config.draft_vocab_size
-        if size is None or len(vocab.d2t) != size or len(vocab.t2d) != self.config.vocab_size:
-            raise ValueError(f"MedusaHeads.set_draft_vocab: the heads were built for a draft "
-                             f"vocabulary of {size} of {self.config.vocab_size} tokens, got "
-                             f"{len(vocab.d2t)} of {len(vocab.t2d)}")
-        self.d2t.copy_(vocab.d2t)
-        self.t2d.copy_(vocab.t2d)
+        set_head_vocab("MedusaHeads", self, vocab, self.config.draft_vocab_size,
+                       self.config.vocab_size)
         return self
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -287,19 +287,26 @@ def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int 
                          config.get("base_model_name_or_path"), state["fc.weight"].dtype, notes)
 
 
+def _agreed_layers(folder: Path, lists: dict[str, list[int] | None]) -> tuple[int, ...] | None:
+    """The fused layers, in our numbering, that a config's keys (name: its list, already
+    renumbered) agree on; None when none is given, refused when two differ."""
+    found = {tuple(ids) for ids in lists.values() if ids}
+    if len(found) > 1:
+        given = "; ".join(f"{name}: {ids}" for name, ids in lists.items() if ids)
+        raise ValueError(f"load_head: {folder}/config.json gives two different fused layer lists "
+                         f"(in our numbering, {given}): keep one")
+    return found.pop() if found else None
+
+
 def _fused_layers(config: dict, target_num_layers: int | None, folder: Path) -> tuple[int, ...]:
     """EAGLE-3's fused layers in our numbering (the input of layer l), from whichever engine's
     key the config holds, else the target's default."""
-    vllm = config.get("eagle_aux_hidden_state_layer_ids")
     sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    found = {tuple(vllm) if vllm else None, tuple(i + 1 for i in sglang) if sglang else None}
-    found.discard(None)
-    if len(found) > 1:
-        raise ValueError(f"load_head: {folder}/config.json gives two different fused layer lists "
-                         f"(eagle_aux_hidden_state_layer_ids {vllm}, and eagle_config's {sglang}, "
-                         f"which counts one less): keep one")
+    found = _agreed_layers(folder, {
+        "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids"),
+        "eagle_config's, which counts one less": sglang and [i + 1 for i in sglang]})
     if found:
-        return found.pop()
+        return found
     if target_num_layers is None:
         raise TargetNeeded(folder, "holds an EAGLE-3 head that does not name its fused layers "
                                    "(it fuses its target's default layers 2, L//2, L-3)")
@@ -351,15 +358,12 @@ def _dflash_layers(config: dict, d: dict, draft_layers: int, folder: Path) -> tu
     """DFlash's fused streams in our numbering: dflash_config.target_layer_ids (the output of
     that layer: one less than ours) or vLLM's eagle_aux_hidden_state_layer_ids (ours), else
     the references' default for num_target_layers and as many streams as draft layers."""
-    ids, vllm = d.get("target_layer_ids"), config.get("eagle_aux_hidden_state_layer_ids")
-    found = {tuple(i + 1 for i in ids) if ids else None, tuple(vllm) if vllm else None}
-    found.discard(None)
-    if len(found) > 1:
-        raise ValueError(f"load_head: {folder}/config.json gives two different fused layer lists "
-                         f"(dflash_config.target_layer_ids {ids}, which counts one less, and "
-                         f"eagle_aux_hidden_state_layer_ids {vllm}): keep one")
+    ids = d.get("target_layer_ids")
+    found = _agreed_layers(folder, {
+        "dflash_config.target_layer_ids, which counts one less": ids and [i + 1 for i in ids],
+        "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids")})
     if found:
-        return found.pop()
+        return found
     if config.get("num_target_layers") is None:
         raise ValueError(f"load_head: {folder}/config.json names neither the fused layers "
                          f"(dflash_config.target_layer_ids) nor num_target_layers")

@@ -116,15 +116,6 @@ class OracleTreeDrafter(OracleDrafter):
         self._path = path  # the rank-0 path, root to leaf (a chain: each the last's child)
         self._noise: torch.Generator | None = None
 
-    def prepare_batch(self, target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      cuda_graphs: bool | None = None) -> None:
-        """The answers of a batch's rows: plain greedy decoding of the prompts as one batch
-        (cuda_graphs: as `generate`'s), which a batch of these prompts then replays."""
-        results = generate(target, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
-                           cuda_graphs=cuda_graphs)
-        for prompt, result in zip(prompts, results, strict=True):
-            self._answers[(id(target), ("rows", len(prompts)), tuple(prompt))] = result.tokens
-
     def with_draft_tokens(self, num_draft_tokens: int) -> OracleDrafter:
         raise ValueError("OracleTreeDrafter: its draft is its tree; build another tree")
 

@@ -107,6 +107,6 @@ def test_labels_outside_the_draft_vocabulary_leave_the_loss(target):
 
 def test_a_vocabulary_of_the_wrong_size_is_refused(target):
     heads = reduced_medusa_heads(target, [1, 2, 3])
-    with pytest.raises(ValueError, match="draft vocabulary of 3 of 64 tokens, got 2 of 64"):
+    with pytest.raises(ValueError, match="draft vocabulary of 3 of 64 ids, got 2 of 64"):
         heads.set_draft_vocab(draft_vocabulary(torch.tensor([1, 2]), 64, 2))
     assert isinstance(heads.draft_vocab, DraftVocab)
