@@ -114,7 +114,7 @@ def store_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
         elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= num_layers:
             layers.append(item)
         else:
-            raise ValueError(f"store.layers: each entry is a layer count in [0, {num_layers}] "
+            raise ValueError(f"store.layers: each entry is a layer count in [0, {num_layers}], "
                              f"eagle3 or dflash, got {item!r}")
     return tuple(sorted(set(layers)))
 

@@ -79,7 +79,7 @@ BAD_INPUTS = [
     (STORE, ["store.dtype=fp16"], r"store.dtype must be one of fp32, bf16, fp8, got 'fp16'"),
     (STORE, ["store.out=null"], r"store.out: give the folder to write the feature store into"),
     (STORE, ["store.rows_per_shard=0"], r"store.rows_per_shard must be an integer >= 1"),
-    (STORE, ["store.layers=[9]"], r"store.layers: each entry is a layer count in \[0, 8\] or "
+    (STORE, ["store.layers=[9]"], r"store.layers: each entry is a layer count in \[0, 8\], "
                                   r"eagle3 or dflash, got 9"),
     (STORE, ["model=local", "model.path={toy}", "store.layers=[]", "train_data.source=jsonl"],
      r"train_data.source=jsonl needs train_data.path"),
