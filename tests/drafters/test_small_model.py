@@ -145,6 +145,24 @@ def test_a_parallel_draft_drafts_k_tokens_in_one_forward_losslessly(target, plai
         hook.remove()
 
 
+def test_a_batch_of_parallel_drafts_decodes_each_row_as_alone_in_one_draft_forward_a_step(
+        target, plain_greedy, pard_draft):
+    calls = []
+    hook = pard_draft.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        prompts = [list(p) for p in plain_greedy]
+        drafter = SmallModelDrafter(pard_draft, 4, mask_token_id=MASK)
+        alone = [generate(target, p, drafter=drafter, max_new_tokens=NEW_TOKENS) for p in prompts]
+        calls.clear()
+        together = generate(target, prompts, drafter=drafter, max_new_tokens=NEW_TOKENS)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in together] == list(plain_greedy.values())
+    assert [r.stats.accept_histogram for r in together] == [
+        r.stats.accept_histogram for r in alone]  # each row drafts as it does alone
+    assert len(calls) == max(r.stats.steps for r in together)  # the rows share each forward
+
+
 @pytest.mark.slow
 def test_a_parallel_draft_keeps_the_target_law(target, pard_draft):
     drafter = SmallModelDrafter(pard_draft, 3, mask_token_id=MASK)
