@@ -62,14 +62,15 @@ def prompts(cfg_data: DictConfig) -> list[Prompt]:
         found = stdlib_heldout_prompts(n, int(cfg_data.num_lines))
     elif name == "mt_bench":
         found = mt_bench_prompts(data_path(cfg_data))
-    elif name == "spec_bench":
+    elif name in ("spec_bench", "spec_bench_text"):  # the same questions, chat or plain text
         found = spec_bench_prompts(data_path(cfg_data))
     elif name == "auto":
         raise ValueError("data=auto chooses by the target and only eval/generate.py takes it: "
                          "choose data=mt_bench or data=humaneval")
     else:
         raise ValueError(
-            f"unknown prompt set {name!r}: choose humaneval, stdlib_heldout, mt_bench or spec_bench"
+            f"unknown prompt set {name!r}: choose humaneval, stdlib_heldout, mt_bench, spec_bench "
+            f"or spec_bench_text"
         )
     if cfg_data.get("per_category") is not None:
         found = by_category_in_turns(found, int(cfg_data.per_category))

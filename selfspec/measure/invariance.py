@@ -32,7 +32,6 @@ from selfspec.model import (
     apply_rope,
     attention_kernels,
     compiled_stages,
-    rope_cos_sin,
 )
 from selfspec.model.transformer import LayerStages
 from selfspec.step import StaticSteps, bucket_of, padded_slots
@@ -123,7 +122,8 @@ def op_divergences(steps: StaticSteps, prompt: torch.Tensor, tokens: torch.Tenso
     positions = cache_length + torch.arange(bucket, device=device)
     _prefill(steps, prompt, cache_length)
     streams = steps.forward(tokens[:, :bucket], positions, None, layers=layers).hidden
-    cos, sin = rope_cos_sin(target.inv_freq.to(device), positions, streams[0].dtype)
+    ropes = {kind: rope.cos_sin(positions, streams[0].dtype)
+             for kind, rope in target.ropes.items()}  # each kind of layer's (cos, sin)
     mask = torch.zeros(bucket, cache.max_slots, dtype=torch.bool, device=device)  # [b, S]
     mask[:, :cache_length] = True
     mask[:, cache_length:cache_length + bucket] = torch.ones(
@@ -132,6 +132,7 @@ def op_divergences(steps: StaticSteps, prompt: torch.Tensor, tokens: torch.Tenso
     kernels = attention_kernels(device, masked=True)
     with nullcontext() if kernels is None else sdpa_kernel(kernels):
         for i, x in zip(layers, streams, strict=True):
+            cos, sin = ropes[target.layer_kinds[i]]
             keys = (cache.k[i], cache.v[i])  # [1, H_kv, S, D]: the step wrote this bucket's
             for op in _layer_ops(target.layers[i], keys, mask, stages):
                 for r, moved in _row_dependence(op, op.inputs(x, cos, sin)):

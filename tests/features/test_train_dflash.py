@@ -4,6 +4,7 @@ by name; and its dry run for a 70B target."""
 import json
 from functools import partial
 
+import pytest
 from helpers import run_trainer, sharegpt_file, toy
 from hydra import compose, initialize_config_dir
 
@@ -15,6 +16,7 @@ from selfspec.training.tracking import read_metrics
 run_entry = partial(run_trainer, "dflash")
 
 
+@pytest.mark.slow
 def test_train_dflash_runs_exports_a_head_a_sweep_loads_and_reports_tau(tmp_path, quick_build):
     done = run_entry(
         "model=local", f"model.path={quick_build / 'target'}", "train_data.source=sharegpt",
@@ -44,6 +46,7 @@ def test_train_dflash_runs_exports_a_head_a_sweep_loads_and_reports_tau(tmp_path
         generate(target, prompt, max_new_tokens=12).tokens
 
 
+@pytest.mark.slow
 def test_train_dflash_dry_run_plans_a_70b_target_without_weights(tmp_path):
     done = run_entry("model=llama2-70b", "dry_run=true", f"hydra.run.dir={tmp_path}",
                      cwd=tmp_path)
