@@ -143,7 +143,7 @@ CUDA_TESTS = ("tests/test_step.py tests/drafters/test_static_drafting.py tests/t
               "tests/model/test_quantized.py tests/drafters/test_lookahead.py "
               "tests/drafters/test_layer_skip.py tests/measure/test_costs.py "
               "tests/measure/test_oracle.py tests/measure/test_floor.py "
-              "tests/measure/test_invariance.py "
+              "tests/measure/test_invariance.py tests/drafters/test_dflash.py "
               "tests/measure/test_passes.py::test_a_training_report_line_says_where_the_drafters"
               "_time_went tests/from_config/test_sweeps.py::test_a_random_weights_target_shares"
               "_its_weights_with_its_transformers_twin")
@@ -152,7 +152,7 @@ PARTS = [
     Part("preflight", 30, "{python} scripts/gpu_check.py facts {run}/facts.json", "facts.json",
          facts_headline, needs_cuda=False),
     Part("bench", 150, BENCH_7B + f" repeats=2 compile=false 'cost_lengths={EVERY_N}' "
-         "'oracle_trees=[eagle2,medusa_63]' 'methods=[eagle2,eagle3,eagle1,medusa,early_exit]'",
+         "'oracle_trees=[eagle2,medusa_63]' 'methods=[eagle2,eagle3,eagle1,medusa,early_exit,dflash]'",
          "bench_decode.json", bench_headline),
     Part("diagnosis", 120, "{python} scripts/bucket_invariance.py --out "
          "{run}/bucket_invariance.json", "bucket_invariance.json", diagnosis_headline),

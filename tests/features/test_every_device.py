@@ -12,12 +12,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import first_layers, fit_medusa_heads, tiny_llama
+from helpers import first_layers, fit_dflash_head, fit_medusa_heads, tiny_llama
 from torch.nn.attention import SDPBackend
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import (
     DecodeSetup,
+    DFlashDrafter,
     LookupCorpus,
     MedusaDrafter,
     MedusaProductDrafter,
@@ -42,7 +43,8 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11]]
 NEW_TOKENS = 16
 SAMPLINGS = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.8)]
 DRAFTERS = ["none", "small_model", "small_model_vocab", "ngram", "ngram_corpus_tree", "medusa",
-            "medusa_products", "medusa_and_lookup", "layer_skip", "lookahead"]
+            "medusa_products", "medusa_and_lookup", "layer_skip", "lookahead", "dflash",
+            "dflash_tree"]
 MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # branches: a real tree mask
 
 
@@ -81,6 +83,15 @@ def fitted_heads(hf_target):
 
 
 @pytest.fixture(scope="module")
+def fitted_block(hf_target):
+    """A DFlash head fit on the CPU to the same continuations, blocks of 4."""
+    cpu_target = Transformer.from_hf(hf_target)
+    continuations = {tuple(p): generate(cpu_target, p, max_new_tokens=NEW_TOKENS).tokens
+                     for p in PROMPTS}
+    return fit_dflash_head(cpu_target, continuations, block_size=4)[0]
+
+
+@pytest.fixture(scope="module")
 def lookup_corpus(hf_target) -> LookupCorpus:
     """A CPU-side corpus of the target's greedy continuations, as a sweep builds one."""
     cpu_target = Transformer.from_hf(hf_target)
@@ -89,10 +100,11 @@ def lookup_corpus(hf_target) -> LookupCorpus:
 
 
 @pytest.fixture(scope="module")
-def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
+def make_drafter(hf_target, fitted_heads, fitted_block, lookup_corpus, device):
     """make_drafter(kind): a fresh drafter of `kind` for the target on the module's device."""
     draft_model = Transformer.from_hf(first_layers(hf_target), device=device)
     heads = copy.deepcopy(fitted_heads).to(device)  # Module.to moves in place
+    block = copy.deepcopy(fitted_block).to(device)
     makers = {
         "none": lambda: None,
         "small_model": lambda: SmallModelDrafter(draft_model, 3),
@@ -108,6 +120,8 @@ def make_drafter(hf_target, fitted_heads, lookup_corpus, device):
             NgramDrafter(3, corpus=lookup_corpus, max_nodes=4)], max_nodes=5),
         "layer_skip": lambda: LayerSkipDrafter(skip_layers=(1,), num_draft_tokens=3),
         "lookahead": lambda: LookaheadDrafter(window=3, ngram=3, candidates=2),
+        "dflash": lambda: DFlashDrafter(block),
+        "dflash_tree": lambda: DFlashDrafter(block, tree_nodes=5),
     }
     return lambda kind: makers[kind]()
 
