@@ -152,7 +152,8 @@ PARTS = [
     Part("preflight", 30, "{python} scripts/gpu_check.py facts {run}/facts.json", "facts.json",
          facts_headline, needs_cuda=False),
     Part("bench", 150, BENCH_7B + f" repeats=2 compile=false 'cost_lengths={EVERY_N}' "
-         "'oracle_trees=[eagle2,medusa_63]' 'methods=[eagle2,eagle3,eagle1,medusa,early_exit,dflash]'",
+         "'oracle_trees=[eagle2,medusa_63]' "
+         "'methods=[eagle2,eagle3,eagle1,medusa,early_exit,dflash]'",
          "bench_decode.json", bench_headline),
     Part("diagnosis", 120, "{python} scripts/bucket_invariance.py --out "
          "{run}/bucket_invariance.json", "bucket_invariance.json", diagnosis_headline),
