@@ -14,7 +14,14 @@ from hydra import compose, initialize_config_dir
 
 from selfspec import Transformer, from_config, generate
 from selfspec.from_config.methods import registry
-from selfspec.heads import EagleConfig, EagleHead, describe_target, save_head
+from selfspec.heads import (
+    DFlashConfig,
+    DFlashHead,
+    EagleConfig,
+    EagleHead,
+    describe_target,
+    save_head,
+)
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
 
@@ -77,11 +84,15 @@ def family_settings(request, tmp_path_factory, quick_build) -> dict[str, list[st
     eagle = EagleHead(EagleConfig.for_target(target.config, 3, draft_vocab_size=64,
                                              target_layers=(1, 2, 4)))
     save_head(root / "eagle", eagle, eagle.config, info)
+    block = DFlashHead(DFlashConfig.for_target(target.config, mask_token_id=63, block_size=4,
+                                               target_layers=(1, 2)))
+    save_head(root / "dflash", block, block.config, info)
     on = ["model=local", f"model.path={folder}", f"model.draft.path={root / 'draft'}"]
     return {"small_model": on, "ngram": on, "medusa": [*on, f"medusa_heads={root / 'medusa'}"],
             "ngram+medusa": [*on, f"medusa_heads={root / 'medusa'}"],
             "eagle": [*on, f"eagle_head={root / 'eagle'}", "eagle.total_tokens=6",
                       "eagle.top_k=2"],
+            "dflash": [*on, f"dflash_head={root / 'dflash'}"],
             "early_exit": [*on, "early_exit.exit_layers=2"], "layer_skip": on,
             "lookahead": on, "quantized": on}
 
