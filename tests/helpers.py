@@ -129,12 +129,14 @@ def tiny_model(family: str, seed: int, vocab: int = 64, layers: int = 2, hidden:
                std: float = 0.2, **extra):
     """A seeded random `transformers` model of a family (`family_config`); weights of std
     `std` (norm weights around their unit gain) make its laws peaky."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch.manual_seed(seed)
     config = family_config(family, vocab, layers, hidden, **extra)
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config).float().eval()
+    # The class itself, not AutoModelForCausalLM.from_config: that one partitions the weights
+    # under a ZeRO-3 run (the distributed tests build their target inside one).
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).float().eval()
     unit = 0.0 if family.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
