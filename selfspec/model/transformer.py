@@ -734,7 +734,9 @@ class Transformer(nn.Module):
         config = self.config.cut(num_layers)
         state = {name: tensor for name, tensor in self.state_dict().items()
                  if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
-        tensors = ((checkpoint.hf_key(k), v.clone()) for k, v in state.items())
+        # under the family's checkpoint names and layouts, which _from_tensors reads
+        tensors = iter(checkpoint.hf_state({k: v.clone() for k, v in state.items()},
+                                           config).items())
         weight = self.embed_tokens.weight
         return self._from_tensors(config, tensors, weight.dtype, weight.device)
 

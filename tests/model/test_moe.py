@@ -82,3 +82,15 @@ def test_static_steps_decode_a_moe_target_as_eager_forwards_do(family):
     eager = generate(target, prompt, max_new_tokens=16).tokens
     assert generate(target, prompt, max_new_tokens=16, cuda_graphs=True).tokens == eager
     assert host_reads_per_step(target, lambda: None, prompt) == 1
+
+
+@torch.no_grad()
+def test_qwen3_moe_without_renormalising_and_with_sparse_steps_gives_transformers_logits():
+    """norm_topk_prob off, every second layer sparse and one of those dense again."""
+    from helpers import assert_hf_parity
+
+    hf = tiny_model("qwen3_moe", 0, layers=6, norm_topk_prob=False, decoder_sparse_step=2,
+                    mlp_only_layers=[3])
+    ours = Transformer.from_hf(hf).eval()
+    assert ours.config.moe_layers == {1, 5} and not ours.config.norm_topk_prob
+    assert_hf_parity(ours, hf, seq_len=12)
