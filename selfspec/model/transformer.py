@@ -1,12 +1,14 @@
 """The one decoder of every family selfspec reads (Llama 1/2/3.x, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3, OLMo 2, Granite, Phi-3/4): what differs between them is all in `ModelConfig`
-(`selfspec.model.config`), and each layer honours it: pre- and post-norms, RMSNorm with
-(1 + w), q/k norms per head or over the projection, the softmax scale and soft-capping,
-GELU-tanh or SiLU gates, scaled embeddings, multipliers, sliding windows per layer with a
-RoPE each (`selfspec.model.rope`).
+Gemma 2/3, OLMo 2, Granite, Phi-3/4, and the mixtures of experts Mixtral, Qwen3-MoE,
+gpt-oss): what differs between them is all in `ModelConfig` (`selfspec.model.config`), and
+each layer honours it: pre- and post-norms, RMSNorm with (1 + w), q/k norms per head or over
+the projection, the softmax scale, soft-capping and attention sinks, GELU-tanh or SiLU gates,
+scaled embeddings, multipliers, sliding windows per layer with a RoPE each
+(`selfspec.model.rope`), a mixture of experts in place of the MLP (`selfspec.model.moe`).
 
 Module names mirror Hugging Face's, so a HF state dict loads once its leading "model." is
-stripped (and, for Phi-3, its fused projections split: `selfspec.model.checkpoint`).
+stripped (and, for Phi-3, its fused projections split; experts stacked or rearranged:
+`selfspec.model.checkpoint`).
 
 A sliding layer's query at position p attends to the keys at positions > p - W among those
 the mask lets it see (the cache holds the committed history: slot s, position s; the new
@@ -540,6 +542,9 @@ class Transformer(nn.Module):
             run (below start_layer, from exit_layer on) write nothing, yet their slots count
             as advanced: filling them is the caller's job (e.g. an early-exit drafter
             truncates back and verifies with start_layer=E, hidden_in=its hidden E).
+            A cache view that says `static_shapes` (a static step's `SlotView`) makes the
+            forward one of fixed shapes that reads nothing back to the host: a mixture of
+            experts then takes its static dispatch.
         exit_layer: early exit; logits = lm_head(norm(hidden after exit_layer layers)).
         return_hidden: layer indices l; hidden l is the residual stream after l layers
             (0 = embeddings, num_layers = last layer's output, before the final norm).
