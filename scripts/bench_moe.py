@@ -3,6 +3,8 @@ machine: the forward of N new tokens through each, c(N), and the distinct expert
 N tokens touches per layer, for N = 1..64.
 
     python scripts/bench_moe.py --out docs/results/moe_cpu/moe_costs.json
+    python scripts/bench_moe.py --hidden 256 --expert-width 256 --repeats 2 \
+        --out docs/results/moe_cpu/moe_costs.json   # what docs/models.md reports
 
 The MoE target is a random Qwen3-MoE (`--experts` experts of width `--expert-width`, top
 `--top-k`, renormalised); the dense one is a random Qwen3 of the same shape whose MLP is
@@ -56,12 +58,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cache-length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     moe, dense = targets(args)
     lengths = range(1, args.max_tokens + 1)
-    options = dict(cache_length=args.cache_length, repeats=args.repeats, seed=args.seed)
+    options = dict(cache_length=args.cache_length, repeats=args.repeats, warmup=args.warmup,
+                   seed=args.seed)
     profiles = {"moe_eager": measure_cost_profile(moe, lengths, **options),
                 "moe_static": measure_cost_profile(moe, lengths, cuda_graphs=True, **options),
                 "dense": measure_cost_profile(dense, lengths, **options)}
