@@ -5,6 +5,7 @@ chain, hidden in trees (conf oracle_trees) and against batch size (conf batch_si
 
     python eval/bench_decode.py                                  # tiny target, CPU
     python eval/bench_decode.py model=random-7b device=cuda      # Llama-2-7B shape, bf16
+    python eval/bench_decode.py model=random-moe device=cuda     # Qwen3-30B-A3B's proportions
 
 Prints a table and writes bench_decode.json and c_of_n.png into the run folder.
 """
@@ -52,6 +53,7 @@ def report(figures: dict) -> str:
              f"{figures['peak_memory_mb']:.0f} MiB ({figures['peak_memory_kind']})",
              _floor_line(figures["memory_floor"]),
              "c(N): " + ", ".join(f"{n}: {c:.2f}" for n, c in profile["c"].items()),
+             *_experts_line(profile),
              "oracle  k   tau  speedup  bound  efficiency  lossless  time % "
              "pre/draft/fwd/probs/verify/commit/other"]
     lines += [f"       {r['k']:>2}  {r['tau']:.2f}  {r['speedup']:>6.2f}x  {r['bound']:.2f}x  "
@@ -82,6 +84,15 @@ def report(figures: dict) -> str:
                   f"{r['c_verify']:>8.2f}  {r['bound']:>4.2f}x  {r['lossless']}"
                   for r in figures["batches"]]
     return "\n".join(lines)
+
+
+def _experts_line(profile: dict) -> list[str]:
+    """A MoE target's distinct experts touched per layer by a forward of N tokens."""
+    touched = profile.get("experts_touched")
+    if touched is None:
+        return []
+    return ["distinct experts per MoE layer: " + ", ".join(f"{n}: {e:.1f}"
+                                                           for n, e in touched.items())]
 
 
 def _floor_line(floor: dict) -> str:

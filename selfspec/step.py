@@ -70,6 +70,8 @@ class SlotView:
     `Transformer.forward` take that mask whole; advancing is left to the host. slots: [b]
     (one row), or [n, b] for a batch's rows, each at its own length."""
 
+    static_shapes = True  # the forward reads nothing back to the host (`feed_forward`)
+
     def __init__(self, cache: KVCache, slots: torch.Tensor) -> None:
         self.cache, self.slots = cache, slots
         self.length = cache.max_slots - slots.shape[-1]

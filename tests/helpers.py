@@ -83,7 +83,12 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
     model), a window of WINDOW tokens on its even layers and a RoPE each (the full layers'
     scaled linearly, as Gemma 3 4B's), and a query_pre_attn_scalar of its own; Gemma 2 with
     soft-capping that bites at this size; OLMo 2, Granite (multipliers) and Phi-3 (partial
-    rotary, LongRoPE switching at position 16)."""
+    rotary, LongRoPE switching at position 16). The mixtures of experts: Qwen3-MoE as
+    Qwen3-30B-A3B (128 experts, top 8, narrow experts, norm_topk_prob) cut to 8 experts,
+    top 2, and its first layer dense (mlp_only_layers) unless one layer; Mixtral (8 experts,
+    top 2) with a window of WINDOW tokens on every layer; gpt-oss (sinks, biases, YaRN,
+    window and full layers alternating) with 8 experts, top 2, a window of WINDOW tokens and
+    a swiglu_limit low enough to clamp."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -118,6 +123,21 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
                                           "partial_rotary_factor": 0.5,
                                           "short_factor": [1.0 + i / 4 for i in range(rotary)],
                                           "long_factor": [2.0 + i for i in range(rotary)]}),
+    }
+    moe = dict(num_experts_per_tok=2)
+    configs |= {
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+            **common, **moe, num_key_value_heads=2, head_dim=16, num_experts=8,
+            moe_intermediate_size=hidden // 2, norm_topk_prob=True,
+            mlp_only_layers=[0] if layers > 1 else []),
+        "mixtral": lambda: tf.MixtralConfig(**common, **moe, num_key_value_heads=2,
+                                            num_local_experts=8, sliding_window=WINDOW),
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **common, **moe, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+            sliding_window=WINDOW, layer_types=alternating, swiglu_limit=1.0,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
+                             "original_max_position_embeddings": 64}),
     }
     config = configs[family]()
     for key, value in extra.items():

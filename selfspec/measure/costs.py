@@ -5,6 +5,9 @@ divided by that of a forward over one token. A speculative step that verifies N 
 costs c(N + 1) plain steps plus its drafting, so tau / (c(N + 1) + draft cost) bounds the
 speedup over plain decoding that acceptance alone allows (docs/design.md, "Every speedup is
 explained").
+
+On a mixture-of-experts target a forward's cost follows the experts it reads: c(N) comes with
+the distinct experts a forward of N new tokens touches, per MoE layer (`experts_touched`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class CostProfile:
     device: str
     dtype: str
     batch_size: int = 1
+    experts_touched: dict[int, float] | None = None  # a MoE target's, by N (`experts_touched`)
 
     def c(self, n: float) -> float:
         """c(n) = seconds(n) / seconds(1); between measured lengths (or at a fractional n, a
@@ -71,9 +75,12 @@ class CostProfile:
         return tau / (forward + draft_cost)
 
     def as_dict(self) -> dict:
-        return {"cache_length": self.cache_length, "device": self.device, "dtype": self.dtype,
-                "batch_size": self.batch_size, "one_token_ms": 1000 * self.seconds[1],
-                "c": {n: self.c(n) for n in sorted(self.seconds)}}
+        figures = {"cache_length": self.cache_length, "device": self.device, "dtype": self.dtype,
+                   "batch_size": self.batch_size, "one_token_ms": 1000 * self.seconds[1],
+                   "c": {n: self.c(n) for n in sorted(self.seconds)}}
+        if self.experts_touched is not None:
+            figures["experts_touched"] = self.experts_touched
+        return figures
 
 
 @torch.inference_mode()
@@ -124,8 +131,45 @@ def measure_cost_profile(
             seconds = _timed_forward(forward, random_tokens(n), cache, cache_length)
             if round_ >= warmup:
                 times[n].append(seconds)
+    cache.truncate(cache_length)
+    touched = (experts_touched(target, lengths, cache, generator, batch_size)
+               if target.config.num_experts else None)
     return CostProfile({n: statistics.median(t) for n, t in times.items()}, cache_length,
-                       str(weight.device), str(weight.dtype).removeprefix("torch."), batch_size)
+                       str(weight.device), str(weight.dtype).removeprefix("torch."), batch_size,
+                       touched)
+
+
+@torch.inference_mode()
+def experts_touched(target: Transformer, lengths: Sequence[int], cache,
+                    generator: torch.Generator | None = None, batch_size: int = 1
+                    ) -> dict[int, float]:
+    """{N: the distinct experts a forward of N random new tokens (batch_size rows of them)
+    over `cache` routes to, the mean over the target's MoE layers}: the expert weights a
+    verification of N tokens reads, against E per layer for a dense read. The cache is left
+    at its length; the routing is read back from each layer's router (a measurement, not a
+    decode step)."""
+    routers = [target.layers[i].mlp for i in sorted(target.config.moe_layers)]
+    counts: list[int] = []
+
+    def count(moe, inputs, _output) -> None:
+        experts = moe.route(inputs[0].reshape(-1, inputs[0].shape[-1])).experts
+        counts.append(experts.unique().numel())
+
+    hooks = [moe.register_forward_hook(count) for moe in routers]
+    device, length = target.embed_tokens.weight.device, cache.length
+    touched = {}
+    try:
+        for n in lengths:
+            counts.clear()
+            tokens = torch.randint(target.config.vocab_size, (batch_size, n),
+                                   generator=generator, device=device)
+            target(tokens, torch.arange(length, length + n, device=device), cache)
+            cache.truncate(length)
+            touched[n] = sum(counts) / len(counts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return touched
 
 
 def _timed_forward(forward, tokens: torch.Tensor, cache, cache_length: int) -> float:

@@ -1,12 +1,20 @@
 """Hugging Face checkpoint I/O of our models: parameter names both ways, the safetensors files
 of a model folder (single or sharded), read one tensor at a time, and a folder written back
 that transformers loads. Phi-3's checkpoints fuse q/k/v (`qkv_proj`) and gate/up
-(`gate_up_proj`): they are split on reading and fused again on writing."""
+(`gate_up_proj`): they are split on reading and fused again on writing.
+
+Experts are stacked per layer (`selfspec.model.moe`: gate_up_proj [E, 2I, H], down_proj
+[E, H, I]). Mixtral's checkpoints hold one w1 (gate), w3 (up), w2 (down) per expert under
+`block_sparse_moe`, Qwen3-MoE's one gate/up/down_proj per expert: both are stacked on
+reading (transformers' in-memory models hold our stacks already) and split again on writing.
+gpt-oss's stacks are transposed ([E, H, 2I] and [E, I, H]) with gate and up interleaved,
+and its router is `mlp.router`: converted both ways."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -30,12 +38,56 @@ def our_key(name: str, tied: bool) -> str | None:
     return name.removeprefix("model.")
 
 
+def our_state(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our (name, tensor) pairs for a stream of HF ones (`our_tensors`), per-expert weights
+    stacked as soon as a layer's are all read."""
+    pieces: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in tensors:
+        for key, ours in our_tensors(name, tensor, config):
+            match = _EXPERT.match(key)
+            if match is None:
+                yield key, ours
+                continue
+            layer = pieces.setdefault(match["prefix"], {})
+            layer[int(match["expert"]), match["part"]] = ours
+            if len(layer) == 3 * config.num_experts:
+                yield from _stacked(match["prefix"], pieces.pop(match["prefix"]),
+                                    config.num_experts)
+
+
+# One expert's weight in a per-expert layout, under our part names.
+_EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\."
+                     r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _stacked(prefix: str, parts: dict[tuple[int, str], torch.Tensor], num_experts: int
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    experts = range(num_experts)
+    yield f"{prefix}.gate_up_proj", torch.stack(
+        [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in experts])
+    yield f"{prefix}.down_proj", torch.stack([parts[e, "down_proj"] for e in experts])
+
+
 def our_tensors(name: str, tensor: torch.Tensor, config: ModelConfig
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Our (name, tensor) pairs for one HF tensor: none for what we do not keep, the q/k/v
-    or gate/up rows of a fused projection (views, no copy), else the tensor as it is."""
+    or gate/up rows of a fused projection (views, no copy), one expert's weight under our
+    part names (`our_state` stacks them), gpt-oss's experts in our layout, else the tensor
+    as it is."""
     key = our_key(name, config.tie_word_embeddings)
     if key is None:
+        return
+    if key.endswith(("_blocks", "_scales")):
+        raise ValueError(f"{name} is quantized (MXFP4); dequantize the model with "
+                         f"transformers first (Mxfp4Config(dequantize=True))")
+    if config.model_type == "mixtral":
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+        for theirs, ours in _MIXTRAL_PARTS.items():
+            key = re.sub(rf"(\.experts\.\d+\.){theirs}\.weight$", rf"\g<1>{ours}.weight", key)
+    if config.model_type == "gpt_oss":
+        yield _from_gpt_oss(key, tensor)
         return
     for fused, parts in _fused_parts(config).items():
         if key.endswith(fused):
@@ -59,16 +111,67 @@ def _fused_parts(config: ModelConfig) -> dict[str, dict[str, int]]:
                                         "mlp.up_proj.weight": inner}}
 
 
+def _from_gpt_oss(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One gpt-oss tensor under our name and in our layout."""
+    key = key.replace(".mlp.router.", ".mlp.gate.")
+    if key.endswith("experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H]
+        tensor = _deinterleaved(tensor.transpose(1, 2), dim=1)
+    elif key.endswith("experts.gate_up_proj_bias"):
+        tensor = _deinterleaved(tensor, dim=1)
+    elif key.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
+        tensor = tensor.transpose(1, 2)
+    return key, tensor.contiguous()
+
+
+def _deinterleaved(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """gate and up, interleaved along dim (gpt-oss), as all gates then all ups."""
+    gate, up = tensor.unflatten(dim, (-1, 2)).unbind(dim + 1)
+    return torch.cat([gate, up], dim=dim)
+
+
+def _interleaved(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """All gates then all ups along dim, interleaved as gpt-oss stores them."""
+    gate, up = tensor.chunk(2, dim=dim)
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
 def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict under HF names, fused projections fused as the family's checkpoints
-    store them (a tied LM head is left out)."""
+    """Our state dict under HF names, fused projections fused and experts laid out as the
+    family's checkpoints store them (a tied LM head is left out)."""
     hf = {hf_key(name): tensor for name, tensor in state.items()
           if not (config.tie_word_embeddings and name == "lm_head.weight")}
     for fused, parts in _fused_parts(config).items():
         for layer in range(config.num_layers):
             prefix = f"model.layers.{layer}."
             hf[prefix + fused] = torch.cat([hf.pop(prefix + part) for part in parts])
+    for layer in config.moe_layers:
+        hf |= _hf_experts(hf, f"model.layers.{layer}.mlp.", config)
     return hf
+
+
+def _hf_experts(hf: dict[str, torch.Tensor], prefix: str, config: ModelConfig
+                ) -> dict[str, torch.Tensor]:
+    """A layer's router and experts taken out of hf, under the family's names and layout."""
+    gate_up, down = hf.pop(prefix + "experts.gate_up_proj"), hf.pop(prefix + "experts.down_proj")
+    router = {part: hf.pop(prefix + "gate." + part) for part in ("weight", "bias")
+              if prefix + "gate." + part in hf}
+    if config.model_type == "gpt_oss":
+        out = {prefix + "router." + part: t for part, t in router.items()}
+        out[prefix + "experts.gate_up_proj"] = _interleaved(gate_up, dim=1).transpose(1, 2)
+        out[prefix + "experts.down_proj"] = down.transpose(1, 2)
+        out[prefix + "experts.gate_up_proj_bias"] = _interleaved(
+            hf.pop(prefix + "experts.gate_up_proj_bias"), dim=1)
+        return out
+    names = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+    if config.model_type == "mixtral":
+        prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
+        names = {ours: theirs for theirs, ours in _MIXTRAL_PARTS.items()}
+    out = {prefix + "gate." + part: t for part, t in router.items()}
+    for e in range(config.num_experts):
+        gate, up = gate_up[e].chunk(2)
+        for part, tensor in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
+            out[f"{prefix}experts.{e}.{names[part]}.weight"] = tensor
+    return out
 
 
 def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:

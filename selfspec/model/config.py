@@ -16,6 +16,16 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - granite: embedding, residual, attention and logit multipliers.
 - phi3: fused `qkv_proj` and `gate_up_proj` in the checkpoint, `longrope`,
   `partial_rotary_factor`.
+- mixtral: Mistral with a mixture of experts in every layer (top-k softmax routing).
+- qwen3_moe: Qwen3 with experts of their own width, routing renormalised over the top k
+  only when `norm_topk_prob`, dense layers among the sparse ones (`decoder_sparse_step`,
+  `mlp_only_layers`), one window for every layer when `use_sliding_window`.
+- gpt_oss: attention sinks and biases, sliding layers alternating with full ones, YaRN,
+  a router with a bias, experts with biases and the clamped gated activation.
+
+The mixture of experts (`selfspec.model.moe`) replaces a layer's MLP in the layers of
+`moe_layers`: num_experts experts of expert_intermediate_size, num_experts_per_tok of them
+per token.
 
 Fields a family's config.json does not carry (its class implies them: Gemma's norms, Qwen3's
 q/k norms) come from `FAMILIES`; `to_hf` refuses a config its model_type cannot express.
@@ -43,23 +53,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
               "qk_norm": "projection"},
     "granite": {},
     "phi3": {},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": "head"},
+    "gpt_oss": {"norm_scale": "weight_fp32", "router_bias": True, "expert_bias": True,
+                "expert_act": "clamped_swiglu", "attention_sinks": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
 QK_NORMS = (None, "head", "projection")
+EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
-WHOLE_WINDOW = ("mistral", "phi3")  # one window for every layer
-WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3")  # the families that read sliding_window
+WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
+WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")  # the families with a mixture of experts
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
+# transformers' windows where config.json has no sliding_window key
+_DEFAULT_WINDOWS = {"gemma3_text": 4096, "gemma2": 4096, "mistral": 4096, "qwen3_moe": 4096,
+                    "gpt_oss": 128}
+# gpt-oss's class's RoPE where config.json has none
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 _ROPE_KEYS = {  # what each RoPE scaling type needs (the optional keys are kept when given)
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor",
@@ -106,6 +129,19 @@ class ModelConfig:
     local_rope_theta, local_rope_scaling: the RoPE of the sliding layers where it differs from
         the full ones' (Gemma 3: base 10k locally, 1M globally).
     partial_rotary_factor: the share of each head's dimensions RoPE rotates (the first ones).
+    attention_sinks: a learned logit per head in each softmax's denominator (gpt-oss).
+    num_experts: experts per sparse layer (0: every layer dense); num_experts_per_tok: the
+        top k each token is routed to.
+    expert_intermediate_size: an expert's width (None: intermediate_size, which is the dense
+        layers' width: Qwen3-MoE's differ).
+    norm_topk_prob: the top k's weights are a softmax over their logits (renormalised over the
+        top k: Mixtral, gpt-oss); False: their softmax over every expert (Qwen3-MoE without it).
+    decoder_sparse_step, mlp_only_layers: layer i is sparse when (i + 1) % step == 0 and it
+        is not one of mlp_only_layers (Qwen3-MoE).
+    router_bias, expert_bias: a bias on the router's logits, on each expert's products
+        (gpt-oss).
+    expert_act: "silu" (SwiGLU) or "clamped_swiglu" (gpt-oss: the gate clamped above by
+        swiglu_limit, the up by +-swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
     """
 
     vocab_size: int
@@ -142,6 +178,18 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
     partial_rotary_factor: float = 1.0
+    attention_sinks: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -161,7 +209,7 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
         for name, allowed in (("hidden_act", ACTIVATIONS), ("norm_scale", NORM_SCALES),
-                              ("qk_norm", QK_NORMS)):
+                              ("qk_norm", QK_NORMS), ("expert_act", EXPERT_ACTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unsupported {name} {getattr(self, name)!r}; supported: "
                                  f"{', '.join(map(str, allowed))}")
@@ -183,6 +231,17 @@ class ModelConfig:
         if not self.pre_norms and not self.post_norms:
             raise ValueError("a decoder layer needs norms before (pre_norms) or after "
                              "(post_norms) its attention and MLP")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok
+                                    <= self.num_experts):
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts "
+                             f"({self.num_experts}), got {self.num_experts_per_tok}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got "
+                             f"{self.decoder_sparse_step}")
 
     @classmethod
     def of_family(cls, **values: Any) -> ModelConfig:
@@ -209,6 +268,19 @@ class ModelConfig:
             return frozenset(range(self.num_layers)) if self.sliding_window else frozenset()
         return frozenset(i for i, kind in enumerate(self.layer_types)
                          if kind == "sliding_attention")
+
+    @property
+    def moe_layers(self) -> frozenset[int]:
+        """The layers whose feed-forward block is a mixture of experts."""
+        if not self.num_experts:
+            return frozenset()
+        return frozenset(i for i in range(self.num_layers) if i not in self.mlp_only_layers
+                         and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's intermediate size."""
+        return self.expert_intermediate_size or self.intermediate_size
 
     @property
     def rotary_dim(self) -> int:
@@ -252,9 +324,10 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}: every {model_type} "
                              f"config.json has {', '.join(REQUIRED_HF_KEYS)}")
+        _refuse_quantized(config)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        bias = bool(config.get("attention_bias", False))
+        bias = bool(config.get("attention_bias", model_type == "gpt_oss"))
         eos = config.get("eos_token_id")
         return cls(
             vocab_size=config["vocab_size"],
@@ -277,6 +350,7 @@ class ModelConfig:
             **_read_rope(config, model_type),
             **_read_attention(config, model_type, head_dim),
             **_read_multipliers(config, model_type),
+            **_read_moe(config, model_type),
             **FAMILIES[model_type],
         )
 
@@ -323,18 +397,37 @@ class ModelConfig:
                 hf["layer_types"] = [
                     "sliding_attention" if i in self.sliding_layers else "full_attention"
                     for i in range(self.num_layers)]
-            if self.model_type in ("qwen2", "qwen3"):
+            if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
                 hf["use_sliding_window"] = bool(self.sliding_layers)
+            if self.model_type in ("qwen2", "qwen3"):
                 hf["max_window_layers"] = min(self.sliding_layers, default=self.num_layers)
         if self.model_type == "phi3" and self.rope_scaling:  # it reads this key at the top
             hf["original_max_position_embeddings"] = \
                 self.rope_scaling["original_max_position_embeddings"]
+        hf |= self._moe_keys()
         if self.model_type == "gemma3_text":
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
                 "full_attention": _rope_dict(self.rope_theta, self.rope_scaling, 1.0),
                 "sliding_attention": _rope_dict(*local, 1.0)}
         return hf
+
+    def _moe_keys(self) -> dict[str, Any]:
+        """The config.json keys of the mixture of experts, as this model_type's class reads
+        them."""
+        if self.model_type not in MOE:
+            return {}
+        top = {"num_experts_per_tok": self.num_experts_per_tok}
+        if self.model_type == "qwen3_moe":
+            return top | {"num_experts": self.num_experts,
+                          "moe_intermediate_size": self.expert_width,
+                          "norm_topk_prob": self.norm_topk_prob,
+                          "decoder_sparse_step": self.decoder_sparse_step,
+                          "mlp_only_layers": list(self.mlp_only_layers)}
+        top["num_local_experts"] = self.num_experts
+        if self.model_type == "gpt_oss":
+            top |= {"swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
+        return top
 
     def _check_expressible(self) -> None:
         """Refuse what a config.json of this model_type cannot say (it would load as
@@ -343,7 +436,13 @@ class ModelConfig:
         embedding = self.hidden_size ** 0.5 if self.model_type in GEMMA else None
         implied["embedding_multiplier"] = embedding
         checked = {name: implied[name] for name in
-                   ("norm_scale", "pre_norms", "post_norms", "qk_norm")}
+                   ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
+                    "router_bias", "expert_bias", "expert_act")}
+        if self.model_type != "qwen3_moe":
+            checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
+                        "expert_intermediate_size": None}
+            if self.model_type in MOE:
+                checked["norm_topk_prob"] = True
         if self.model_type != "granite":
             checked |= {"embedding_multiplier": embedding, "residual_multiplier": 1.0,
                         "logits_scaling": 1.0}
@@ -362,6 +461,10 @@ class ModelConfig:
         if self.model_type == "qwen2" and not (self.attention_bias
                                                and not self.attention_out_bias):
             raise ValueError("a qwen2 config.json implies a bias on q, k and v and none on o")
+        if (self.model_type in MOE) != (self.num_experts > 0):
+            raise ValueError(f"a {self.model_type} config.json "
+                             f"{'needs' if self.model_type in MOE else 'has no'} experts "
+                             f"(num_experts={self.num_experts})")
         if self.model_type not in WINDOWED and self.sliding_layers:
             raise ValueError(f"a {self.model_type} config.json has no sliding window")
         if self.model_type in WHOLE_WINDOW and self.sliding_layers not in (
@@ -382,7 +485,10 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "embedding_multiplier", "residual_multiplier", "attention_scale",
                   "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
                   "sliding_window", "layer_types", "local_rope_theta", "local_rope_scaling",
-                  "partial_rotary_factor")
+                  "partial_rotary_factor", "attention_sinks", "num_experts",
+                  "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
+                  "expert_act", "swiglu_alpha", "swiglu_limit")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -410,8 +516,8 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
         scale = float(config["attention_multiplier"])
     types = config.get("layer_types")
     # transformers' defaults where the key is absent: Gemma's and Mistral's window is 4096
-    window = config.get("sliding_window", 4096 if model_type in (*GEMMA, "mistral") else None)
-    if model_type not in WINDOWED or (model_type in ("qwen2", "qwen3")
+    window = config.get("sliding_window", _DEFAULT_WINDOWS.get(model_type))
+    if model_type not in WINDOWED or (model_type in ("qwen2", "qwen3", "qwen3_moe")
                                       and not config.get("use_sliding_window", False)):
         window = None  # no window in the family, or Qwen's off unless use_sliding_window
     if window is None:
@@ -419,6 +525,9 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
     elif types is None and model_type in GEMMA:  # configs written before layer_types existed
         pattern = 2 if model_type == "gemma2" else config.get("sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(config["num_hidden_layers"])]
+    elif types is None and model_type == "gpt_oss":  # its class's default: even layers slide
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                  for i in range(config["num_hidden_layers"])]
     elif types is None and model_type in ("qwen2", "qwen3"):
         first = config.get("max_window_layers", config["num_hidden_layers"])
@@ -430,6 +539,40 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
     caps = {key: (None if config.get(key) is None else float(config[key]))
             for key in ("attn_logit_softcapping", "final_logit_softcapping")}
     return {"attention_scale": scale, "sliding_window": window, "layer_types": types, **caps}
+
+
+def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
+    """The mixture of experts of a config.json (transformers' defaults where a key is
+    absent)."""
+    if model_type not in MOE:
+        return {}
+    top = config.get("num_experts_per_tok") or config.get("experts_per_token")
+    # transformers names it num_local_experts in every family (published Qwen3-MoE:
+    # num_experts)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if model_type == "qwen3_moe":
+        return {"num_experts": experts or 128, "num_experts_per_tok": top or 8,
+                "expert_intermediate_size": config.get("moe_intermediate_size", 768),
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+                "mlp_only_layers": tuple(config.get("mlp_only_layers") or ())}
+    if model_type == "mixtral":
+        return {"num_experts": experts or 8, "num_experts_per_tok": top or 2}
+    return {"num_experts": experts or 128, "num_experts_per_tok": top or 4,
+            "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
+
+
+def _refuse_quantized(config: Mapping[str, Any]) -> None:
+    """Published weights in a quantized format (gpt-oss's MXFP4) are refused, naming the fix."""
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) \
+            else quantization
+        raise ValueError(
+            f"the weights are quantized ({method}); dequantize them with transformers first: "
+            f"AutoModelForCausalLM.from_pretrained(folder, quantization_config="
+            f"Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(new_folder)")
 
 
 def _read_multipliers(config: Mapping[str, Any], model_type: str) -> dict:
@@ -445,7 +588,9 @@ def _read_multipliers(config: Mapping[str, Any], model_type: str) -> dict:
 def _read_rope(config: Mapping[str, Any], model_type: str) -> dict:
     """rope_theta, rope_scaling, partial_rotary_factor and a local RoPE from either HF
     convention (v5's `rope_parameters`, maybe one per layer type, or the older keys)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = config.get("rope_parameters") or config.get("rope_scaling") or (
+        {**_GPT_OSS_ROPE, "rope_theta": config.get("rope_theta", 150000.0)}
+        if model_type == "gpt_oss" else {})
     if "full_attention" in params or "sliding_attention" in params:  # one per layer type
         full = _rope_params(params.get("full_attention") or {}, config, "rope_theta", 1e6)
         local = _rope_params(params.get("sliding_attention") or {}, config,

@@ -15,7 +15,7 @@ from torch import nn
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.placement import Placement, parse_device
-from selfspec.model.transformer import Transformer
+from selfspec.model.transformer import DecoderLayer, Transformer
 
 GIB = 1024**3
 PLANNERS = ("auto", "balanced", "sequential")  # model.device_map's planners
@@ -174,14 +174,15 @@ def placement_lines(placement: Placement, config: ModelConfig, bytes_per_param: 
                 kv_bytes: int = 2) -> str:
     """The placement and the memory it puts on each device: weights, and K/V per 1k
     tokens (kv_bytes a value)."""
-    layer_bytes = _layer_params(config) * bytes_per_param
+    layer_params = _layer_params(config)
     home_bytes = _home_params(config) * bytes_per_param
     kv_per_layer = 2 * config.num_kv_heads * config.head_dim * 1024 * kv_bytes
     lines = [f"  placement over {len(placement.devices)} device(s); embedding, final norm and "
              f"LM head on {placement.home}"]
     for device in placement.devices:
         layers = [i for i, d in enumerate(placement.layers) if d == device]
-        weights = len(layers) * layer_bytes + (home_bytes if device == placement.home else 0)
+        weights = (sum(layer_params[i] for i in layers) * bytes_per_param
+                   + (home_bytes if device == placement.home else 0))
         span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
                          for a, b, d in placement.segments() if d == device) or "none"
         lines.append(f"    {str(device):<8} layers {span:<12} {len(layers):>3} layers  "
@@ -276,7 +277,8 @@ def _check_fits(placement: Placement, config: ModelConfig, memory: dict | None,
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
     limits = {parse_device(k): _bytes(v) for k, v in memory.items()}
     for device in placement.devices:
-        weights = (sum(d == device for d in placement.layers) * _layer_params(config)
+        weights = (sum(n for n, d in zip(_layer_params(config), placement.layers, strict=True)
+                       if d == device)
                    + (_home_params(config) if device == placement.home else 0)) * size
         if device in limits and weights > limits[device]:
             raise ValueError(f"model.max_memory: {device} holds {weights / GIB:.1f} GiB of "
@@ -311,10 +313,18 @@ def _bytes(size) -> int:
                          f"40GB") from None
 
 
-def _layer_params(config: ModelConfig) -> int:
+def _layer_params(config: ModelConfig) -> list[int]:
+    """Each layer's parameters (a mixture of experts' layers hold theirs, and may sit among
+    dense ones)."""
     with torch.device("meta"):
-        layer = Transformer(_one_layer(config)).layers[0]
-    return sum(p.numel() for p in layer.parameters())
+        sizes = {kind: sum(p.numel() for p in DecoderLayer(config, i).parameters())
+                 for kind, i in _layer_kinds(config).items()}
+    return [sizes[i in config.moe_layers] for i in range(config.num_layers)]
+
+
+def _layer_kinds(config: ModelConfig) -> dict[bool, int]:
+    """One layer of each kind (sparse or dense): {is sparse: its index}."""
+    return {i in config.moe_layers: i for i in reversed(range(config.num_layers))}
 
 
 def _home_params(config: ModelConfig) -> int:
@@ -329,7 +339,7 @@ def _one_layer(config: ModelConfig) -> ModelConfig:
 
 def _model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
-    return (config.num_layers * _layer_params(config) + _home_params(config)) * size
+    return (sum(_layer_params(config)) + _home_params(config)) * size
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -176,6 +176,10 @@ def quantized_copy(target: Transformer, bits: int, layout: Layout | None = None)
     precision. The target is not changed. No I/O."""
     device = target.embed_tokens.weight.device
     check_quantizable(bits, device)
+    if target.config.num_experts:
+        raise ValueError(f"quantized copy: a {target.config.model_type} target's experts are "
+                         f"stacked tensors, not linear layers, and are not quantized; draft "
+                         f"with a dense model (draft: small_model) instead")
     layout = layout or layout_for(bits, device)
     if layout.bits != bits:
         raise ValueError(f"quantized copy: the layout {layout.name!r} holds int{layout.bits} "

@@ -1,12 +1,14 @@
 """The one decoder of every family selfspec reads (Llama 1/2/3.x, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3, OLMo 2, Granite, Phi-3/4): what differs between them is all in `ModelConfig`
-(`selfspec.model.config`), and each layer honours it: pre- and post-norms, RMSNorm with
-(1 + w), q/k norms per head or over the projection, the softmax scale and soft-capping,
-GELU-tanh or SiLU gates, scaled embeddings, multipliers, sliding windows per layer with a
-RoPE each (`selfspec.model.rope`).
+Gemma 2/3, OLMo 2, Granite, Phi-3/4, and the mixtures of experts Mixtral, Qwen3-MoE,
+gpt-oss): what differs between them is all in `ModelConfig` (`selfspec.model.config`), and
+each layer honours it: pre- and post-norms, RMSNorm with (1 + w), q/k norms per head or over
+the projection, the softmax scale, soft-capping and attention sinks, GELU-tanh or SiLU gates,
+scaled embeddings, multipliers, sliding windows per layer with a RoPE each
+(`selfspec.model.rope`), a mixture of experts in place of the MLP (`selfspec.model.moe`).
 
 Module names mirror Hugging Face's, so a HF state dict loads once its leading "model." is
-stripped (and, for Phi-3, its fused projections split: `selfspec.model.checkpoint`).
+stripped (and, for Phi-3, its fused projections split; experts stacked or rearranged:
+`selfspec.model.checkpoint`).
 
 A sliding layer's query at position p attends to the keys at positions > p - W among those
 the mask lets it see (the cache holds the committed history: slot s, position s; the new
@@ -37,6 +39,7 @@ from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
+from selfspec.model.moe import MoE
 from selfspec.model.placement import Placement
 from selfspec.model.rope import Rope, apply_rope
 
@@ -106,6 +109,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(width, kv_dim, bias=bias)
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
+        # gpt-oss: a learned logit per head in the softmax's denominator (None: no sinks)
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks \
+            else None
         if config.qk_norm is not None:  # over each head's dims, or the whole projection's
             per_head = config.qk_norm == "head"
             self.q_norm = rms_norm(config, config.head_dim if per_head else q_dim)
@@ -151,9 +157,9 @@ class Attention(nn.Module):
         batch, _, t, _ = q.shape
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
-        if self.softcap is not None:
-            out = _softcapped_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask,
-                                        self.scale, self.softcap)
+        if self.softcap is not None or self.sinks is not None:
+            out = _written_out_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask,
+                                         self.scale, self.softcap, self.sinks)
         else:
             k, v, grouped = _kv_for_kernels(k.to(q.dtype), v.to(q.dtype), self.num_heads,
                                             repeat_heads=q.is_cuda)
@@ -163,20 +169,27 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(batch, t, -1)
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          attn_mask: torch.Tensor | None, scale: float | None, cap: float
-                          ) -> torch.Tensor:
-    """[B, H, T, D] attention whose scores s become cap * tanh(s / cap) before the mask and
-    the softmax (Gemma 2), which SDPA has no kernel for: written out as transformers does."""
+def _written_out_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           attn_mask: torch.Tensor | None, scale: float | None,
+                           cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, T, D] attention that SDPA has no kernel for, written out as transformers does:
+    scores s become cap * tanh(s / cap) before the mask and the softmax (Gemma 2), and/or
+    each head's sink logit [H] joins the softmax's denominator (gpt-oss: its weight is
+    dropped, so a row's weights sum to less than 1)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = q @ k.transpose(2, 3) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / cap) * cap  # [B, H, T, S]
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap  # [B, H, T, S]
     if attn_mask is None:  # causal without past
         t = q.shape[2]
         attn_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return weights[..., :-1].to(q.dtype) @ v
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -193,9 +206,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, static: bool = False
+                ) -> torch.Tensor:
         """fused: gate and up as one product over the weight `fuse_projections` made them
-        views of."""
+        views of. static: unused (one dispatch serves every forward)."""
         if fused:
             gate, up = F.linear(x, self.fused.weight, self.fused.bias).chunk(2, dim=-1)
         else:
@@ -204,10 +218,11 @@ class MLP(nn.Module):
 
 
 def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:
-    """Layer layer_idx's feed-forward block: the part of a decoder layer a family may swap
-    (a mixture of experts). It maps [B, T, hidden] to [B, T, hidden] and takes `fused`
-    (whether `fuse_projections` fused its products)."""
-    return MLP(config)
+    """Layer layer_idx's feed-forward block: the gated MLP, or in `config.moe_layers` a
+    mixture of experts (`selfspec.model.moe`). It maps [B, T, hidden] to [B, T, hidden] and
+    takes `fused` (whether `fuse_projections` fused its products) and `static` (the forward
+    runs in fixed shapes and may read nothing back to the host: a static decode step)."""
+    return MoE(config) if layer_idx in config.moe_layers else MLP(config)
 
 
 class NormNames(NamedTuple):
@@ -255,11 +270,14 @@ class DecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None,
         stages: LayerStages | None = None,
+        static: bool = False,
     ) -> torch.Tensor:
-        """stages: how the pointwise-heavy work around attention runs (default eagerly)."""
+        """stages: how the pointwise-heavy work around attention runs (default eagerly).
+        static: a fixed-shape forward that reads nothing back to the host (`feed_forward`)."""
         stages = stages or EAGER_STAGES
         q, k, v = stages.attention_inputs(self, x, cos, sin)
-        return stages.layer_output(self, x, self.self_attn.attend(q, k, v, attn_mask, cache))
+        attended = self.self_attn.attend(q, k, v, attn_mask, cache)
+        return stages.layer_output(self, x, attended, static=static)
 
     def normed(self, role: int, x: torch.Tensor) -> torch.Tensor:
         """x through the layer's norm of a role (an index of NormNames), if it has one."""
@@ -281,11 +299,11 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, si
 
 
 def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
-                 fused: bool = False) -> torch.Tensor:
+                 fused: bool = False, static: bool = False) -> torch.Tensor:
     """A layer's work after attention: the output product, the norms around the MLP and
-    after each block, both residual adds."""
+    after each block, both residual adds (static: the feed-forward's fixed-shape dispatch)."""
     x = layer.residual(x, layer.normed(1, layer.self_attn.o_proj(attended)))
-    return layer.residual(x, layer.normed(3, layer.mlp(layer.normed(2, x), fused)))
+    return layer.residual(x, layer.normed(3, layer.mlp(layer.normed(2, x), fused, static)))
 
 
 class LayerStages(NamedTuple):
@@ -524,6 +542,9 @@ class Transformer(nn.Module):
             run (below start_layer, from exit_layer on) write nothing, yet their slots count
             as advanced: filling them is the caller's job (e.g. an early-exit drafter
             truncates back and verifies with start_layer=E, hidden_in=its hidden E).
+            A cache view that says `static_shapes` (a static step's `SlotView`) makes the
+            forward one of fixed shapes that reads nothing back to the host: a mixture of
+            experts then takes its static dispatch.
         exit_layer: early exit; logits = lm_head(norm(hidden after exit_layer layers)).
         return_hidden: layer indices l; hidden l is the residual stream after l layers
             (0 = embeddings, num_layers = last layer's output, before the final norm).
@@ -547,6 +568,7 @@ class Transformer(nn.Module):
         saved = {start_layer: h}
         home = h.device
         masked = any(x.mask is not None for x in inputs.values())
+        static = getattr(cache, "static_shapes", False)  # a static step's slot view
         with _pinned_attention(h.device, masked=masked):
             for i in range(start_layer, end):
                 if i not in skip:
@@ -556,7 +578,7 @@ class Transformer(nn.Module):
                         inputs = {kind: LayerInputs(*_moved(device, *x))
                                   for kind, x in inputs.items()}
                     x = inputs[self.layer_kinds[i]]
-                    h = self.layers[i](h, x.cos, x.sin, x.mask, cache, stages)
+                    h = self.layers[i](h, x.cos, x.sin, x.mask, cache, stages, static)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:
@@ -717,7 +739,9 @@ class Transformer(nn.Module):
         config = self.config.cut(num_layers)
         state = {name: tensor for name, tensor in self.state_dict().items()
                  if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
-        tensors = ((checkpoint.hf_key(k), v.clone()) for k, v in state.items())
+        # under the family's checkpoint names and layouts, which _from_tensors reads
+        tensors = iter(checkpoint.hf_state({k: v.clone() for k, v in state.items()},
+                                           config).items())
         weight = self.embed_tokens.weight
         return self._from_tensors(config, tensors, weight.dtype, weight.device)
 
@@ -752,10 +776,9 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         state = {}
-        for name, tensor in tensors:
-            for key, ours in checkpoint.our_tensors(name, tensor, config):
-                on = device if placement is None else placement.device_of(key)
-                state[key] = aligned(ours.to(device=on, dtype=dtype))
+        for key, ours in checkpoint.our_state(tensors, config):
+            on = device if placement is None else placement.device_of(key)
+            state[key] = aligned(ours.to(device=on, dtype=dtype))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if config.tie_word_embeddings:
             missing = [key for key in missing if key != "lm_head.weight"]

@@ -34,9 +34,9 @@ def test_a_missing_draft_model_is_refused_before_loading(tmp_path, quick_build, 
 # ---- the random-weights target of timings ----------------------------------------------------
 
 
-def random_config(**arch):
-    """conf/model/random-7b.yaml shrunk to a toy of the same kind."""
-    cfg = OmegaConf.create({"model": OmegaConf.load(from_config.CONF_DIR / "model/random-7b.yaml"),
+def random_config(preset: str = "random-7b", **arch):
+    """conf/model/<preset>.yaml shrunk to a toy of the same kind."""
+    cfg = OmegaConf.create({"model": OmegaConf.load(from_config.CONF_DIR / f"model/{preset}.yaml"),
                             "device": "cpu", "seed": 3})
     cfg.model.dtype = "fp32"
     cfg.model.arch.update(arch)
@@ -56,3 +56,21 @@ def test_a_random_weights_target_shares_its_weights_with_its_transformers_twin()
     assert torch.equal(again.lm_head.weight, target.lm_head.weight)
     with pytest.raises(from_config.ModelNotAvailable, match="random weights and no files"):
         from_config.resolve_model_path(cfg.model)
+
+
+def test_the_random_moe_target_is_qwen3_30b_a3b_at_half_depth():
+    """Its preset's architecture: 15.6B parameters (31 GB in bf16), every layer sparse; shrunk,
+    it builds with its transformers twin and gives the same logits."""
+    from selfspec.model.plan import count_parameters
+
+    full = from_config.model_config(random_config("random-moe").model)
+    assert full.model_type == "qwen3_moe" and full.moe_layers == set(range(24))
+    assert abs(count_parameters(full) / 15.58e9 - 1) < 0.01
+    cfg = random_config("random-moe", vocab_size=80, hidden_size=32, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8,
+                        num_experts_per_tok=2, expert_intermediate_size=16)
+    target, hf_model = from_config.timing_models(cfg)
+    tokens = torch.randint(80, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = target(tokens, torch.arange(9)).logits, hf_model(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5

@@ -53,3 +53,19 @@ def test_the_profile_times_every_length_and_leaves_the_target_as_it_was(target):
     assert torch.equal(target(tokens, torch.arange(12)).logits, before)
     with pytest.raises(ValueError, match="repeats >= 1"):
         measure_cost_profile(target, (2,), repeats=0)
+
+
+def test_a_moe_targets_profile_counts_the_distinct_experts_each_forward_touches():
+    """One token routes to exactly its top k in each MoE layer; more tokens touch more
+    experts, never more than the layer holds; a dense target has no such figure."""
+    from helpers import tiny_model
+
+    moe = Transformer.from_hf(tiny_model("qwen3_moe", 0, layers=3)).eval()  # 2 MoE layers
+    profile = measure_cost_profile(moe, (1, 4, 32), cache_length=8, repeats=1, warmup=0)
+    touched = profile.experts_touched
+    assert touched[1] == moe.config.num_experts_per_tok == 2
+    assert touched[1] < touched[4] <= touched[32] <= moe.config.num_experts
+    assert profile.as_dict()["experts_touched"] == touched
+    dense = measure_cost_profile(Transformer.from_hf(tiny_llama(0)), (1, 2), cache_length=8,
+                                 repeats=1, warmup=0)
+    assert dense.experts_touched is None and "experts_touched" not in dense.as_dict()

@@ -40,6 +40,42 @@ def test_every_family_loads_from_and_saves_to_a_folder_transformers_reads(family
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_experts_load_from_and_save_to_each_familys_published_layout(family, tmp_path):
+    """transformers writes Mixtral's experts one by one under block_sparse_moe (w1/w2/w3),
+    Qwen3-MoE's one by one (gate/up/down_proj), gpt-oss's stacked, transposed, gate and up
+    interleaved: ours are stacked from them and written back in the same layout, which
+    transformers reads with the same logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_model(family, 0)
+    hf.save_pretrained(tmp_path / "theirs")
+    ours = Transformer.from_pretrained(tmp_path / "theirs").eval()
+    tokens = assert_hf_parity(ours, hf, seq_len=16)
+    ours.save_pretrained(tmp_path / "ours")
+    names = {}
+    for folder in ("theirs", "ours"):
+        with safe_open(str(tmp_path / folder / "model.safetensors"), "pt") as saved:
+            names[folder] = {name: tuple(saved.get_slice(name).get_shape())
+                             for name in saved.keys()}
+    assert names["ours"] == names["theirs"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    torch.testing.assert_close(hf_logits(again, tokens), hf_logits(hf, tokens), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_mxfp4_weights_are_refused_naming_the_fix():
+    from selfspec.model.checkpoint import our_tensors
+    from selfspec.model.config import ModelConfig
+
+    config = ModelConfig.from_hf(tiny_model("gpt_oss", 0).config.to_dict())
+    with pytest.raises(ValueError, match=r"gate_up_proj_blocks is quantized \(MXFP4\); "
+                                         r"dequantize the model with transformers first"):
+        list(our_tensors("model.layers.0.mlp.experts.gate_up_proj_blocks",
+                         torch.zeros(1, dtype=torch.uint8), config))
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     hf = hf_model("mistral")
     hf.save_pretrained(tmp_path, max_shard_size="20KB")

@@ -27,7 +27,8 @@ def test_unsupported_model_type_and_rope_scaling():
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
-ALL_FAMILIES = ("llama", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3")
+ALL_FAMILIES = ("llama", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3", "qwen3_moe",
+                "mixtral", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -53,6 +54,43 @@ def test_a_config_its_family_cannot_express_is_refused():
     gemma = ModelConfig.from_hf(family_config("gemma3").to_dict())
     with pytest.raises(ValueError, match=r"cannot express embedding_multiplier=1\.0"):
         dataclasses.replace(gemma, embedding_multiplier=1.0).to_hf()
+
+
+def test_a_mixture_of_experts_only_where_the_family_has_one():
+    llama = ModelConfig.from_hf(family_config("llama").to_dict())
+    with pytest.raises(ValueError, match="a llama config.json has no experts"):
+        dataclasses.replace(llama, num_experts=4, num_experts_per_tok=2).to_hf()
+    mixtral = ModelConfig.from_hf(family_config("mixtral").to_dict())
+    with pytest.raises(ValueError, match=r"cannot express norm_topk_prob=False"):
+        dataclasses.replace(mixtral, norm_topk_prob=False).to_hf()
+    with pytest.raises(ValueError, match=r"cannot express mlp_only_layers=\(0,\)"):
+        dataclasses.replace(mixtral, mlp_only_layers=(0,)).to_hf()
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in 1\.\.num_experts "
+                                         r"\(8\), got 9"):
+        dataclasses.replace(mixtral, num_experts_per_tok=9)
+
+
+def test_qwen3_moe_reads_its_published_keys_and_dense_layers():
+    """Published Qwen3-MoE configs say num_experts (transformers writes num_local_experts);
+    without norm_topk_prob the top k are not renormalised; decoder_sparse_step and
+    mlp_only_layers leave dense layers among the sparse ones; a window covers every layer
+    when use_sliding_window."""
+    published = {**family_config("qwen3_moe", layers=6).to_dict(), "num_experts": 16,
+                 "decoder_sparse_step": 2, "mlp_only_layers": [3], "use_sliding_window": True,
+                 "sliding_window": 5}
+    del published["num_local_experts"], published["norm_topk_prob"]
+    config = ModelConfig.from_hf(published)
+    assert (config.num_experts, config.norm_topk_prob) == (16, False)
+    assert config.moe_layers == {1, 5} and config.sliding_layers == set(range(6))
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_quantized_weights_are_refused_naming_the_fix():
+    gpt_oss = {**family_config("gpt_oss").to_dict(),
+               "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(ValueError, match=r"^the weights are quantized \(mxfp4\); dequantize "
+                                         r"them with transformers first.*Mxfp4Config\(dequantize"):
+        ModelConfig.from_hf(gpt_oss)
 
 
 def test_configs_written_before_layer_types_get_transformers_defaults():

@@ -259,3 +259,23 @@ def test_a_target_over_several_devices_refuses_a_batch_in_one_line():
     with pytest.raises(ValueError, match="placed over several devices .* decodes one prompt at "
                                          "a time"):
         generate(placed, [PROMPTS[0], PROMPTS[1]], max_new_tokens=4)
+
+
+def test_a_moe_layer_is_placed_whole_with_its_experts(tmp_path):
+    """Qwen3-MoE with a dense first layer: the plan counts each layer's own weights (experts
+    included), and a placed model holds each layer's router and experts with the layer."""
+    from selfspec.model.plan import _layer_params
+
+    hf = tiny_model("qwen3_moe", 0, layers=LAYERS)
+    hf.save_pretrained(tmp_path)
+    config = Transformer.from_pretrained(tmp_path).config
+    with torch.device("meta"):
+        layers = Transformer(config).layers
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert _layer_params(config) == sizes and sizes[0] < sizes[1]
+    placement = Placement(CPU, (CPU, CPU, torch.device("meta"), torch.device("meta")))
+    placed = Transformer.from_pretrained(tmp_path, placement=placement)
+    for name, param in placed.named_parameters():
+        assert param.device == placement.device_of(name), name
+    assert placed.layers[2].mlp.experts.gate_up_proj.device.type == "meta"
+    assert placed.layers[1].mlp.gate.weight.device == CPU

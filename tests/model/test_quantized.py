@@ -288,3 +288,12 @@ def test_a_quantized_cuda_target_keeps_its_own_law_under_drafting(bits, cuda_gra
     drafter = SmallModelDrafter(full, num_draft_tokens=2)
     assert_drafted_sampling_is_exact(copied, drafter, SamplingParams(1.0),
                                      cuda_graphs=cuda_graphs)
+
+
+def test_a_mixture_of_experts_target_is_refused_in_one_line():
+    from helpers import tiny_model
+
+    moe = Transformer.from_hf(tiny_model("mixtral", 0))
+    with pytest.raises(ValueError, match=r"^quantized copy: a mixtral target's experts are "
+                                         r"stacked tensors.*draft with a dense model"):
+        quantized_copy(moe, 8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import WINDOW, assert_hf_parity, hf_logits, hf_model, tiny_llama, tiny_model
 
-from selfspec.model import ModelConfig, Rope, Transformer
+from selfspec.model import MLP, ModelConfig, Rope, Transformer
 from selfspec.tree import Tree
 
 VOCAB = 64
@@ -35,8 +35,10 @@ def test_qwen2_has_qkv_bias_and_tied_head():
 
 # ---- every family, against transformers -----------------------------------------------------
 
-ALL_FAMILIES = ("llama", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3")
-SLIDING = ("gemma3", "gemma2")  # a window of WINDOW tokens on their even layers
+ALL_FAMILIES = ("llama", "qwen3", "gemma3", "gemma2", "olmo2", "granite", "phi3", "qwen3_moe",
+                "mixtral", "gpt_oss")
+SLIDING = ("gemma3", "gemma2", "gpt_oss")  # a window of WINDOW tokens on their even layers
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 LONGROPE_FROM = 16  # tiny Phi-3's original context: LongRoPE's long factors from there on
 
 
@@ -51,14 +53,27 @@ def test_every_family_reads_what_sets_it_apart(pair):
     family, hf, ours = pair
     c = ours.config
     assert c.model_type == hf.config.model_type
-    assert bool(c.sliding_layers) == (family in SLIDING)
+    assert bool(c.sliding_layers) == (family in (*SLIDING, "mixtral"))
     if family in SLIDING:
         assert c.sliding_window == WINDOW and c.sliding_layers == {0}
+    if family.startswith("gemma"):
         assert c.embedding_multiplier == c.hidden_size ** 0.5 and c.tie_word_embeddings
         assert c.attention_scale == 12 ** -0.5 and c.norm_scale == "one_plus_weight"
         assert ours.layers[0].post_feedforward_layernorm.weight.shape == (c.hidden_size,)
-    assert (c.qk_norm, c.head_dim) == {"qwen3": ("head", 16), "gemma3": ("head", 16),
-                                       "olmo2": ("projection", 8)}.get(family, (None, c.head_dim))
+    assert (c.qk_norm, c.head_dim) == {
+        "qwen3": ("head", 16), "gemma3": ("head", 16), "olmo2": ("projection", 8),
+        "qwen3_moe": ("head", 16)}.get(family, (None, c.head_dim))
+    assert (c.num_experts, c.num_experts_per_tok) == ((8, 2) if family in MOE else (0, 0))
+    assert c.moe_layers == {"qwen3_moe": {1}, "mixtral": {0, 1}, "gpt_oss": {0, 1}}.get(
+        family, set())
+    if family == "mixtral":
+        assert c.sliding_layers == {0, 1}
+    if family == "qwen3_moe":
+        assert isinstance(ours.layers[0].mlp, MLP) and c.expert_width == 16
+    if family == "gpt_oss":
+        assert c.attention_sinks and c.router_bias and c.expert_bias and c.attention_out_bias
+        assert c.rope_scaling["rope_type"] == "yarn" and c.expert_act == "clamped_swiglu"
+        assert ours.layers[1].self_attn.sinks.shape == (4,)
     if family == "gemma3":
         assert (c.local_rope_theta, c.rope_theta, c.rope_scaling["rope_type"]) == \
             (1e4, 1e6, "linear")
@@ -357,7 +372,7 @@ def test_fused_products_give_the_separate_ones_and_leave_the_model_as_it_was(tmp
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
 
     def fused(function):
-        return lambda *args: function(*args, fused=True)
+        return lambda *args, **kwargs: function(*args, **kwargs, fused=True)
 
     with torch.no_grad():
         got = model(tokens, torch.arange(9),

@@ -1,0 +1,167 @@
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, gpt-oss) as `ModelConfig`
+describes it: a linear router (with a bias: gpt-oss) picks each token's top k experts, and
+the token's output is the weighted sum of theirs.
+
+Routing: the top k logits' softmax (`norm_topk_prob`: Mixtral, gpt-oss) or their share of the
+softmax over every expert (Qwen3-MoE without it). The two are the same ranking, so the top k
+of the logits serve both.
+
+Experts are stacked per layer: `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows,
+then its up rows), `experts.down_proj` [E, H, I], and with `expert_bias` their biases
+[E, 2I] and [E, H]. `selfspec.model.checkpoint` maps the published layouts (per-expert
+Mixtral and Qwen3-MoE weights, gpt-oss's transposed and interleaved stacks) to these.
+
+Two dispatches with one result:
+- eager: the token-expert pairs grouped by expert, each expert used runs once over its
+  tokens (reads the group sizes to the host: prefill and long forwards);
+- static: fixed shapes and no host read (a static decode step, `selfspec.step`): each
+  token's top-k experts' weights gathered and multiplied batch-wise where that reads fewer
+  weights than the whole layer holds (few tokens), else every expert over every token with
+  the unrouted pairs weighted 0 (each weight read once).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.model.config import ModelConfig
+from selfspec.model.cpu_linear import Linear
+
+
+class Routing(NamedTuple):
+    """Each token's experts [N, k] (long) and their weights [N, k] (the input's dtype)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+class Experts(nn.Module):
+    """A layer's experts, stacked (see the module's docstring for the layout)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, hidden, inner = config.num_experts, config.hidden_size, config.expert_width
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, inner))
+        if config.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * inner))
+            self.down_proj_bias = nn.Parameter(torch.zeros(e, hidden))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.clamped = config.expert_act == "clamped_swiglu"
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation, per expert."""
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = 1 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., I] the activation of the gate and up products [..., 2I]: SiLU(gate) * up, or
+        gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if not self.clamped:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """[n, H] expert e over tokens x [n, H]."""
+        gate_up = F.linear(x, self.gate_up_proj[e], _row(self.gate_up_proj_bias, e))
+        return F.linear(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e))
+
+    def gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[N, k, H] each token's k experts (experts [N, k]) over it, from their weights
+        gathered: [N, k, 2I, H] and [N, k, H, I]."""
+        gate_up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts])
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[experts]
+        out = torch.einsum("nki,nkhi->nkh", self.gated(gate_up), self.down_proj[experts])
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[experts]
+
+    def every(self, x: torch.Tensor) -> torch.Tensor:
+        """[E, N, H] every expert over every token x [N, H]."""
+        gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[:, None]
+        out = torch.matmul(self.gated(gate_up), self.down_proj.transpose(1, 2))
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[:, None]
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
+
+
+class MoE(nn.Module):
+    """A layer's mixture of experts: the router `gate` and the stacked `experts`. Maps
+    [B, T, hidden] to [B, T, hidden], as the MLP it replaces."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = Experts(config)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, fused: bool = False, static: bool = False
+                ) -> torch.Tensor:
+        """static: the fixed-shape dispatch, which reads nothing back to the host (a static
+        decode step); else the eager one. fused: unused (the experts' products are stacked
+        already)."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        routing = self.route(flat)
+        out = self.static_dispatch(flat, routing) if static else \
+            self.eager_dispatch(flat, routing)
+        return out.view_as(x)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Each token's top-k experts and weights, x [N, hidden]."""
+        logits = self.gate(x)  # [N, E]
+        top, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
+        top = top.float()
+        if self.norm_topk_prob:
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights = torch.exp(top - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+        return Routing(experts, weights.to(x.dtype))
+
+    def eager_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """[N, hidden]: the token-expert pairs sorted by expert; each expert used runs once
+        over its tokens (one host read: the group sizes)."""
+        pairs = routing.experts.flatten()  # [N * k]
+        order = pairs.argsort(stable=True)
+        sizes = torch.bincount(pairs, minlength=self.num_experts).tolist()
+        weights = routing.weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, size in enumerate(sizes):
+            if size:
+                rows = order[start:start + size]
+                tokens = rows // self.top_k
+                y = self.experts.one(e, x[tokens]) * weights[rows, None]
+                out.index_add_(0, tokens, y)
+                start += size
+        return out
+
+    def static_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """[N, hidden] in shapes fixed by N alone: the gathered experts when N * k pairs read
+        fewer weights than the layer's E experts, else every expert with the unrouted pairs
+        weighted 0."""
+        if x.shape[0] * self.top_k < self.num_experts:
+            out = self.experts.gathered(x, routing.experts)  # [N, k, hidden]
+            return (out * routing.weights[..., None]).sum(dim=1)
+        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        combine.scatter_(1, routing.experts, routing.weights)  # [N, E]
+        return torch.einsum("ne,enh->nh", combine, self.experts.every(x))
+
