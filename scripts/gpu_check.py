@@ -131,7 +131,9 @@ def pytest_command(tests: str, workers: int, per_test_s: int) -> str:
     loses its own tests only; with pytest-xdist's workers and pytest-timeout's limit per test
     where they are installed (the GPU machines have both: a test that hangs fails alone
     instead of taking the part's timeout and its results)."""
-    return ("{python} -m pytest --all -q -rfEs -p no:cacheprovider -W ignore::UserWarning "
+    # addopts replaced: the project's asks for pytest-xdist, which a machine may lack.
+    return ("{python} -m pytest -o 'addopts=--import-mode=importlib' --all -q -rfEs "
+            "-p no:cacheprovider -W ignore::UserWarning "
             "--continue-on-collection-errors --junitxml={run}/junit.xml -o junit_family=xunit1 "
             f"$({{python}} -c 'import xdist' 2>/dev/null && printf -- '-n %s' {workers}) "
             f"$({{python}} -c 'import pytest_timeout' 2>/dev/null && "
