@@ -249,28 +249,40 @@ def exact_two_token_law(target, prompt: list[int], params) -> dict:
         return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
 
 
+def continuation_rows(continuations: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """{prompt tuple: new tokens} as rows padded with 0 [B, T] and their mask [B, T]."""
+    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
+    length = max(map(len, rows))
+    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    return tokens, mask
+
+
+def adam_fit(loss, parameters, steps: int, lr: float = 1e-2):
+    """`steps` AdamW steps on loss() (a LossOutput); returns the last step's output."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    for _ in range(steps):
+        out = loss()
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return out
+
+
 def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int = 30):
     """Medusa heads fit (AdamW, full batch) to the target's own greedy continuations, given as
     {prompt tuple: new tokens}; returns (heads in eval mode, the last step's metrics)."""
     from selfspec.heads import MedusaConfig, MedusaHeads
     from selfspec.training.losses import medusa_loss
 
-    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    tokens, mask = continuation_rows(continuations)
     with torch.no_grad():
-        hidden = target(tokens, torch.arange(length)).last_hidden  # [B, T, H]
+        hidden = target(tokens, torch.arange(tokens.shape[1])).last_hidden  # [B, T, H]
     torch.manual_seed(0)
     config = target.config
     heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads))
     heads.init_from_lm_head(target.lm_head.weight)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    for _ in range(steps):
-        out = medusa_loss(heads(hidden), tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
+    out = adam_fit(lambda: medusa_loss(heads(hidden), tokens, mask), heads.parameters(), steps)
     return heads.eval(), out.metrics
 
 
@@ -281,10 +293,7 @@ def fit_eagle_head(target, continuations: dict, version: int = 1, steps: int = 6
     from selfspec.heads import EagleConfig, EagleHead, draft_vocabulary
     from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
-    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(target.config, version, **config))
     if version == 3:
@@ -294,12 +303,7 @@ def fit_eagle_head(target, continuations: dict, version: int = 1, steps: int = 6
         objective = Eagle3Objective(target, head, steps=3)
     else:
         objective = EagleObjective(target, head)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(steps):
-        out = objective(tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
+    out = adam_fit(lambda: objective(tokens, mask), head.parameters(), steps)
     return head.eval(), out.metrics
 
 
@@ -574,19 +578,11 @@ def fit_dflash_head(target, continuations: dict, steps: int = 60, anchors: int =
     from selfspec.heads import DFlashHead
     from selfspec.training.objectives import DFlashObjective
 
-    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)
     head = DFlashHead(dflash_head_config(target, **config)).init_from_target(target)
     objective = DFlashObjective(target, head, anchors=anchors)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(steps):
-        out = objective(tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
+    out = adam_fit(lambda: objective(tokens, mask), head.parameters(), steps)
     return head.eval(), out.metrics
 
 
@@ -608,20 +604,12 @@ def fit_exits(target, continuations: dict, layers=(1, 2, 3), steps: int = 40):
     from selfspec.heads import ExitConfig, ExitHead
     from selfspec.training.objectives import EarlyExitObjective
 
-    rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])  # [B, T]
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)
     heads = [ExitHead(ExitConfig.for_target(target.config, e)).init_from_target(target)
              for e in layers]
     objective = EarlyExitObjective(target, heads)
-    optimizer = torch.optim.AdamW(objective.heads.parameters(), lr=1e-2)
-    for _ in range(steps):
-        out = objective(tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
+    out = adam_fit(lambda: objective(tokens, mask), objective.heads.parameters(), steps)
     return {head.exit_layer: head.eval() for head in heads}, out.metrics
 
 

@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from helpers import SAMPLING_PROMPT, assert_drafted_sampling_is_exact, tiny_llama
+from helpers import (
+    SAMPLING_PROMPT,
+    adam_fit,
+    assert_drafted_sampling_is_exact,
+    continuation_rows,
+    tiny_llama,
+)
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import SmallModelDrafter
@@ -109,19 +115,11 @@ def pard_draft(target, plain_greedy):
     own greedy continuations of PROMPTS."""
     from selfspec.training.objectives import DraftModelObjective
 
-    rows = [list(p) + tokens for p, tokens in plain_greedy.items()]
-    length = max(map(len, rows))
-    tokens = torch.tensor([row + [0] * (length - len(row)) for row in rows])
-    mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows]).bool()
+    tokens, mask = continuation_rows(plain_greedy)
     torch.manual_seed(0)
     draft = target.first_layers(2)
     objective = DraftModelObjective(target, draft, parallel=4, mask_token_id=MASK)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-2)
-    for _ in range(40):
-        out = objective(tokens, mask)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
+    out = adam_fit(lambda: objective(tokens, mask), draft.parameters(), 40)
     assert out.metrics["draft/mask2_top1"] > 0.5, out.metrics
     return draft.eval()
 
