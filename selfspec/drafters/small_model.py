@@ -270,6 +270,12 @@ class SmallModelDrafter:
         logits = self._feed(tokens)[0, -1]  # [V_draft]
         return F.pad(logits, (0, self._padding), value=float("-inf"))  # [V]
 
+    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., V] fp32 logits of the draft's last hidden states [..., H] scored over its draft
+        vocabulary only (-inf outside it)."""
+        scores = linear(self.model.norm(hidden), self._head_rows)  # [..., K]
+        return self.draft_vocab.scatter(self.model.final_logits(scores).float())
+
     @property
     def _device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
@@ -290,8 +296,7 @@ class SmallModelDrafter:
             return self._forward(ids, positions).logits
         out = self._forward(ids, positions, with_logits=False,
                             return_hidden=(self.model.config.num_layers,))
-        scores = linear(self.model.norm(out.hidden[0][:, -last:]), self._head_rows)  # [1, l, K]
-        return self.draft_vocab.scatter(self.model.final_logits(scores).float())
+        return self._vocab_logits(out.hidden[0][:, -last:])  # [1, l, V]
 
     def _next_logits_of_rows(self, states: list[_Fed], fed: list[list[int]], last: int = 1
                              ) -> list[torch.Tensor | None]:
@@ -319,8 +324,7 @@ class SmallModelDrafter:
         else:
             out = model(tokens, positions, slots, mask=slots.mask(masks), with_logits=False,
                         return_hidden=(model.config.num_layers,))
-            scores = linear(model.norm(out.hidden[0][every, at]), self._head_rows)  # [n, l, K]
-            logits = self.draft_vocab.scatter(model.final_logits(scores).float())
+            logits = self._vocab_logits(out.hidden[0][every, at])  # [n, last, V]
         logits = logits[:, 0] if last == 1 else logits
         result = []
         for state, tokens, row_logits in zip(states, fed, logits, strict=True):
