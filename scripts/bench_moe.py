@@ -1,6 +1,6 @@
 """A mixture-of-experts target against a dense one of the same active parameters, on this
 machine: the forward of N new tokens through each, c(N), and the distinct experts a forward of
-N tokens touches per layer, for N = 1..64.
+N tokens touches per layer, for N = 1..64; the JSON and, beside it, their figure (.png).
 
     python scripts/bench_moe.py --out docs/results/moe_cpu/moe_costs.json
     python scripts/bench_moe.py --hidden 256 --expert-width 256 --repeats 2 \
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from selfspec.measure.costs import measure_cost_profile
+from selfspec.measure.plots import moe_costs_figure
 from selfspec.measure.results import machine_facts
 from selfspec.model import ModelConfig, Transformer
 
@@ -86,6 +87,13 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=1) + "\n")
+    labels = {"moe_eager": "MoE, eager dispatch", "moe_static": "MoE, static dispatch",
+              "dense": "dense, same active parameters"}
+    moe_costs_figure({labels[name]: c for name, c in figures["c"].items()},
+                     figures["experts_touched"], args.experts, args.top_k,
+                     f"a random Qwen3-MoE ({args.experts} experts, top {args.top_k}) against "
+                     f"a dense target of its active parameters").savefig(
+        args.out.with_suffix(".png"), dpi=110)
     print(f"MoE {figures['parameters']['moe']:,} parameters "
           f"({args.experts} experts, top {args.top_k}); dense "
           f"{figures['parameters']['dense']:,}")

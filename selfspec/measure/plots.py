@@ -276,6 +276,39 @@ def cost_profile_figure(c_of_n: Mapping[int, float], title: str) -> Figure:
     return figure
 
 
+def moe_costs_figure(c_by_target: Mapping[str, Mapping[int, float]],
+                     experts_touched: Mapping[int, float], experts: int, top_k: int,
+                     title: str) -> Figure:
+    """A MoE target's verification cost: c(N) of each target (`c_by_target`: {label: {N: c}})
+    against N, and the distinct experts a forward of N tokens touches per layer, between one
+    token's top_k and all `experts`."""
+    width = 2 * PANEL_WIDTH
+    figure = Figure(figsize=(width, 3.8), layout="constrained")
+    cost, touched = figure.subplots(1, 2)
+    figure.suptitle(_wrap(title, rcParams["figure.titlesize"], width - TITLE_MARGIN))
+    for i, (label, c_of_n) in enumerate(c_by_target.items()):
+        lengths = sorted(int(n) for n in c_of_n)
+        by_n = {int(n): c for n, c in c_of_n.items()}
+        cost.plot(lengths, [by_n[n] for n in lengths], marker="o", markersize=3,
+                  color=f"C{i}", label=label)
+    cost.set(xlabel="new tokens N in one forward", ylabel="c(N): time / time of one token")
+    cost.legend(fontsize=7)
+    by_n = {int(n): e for n, e in experts_touched.items()}
+    lengths = sorted(by_n)
+    touched.plot(lengths, [by_n[n] for n in lengths], marker="o", markersize=3, color="C0")
+    for level, text in ((experts, "every expert"), (top_k, "one token's top-k")):
+        touched.axhline(level, color="grey", linestyle=":", linewidth=1)
+        touched.annotate(text, (lengths[-1], level), fontsize=7, ha="right", va="bottom")
+    touched.set(xlabel="new tokens N in one forward", ylabel="distinct experts touched a layer")
+    ticks = [2**i for i in range(lengths[-1].bit_length()) if 2**i <= lengths[-1]]
+    for axes in (cost, touched):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(ticks, [str(n) for n in ticks])
+        axes.minorticks_off()
+        axes.grid(alpha=0.3)
+    return figure
+
+
 def learning_curves_figure(curves: Mapping[str, Sequence[Row]], title: str,
                            colors: Colors | None = None) -> Figure:
     """Held-out tau against training minutes and against tokens seen, a line per method.

@@ -6,6 +6,8 @@ thresholds and `linear`."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,11 +25,12 @@ PACKED_FROM_MODEL_BYTES = 64 << 20
 
 class Linear(nn.Linear):
     """nn.Linear that, on the CPU in float32, computes a product over few rows (a decode step, a
-    draft, a verification) its own way, because MKL's `x @ W.T` streams a weight at a third of
-    the speed of a one-row product there (scripts/bench_linear.py measures the arms):
+    draft, a verification) its own way, because MKL's speed over few rows depends on the form
+    of the product and on the CPU (scripts/bench_linear.py measures the arms):
 
-    - one or two rows as (W @ x.T).T, a single row twice (MKL's matrix-vector product is
-      slower still): plain decoding ran 1.3x faster with it;
+    - up to 128 rows (below the packed copy's) in the faster of two forms, which differ from
+      one CPU to another (`linear`): MKL's own `x @ W.T`, or `(W @ x.T).T` with a single row
+      twice;
     - 3-128 rows on oneDNN's inner product over a copy of W packed into its blocked layout
       (made on first use, remade when W changes, never saved or copied): it streams the
       weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
@@ -97,7 +100,14 @@ def _packable() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), computed the way `Linear` computes it (for heads that keep
-    a weight of their own, such as a draft vocabulary's rows of an LM head)."""
+    a weight of their own, such as a draft vocabulary's rows of an LM head).
+
+    Few CPU rows take the faster of two forms for their weight's shape, row count and thread
+    count, timed on first use (`few_row_form`): on one Xeon host MKL's matrix-vector product
+    streamed a 49152 x 576 LM head at a third of the speed of `W @ x.T` over the row twice
+    (plain decoding ran 1.3x faster with the latter); on another the same product ran 3x
+    faster than it, and Gemma 3's 262144 x 640 LM head 2.5x. The two forms sum in different
+    orders: a process keeps the form it chose, so its products repeat bit for bit."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     if not _few_rows_on_cpu(x, rows):
@@ -105,17 +115,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
     # transposed products before it), and MKL took 5x as long over that layout.
     flat = x.reshape(rows, in_features).contiguous()
-    if rows == 1:
-        # MKL's matrix-vector product streams a weight slower than its two-row product (a
-        # 49152 x 576 LM head at a third of the speed): the row goes through twice. Doubled
-        # by cat, not repeat: repeat's generic strided copy made SmolLM2's one-token forward
-        # 9-13% slower (the same rows, so the same bits; scripts/bench_one_row.py).
-        out = (weight @ torch.cat((flat, flat)).t())[:, :1].t()
-    else:  # row-major like F.linear's: SDPA's fused CPU kernel refuses strided queries
-        out = (weight @ flat.t()).t().contiguous()
+    out = FEW_ROW_FORMS[few_row_form(flat, weight)](flat, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _transposed(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if flat.shape[0] == 1:
+        # A single row goes through twice (the matrix-vector product is the slow one where
+        # this form wins). Doubled by cat, not repeat: repeat's generic strided copy made
+        # SmolLM2's one-token forward 9-13% slower (scripts/bench_one_row.py).
+        return (weight @ torch.cat((flat, flat)).t())[:, :1].t()
+    return (weight @ flat.t()).t().contiguous()  # row-major, as SDPA's fused kernel needs
+
+
+FEW_ROW_FORMS = {"mkl": lambda flat, weight: flat @ weight.t(), "transposed": _transposed}
+_CHOSEN: dict[tuple, str] = {}
+
+
+def few_row_form(flat: torch.Tensor, weight: torch.Tensor) -> str:
+    """The faster form of FEW_ROW_FORMS for rows flat [R, in] times this weight's shape at
+    this thread count: each timed (best of three runs, after one) on first use, then kept."""
+    key = (tuple(weight.shape), flat.shape[0], torch.get_num_threads())
+    if key not in _CHOSEN:
+        with torch.no_grad():
+            rows, w = flat.detach(), weight.detach()
+            _CHOSEN[key] = min(FEW_ROW_FORMS, key=lambda name: _seconds(
+                lambda: FEW_ROW_FORMS[name](rows, w)))
+    return _CHOSEN[key]
+
+
+def _seconds(product) -> float:
+    product()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _few_rows_on_cpu(x: torch.Tensor, rows: int) -> bool:
