@@ -121,7 +121,7 @@ def needed_layers(configs: dict, target: Transformer) -> tuple[int, ...]:
     layers: set[int] = set()
     for name, cfg in configs.items():
         if name == "eagle3":
-            layers |= set(from_config.eagle_head(cfg, target)[1].target_layers)
+            layers |= set(from_config.eagle_config(cfg, target.config).target_layers)
         if name == "early_exit":
             layers |= set(from_config.early_exit_layers(cfg, target.config.num_layers))
     return tuple(sorted(layers))
@@ -179,8 +179,7 @@ def objective(method: str, cfg, target: Transformer, rows: TokenRows, features):
         heads, _ = from_config.medusa_heads(cfg, target, rows)
         return from_config.medusa_objective(cfg, target, heads, features)
     if method.startswith("eagle"):
-        head, _ = from_config.eagle_head(cfg, target)
-        from_config.eagle_draft_vocab(head, target, rows)
+        head, _ = from_config.eagle_head(cfg, target, rows)
         return from_config.eagle_objective(cfg, target, head, features)
     heads: list[ExitHead] = from_config.early_exit_heads(cfg, target)
     return EarlyExitObjective(target, heads, features=features)

@@ -35,9 +35,8 @@ def main(cfg: DictConfig) -> None:
         return dry_run(cfg)
     settings, target, tokenizer = from_config.start_training(cfg, from_config.check_eagle_settings)
     judge = from_config.tau_judge(cfg, target, partial(from_config.eagle_drafters, cfg))
-    head, head_config = from_config.eagle_head(cfg, target)
     train, heldout = from_config.training_rows(cfg, tokenizer, target)
-    from_config.eagle_draft_vocab(head, target, train)  # EAGLE-3: the most frequent training tokens
+    head, head_config = from_config.eagle_head(cfg, target, train)
     accelerator = make_accelerator(settings, from_config.deepspeed_config(cfg))
     target_info = describe_target(target)
     features = from_config.trainer_features(cfg, target, train, heldout,

@@ -29,7 +29,8 @@ TRAIN = Path(__file__).resolve().parent
 # Each method's trainer and the settings that make it that method.
 METHODS = {"medusa": ["medusa", "medusa.version=1"], "eagle1": ["eagle", "eagle.version=1"],
            "eagle2": ["eagle", "eagle.version=2"], "eagle3": ["eagle", "eagle.version=3"],
-           "dflash": ["dflash"], "early_exit": ["early_exit"], "draft": ["draft"]}
+           "peagle": ["eagle", "eagle.version=3", "eagle.parallel=4"], "dflash": ["dflash"],
+           "early_exit": ["early_exit"], "draft": ["draft"]}
 
 
 @hydra_entry_point("learning_curves")

@@ -10,6 +10,7 @@ from selfspec.drafters.base import (
 )
 from selfspec.drafters.dflash import DFlashDrafter
 from selfspec.drafters.eagle import EagleDrafter
+from selfspec.drafters.eagle_parallel import ParallelEagleDrafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.medusa import MedusaDrafter, MedusaProductDrafter
 from selfspec.drafters.ngram import LookupCorpus, NgramDrafter
@@ -29,6 +30,7 @@ __all__ = [
     "MedusaDrafter",
     "MedusaProductDrafter",
     "NgramDrafter",
+    "ParallelEagleDrafter",
     "SmallModelDrafter",
     "TargetFeatures",
     "UnionDrafter",

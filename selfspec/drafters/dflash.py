@@ -106,7 +106,7 @@ class DFlashDrafter:
             drafted = self._static.draft(streams, start, root, self._generator)
         else:
             drafted = self._draft_eagerly(streams, start, root)
-        return self._as_draft(drafted)
+        return block_draft(drafted, self.shape, on_device=self._use_static)
 
     def _committed_rows(self, context: DraftContext) -> tuple[int, tuple[torch.Tensor, ...]]:
         """The first position of the rows the target just committed, and their streams."""
@@ -134,29 +134,30 @@ class DFlashDrafter:
         logits = self.head.target_logits(hidden[0, 1:self.k + 1], self._target.lm_head)
         return self.shape.draft(logits, self.law, self._generator)
 
-    def _as_draft(self, drafted: Drafted) -> Draft:
-        """The draft: a chain, a device tree (static steps: read with the target's argmax), or
-        a tree read here (eager), its nodes a sampled law could not supply left out."""
-        if drafted.parents is None:
-            return Draft(Tree.chain(self.k), drafted.tokens, drafted.q)
-        tree = DeviceTree(drafted.parents, self.k, drafted.valid, self.shape.width)
-        sampled = drafted.q is not None
-        if self._use_static:
-            return Draft(tree, drafted.tokens, drafted.q, without_replacement=sampled)
-        if not sampled:  # chosen: every row a node
-            return Draft(tree.on_host(drafted.parents.tolist()), drafted.tokens)
-        host, kept = tree.nodes_on_host(drafted.parents.tolist(), drafted.valid.tolist())
-        rows = torch.tensor(kept, dtype=torch.long, device=drafted.tokens.device)
-        return Draft(host, drafted.tokens.index_select(0, rows), drafted.q.index_select(0, rows),
-                     without_replacement=True)
-
-
 def block_tokens(root: int | torch.Tensor, config, device: torch.device) -> torch.Tensor:
     """[B] the block's token ids: the root, then the mask token."""
     block = torch.full((config.block_size,), config.mask_token_id, dtype=torch.long,
                        device=device)
     block[0] = root
     return block
+
+
+def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
+    """The draft of one block's laws: a chain, a device tree (on_device, in static steps: read
+    with the target's argmax), or a tree read here, its nodes a sampled law could not supply
+    left out."""
+    if drafted.parents is None:
+        return Draft(Tree.chain(shape.k), drafted.tokens, drafted.q)
+    tree = DeviceTree(drafted.parents, shape.k, drafted.valid, shape.width)
+    sampled = drafted.q is not None
+    if on_device:
+        return Draft(tree, drafted.tokens, drafted.q, without_replacement=sampled)
+    if not sampled:  # chosen: every row a node
+        return Draft(tree.on_host(drafted.parents.tolist()), drafted.tokens)
+    host, kept = tree.nodes_on_host(drafted.parents.tolist(), drafted.valid.tolist())
+    rows = torch.tensor(kept, dtype=torch.long, device=drafted.tokens.device)
+    return Draft(host, drafted.tokens.index_select(0, rows), drafted.q.index_select(0, rows),
+                 without_replacement=True)
 
 
 # ---- chains and trees from the per-position laws ---------------------------------------------

@@ -165,7 +165,8 @@ class EagleDrafter:
 
     def _propose_static(self, context: DraftContext) -> Draft:
         """The same draft, in static shapes on the device (`selfspec.drafters.eagle_static`)."""
-        start, tokens, feature = self._committed_pairs(context)
+        start, tokens, feature = committed_pairs(self.head, context, self._committed,
+                                                 "EagleDrafter")
         self._static.consume(tokens, feature, start)
         self._committed = start + len(tokens)
         # A captured step's outputs, copied: the next step rewrites them.
@@ -181,26 +182,11 @@ class EagleDrafter:
 
     # ---- the committed context ----------------------------------------------------------------
 
-    def _committed_pairs(self, context: DraftContext) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The pairs the target just committed: their first position, tokens t+1 [A] and
-        the head's features f_t [A, h]."""
-        features, length = context.features, len(context.tokens)
-        count = len(features.tokens)
-        start = length - 1 - count  # the history position of the first committed row
-        if start != self._committed:
-            raise RuntimeError(
-                f"EagleDrafter: its cache holds {self._committed} positions but the target's "
-                f"features start at position {start}: call begin() before each generation and "
-                f"pass every step's features")
-        weight = self.head.fc.weight
-        tokens = context.tokens[length - count:].to(weight.device)  # [A] tokens t+1
-        feature = self.head.target_feature(features.last_hidden, features.hidden).to(weight)
-        return start, tokens, feature
-
     def _consume(self, context: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the pairs the target just committed; returns the head's predicted feature [h]
         and logits [V] after the root."""
-        start, tokens, feature = self._committed_pairs(context)
+        start, tokens, feature = committed_pairs(self.head, context, self._committed,
+                                                 "EagleDrafter")
         count, weight = len(tokens), self.head.fc.weight
         positions = torch.arange(start, start + count, device=weight.device)
         embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, A, h]
@@ -329,6 +315,25 @@ class EagleDrafter:
             return Draft(tree, tokens)
         q = torch.stack([growth.laws[n.law] for n in nodes])  # [N, V]
         return Draft(tree, tokens, q, without_replacement=True)
+
+
+def committed_pairs(head: EagleHead, context: DraftContext, committed: int, name: str
+                    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The pairs the target just committed: their first position, tokens t+1 [A] and the
+    head's features f_t [A, h]. committed: the positions the drafter's cache holds, which must
+    be where they start."""
+    features, length = context.features, len(context.tokens)
+    count = len(features.tokens)
+    start = length - 1 - count  # the history position of the first committed row
+    if start != committed:
+        raise RuntimeError(
+            f"{name}: its cache holds {committed} positions but the target's features start at "
+            f"position {start}: call begin() before each generation and pass every step's "
+            f"features")
+    weight = head.fc.weight
+    tokens = context.tokens[length - count:].to(weight.device)  # [A] tokens t+1
+    feature = head.target_feature(features.last_hidden, features.hidden).to(weight)
+    return start, tokens, feature
 
 
 def _scored(growth: _Growth, parent: int, child: tuple[int, float, int]

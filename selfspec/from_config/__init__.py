@@ -115,7 +115,6 @@ from selfspec.from_config.trainers import (  # noqa: F401
     draft_model_mask,
     draft_model_objective,
     eagle_config,
-    eagle_draft_vocab,
     eagle_drafter,
     eagle_drafters,
     eagle_head,

@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.drafters import DFlashDrafter, EagleDrafter, EarlyExitDrafter, SmallModelDrafter
+from selfspec.drafters import (
+    DFlashDrafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    ParallelEagleDrafter,
+    SmallModelDrafter,
+)
 from selfspec.from_config.common import checked_settings
 from selfspec.from_config.methods.dflash import load_dflash
 from selfspec.from_config.methods.eagle import load_eagle
@@ -175,19 +181,27 @@ def eagle_version(cfg: DictConfig) -> int:
     return int(version)
 
 
-def eagle_config(cfg: DictConfig, target_config: ModelConfig) -> EagleConfig:
+def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int | None = None
+                 ) -> EagleConfig:
     """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
-    eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3)."""
+    eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3), and
+    with eagle.parallel=K > 1 P-EAGLE's (mask_token_id: its mask; None: token 0, a config to
+    check)."""
     e, version = cfg.eagle, eagle_version(cfg)
     layers, fc_bias = e.get("target_layers"), e.get("fc_bias")
+    parallel = e.get("parallel", 1)
     if fc_bias is not None and not isinstance(fc_bias, bool):
         raise ValueError(f"eagle.fc_bias must be null, true or false, got {fc_bias!r}")
+    if parallel != 1 and version != 3:
+        raise ValueError(f"eagle.parallel={parallel} (P-EAGLE) drafts with EAGLE-3 heads: set "
+                         f"eagle.version=3, or eagle.parallel=1")
     try:
         if version < 3:
             return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
         return EagleConfig.for_target(
             target_config, 3, draft_vocab_size=e.draft_vocab_size, fc_bias=fc_bias,
-            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)))
+            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
+            parallel=parallel, mask_token_id=None if parallel == 1 else (mask_token_id or 0))
     except ValueError as exc:
         raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
 
@@ -209,26 +223,30 @@ def check_eagle_settings(cfg: DictConfig) -> int:
                          f"got {e.ttt_decay}")
     if not is_count(e.ttt_steps):
         raise ValueError(f"eagle.ttt_steps must be an integer >= 1, got {e.ttt_steps!r}")
+    if not 0 < float(e.get("parallel_keep", 1.0)) <= 1:
+        raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
+                         f"once the one before it is), got {e.parallel_keep}")
     return version
 
 
-def eagle_head(cfg: DictConfig, target: Transformer) -> tuple[EagleHead, EagleConfig]:
-    """A fresh head sized for the target (EAGLE-3: its draft vocabulary, and then its LM head
-    rows, come from the training rows: `from_config.eagle_draft_vocab`)."""
-    config = eagle_config(cfg, target.config)
+def eagle_head(cfg: DictConfig, target: Transformer, train: TokenRows
+               ) -> tuple[EagleHead, EagleConfig]:
+    """A fresh head sized for the target. EAGLE-3: the draft vocabulary is the
+    eagle.draft_vocab_size most frequent tokens of the training rows (where the loss counts),
+    and the head's LM head starts from the target's rows of it; P-EAGLE's mask token is
+    eagle.mask_token_id or (null) the rows' rarest token, so that it stands for nothing the
+    rows say. EAGLE-1 heads score the full vocabulary through the target's LM head."""
+    mask = cfg.eagle.get("mask_token_id")
+    if mask is None and cfg.eagle.get("parallel", 1) != 1:
+        mask = rarest_token(token_counts(train.tokens, target.config.vocab_size))
+    config = eagle_config(cfg, target.config, mask)
     torch.manual_seed(int(cfg.seed))
-    fresh = EagleHead(config).to(target.embed_tokens.weight.dtype)
-    return fresh, config
-
-
-def eagle_draft_vocab(head: EagleHead, target: Transformer, train: TokenRows) -> None:
-    """EAGLE-3: the draft vocabulary is the eagle.draft_vocab_size most frequent tokens of the
-    training rows (where the loss counts), and the head's LM head starts from the target's
-    rows of it. EAGLE-1 heads score the full vocabulary: nothing to do."""
-    if head.config.version == 3:
-        vocab = draft_vocabulary(train.tokens, head.config.vocab_size,
-                                 head.config.draft_vocab_size, train.loss_mask)
+    head = EagleHead(config).to(target.embed_tokens.weight.dtype)
+    if config.version == 3:
+        vocab = draft_vocabulary(train.tokens, config.vocab_size, config.draft_vocab_size,
+                                 train.loss_mask)
         head.set_draft_vocab(vocab).init_from_target(target)
+    return head, config
 
 
 def eagle_objective(
@@ -247,13 +265,18 @@ def eagle_objective(
                               feature_noise=float(e.feature_noise), cache_features=cache,
                               features=features)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
-                           cache_features=cache, features=features)
+                           cache_features=cache, features=features,
+                           keep=float(e.get("parallel_keep", 1.0)))
 
 
-def eagle_drafter(cfg: DictConfig, eagle: EagleHead) -> EagleDrafter:
+def eagle_drafter(cfg: DictConfig, eagle: EagleHead) -> EagleDrafter | ParallelEagleDrafter:
     """train/eagle.py's drafter: version 1 a static tree (cfg.tree's `choices`), versions 2
-    and 3 an EAGLE-2 dynamic tree (eagle.total_tokens, eagle.depth, eagle.top_k)."""
+    and 3 an EAGLE-2 dynamic tree (eagle.total_tokens, eagle.depth, eagle.top_k); a P-EAGLE
+    head its K tokens from one forward, a chain or (eagle.tree_nodes) a best-first tree."""
     e, sampled = cfg.eagle, bool(cfg.eagle.sampled_children)
+    if eagle.config.parallel > 1:
+        return ParallelEagleDrafter(eagle, tree_nodes=e.get("tree_nodes"),
+                                    sampled_children=sampled)
     if eagle_version(cfg) == 1:
         if cfg.tree.get("choices") is None:
             raise ValueError(f"eagle.version=1 drafts a static tree: pick one with `choices` "

@@ -13,6 +13,11 @@ in for the target's feature (`selfspec.drafters.eagle`).
   reads concat(input_layernorm(embedding), hidden_norm(feature)) (2h wide); a final norm and
   the head's own LM head score a reduced draft vocabulary: draft id i is target id i + d2t[i],
   and t2d [V] marks the target ids the draft vocabulary holds.
+- P-EAGLE (`parallel=K`, EAGLE-3 heads): besides the pair of the root, K - 1 mask pairs (the
+  target's embedding of `mask_token_id`, and a learned feature `mask_hidden` in place of the
+  head's own output) ride in the same forward at the next K - 1 positions, causally: one
+  forward gives the laws of K tokens (`selfspec.drafters.eagle_parallel`), none of which
+  depends on a drafted token.
 
 The target's embedding (and EAGLE-1's LM head) are used, never owned: parameter names are the
 published checkpoints' (EAGLE-1: fc, layers.0.* without layers.0.input_layernorm; EAGLE-3: fc,
@@ -66,7 +71,9 @@ class EagleConfig(AttentionShape):
     target_hidden_size: the width of each fused target state (None: hidden_size).
     target_layers: EAGLE-3's fused residual streams of the target (empty for EAGLE-1).
     fc_bias: whether `fc` has a bias; None = the published default (EAGLE-1 yes, EAGLE-3 no).
-    vLLM builds EAGLE-1's fc without one: train with fc_bias=False to serve a head there."""
+    vLLM builds EAGLE-1's fc without one: train with fc_bias=False to serve a head there.
+    parallel: P-EAGLE's K (EAGLE-3 only): one forward drafts K tokens, the last K - 1 from
+    mask pairs of token mask_token_id and the learned `mask_hidden`; 1: one token a forward."""
 
     version: int
     intermediate_size: int
@@ -75,6 +82,8 @@ class EagleConfig(AttentionShape):
     target_layers: tuple[int, ...] = ()
     mlp_bias: bool = False
     fc_bias: bool | None = None
+    parallel: int = 1
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.version not in VERSIONS:
@@ -88,6 +97,22 @@ class EagleConfig(AttentionShape):
                              "hidden state: leave draft_vocab_size and target_layers unset")
         if self.version == 3:
             self._check_version_3()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        _check_int("parallel", self.parallel)
+        if self.parallel == 1:
+            if self.mask_token_id is not None:
+                raise ValueError("EagleConfig: mask_token_id is P-EAGLE's (parallel > 1): leave "
+                                 "it unset for a head that drafts one token a forward")
+            return
+        if self.version != 3:
+            raise ValueError(f"EagleConfig: P-EAGLE (parallel={self.parallel}) drafts with "
+                             f"EAGLE-3 heads: use version 3 or parallel 1")
+        mask = self.mask_token_id
+        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < self.vocab_size:
+            raise ValueError(f"EagleConfig: P-EAGLE's mask_token_id must be a token id in "
+                             f"0..{self.vocab_size - 1}, got {mask!r}")
 
     def _check_version_3(self) -> None:
         _check_int("draft_vocab_size", self.draft_vocab_size)
@@ -106,9 +131,11 @@ class EagleConfig(AttentionShape):
     def for_target(
         cls, target: ModelConfig, version: int = 1, *, draft_vocab_size: int | None = None,
         target_layers: tuple[int, ...] | None = None, fc_bias: bool | None = None,
+        parallel: int = 1, mask_token_id: int | None = None,
     ) -> EagleConfig:
         """A head sized like one decoder layer of `target`; EAGLE-3 fuses target_layers
-        (default: the inputs of layers 2, L//2 and L-3) over draft_vocab_size tokens."""
+        (default: the inputs of layers 2, L//2 and L-3) over draft_vocab_size tokens, and with
+        parallel=K drafts K tokens a forward (P-EAGLE)."""
         if version == 3 and target_layers is None:
             target_layers = default_target_layers(target.num_layers)
         shared = {f.name: getattr(target, f.name) for f in fields(cls) if hasattr(target, f.name)
@@ -117,7 +144,8 @@ class EagleConfig(AttentionShape):
         return cls(version=version, **shared,
                    draft_vocab_size=draft_vocab_size if version == 3 else None,
                    target_hidden_size=target.hidden_size if version == 3 else None,
-                   target_layers=tuple(target_layers or ()), fc_bias=fc_bias)
+                   target_layers=tuple(target_layers or ()), fc_bias=fc_bias,
+                   parallel=parallel, mask_token_id=mask_token_id)
 
     @property
     def has_fc_bias(self) -> bool:
@@ -185,6 +213,8 @@ class EagleHead(Head):
             vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
             self.register_buffer("d2t", vocab.d2t)
             self.register_buffer("t2d", vocab.t2d)
+        if config.parallel > 1:  # P-EAGLE: what a mask pair reads in place of a feature
+            self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
         # Plain fp32 frequencies, as in Transformer: head.to(bf16) keeps them.
         self.rope = Rope.of(layer)
 
@@ -220,6 +250,11 @@ class EagleHead(Head):
         if cache is not None:
             cache.advance(embeds.shape[1])
         return out
+
+    def mask_pairs(self, mask_embed: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE: `count` mask pairs, embeddings and features [count, h] each, from the
+        target's embedding of mask_token_id [h]."""
+        return mask_embed.expand(count, -1), self.mask_hidden.expand(count, -1)
 
     # ---- token scores -----------------------------------------------------------------------
 

@@ -159,6 +159,10 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
     if to in ("medusa", "dflash"):
         raise ExportRefused(f"an EAGLE head is not a {to.capitalize()} head: export with --to "
                             f"vllm, sglang or eagle")
+    if c.parallel > 1:
+        raise ExportRefused(f"a P-EAGLE head (parallel={c.parallel}) has no layout in the "
+                            f"engines' EAGLE-3 formats (its mask_hidden would be lost): serve "
+                            f"its selfspec export folder with selfspec")
     _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
     llama = c.layer_config().to_hf()

@@ -179,6 +179,45 @@ def eagle3_loss(
     return LossOutput(total, metrics)
 
 
+def parallel_eagle3_loss(
+    logits: torch.Tensor,
+    copies: torch.Tensor,
+    positions: torch.Tensor,
+    target_logits: torch.Tensor,
+    t2d: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    decay: float = 0.8,
+    count: int | None = None,
+) -> LossOutput:
+    """P-EAGLE's loss: the sum over copies j of decay**j x the cross-entropy of copy j's
+    draft-vocabulary logits against the target's law restricted to the draft vocabulary.
+
+    logits [B, N, Vd]: the head's rows, row n of copy copies[n] [N] at position positions[n]
+    [N], which scores token positions[n] + 2 whatever its copy (copy 0 holds the real pairs,
+    copy j the j-th mask pair after the real pair positions[n] - j). target_logits [B, T, V],
+    t2d and loss_mask as `eagle3_loss`'s: a row counts when its token exists and counts and
+    the target's argmax there lies in the draft vocabulary. count: how many copies there are
+    (K; None: as many as `copies` holds), each reported even if none of its rows was kept."""
+    if not decay > 0:
+        raise ValueError(f"parallel_eagle3_loss: decay must be > 0 (copy j weighs decay**j), "
+                         f"got {decay}")
+    batch, length, _ = target_logits.shape
+    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    mask = mask if loss_mask is None else loss_mask.bool()
+    total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
+    for j in range(int(copies.max()) + 1 if count is None else count):
+        picked = ((copies == j) & (positions + 2 < length)).nonzero().flatten()  # [n]
+        at = positions[picked]  # copy j's rows whose token exists
+        teacher = target_logits[:, at + 1]  # [B, n, V] the law of token at + 2
+        rows = mask[:, at + 2] & t2d[teacher.argmax(-1)]  # [B, n]
+        scores = logits[:, picked]
+        part = _masked_mean(soft_cross_entropy(scores, teacher[..., t2d]), rows)
+        total = total + decay**j * part
+        metrics[f"peagle/copy{j}_loss"] = float(part.detach())
+        metrics[f"peagle/copy{j}_top1"] = _agreement(scores, teacher[..., t2d], rows)
+    return LossOutput(total, metrics)
+
+
 def exit_loss(
     exit_logits: torch.Tensor,
     target_logits: torch.Tensor,

@@ -37,6 +37,7 @@ from selfspec.training.losses import (
     exit_loss,
     kl_to_teacher,
     medusa_loss,
+    parallel_eagle3_loss,
 )
 
 if TYPE_CHECKING:
@@ -186,16 +187,27 @@ class Eagle3Objective(nn.Module):
     trained by the training-time test (`EagleHead.unroll`, `steps` steps, step j weighing
     decay**j) against the target's law restricted to the head's draft vocabulary.
     cache_features: keep each row's fused streams and last hidden state (`FeatureCache`);
-    features: read them from elsewhere (a feature store holding those layers)."""
+    features: read them from elsewhere (a feature store holding those layers).
+
+    A P-EAGLE head (`parallel=K`) trains instead on its rows and K - 1 copies of mask pairs in
+    one forward (`parallel_pairs`), copy j weighing decay**j (`parallel_eagle3_loss`); keep:
+    PARD's conditional drop, each anchor's copy j kept with probability keep once its copy
+    j - 1 is (1: every copy of every anchor), drawn from `generator` (None: torch's default
+    generator, which `fit` seeds and checkpoints; held-out evaluation draws from a fixed
+    seed)."""
 
     def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
-                 cache_features: bool = False, features: FeatureSource | None = None):
+                 cache_features: bool = False, features: FeatureSource | None = None,
+                 keep: float = 0.5, generator: torch.Generator | None = None):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"Eagle3Objective: steps must be an integer >= 1, got {steps!r}")
+        if not 0 < keep <= 1:
+            raise ValueError(f"Eagle3Objective: keep must be in (0, 1], got {keep}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
+        self.keep, self.generator = float(keep), generator
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "Eagle3Objective")
 
@@ -203,9 +215,30 @@ class Eagle3Objective(nn.Module):
         last, streams, target_logits, embeds = _target_states(
             self.target, tokens, self.head.config.target_layers, self.features)
         feature = self.head.target_feature(last, streams)[:, :-1]  # [B, T-1, H]
+        if self.head.config.parallel > 1:
+            return self._parallel(tokens, loss_mask, feature, target_logits)
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
         logits = [self.head.logits(h) for h in hidden]  # steps x [B, T-1, Vd]
         return eagle3_loss(logits, target_logits, self.head.t2d, loss_mask, decay=self.decay)
+
+    def _parallel(self, tokens: torch.Tensor, loss_mask: torch.Tensor, feature: torch.Tensor,
+                  target_logits: torch.Tensor) -> LossOutput:
+        """P-EAGLE: row t of copy 0 reads (token t+1, f_t); copy j's row t, a mask pair,
+        stands where a draft's j-th mask pair stands after the real pair t - j, and both score
+        token t + 2."""
+        config = self.head.config
+        generator = self.generator if self.training else torch.Generator(
+            device=tokens.device).manual_seed(0)  # the same held-out copies
+        pairs = parallel_pairs(tokens[:, 1:], config.parallel, config.mask_token_id, self.keep,
+                               generator)
+        embeds = self.target.embed_tokens(pairs.tokens).detach()  # [B, N, h]
+        masks = pairs.tokens.shape[1] - feature.shape[1]
+        features = torch.cat([feature, self.head.mask_hidden.expand(
+            feature.shape[0], masks, -1).to(feature)], dim=1)  # [B, N, h]
+        hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
+        return parallel_eagle3_loss(self.head.logits(hidden), pairs.copies, pairs.positions,
+                                    target_logits, self.head.t2d, loss_mask, decay=self.decay,
+                                    count=config.parallel)
 
 
 class EarlyExitObjective(nn.Module):
@@ -484,6 +517,36 @@ def parallel_rows(tokens: torch.Tensor, loss_mask: torch.Tensor, copies: int,
     counted = loss_mask.bool()[:, None, :] & (positions[None, None, :] >= torch.arange(
         copies, device=device)[None, :, None] + 1)  # [B, K, T]: row p counts via token p + 1
     return ParallelRows(torch.cat([tokens, masks], dim=1), at, sees, counted)
+
+
+@dataclass(frozen=True)
+class ParallelPairs:
+    """P-EAGLE's rows of a batch of pairs [B, T]: tokens [B, N] (the real row, then the mask
+    pairs kept), and of each row its copy [N] (0: real; j: the j-th mask pair after the real
+    pair at position - j), position [N] and the attention mask [N, N]."""
+
+    tokens: torch.Tensor
+    copies: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def parallel_pairs(tokens: torch.Tensor, copies: int, mask_token_id: int, keep: float,
+                   generator: torch.Generator | None) -> ParallelPairs:
+    """The replicated rows of PARD (`parallel_rows`, whose attention a mask pair shares),
+    thinned by its conditional drop: anchor a's copy j (at position a + j) is kept with
+    probability keep once its copy j - 1 is, the same anchors for every row of the batch, so
+    every kept row's keys are kept too."""
+    length = tokens.shape[1]
+    rows = parallel_rows(tokens, torch.ones_like(tokens), copies, mask_token_id)
+    copy = torch.arange(copies, device=tokens.device).repeat_interleave(length)  # [K T]
+    draws = torch.rand(length, copies - 1, generator=generator, device=tokens.device)
+    depth = (draws < keep).long().cumprod(dim=1).sum(dim=1)  # [T] copies kept per anchor
+    anchor = rows.positions - copy  # [K T]
+    kept = (copy == 0) | ((anchor >= 0) & (copy <= depth[anchor.clamp(min=0)]))
+    picked = kept.nonzero().flatten()
+    return ParallelPairs(rows.tokens[:, picked], copy[picked], rows.positions[picked],
+                         rows.mask[picked][:, picked])
 
 
 def _target_states(

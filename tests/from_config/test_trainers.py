@@ -6,6 +6,7 @@ import torch
 from helpers import tiny_llama
 
 from selfspec import from_config
+from selfspec.drafters import ParallelEagleDrafter
 from selfspec.drafters.eagle_static import DynamicShape
 from selfspec.heads.draft_vocab import token_counts
 from selfspec.model import Transformer
@@ -30,9 +31,8 @@ def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of
     cfg = cfg_of("train_eagle", f"eagle.version={version}", "eagle.draft_vocab_size=32",
                  "eagle.target_layers=[0,1,2]", "eagle.ttt_steps=2", "run_dir=/tmp/unused")
     assert from_config.check_eagle_settings(cfg) == version
-    head, config = from_config.eagle_head(cfg, target)
+    head, config = from_config.eagle_head(cfg, target, rows)
     assert config.version == (3 if version == 3 else 1) and head.config == config
-    from_config.eagle_draft_vocab(head, target, rows)
     drafter = from_config.eagle_drafter(cfg, head)
     if version == 1:  # the static chain4 tree
         assert drafter.shape.tree.is_chain and drafter.max_nodes == 4
@@ -44,6 +44,24 @@ def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of
         seen = rows.tokens.unique()
         assert len(seen) > 32  # so the draft vocabulary holds training tokens only
         assert set(head.draft_vocab.target_ids.tolist()) < set(seen.tolist())
+
+
+def test_a_p_eagle_training_config_builds_its_head_drafter_and_objective(cfg_of, target, rows):
+    cfg = cfg_of("train_eagle", "eagle.version=3", "eagle.parallel=3", "eagle.draft_vocab_size=32",
+                 "eagle.target_layers=[0,1,2]", "eagle.tree_nodes=5", "run_dir=/tmp/unused")
+    assert from_config.check_eagle_settings(cfg) == 3
+    head, config = from_config.eagle_head(cfg, target, rows)
+    counts = token_counts(rows.tokens, target.config.vocab_size)
+    assert config.parallel == 3 and counts[config.mask_token_id] == counts.min()  # the rarest
+    drafter = from_config.eagle_drafter(cfg, head)
+    assert isinstance(drafter, ParallelEagleDrafter)
+    assert (drafter.k, drafter.shape.nodes) == (3, 5)
+    objective = from_config.eagle_objective(cfg, target, head)
+    assert objective.keep == 0.5
+    assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
+    with pytest.raises(ValueError, match="eagle.version=3"):
+        from_config.check_eagle_settings(cfg_of("train_eagle", "eagle.parallel=3",
+                                                "run_dir=/tmp/unused"))
 
 
 def test_early_exit_training_configs_build_exits_drafters_and_their_objective(cfg_of, target,

@@ -4,7 +4,9 @@ features, trained by train/eagle.py. eagle.version 1: an EAGLE-1 head drafting a
 draft vocabulary, trained with the training-time test) drafting dynamic trees.
 
 Rows: eagle, at each draft length k an EAGLE-2 dynamic tree k deep with eagle.total_tokens
-nodes and eagle.top_k children per frontier node (whatever the head's version).
+nodes and eagle.top_k children per frontier node (whatever the head's version); a P-EAGLE head
+(trained with eagle.parallel=K) drafts its k <= K tokens from one forward instead, a chain or
+(eagle.tree_nodes) a best-first tree (`ParallelEagleDrafter`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from selfspec.drafters import EagleDrafter
+from selfspec.drafters import EagleDrafter, ParallelEagleDrafter
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
@@ -53,9 +55,16 @@ def head(loaded: Loaded) -> EagleHead:
     return loaded.once(HEAD, lambda: load_eagle(head_folder(loaded.cfg, HEAD), loaded.target))
 
 
-def drafter(loaded: Loaded, variant: Variant, k: int) -> EagleDrafter:
-    e = loaded.cfg.eagle
-    return EagleDrafter(head(loaded), total_tokens=e.total_tokens, depth=k, top_k=e.top_k,
+def drafter(loaded: Loaded, variant: Variant, k: int) -> EagleDrafter | ParallelEagleDrafter:
+    e, eagle = loaded.cfg.eagle, head(loaded)
+    if eagle.config.parallel > 1:
+        if k > eagle.config.parallel:
+            raise ValueError(f"eagle: the P-EAGLE head at {loaded.cfg[HEAD]} drafts at most "
+                             f"{eagle.config.parallel} tokens a forward; use num_draft_tokens "
+                             f"<= {eagle.config.parallel}")
+        return ParallelEagleDrafter(eagle, k, tree_nodes=e.get("tree_nodes"),
+                                    sampled_children=e.sampled_children)
+    return EagleDrafter(eagle, total_tokens=e.total_tokens, depth=k, top_k=e.top_k,
                         sampled_children=e.sampled_children)
 
 
