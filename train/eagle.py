@@ -75,7 +75,10 @@ def report(cfg: DictConfig, head_folder: Path, metrics: dict, tracker: Tracker) 
     version = from_config.eagle_version(cfg)
     tracker.log_summary({**comparison.as_dict(), **top1, "head": str(head_folder),
                          "eagle_version": version})
-    print(f"EAGLE head ({from_config.EAGLE_VERSIONS[version]}): {head_folder}")
+    parallel = int(cfg.eagle.get("parallel", 1))
+    kind = (f"P-EAGLE: EAGLE-3 head, {parallel} tokens a forward" if parallel > 1
+            else from_config.EAGLE_VERSIONS[version])
+    print(f"EAGLE head ({kind}): {head_folder}")
     print(f"top-1 agreement with the target (held-out): {top1}")
     print(comparison.describe(cfg.data.name))
 
