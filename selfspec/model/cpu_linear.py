@@ -28,9 +28,9 @@ class Linear(nn.Linear):
     draft, a verification) its own way, because MKL's speed over few rows depends on the form
     of the product and on the CPU (scripts/bench_linear.py measures the arms):
 
-    - up to 128 rows (below the packed copy's) in the faster of two forms, which differ from
-      one CPU to another (`linear`): MKL's own `x @ W.T`, or `(W @ x.T).T` with a single row
-      twice;
+    - up to 128 rows as `(W @ x.T).T` (a single row twice), or, for one or two rows of a
+      layer with `packed_products`, MKL's `x @ W.T` where that streams its weight faster on
+      this CPU (`linear`);
     - 3-128 rows on oneDNN's inner product over a copy of W packed into its blocked layout
       (made on first use, remade when W changes, never saved or copied): it streams the
       weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
                 and _packable():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
                                                       "none", [], "")
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, fastest=self.packed_products)
 
 
 class PackedWeight:
@@ -98,16 +98,21 @@ def _packable() -> bool:
     return not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fastest: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias), computed the way `Linear` computes it (for heads that keep
     a weight of their own, such as a draft vocabulary's rows of an LM head).
 
-    Few CPU rows take the faster of two forms for their weight's shape, row count and thread
-    count, timed on first use (`few_row_form`): on one Xeon host MKL's matrix-vector product
-    streamed a 49152 x 576 LM head at a third of the speed of `W @ x.T` over the row twice
-    (plain decoding ran 1.3x faster with the latter); on another the same product ran 3x
-    faster than it, and Gemma 3's 262144 x 640 LM head 2.5x. The two forms sum in different
-    orders: a process keeps the form it chose, so its products repeat bit for bit."""
+    Few CPU rows take `W @ x.T`, a single row twice, whose rows come out the same bits however
+    many came with them. With `fastest` (a model whose weights stream from memory, the one
+    whose products of 3 rows or more take the packed copy: `Linear`) one or two rows take
+    instead the faster of that and MKL's own `x @ W.T` for the weight's shape, timed on its
+    first one-row product at this thread count (`few_row_form`), since which is faster
+    differs from one CPU to another: on one Xeon host `W @ x.T` ran SmolLM2's 49,152 x 576 LM
+    head three times as fast as MKL's matrix-vector product (plain decoding 1.3x faster); on
+    another the latter ran it 3x faster, Gemma 3's 262,144 x 640 LM head 2.5x faster, and
+    plain decoding twice as fast. A one-row product's bits may then differ from the same row's
+    among others, as they already do from the packed copy's."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     if not _few_rows_on_cpu(x, rows):
@@ -115,34 +120,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
     # transposed products before it), and MKL took 5x as long over that layout.
     flat = x.reshape(rows, in_features).contiguous()
-    out = FEW_ROW_FORMS[few_row_form(flat, weight)](flat, weight)
+    form = few_row_form(weight) if fastest and rows <= 2 else "transposed"
+    out = FEW_ROW_FORMS[form](flat, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def _transposed(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if flat.shape[0] == 1:
-        # A single row goes through twice (the matrix-vector product is the slow one where
-        # this form wins). Doubled by cat, not repeat: repeat's generic strided copy made
-        # SmolLM2's one-token forward 9-13% slower (scripts/bench_one_row.py).
-        return (weight @ torch.cat((flat, flat)).t())[:, :1].t()
-    return (weight @ flat.t()).t().contiguous()  # row-major, as SDPA's fused kernel needs
+def _transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if rows.shape[0] == 1:  # twice, doubled by cat: repeat's generic strided copy made
+        # SmolLM2's one-token forward 9-13% slower (the same bits; scripts/bench_one_row.py)
+        return (weight @ torch.cat((rows, rows)).t())[:, :1].t()
+    return (weight @ rows.t()).t().contiguous()  # row-major: SDPA's fused kernel needs it
 
 
-FEW_ROW_FORMS = {"mkl": lambda flat, weight: flat @ weight.t(), "transposed": _transposed}
+FEW_ROW_FORMS = {"transposed": _transposed, "mkl": lambda rows, weight: rows @ weight.t()}
 _CHOSEN: dict[tuple, str] = {}
 
 
-def few_row_form(flat: torch.Tensor, weight: torch.Tensor) -> str:
-    """The faster form of FEW_ROW_FORMS for rows flat [R, in] times this weight's shape at
-    this thread count: each timed (best of three runs, after one) on first use, then kept."""
-    key = (tuple(weight.shape), flat.shape[0], torch.get_num_threads())
+def few_row_form(weight: torch.Tensor) -> str:
+    """The faster form of FEW_ROW_FORMS for one row times this weight's shape at this thread
+    count, each timed (best of three runs, after one) the first time, then kept."""
+    key = (tuple(weight.shape), torch.get_num_threads())
     if key not in _CHOSEN:
         with torch.no_grad():
-            rows, w = flat.detach(), weight.detach()
+            w = weight.detach()
+            row = torch.randn(1, w.shape[1], dtype=w.dtype, generator=torch.Generator()
+                              .manual_seed(0)).to(w.device)
             _CHOSEN[key] = min(FEW_ROW_FORMS, key=lambda name: _seconds(
-                lambda: FEW_ROW_FORMS[name](rows, w)))
+                lambda: FEW_ROW_FORMS[name](row, w)))
     return _CHOSEN[key]
 
 

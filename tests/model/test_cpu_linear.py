@@ -43,3 +43,25 @@ def test_the_packed_copy_follows_the_weight_and_is_never_copied():
         twin = copy.deepcopy(layer)
         assert twin.packed.tensor is None and "packed" not in "".join(twin.state_dict())
         torch.testing.assert_close(twin(x), -2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_few_rows_keep_their_bits_among_others_and_a_streamed_weight_takes_its_faster_form():
+    """Without `fastest` a row's product is the same bits alone and among others (W @ x.T, one
+    row twice); with it (a streamed model's layers) one or two rows take the form timed
+    faster for the weight's shape, kept for later products, equal to F.linear's up to
+    rounding."""
+    from selfspec.model import cpu_linear
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(3000, 512), torch.randn(8, 512)
+    with torch.no_grad():
+        alone = cpu_linear.linear(x[:1], weight)
+        for rows in (2, 3, 8):
+            assert torch.equal(cpu_linear.linear(x[:rows], weight)[:1], alone)
+        for rows in (1, 2):
+            fast = cpu_linear.linear(x[:rows], weight, fastest=True)
+            torch.testing.assert_close(fast, torch.nn.functional.linear(x[:rows], weight),
+                                       rtol=1e-5, atol=1e-4)
+    form = cpu_linear.few_row_form(weight)
+    assert form in cpu_linear.FEW_ROW_FORMS
+    assert cpu_linear._CHOSEN[(tuple(weight.shape), torch.get_num_threads())] == form
