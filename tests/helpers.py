@@ -74,6 +74,9 @@ def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, st
 
 
 FAMILIES = ("llama", "qwen3", "gemma3")  # the targets every drafter is checked on
+MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-norms, multipliers,
+# LongRoPE past its original context (16 positions here) and partial rotary
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 WINDOW = 4  # the sliding families' window: shorter than every sequence the tests decode
 
 

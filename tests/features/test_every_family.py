@@ -18,6 +18,8 @@ import pytest
 import torch
 from helpers import (
     FAMILIES,
+    MOE_FAMILIES,
+    MORE_FAMILIES,
     SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
     fit_eagle_head,
@@ -132,9 +134,6 @@ def test_every_family_decodes_losslessly_through_a_union_tree(family):
     assert_lossless(target, lambda: drafter_of("union", target), batch=True)
 
 
-MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-norms, multipliers,
-# LongRoPE past its original context (16 positions here) and partial rotary
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 MOE_DRAFTERS = tuple(name for name in DRAFTERS if name != "quantized")  # refused on a MoE
 
 
