@@ -56,12 +56,9 @@ class DFlashDrafter:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < block:
             raise ValueError(f"DFlashDrafter: num_draft_tokens must be in 1..{block - 1} (the "
                              f"head's block of {block} slots drafts up to {block - 1}), got {k!r}")
-        if tree_nodes is not None and (isinstance(tree_nodes, bool)
-                                       or not isinstance(tree_nodes, int) or tree_nodes < 1):
-            raise ValueError(f"DFlashDrafter: tree_nodes must be null (a chain) or an integer "
-                             f">= 1, got {tree_nodes!r}")
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
-        self.shape = BlockShape(k, tree_nodes, head.config.output_vocab_size)
+        self.shape = BlockShape.checked("DFlashDrafter", k, tree_nodes,
+                                        head.config.output_vocab_size)
         self.max_nodes = self.shape.max_nodes
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
         self._cache: KVCache | None = None
@@ -183,6 +180,15 @@ class BlockShape:
     k: int
     nodes: int | None
     vocab: int
+
+    @classmethod
+    def checked(cls, drafter: str, k: int, nodes, vocab: int) -> BlockShape:
+        """The shape, its `nodes` checked: null (a chain) or an integer >= 1."""
+        if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
+                                  or nodes < 1):
+            raise ValueError(f"{drafter}: tree_nodes must be null (a chain) or an integer >= 1, "
+                             f"got {nodes!r}")
+        return cls(k, nodes, vocab)
 
     @property
     def width(self) -> int:

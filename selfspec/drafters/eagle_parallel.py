@@ -44,12 +44,9 @@ class ParallelEagleDrafter:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
             raise ValueError(f"ParallelEagleDrafter: num_draft_tokens must be in 1..{most} (the "
                              f"head drafts up to {most} tokens a forward), got {k!r}")
-        if tree_nodes is not None and (isinstance(tree_nodes, bool)
-                                       or not isinstance(tree_nodes, int) or tree_nodes < 1):
-            raise ValueError(f"ParallelEagleDrafter: tree_nodes must be null (a chain) or an "
-                             f"integer >= 1, got {tree_nodes!r}")
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
-        self.shape = BlockShape(k, tree_nodes, head.config.output_vocab_size)
+        self.shape = BlockShape.checked("ParallelEagleDrafter", k, tree_nodes,
+                                        head.config.output_vocab_size)
         self.max_nodes = self.shape.max_nodes
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
         self._cache: KVCache | None = None
