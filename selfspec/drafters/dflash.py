@@ -78,13 +78,9 @@ class DFlashDrafter:
                                                               padded_slots(slots)):
                 self._static = StaticDFlashDraft(self, setup.target, padded_slots(slots))
             return
-        weight, config = self.head.fc.weight, self.head.config
-        cache = self._cache
-        if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
-                or cache.k.dtype != weight.dtype:
-            self._cache = KVCache(config.num_layers, 1, config.num_kv_heads, slots,
-                                  config.head_dim, dtype=weight.dtype, device=weight.device)
-        self._cache.reset()
+        config = self.head.config
+        self._cache = KVCache.reused(self._cache, config.num_layers, config.num_kv_heads, slots,
+                                     config.head_dim, self.head.fc.weight)
 
     @property
     def law(self) -> SamplingParams | None:

@@ -131,14 +131,10 @@ class EagleDrafter:
         if self._use_static:
             self._begin_static(setup)
             return
-        slots, weight = setup.max_length + self.shape.fed, self.head.fc.weight
-        cache = self._cache
-        if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
-                or cache.k.dtype != weight.dtype:
-            config = self.head.config
-            self._cache = KVCache(1, 1, config.num_kv_heads, slots, config.head_dim,
-                                  dtype=weight.dtype, device=weight.device)
-        self._cache.reset()
+        config = self.head.config
+        self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
+                                     setup.max_length + self.shape.fed, config.head_dim,
+                                     self.head.fc.weight)
 
     def _begin_static(self, setup: DecodeSetup) -> None:
         slots = padded_slots(setup.max_length + self.shape.fed)

@@ -57,13 +57,10 @@ class ParallelEagleDrafter:
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._committed = 0
-        slots, weight, config = setup.max_length + self.k, self.head.fc.weight, self.head.config
-        cache = self._cache
-        if cache is None or cache.max_slots < slots or cache.k.device != weight.device \
-                or cache.k.dtype != weight.dtype:
-            self._cache = KVCache(1, 1, config.num_kv_heads, slots, config.head_dim,
-                                  dtype=weight.dtype, device=weight.device)
-        self._cache.reset()
+        config = self.head.config
+        self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
+                                     setup.max_length + self.k, config.head_dim,
+                                     self.head.fc.weight)
 
     @property
     def law(self) -> SamplingParams | None:

@@ -125,13 +125,9 @@ class EarlyExitDrafter:
     # ---- the adapter's own cache --------------------------------------------------------------
 
     def _reset_own_cache(self, max_length: int) -> None:
-        config, weight = self.head.config, self._target.embed_tokens.weight
-        cache = self._own_cache
-        if cache is None or cache.max_slots < max_length or cache.k.device != weight.device \
-                or cache.k.dtype != weight.dtype:
-            self._own_cache = KVCache(1, 1, config.num_kv_heads, max_length, config.head_dim,
-                                      dtype=weight.dtype, device=weight.device)
-        self._own_cache.reset()
+        config = self.head.config
+        self._own_cache = KVCache.reused(self._own_cache, 1, config.num_kv_heads, max_length,
+                                         config.head_dim, self._target.embed_tokens.weight)
 
     def _consume(self, context: DraftContext) -> None:
         """Bring the adapter cache to the committed context: keep the entries the last draft

@@ -41,6 +41,18 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
         self.length = 0  # number of valid slots
 
+    @classmethod
+    def reused(cls, cache: KVCache | None, num_layers: int, num_kv_heads: int, max_slots: int,
+               head_dim: int, like: torch.Tensor) -> KVCache:
+        """A drafter's own cache for a generation (batch 1): `cache` emptied where it holds
+        max_slots slots in like's dtype and on its device, else a new one."""
+        if cache is None or cache.max_slots < max_slots or cache.k.device != like.device \
+                or cache.k.dtype != like.dtype:
+            cache = cls(num_layers, 1, num_kv_heads, max_slots, head_dim, dtype=like.dtype,
+                        device=like.device)
+        cache.reset()
+        return cache
+
     @property
     def max_slots(self) -> int:
         return self.k.shape[3]
