@@ -12,7 +12,8 @@ From those laws the draft is a chain or DDTree's best-first tree, made as DFlash
 own (`selfspec.drafters.dflash.BlockShape`: chosen tokens at greedy, draws without replacement
 from each position's law when sampling), which keeps the verifier exact for the same reason:
 a position's law does not depend on the tokens above it. It drafts eagerly, also where the
-target runs static steps (a static, captured form is not built).
+target runs static steps (a static, captured form is not built); there a tree stays a
+`DeviceTree`, read with the target's argmax in the step's one host read.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ParallelEagleDrafter:
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._committed = 0
+        self._on_device = setup.static_steps  # trees left for the step's one host read
         config = self.head.config
         self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
                                      setup.max_length + self.k, config.head_dim,
@@ -86,4 +88,4 @@ class ParallelEagleDrafter:
         self._cache.truncate(self._committed)  # the mask pairs' keys: dropped again
         logits = self.head.target_logits(out[count - 1:], self._target.lm_head)  # [k, V]
         return block_draft(self.shape.draft(logits, self.law, self._generator), self.shape,
-                           on_device=False)
+                           on_device=self._on_device)

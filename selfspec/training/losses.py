@@ -185,9 +185,9 @@ def parallel_eagle3_loss(
     positions: torch.Tensor,
     target_logits: torch.Tensor,
     t2d: torch.Tensor,
+    count: int,
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
-    count: int | None = None,
 ) -> LossOutput:
     """P-EAGLE's loss: the sum over copies j of decay**j x the cross-entropy of copy j's
     draft-vocabulary logits against the target's law restricted to the draft vocabulary.
@@ -197,7 +197,7 @@ def parallel_eagle3_loss(
     copy j the j-th mask pair after the real pair positions[n] - j). target_logits [B, T, V],
     t2d and loss_mask as `eagle3_loss`'s: a row counts when its token exists and counts and
     the target's argmax there lies in the draft vocabulary. count: how many copies there are
-    (K; None: as many as `copies` holds), each reported even if none of its rows was kept."""
+    (K), each reported even if none of its rows was kept."""
     if not decay > 0:
         raise ValueError(f"parallel_eagle3_loss: decay must be > 0 (copy j weighs decay**j), "
                          f"got {decay}")
@@ -205,7 +205,7 @@ def parallel_eagle3_loss(
     mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
     mask = mask if loss_mask is None else loss_mask.bool()
     total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
-    for j in range(int(copies.max()) + 1 if count is None else count):
+    for j in range(count):
         picked = ((copies == j) & (positions + 2 < length)).nonzero().flatten()  # [n]
         at = positions[picked]  # copy j's rows whose token exists
         teacher = target_logits[:, at + 1]  # [B, n, V] the law of token at + 2

@@ -237,8 +237,8 @@ class Eagle3Objective(nn.Module):
             feature.shape[0], masks, -1).to(feature)], dim=1)  # [B, N, h]
         hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
         return parallel_eagle3_loss(self.head.logits(hidden), pairs.copies, pairs.positions,
-                                    target_logits, self.head.t2d, loss_mask, decay=self.decay,
-                                    count=config.parallel)
+                                    target_logits, self.head.t2d, config.parallel, loss_mask,
+                                    decay=self.decay)
 
 
 class EarlyExitObjective(nn.Module):

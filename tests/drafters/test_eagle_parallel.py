@@ -10,6 +10,7 @@ import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
     fit_eagle_head,
+    host_reads_per_step,
     random_eagle_head,
     sampled_pvalue,
     tiny_llama,
@@ -75,6 +76,14 @@ def test_greedy_is_lossless_and_accepted_with_a_fitted_head(target, plain_greedy
                                                             static):
     taus = greedy_with(target, fitted, plain_greedy, static, **SHAPES[shape])
     assert sum(taus) / len(taus) > 2.0, taus  # mask positions' tokens are kept too
+
+
+@pytest.mark.parametrize("shape, sampling", [("chain", None), ("tree", None),
+                                             ("tree", SamplingParams(1.0))])
+def test_a_static_step_reads_the_host_once(target, fitted, shape, sampling):
+    """Drafted eagerly, its tree stays on the device for the step's one read."""
+    assert host_reads_per_step(target, lambda: ParallelEagleDrafter(fitted, **SHAPES[shape]),
+                               PROMPTS[3], sampling) == 1
 
 
 def test_a_batch_decodes_each_row_as_it_decodes_alone(target, plain_greedy, fitted):
