@@ -185,11 +185,13 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
                  ) -> EagleConfig:
     """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
     eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3), and
-    with eagle.parallel=K > 1 P-EAGLE's (mask_token_id: its mask; None: token 0, a config to
-    check)."""
+    with eagle.parallel=K > 1 P-EAGLE's (mask_token_id: its mask; None: eagle.mask_token_id,
+    or token 0 for a config checked before its training rows exist)."""
     e, version = cfg.eagle, eagle_version(cfg)
     layers, fc_bias = e.get("target_layers"), e.get("fc_bias")
     parallel = e.get("parallel", 1)
+    if mask_token_id is None:
+        mask_token_id = e.get("mask_token_id", 0) or 0  # 0: a config checked before its rows
     if fc_bias is not None and not isinstance(fc_bias, bool):
         raise ValueError(f"eagle.fc_bias must be null, true or false, got {fc_bias!r}")
     if parallel != 1 and version != 3:
@@ -201,7 +203,7 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
         return EagleConfig.for_target(
             target_config, 3, draft_vocab_size=e.draft_vocab_size, fc_bias=fc_bias,
             target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
-            parallel=parallel, mask_token_id=None if parallel == 1 else (mask_token_id or 0))
+            parallel=parallel, mask_token_id=None if parallel == 1 else mask_token_id)
     except ValueError as exc:
         raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
 
@@ -223,7 +225,7 @@ def check_eagle_settings(cfg: DictConfig) -> int:
                          f"got {e.ttt_decay}")
     if not is_count(e.ttt_steps):
         raise ValueError(f"eagle.ttt_steps must be an integer >= 1, got {e.ttt_steps!r}")
-    if not 0 < float(e.get("parallel_keep", 1.0)) <= 1:
+    if not 0 < float(e.parallel_keep) <= 1:
         raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
                          f"once the one before it is), got {e.parallel_keep}")
     return version
@@ -236,9 +238,9 @@ def eagle_head(cfg: DictConfig, target: Transformer, train: TokenRows
     and the head's LM head starts from the target's rows of it; P-EAGLE's mask token is
     eagle.mask_token_id or (null) the rows' rarest token, so that it stands for nothing the
     rows say. EAGLE-1 heads score the full vocabulary through the target's LM head."""
-    mask = cfg.eagle.get("mask_token_id")
-    if mask is None and cfg.eagle.get("parallel", 1) != 1:
-        mask = rarest_token(token_counts(train.tokens, target.config.vocab_size))
+    mask = None
+    if cfg.eagle.get("parallel", 1) != 1:
+        mask = mask_token(cfg.eagle.get("mask_token_id"), target, train)
     config = eagle_config(cfg, target.config, mask)
     torch.manual_seed(int(cfg.seed))
     head = EagleHead(config).to(target.embed_tokens.weight.dtype)
@@ -266,7 +268,7 @@ def eagle_objective(
                               features=features)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
                            cache_features=cache, features=features,
-                           keep=float(e.get("parallel_keep", 1.0)))
+                           keep=float(e.parallel_keep))
 
 
 def eagle_drafter(cfg: DictConfig, eagle: EagleHead) -> EagleDrafter | ParallelEagleDrafter:
@@ -391,16 +393,22 @@ def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
     return draft
 
 
+def mask_token(setting: int | None, target: Transformer, train: TokenRows) -> int:
+    """The mask token of a method that drafts from masks (PARD, DFlash, P-EAGLE): its
+    `mask_token_id` setting, or (null) the training rows' rarest token (the highest id among
+    equals), so that it stands for nothing the rows say."""
+    if setting is not None:
+        return int(setting)
+    return rarest_token(token_counts(train.tokens, target.config.vocab_size))
+
+
 def draft_model_mask(cfg: DictConfig, target: Transformer, train: TokenRows) -> int | None:
-    """PARD's mask token (draft_model.parallel > 1): draft_model.mask_token_id, or (null) the
-    training rows' rarest token, so that it stands for nothing the rows say; None for a draft
-    that drafts token by token."""
+    """PARD's mask token (draft_model.parallel > 1, `mask_token`); None for a draft that
+    drafts token by token."""
     d = cfg.draft_model
     if int(d.get("parallel", 1)) == 1:
         return None
-    if d.get("mask_token_id") is not None:
-        return int(d.mask_token_id)
-    return rarest_token(token_counts(train.tokens, target.config.vocab_size))
+    return mask_token(d.get("mask_token_id"), target, train)
 
 
 def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transformer,
@@ -475,10 +483,8 @@ def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlas
     nothing the rows say; with dflash.draft_vocab_size the draft vocabulary is the rows' most
     frequent tokens (where the loss counts). Its final norm (and LM head rows) start from the
     target's."""
-    mask = cfg.dflash.get("mask_token_id")
-    if mask is None:
-        mask = rarest_token(token_counts(train.tokens, target.config.vocab_size))
-    config = dflash_config(cfg, target.config, int(mask))
+    config = dflash_config(cfg, target.config,
+                           mask_token(cfg.dflash.get("mask_token_id"), target, train))
     torch.manual_seed(int(cfg.seed))
     head = DFlashHead(config).to(target.embed_tokens.weight)
     if config.draft_vocab_size is not None:
