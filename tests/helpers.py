@@ -4,6 +4,7 @@ published checkpoint folders that tests in several folders build."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -78,6 +79,17 @@ MORE_FAMILIES = ("gemma2", "olmo2", "granite", "phi3")  # soft-capping, post-nor
 # LongRoPE past its original context (16 positions here) and partial rotary
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 WINDOW = 4  # the sliding families' window: shorter than every sequence the tests decode
+FAMILY_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
+
+
+@functools.cache
+def family_model(family: str, vocab: int = 64, hidden: int = 32, std: float = 0.2):
+    """The seeded random target of a family that the every-family tests decode and train on:
+    4 layers (cached: read-only to its users)."""
+    from selfspec import Transformer
+
+    return Transformer.from_hf(tiny_model(family, 0, vocab=vocab, layers=4, hidden=hidden,
+                                          std=std)).eval()
 
 
 def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 32, **extra):

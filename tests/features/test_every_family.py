@@ -12,16 +12,16 @@ One lossless case per family runs by default; the sweeps over every drafter are 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from helpers import (
     FAMILIES,
+    FAMILY_PROMPTS,
     MOE_FAMILIES,
     MORE_FAMILIES,
     SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
+    family_model,
     fit_eagle_head,
     fit_medusa_heads,
     host_reads_per_step,
@@ -30,7 +30,6 @@ from helpers import (
     random_exit,
     random_medusa_heads,
     seeded_lookahead,
-    tiny_model,
 )
 
 from selfspec import SamplingParams, Transformer, generate
@@ -48,16 +47,9 @@ from selfspec.heads import EagleConfig, MedusaConfig
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.model.quantized import quantized_copy
 
-LAYERS = 4
-PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
+PROMPTS = FAMILY_PROMPTS
 NEW_TOKENS = 16
 MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
-
-
-@functools.cache
-def target_of(family: str, vocab: int = 64, hidden: int = 32, std: float = 0.2) -> Transformer:
-    return Transformer.from_hf(tiny_model(family, 0, vocab=vocab, layers=LAYERS, hidden=hidden,
-                                          std=std)).eval()
 
 
 def drafter_of(name: str, target: Transformer):
@@ -124,7 +116,7 @@ def assert_lossless(target: Transformer, make, batch: bool = False,
 def test_every_family_decodes_losslessly_through_a_union_tree(family):
     """The default run's case per family: a tree of a lookup and a draft model with sibling
     candidates, each prompt alone and in static steps, and the two as a batch."""
-    target = target_of(family)
+    target = family_model(family)
     if family != "llama":
         assert target.config.model_type in ("qwen3", "gemma3_text")
     if family == "gemma3":
@@ -147,7 +139,7 @@ def drafter_family_pairs(families: tuple[str, ...]) -> list[tuple[str, str]]:
 def test_a_moe_family_decodes_losslessly_through_a_union_tree():
     """The default run's MoE case: gpt-oss (sinks, a window on alternate layers, experts with
     biases), each prompt alone, in static steps, and as a batch."""
-    target = target_of("gpt_oss")
+    target = family_model("gpt_oss")
     assert target.config.moe_layers and target.config.attention_sinks
     assert_lossless(target, lambda: drafter_of("union", target))
     assert_lossless(target, lambda: drafter_of("union", target), cuda_graphs=True)
@@ -159,7 +151,7 @@ def test_a_moe_familys_static_step_reads_the_host_once(name):
     """Qwen3-MoE in static steps: its experts dispatched in fixed shapes, the verification
     and the early exit's captured draft (the target's first layers) read the device back
     once a step."""
-    target = target_of("qwen3_moe")
+    target = family_model("qwen3_moe")
     make = (lambda: None) if name == "plain" else (lambda: drafter_of(name, target))
     assert host_reads_per_step(target, make, PROMPTS[0]) == 1
 
@@ -168,7 +160,7 @@ def test_a_moe_familys_static_step_reads_the_host_once(name):
 def test_a_sliding_familys_static_step_reads_the_host_once(name):
     """Gemma 3 in static steps: the window's mask is built on the device, so a greedy step
     (its static draft included) still reads the device back once."""
-    target = target_of("gemma3")
+    target = family_model("gemma3")
     make = (lambda: None) if name == "plain" else (lambda: drafter_of(name, target))
     assert host_reads_per_step(target, make, PROMPTS[0]) == 1
 
@@ -178,7 +170,7 @@ def test_a_sliding_familys_static_step_reads_the_host_once(name):
 def test_every_drafter_is_lossless_on_every_family(family, name):
     """Each prompt alone, eagerly and in static steps (the drafters' static drafts
     included), and, for the drafters a batch drafts, both prompts as a batch."""
-    target = target_of(family)
+    target = family_model(family)
     assert_lossless(target, lambda: drafter_of(name, target))
     assert_lossless(target, lambda: drafter_of(name, target), cuda_graphs=True)
     if name in BATCHED:
@@ -239,7 +231,7 @@ def fitted_drafter_of(name: str, target: Transformer):
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "name"), drafter_family_pairs(FAMILIES))
 def test_every_drafter_keeps_the_law_of_every_family_at_t1(family, name):
-    target = target_of(family, vocab=SMALL_VOCAB, hidden=16, std=0.5)
+    target = family_model(family, vocab=SMALL_VOCAB, hidden=16, std=0.5)
     assert_drafted_sampling_is_exact(target, sampling_drafter_of(name, target),
                                      SamplingParams(1.0), samples=600)
 
@@ -248,6 +240,6 @@ def test_every_drafter_keeps_the_law_of_every_family_at_t1(family, name):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_quantized_copy_of_every_family_is_a_target_too(family):
     """The int8 copy verifies (drafters built for the full-precision target it copies)."""
-    target = quantized_copy(target_of(family), 8)
+    target = quantized_copy(family_model(family), 8)
     for name in ("small_model", "eagle2", "early_exit"):
-        assert_lossless(target, lambda name=name: drafter_of(name, target_of(family)))
+        assert_lossless(target, lambda name=name: drafter_of(name, family_model(family)))

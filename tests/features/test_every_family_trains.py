@@ -1,8 +1,9 @@
-"""Every trainer on every family of target (the targets of test_every_family.py, mixtures of
-experts included): each method's objective, fit by AdamW to the target's own greedy
-continuations, lowers its held-out-mode loss; an EAGLE-3 head trained on each exports to
-vLLM's and SGLang's layouts and reads back the same. gpt-oss (sinks, windows, clamped
-experts) runs by default; the other families are `slow`."""
+"""Every trainer's objective on every family of target (the targets of test_every_family.py,
+mixtures of experts included; test_train_every_family.py runs the trainers themselves on
+three of them): each objective, fit by AdamW to the target's own greedy continuations, lowers
+its held-out-mode loss; an EAGLE-3 head trained on each exports to vLLM's and SGLang's layouts
+and reads back the same. gpt-oss (sinks, windows, clamped experts) runs by default; the other
+families are `slow`."""
 
 import copy
 
@@ -10,15 +11,16 @@ import pytest
 import torch
 from helpers import (
     FAMILIES,
+    FAMILY_PROMPTS,
     MOE_FAMILIES,
     MORE_FAMILIES,
     adam_fit,
     continuation_rows,
     dflash_head_config,
-    tiny_model,
+    family_model,
 )
 
-from selfspec import Transformer, generate
+from selfspec import generate
 from selfspec.heads import (
     DFlashHead,
     EagleConfig,
@@ -40,22 +42,15 @@ from selfspec.training.objectives import (
     MedusaObjective,
 )
 
-PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]
 METHODS = ("medusa", "eagle1", "eagle3", "peagle", "dflash", "early_exit", "draft")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES + MOE_FAMILIES
 CASES = [pytest.param(f, marks=() if f == "gpt_oss" else pytest.mark.slow) for f in ALL_FAMILIES]
 
 
-def target_of(family: str) -> Transformer:
-    """test_every_family.py's target of the family: 4 layers, hidden 32, 64 tokens."""
-    return Transformer.from_hf(tiny_model(family, 0, vocab=64, layers=4, hidden=32,
-                                          std=0.2)).eval()
-
-
 def rows_of(target) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts and the target's greedy continuations of them, as padded rows and mask."""
     return continuation_rows({tuple(p): generate(target, p, max_new_tokens=24).tokens
-                              for p in PROMPTS})
+                              for p in FAMILY_PROMPTS})
 
 
 def eagle3_head(target, tokens, mask, **options) -> EagleHead:
@@ -102,7 +97,7 @@ def loss_of(objective, tokens, mask) -> float:
 @pytest.mark.parametrize("family", CASES)
 @pytest.mark.parametrize("name", METHODS)
 def test_every_trainer_lowers_its_loss_on_every_family(family, name):
-    target = target_of(family)
+    target = family_model(family)
     tokens, mask = rows_of(target)
     objective, trained = objective_of(name, target, tokens, mask)
     before = loss_of(objective, tokens, mask)
@@ -117,7 +112,7 @@ def test_every_trainer_lowers_its_loss_on_every_family(family, name):
 @pytest.mark.parametrize("family", CASES)
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_an_eagle3_head_trained_on_every_family_serves_on_the_engines(family, engine, tmp_path):
-    target = target_of(family)
+    target = family_model(family)
     tokens, mask = rows_of(target)
     head = eagle3_head(target, tokens, mask)
     adam_fit(lambda: Eagle3Objective(target, head, steps=2)(tokens, mask), head.parameters(), 5)

@@ -1,5 +1,6 @@
-"""Every trainer trains its head on a Qwen3 and a Gemma 3 target (random, with the toy
-tokenizer; Gemma 3's window shorter than the training rows), its final evaluation lossless,
+"""Every trainer trains its head on a Qwen3, a Gemma 3 and a gpt-oss target (random, with the
+toy tokenizer; Gemma 3's window shorter than the training rows; gpt-oss a mixture of experts
+with sinks), its final evaluation lossless,
 and the EAGLE-3 head it exports serves in vLLM's layout with its target's head_dim (the
 reference code, which computes hidden / heads, is refused for it)."""
 
@@ -28,7 +29,7 @@ TRAINERS = {
 EXPORT = Path(__file__).resolve().parents[2] / "scripts" / "export_heads.py"
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "gpt_oss"])
 def family_folder(request, tmp_path_factory, quick_build) -> Path:
     return family_target(quick_build, tmp_path_factory.mktemp(request.param) / "target",
                          request.param)
