@@ -264,6 +264,20 @@ def exact_two_token_law(target, prompt: list[int], params) -> dict:
         return joint_two_token_law(law_after(prompt), lambda t1: law_after(prompt + [t1]))
 
 
+def committed_context(target, head, history: list[int]):
+    """The DraftContext after a plain forward over history[:-1] (the root history[-1] not
+    fed), with the target states `head.config.target_layers` asks for."""
+    from selfspec.drafters import DraftContext
+    from selfspec.drafters.base import TargetFeatures
+
+    tokens = torch.tensor(history)
+    with torch.no_grad():
+        out = target(tokens[None, :-1], torch.arange(len(history) - 1),
+                     return_hidden=head.config.target_layers)
+    features = TargetFeatures(tokens[:-1], out.last_hidden[0], tuple(h[0] for h in out.hidden))
+    return DraftContext(tokens, features)
+
+
 def continuation_rows(continuations: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """{prompt tuple: new tokens} as rows padded with 0 [B, T] and their mask [B, T]."""
     rows = [list(prompt) + tokens for prompt, tokens in continuations.items()]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
+    committed_context,
     dflash_head_config,
     fit_dflash_head,
     host_reads_per_step,
@@ -20,7 +21,6 @@ from helpers import (
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import DFlashDrafter, DraftContext
-from selfspec.drafters.base import TargetFeatures
 from selfspec.drafters.dflash import BlockShape, block_tokens
 from selfspec.model.kv_cache import KVCache
 from selfspec.tree import host_tree
@@ -114,16 +114,6 @@ def test_greedy_is_lossless_on_the_shipped_tiny_target_at_every_block_size(tiny,
 
 
 # ---- what it proposes --------------------------------------------------------------------------
-
-
-def committed_context(target, head, history: list[int]) -> DraftContext:
-    """The context after a plain forward over history[:-1] (the root history[-1] not fed)."""
-    tokens = torch.tensor(history)
-    with torch.no_grad():
-        out = target(tokens[None, :-1], torch.arange(len(history) - 1),
-                     return_hidden=head.config.target_layers)
-    features = TargetFeatures(tokens[:-1], out.last_hidden[0], tuple(h[0] for h in out.hidden))
-    return DraftContext(tokens, features)
 
 
 def scratch_logits(target, head, context: DraftContext, k: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from helpers import (
     EAGLE3_LAYERS,
     FAST_LAW_SAMPLES,
     assert_drafted_sampling_is_exact,
+    committed_context,
     eagle_head_config,
     fit_eagle_head,
     random_eagle_head,
@@ -14,7 +15,6 @@ from helpers import (
 
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import DraftContext, EagleDrafter
-from selfspec.drafters.base import TargetFeatures
 from selfspec.drafters.eagle_static import DynamicShape, StaticShape
 from selfspec.heads import EagleConfig
 from selfspec.model.kv_cache import KVCache
@@ -80,16 +80,6 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
 
 
 # ---- what it proposes ------------------------------------------------------------------------
-
-
-def committed_context(target, head, history: list[int]) -> DraftContext:
-    """The context after a plain forward over history[:-1] (the root history[-1] not fed)."""
-    tokens = torch.tensor(history)
-    with torch.no_grad():
-        out = target(tokens[None, :-1], torch.arange(len(history) - 1),
-                     return_hidden=head.config.target_layers)
-    features = TargetFeatures(tokens[:-1], out.last_hidden[0], tuple(h[0] for h in out.hidden))
-    return DraftContext(tokens, features)
 
 
 def scratch_logits(target, head, context: DraftContext, path: tuple[int, ...]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
+    committed_context,
     fit_eagle_head,
     host_reads_per_step,
     random_eagle_head,
@@ -17,8 +18,7 @@ from helpers import (
 )
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.drafters import DraftContext, ParallelEagleDrafter
-from selfspec.drafters.base import TargetFeatures
+from selfspec.drafters import ParallelEagleDrafter
 from selfspec.heads import EagleConfig, EagleHead
 from selfspec.heads.export import ExportRefused, export_head
 from selfspec.heads.io import describe_target, load_head, save_head
@@ -94,16 +94,6 @@ def test_a_batch_decodes_each_row_as_it_decodes_alone(target, plain_greedy, fitt
 
 
 # ---- one forward, and training that sees what drafting sees ------------------------------------
-
-
-def committed_context(target, head, history: list[int]) -> DraftContext:
-    """The context after a plain forward over history[:-1] (the root history[-1] not fed)."""
-    tokens = torch.tensor(history)
-    with torch.no_grad():
-        out = target(tokens[None, :-1], torch.arange(len(history) - 1),
-                     return_hidden=head.config.target_layers)
-    features = TargetFeatures(tokens[:-1], out.last_hidden[0], tuple(h[0] for h in out.hidden))
-    return DraftContext(tokens, features)
 
 
 def training_logits(target, head, row: torch.Tensor, keep: float, seed: int = 0):
