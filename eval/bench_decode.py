@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.measure.floor import measure_floor
+from selfspec.measure.lossless import describe_difference
 from selfspec.measure.plots import plot_cost_profile
 from selfspec.measure.results import machine_facts, split_percent
 
@@ -58,12 +59,12 @@ def report(figures: dict) -> str:
              "pre/draft/fwd/probs/verify/commit/other"]
     lines += [f"       {r['k']:>2}  {r['tau']:.2f}  {r['speedup']:>6.2f}x  {r['bound']:.2f}x  "
               f"{r['efficiency']:>9.2f}  {str(r['lossless']):<8}  "
-              f"{split_percent(r['time_split'])}" for r in figures["oracle"]]
+              f"{split_percent(r['time_split'])}{_parted(r)}" for r in figures["oracle"]]
     if figures["oracle_trees"]:
         lines.append("oracle tree  nodes  depth   tau  speedup  bound  efficiency  lossless")
         lines += [f"{r['tree']:<11}  {r['nodes']:>5}  {r['depth']:>5}  {r['tau']:.2f}  "
                   f"{r['speedup']:>6.2f}x  {r['bound']:.2f}x  {r['efficiency']:>9.2f}  "
-                  f"{r['lossless']}" for r in figures["oracle_trees"]]
+                  f"{r['lossless']}{_parted(r)}" for r in figures["oracle_trees"]]
     if figures["methods"]:
         lines.append("method      nodes  draft cost  a level  c(N+1)  step  projected speedup "
                      "(published tau)  time % pre/draft/fwd/probs/verify/commit/other")
@@ -72,7 +73,7 @@ def report(figures: dict) -> str:
                   f"{r['step_cost']:>4.2f}  " + (
                       f"{r['projected_speedup']:.2f}x ({r['published_tau']})"
                       if r["projected_speedup"] is not None else "-").ljust(33)
-                  + f"  {split_percent(r['time_split'])}" for r in figures["methods"]]
+                  + f"  {split_percent(r['time_split'])}{_parted(r)}" for r in figures["methods"]]
         lines.append("draft costs in plain steps, random heads; projections from tau published "
                      "for Vicuna-7B (MT-bench, T=0, EAGLE-2 paper), not measured")
     if figures["batches"]:
@@ -81,9 +82,15 @@ def report(figures: dict) -> str:
                      f"bound  lossless")
         lines += [f"{r['batch_size']:>5}  {r['plain_tokens_per_s']:>14.1f}  "
                   f"{r['oracle_tokens_per_s']:>19.1f}  {r['speedup']:>6.2f}x  {r['tau']:.2f}  "
-                  f"{r['c_verify']:>8.2f}  {r['bound']:>4.2f}x  {r['lossless']}"
+                  f"{r['c_verify']:>8.2f}  {r['bound']:>4.2f}x  {r['lossless']}{_parted(r)}"
                   for r in figures["batches"]]
     return "\n".join(lines)
+
+
+def _parted(row: dict) -> str:
+    """Where a greedy output parted from plain decoding's, and whether at a near-tie."""
+    found = describe_difference(row.get("first_difference"))
+    return f"  (parted at {found})" if found else ""
 
 
 def _experts_line(profile: dict) -> list[str]:

@@ -25,8 +25,10 @@ compiling and capturing took, which no timed figure should hold.
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -269,9 +271,24 @@ def capture(step, device: torch.device, generator: torch.Generator | None = None
     register = getattr(graph, "register_generator_state", None)  # newer torch: implicit
     if generator is not None and register is not None:
         register(generator)
-    with torch.cuda.graph(graph):  # a pool of its own: graphs replay in any order
+    with torch.cuda.graph(graph), collector_paused():  # a pool of its own: any replay order
         out = step()
     return graph, out
+
+
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside: a collection during a capture can free
+    an earlier generation's CUDA graph, whose reset is an operation a capturing stream refuses,
+    and the capture is then invalidated (seen on an H200). torch.cuda.graph collects on entry,
+    so nothing is left waiting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CapturedSteps:

@@ -1,6 +1,7 @@
 import importlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ def pytest_configure(config) -> None:
     if not threads.isdigit() or int(threads) < 1:
         raise pytest.UsageError(f"SELFSPEC_TEST_THREADS must be an integer >= 1, got {threads!r}")
     torch.set_num_threads(suite_threads())
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # Workers that compile the same kernel at once into one cache can load a file another
+        # is still writing ("file too short", seen with 8 workers): a cache of each worker's own.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+            Path(tempfile.gettempdir()) / f"selfspec-inductor-{os.getuid()}-{worker}")
     if config.getoption("all_tests"):
         config.option.markexpr = ""
 

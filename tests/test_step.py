@@ -6,6 +6,8 @@ the step as written and compiled (inductor, over fused products: `compile_steps`
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +23,8 @@ from selfspec.step import (
     BUCKETS,
     StaticSteps,
     bucket_of,
+    capture,
+    collector_paused,
     static_steps,
     use_cuda_graphs,
 )
@@ -225,3 +229,44 @@ def test_one_compiled_graph_per_bucket_serves_every_layer():
     assert counters["stats"]["unique_graphs"] - graphs == 2
     steps.forward(torch.tensor([[3, 4, 6, 7]]), len(PROMPT) + 3 + torch.arange(4), None)  # 4 again
     assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
+class _FakeCuda:
+    """Stand-ins for the CUDA calls `capture` makes, so that its order of work runs on a CPU."""
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class CUDAGraph:
+        def register_generator_state(self, generator):
+            pass
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream():
+        return _FakeCuda.Stream()
+
+    @staticmethod
+    def graph(graph):
+        return contextlib.nullcontext()
+
+
+def test_a_capture_runs_with_the_cyclic_collector_off_and_turns_it_back_on(monkeypatch):
+    """A collection inside a capture can free an earlier graph, which invalidates the capture
+    (an H200 run of the device tests): the captured run must see the collector off."""
+    for name in ("Stream", "CUDAGraph", "stream", "current_stream", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(_FakeCuda, name))
+    seen = []
+    graph, out = capture(lambda: seen.append(gc.isenabled()) or len(seen), "cuda:0")
+    assert seen == [True, True, False] and out == 3  # two warm-ups, then the captured run
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()

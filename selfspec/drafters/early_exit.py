@@ -69,6 +69,9 @@ class EarlyExitDrafter:
                              "(selfspec.generate) passes: measure it there")
         self._target, self._cache = setup.target, setup.target_cache
         self._sampling, self._generator = setup.sampling, setup.generator
+        # The exit reads the layer-E states the target hands back on its home device (that of
+        # its embedding), wherever a placement put layer E: a head made elsewhere moves there.
+        self.head.to(setup.target.embed_tokens.weight.device)
         self._committed = self._drafted = 0
         if self.head.config.kind == "adapter":
             self._reset_own_cache(setup.max_length)

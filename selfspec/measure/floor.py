@@ -14,6 +14,7 @@ import torch
 
 from selfspec.devices import synchronize
 from selfspec.measure.costs import CostProfile, measure_cost_profile
+from selfspec.measure.lossless import first_difference
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.method_costs import METHODS, method_cost_row
 from selfspec.measure.oracle import OracleDrafter
@@ -128,7 +129,7 @@ def _against_bound(target: Transformer, drafter: OracleDrafter, prompts: list,
     return {"tau": row.tau, "speedup": row.speedup, "bound": bound,
             "efficiency": row.speedup / bound, "tokens_per_s": row.tokens_per_s,
             "plain_tokens_per_s": row.plain_tokens_per_s, "lossless": row.lossless,
-            "time_split": row.time_split}
+            "first_difference": row.first_difference, "time_split": row.time_split}
 
 
 # ---- the memory floor ------------------------------------------------------------------------
@@ -214,16 +215,18 @@ def measure_batches(target: Transformer, settings: FloorSettings) -> list[dict]:
         prompts = pool[:size]
         oracle = OracleDrafter(settings.batch_draft_tokens)
         oracle.prepare_batch(target, prompts, settings.new_tokens, settings.cuda_graphs)
-        plain, drafted = run_passes(
-            [OurDecoder(target, d, split_time=True, cuda_graphs=settings.cuda_graphs)
-             for d in (None, oracle)], prompts, SamplingParams(), bench, batch_size=size)
+        decoders = [OurDecoder(target, d, split_time=True, cuda_graphs=settings.cuda_graphs)
+                    for d in (None, oracle)]
+        plain, drafted = run_passes(decoders, prompts, SamplingParams(), bench, batch_size=size)
         speed, base = (statistics.median(p.tokens_per_s) for p in (drafted, plain))
         verify = _forward_per_step(drafted) / _forward_per_step(plain)
         rows.append({"batch_size": size, "draft_tokens": settings.batch_draft_tokens,
                      "plain_tokens_per_s": base, "oracle_tokens_per_s": speed,
                      "speedup": speed / base, "tau": drafted.stats.tau, "c_verify": verify,
                      "bound": drafted.stats.tau / verify,
-                     "lossless": drafted.outputs == plain.outputs})
+                     "lossless": drafted.outputs == plain.outputs,
+                     "first_difference": first_difference(decoders[0], prompts, plain.outputs,
+                                                          drafted.outputs)})
     return rows
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.measure.passes import Method
 from selfspec.measure.peers import Decoder, OurDecoder
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
+
+if TYPE_CHECKING:  # passes imports this module
+    from selfspec.measure.passes import Method
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,33 @@ def lossless_mismatches(
             found.append(Mismatch(method.name, method.draft_length, prompt_id, at,
                                   list(want[at:]), list(got[at:]), gap, tolerance))
     return found
+
+
+def first_difference(baseline: Decoder, prompts: Sequence[Sequence[int]],
+                     expected: Sequence[Sequence[int]], got: Sequence[Sequence[int]]
+                     ) -> dict | None:
+    """Where greedy outputs `got` first leave `expected` (the first prompt that differs):
+    its index, the new token's, and plain decoding's top-2 logit gap there beside the dtype's
+    near-tie tolerance, so a bf16 tie broken the other way reads apart from a real failure.
+    None when every output agrees."""
+    for index, (ids, want, have) in enumerate(zip(prompts, expected, got, strict=True)):
+        if list(want) != list(have):
+            at = _common_prefix(want, have)
+            gap, tolerance = _closeness(baseline, [*ids, *want[:at]])
+            return {"prompt": index, "position": at, "top2_gap": gap, "tolerance": tolerance,
+                    "near_tie": gap is not None and tolerance > 0 and gap <= tolerance}
+    return None
+
+
+def describe_difference(difference: dict | None) -> str:
+    """'' when none; else where, and whether it is a near-tie of the dtype."""
+    if difference is None:
+        return ""
+    where = f"prompt {difference['prompt']}, new token {difference['position']}"
+    if difference["top2_gap"] is None:
+        return where
+    verdict = "a near-tie" if difference["near_tie"] else "NOT a near-tie"
+    return f"{where}: top-2 gap {difference['top2_gap']:.3g}, {verdict}"
 
 
 def _closeness(baseline: Decoder, ids: list[int]) -> tuple[float | None, float]:

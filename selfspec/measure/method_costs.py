@@ -76,6 +76,7 @@ def method_cost_row(name: str, target: Transformer, tree: Sequence[Sequence[int]
     return {"method": name, "drafts": what, "nodes": nodes, "draft_cost": draft_cost,
             "draft_cost_per_level": draft_cost / _levels(drafter), "c_verify": verify,
             "step_cost": verify + draft_cost, "random_tau": row.tau, "lossless": row.lossless,
+            "first_difference": row.first_difference,
             "time_split": row.time_split, "published_tau": tau,
             "projected_speedup": None if tau is None else tau / (verify + draft_cost),
             "published": PUBLISHED if tau is not None else None}

@@ -19,6 +19,7 @@ import torch
 from selfspec.decode import GenerationResult
 from selfspec.drafters.base import Drafter
 from selfspec.measure.grid import GridPoint, SweepRow, Variant
+from selfspec.measure.lossless import describe_difference, first_difference
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.peers import Decoder, OurDecoder
 from selfspec.metrics import SHARED_BY_ROWS, GenerationStats, describe_split
@@ -171,6 +172,9 @@ def measure_row(
             (ours,) = run_passes([method.decoder], prompts, point.sampling, settings, batch)
     lossless = ours.outputs == baseline.outputs if point.sampling.greedy else None
     row = _row(method, point, ours, baseline, memory, lossless)
+    if lossless is False:
+        row = replace(row, first_difference=first_difference(
+            method.baseline, prompts, baseline.outputs, ours.outputs))
     return row, baseline
 
 
@@ -233,6 +237,7 @@ class Comparison:
     prompts: int
     new_tokens: int
     time_split: dict[str, dict[str, float]] | None = None  # the drafter's, GenerationStats'
+    first_difference: dict | None = None  # lossless False: where (`lossless.first_difference`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -243,7 +248,9 @@ class Comparison:
         return (f"tau {self.tau:.2f}, speedup x{self.speedup:.2f} over plain decoding "
                 f"({self.tokens_per_s:.1f} vs {self.plain_tokens_per_s:.1f} tokens/s) on "
                 f"{self.prompts} {prompt_set} prompts, draft time share "
-                f"{self.draft_time_share:.2f}, lossless={self.lossless}, repeated 4-grams "
+                f"{self.draft_time_share:.2f}, lossless={self.lossless}"
+                + (f" ({describe_difference(self.first_difference)})"
+                   if self.first_difference else "") + ", repeated 4-grams "
                 f"{self.repeated_4gram_share:.2f}; time: {describe_split(self.time_split)}")
 
 
@@ -274,6 +281,7 @@ def compare_with_plain(
         draft_time_share=row.draft_time_share or 0.0,
         repeated_4gram_share=row.repeated_4gram_share, lossless=row.lossless,
         prompts=row.prompts, new_tokens=row.new_tokens, time_split=row.time_split,
+        first_difference=row.first_difference,
     )
 
 

@@ -145,7 +145,7 @@ def test_the_plan_lists_every_part_with_its_timeout_and_refuses_unknown_ones():
 
 def test_the_parts_come_in_order_of_value_and_the_first_ones_fit_the_budget():
     names = [p.name for p in gpu_check.PARTS]
-    assert names[:5] == ["preflight", "bench", "diagnosis", "cuda_tests", "trainers"]
+    assert names[:5] == ["preflight", "cuda_tests", "trainers", "diagnosis", "bench"]
     assert sum(p.timeout_s for p in gpu_check.PARTS[:4]) <= gpu_check.BUDGET_S
     assert gpu_check.BUDGET_S <= 8 * 60
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[a-z_]+", n) for n in names)
@@ -228,3 +228,12 @@ def test_the_quantized_part_runs_on_the_cpu(tmp_path):
     assert list(figures["tokens_per_s"]) == ["fp32", "int8", "int4"]
     assert "int8 per row" in figures["layouts"]["int8"]
     assert gpu_check.quantized_headline(figures).startswith("fp32 ")
+
+
+def test_a_headline_counts_the_outputs_that_parted_and_how_many_at_near_ties():
+    tie = {"prompt": 0, "position": 9, "top2_gap": 0.03, "tolerance": 0.2, "near_tie": True}
+    rows = [{"lossless": True}, {"lossless": False, "first_difference": tie},
+            {"lossless": False, "first_difference": tie | {"near_tie": False}},
+            {"lossless": False}]  # a record from before first_difference existed
+    assert gpu_check.lossless_said(rows[:1]) == ""
+    assert gpu_check.lossless_said(rows) == "; NOT lossless in 3 (1 at near-ties)"

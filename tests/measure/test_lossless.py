@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from selfspec.decode import GenerationResult
-from selfspec.measure.lossless import NEAR_TIE_ULPS, greedy_outputs, lossless_mismatches
+from selfspec.measure.lossless import (
+    NEAR_TIE_ULPS,
+    describe_difference,
+    first_difference,
+    greedy_outputs,
+    lossless_mismatches,
+)
 from selfspec.measure.passes import Method
 from selfspec.measure.peers import OurDecoder
 from selfspec.metrics import GenerationStats
@@ -59,3 +65,18 @@ def test_low_precision_divergences_within_a_few_ulps_are_near_ties(dtype, gap, t
     assert found.position == 1 and found.near_tie is tie
     assert found.tolerance == pytest.approx(
         0.0 if dtype == torch.float32 else NEAR_TIE_ULPS * torch.finfo(dtype).eps * 5.0)
+
+
+def test_the_first_difference_names_its_prompt_its_token_and_whether_it_is_a_near_tie():
+    """What bench rows carry when lossless is False (bench_decode, gpu_check's headlines)."""
+    class Baseline:
+        def next_token_logits(self, ids):  # bf16 logits 5 and 5 - 1/32 after any prefix
+            return torch.tensor([5.0, 5.0 - 2 ** -5, -1.0]).to(torch.bfloat16), torch.bfloat16
+
+    prompts, plain = [[1], [2]], [[7, 7, 7], [7, 7, 7]]
+    assert first_difference(Baseline(), prompts, plain, plain) is None
+    found = first_difference(Baseline(), prompts, plain, [[7, 7, 7], [7, 7, 9]])
+    assert found == {"prompt": 1, "position": 2, "top2_gap": 2 ** -5,
+                     "tolerance": pytest.approx(NEAR_TIE_ULPS * 2 ** -7 * 5), "near_tie": True}
+    assert describe_difference(found) == "prompt 1, new token 2: top-2 gap 0.0312, a near-tie"
+    assert describe_difference(None) == ""
