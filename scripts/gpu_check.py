@@ -68,7 +68,7 @@ def facts_headline(f: dict) -> str:
 
 def bench_headline(f: dict) -> str:
     profile, floor = f["cost_profile"], f.get("memory_floor") or {}
-    c = profile["c"]
+    c = {int(n): v for n, v in profile["c"].items()}  # JSON's keys are strings
     oracle = {r["k"]: r for r in f["oracle"]}
     k = 4 if 4 in oracle else max(oracle)
     parts = [f"plain {f['plain_tokens_per_s']:.1f} tok/s"]
@@ -91,7 +91,9 @@ def lossless_said(rows: list[dict]) -> str:
     if not parted:
         return ""
     ties = sum(1 for d in parted if d and d["near_tie"])
-    return f"; NOT lossless in {len(parted)} ({ties} at near-ties)"
+    unread = sum(1 for d in parted if d is None)
+    return (f"; NOT lossless in {len(parted)} ({ties} at near-ties"
+            + (f", {unread} not examined)" if unread else ")"))
 
 
 def diagnosis_headline(f: dict) -> str:
