@@ -173,8 +173,10 @@ PARTS = [
         per_test_s=110), "junit.xml", tests_headline),
     Part("trainers", 100, pytest_command("tests/features/test_train_on_cuda.py", workers=6,
                                          per_test_s=90), "junit.xml", tests_headline),
-    Part("diagnosis", 120, "{python} scripts/bucket_invariance.py --out "
-         "{run}/bucket_invariance.json", "bucket_invariance.json", diagnosis_headline),
+    # bucket 64: the one EAGLE-2's and Medusa's 60-63-node trees verify in, whose oracle
+    # parted from plain decoding on the H200 in graphs as written (2026-11-27)
+    Part("diagnosis", 120, "{python} scripts/bucket_invariance.py --buckets 2 4 8 16 64 "
+         "--out {run}/bucket_invariance.json", "bucket_invariance.json", diagnosis_headline),
     Part("bench", 150, BENCH_7B + f" repeats=2 compile=false 'cost_lengths={EVERY_N}' "
          "'oracle_trees=[eagle2,medusa_63]' "
          "'methods=[eagle2,eagle3,eagle1,medusa,early_exit,dflash]'",
