@@ -30,7 +30,8 @@ TRAIN = Path(__file__).resolve().parent
 METHODS = {"medusa": ["medusa", "medusa.version=1"], "eagle1": ["eagle", "eagle.version=1"],
            "eagle2": ["eagle", "eagle.version=2"], "eagle3": ["eagle", "eagle.version=3"],
            "peagle": ["eagle", "eagle.version=3", "eagle.parallel=4"], "dflash": ["dflash"],
-           "early_exit": ["early_exit"], "draft": ["draft"]}
+           "early_exit": ["early_exit"], "draft": ["draft"],
+           "pard": ["draft", "draft_model.parallel=4"]}
 
 
 @hydra_entry_point("learning_curves")
