@@ -11,22 +11,29 @@ cache holds the committed context alone.
 From those laws the draft is a chain or DDTree's best-first tree, made as DFlash makes its
 own (`selfspec.drafters.dflash.BlockShape`: chosen tokens at greedy, draws without replacement
 from each position's law when sampling), which keeps the verifier exact for the same reason:
-a position's law does not depend on the tokens above it. It drafts eagerly, also where the
-target runs static steps (a static, captured form is not built); there a tree stays a
-`DeviceTree`, read with the target's argmax in the step's one host read.
+a position's law does not depend on the tokens above it. Where the target runs static steps
+(`StaticParallelDraft`) the committed pairs are fed as EAGLE's static draft feeds them (padded
+to the most one step commits, their count a device value) and the mask pairs run after them
+at positions held on the device, each a step captured on CUDA; the draft, a chain or a
+`DeviceTree`, is read with the target's argmax in the step's one host read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.dflash import BlockShape, block_draft
+from selfspec.drafters.dflash import BlockShape, Drafted, block_draft
 from selfspec.drafters.eagle import committed_pairs
+from selfspec.drafters.eagle_static import StaticEagleDraft
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_fused_target
+from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
 from selfspec.sampling import SamplingParams
+from selfspec.step import CapturedSteps, SlotView, padded_slots
 
 
 class ParallelEagleDrafter:
@@ -52,13 +59,20 @@ class ParallelEagleDrafter:
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
         self._cache: KVCache | None = None
         self._committed = 0  # head cache slots holding committed pairs
+        self._static: StaticParallelDraft | None = None  # drafting in static shapes, kept
+        self._use_static = False
 
     def begin(self, setup: DecodeSetup) -> None:
         check_fused_target("ParallelEagleDrafter", self.head.config, setup.target)
         self._target, self._generator = setup.target, setup.generator
         self._sampling = setup.sampling
         self._committed = 0
-        self._on_device = setup.static_steps  # trees left for the step's one host read
+        self._use_static = setup.static_steps
+        if self._use_static:
+            slots = padded_slots(setup.max_length + 2 * self.k + 1)
+            if self._static is None or not self._static.fits(self, setup.target, slots):
+                self._static = StaticParallelDraft(self, setup.target, slots)
+            return
         config = self.head.config
         self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
                                      setup.max_length + self.k, config.head_dim,
@@ -76,6 +90,10 @@ class ParallelEagleDrafter:
             return Draft.empty()  # no target features yet (one-token prompt, first step)
         start, tokens, feature = committed_pairs(self.head, context, self._committed,
                                                  "ParallelEagleDrafter")
+        if self._use_static:
+            self._committed = start + len(tokens)
+            drafted = self._static.draft(tokens, feature, start, self._generator)
+            return block_draft(drafted, self.shape, on_device=True)
         weight, count = self.head.fc.weight, len(tokens)
         mask_embed = self._target.embed_tokens(
             torch.tensor(self.head.config.mask_token_id, device=weight.device))
@@ -88,4 +106,69 @@ class ParallelEagleDrafter:
         self._cache.truncate(self._committed)  # the mask pairs' keys: dropped again
         logits = self.head.target_logits(out[count - 1:], self._target.lm_head)  # [k, V]
         return block_draft(self.shape.draft(logits, self.law, self._generator), self.shape,
-                           on_device=self._on_device)
+                           on_device=False)
+
+
+@dataclass(frozen=True)
+class _PairsOnly:
+    """The shape `StaticEagleDraft` feeds committed pairs for (up to depth + 1 a step); it
+    grows no tree: P-EAGLE drafts from mask pairs instead."""
+
+    depth: int
+
+    def growth(self, device: torch.device, sampled: bool) -> None:
+        return None
+
+
+class StaticParallelDraft:
+    """A P-EAGLE drafter's drafting in static shapes for one target: the committed pairs fed
+    by a `StaticEagleDraft` (its cache, its captured step; its root is the head's prediction
+    after the last pair, the first drafted law's), then the k - 1 mask pairs at the next
+    positions, attending to the committed pairs and causally to each other, in one step of
+    their own captured on CUDA. The mask pairs' keys are written past the committed context,
+    which the next step's pairs overwrite."""
+
+    shared_by_forks = True  # a batch's rows draft eagerly: forks never use it
+
+    def __init__(self, drafter: ParallelEagleDrafter, target: Transformer, max_slots: int):
+        self.drafter, self.target, self.law = drafter, target, drafter.law
+        self.pairs = StaticEagleDraft(drafter.head, target, _PairsOnly(drafter.k), max_slots)
+        device = self.pairs.device
+        masks = drafter.k - 1
+        self._steps = CapturedSteps(device, draws=self.law is not None)
+        self._rows = torch.arange(masks, device=device)
+        self._causal = self._rows[None] <= self._rows[:, None]  # [k - 1, k - 1]
+        self._slots = torch.arange(max_slots, device=device)
+        self._mask_id = torch.tensor(drafter.head.config.mask_token_id, device=device)
+        self._committed = torch.zeros(1, dtype=torch.long, device=device)
+
+    def fits(self, drafter: ParallelEagleDrafter, target: Transformer, max_slots: int) -> bool:
+        return (drafter.shape == self.drafter.shape and drafter.law == self.law
+                and self.pairs.fits(drafter.head, target, _PairsOnly(drafter.k), max_slots,
+                                    None))
+
+    def draft(self, tokens: torch.Tensor, feature: torch.Tensor, start: int,
+              generator: torch.Generator | None) -> Drafted:
+        """The draft after the pairs committed at positions start.. (tokens [A], features
+        [A, h]); a captured step's outputs, copied (the next step rewrites them)."""
+        self.pairs.consume(tokens, feature, start)
+        self._committed.fill_(start + len(tokens))
+        drafted = self._steps.run("draft", self._draft,
+                                  generator if self.law is not None else None)
+        return Drafted(*(None if t is None else t.clone() for t in (
+            drafted.tokens, drafted.q, drafted.parents, drafted.valid)))
+
+    def _draft(self) -> Drafted:
+        head, drafter = self.drafter.head, self.drafter
+        states = self.pairs.root[None]  # [1, h]
+        if len(self._rows):
+            slots = self._committed + self._rows  # [k - 1] slots and positions
+            mask = (self._slots < self._committed)[None].repeat(len(slots), 1)  # [k - 1, S]
+            mask.scatter_(1, slots[None].expand(len(slots), -1), self._causal)
+            embeds, features = head.mask_pairs(self.target.embed_tokens(self._mask_id),
+                                               len(slots))
+            out = head(embeds[None].to(states), features[None].to(states), slots,
+                       SlotView(self.pairs.cache, slots), mask=mask)[0]  # [k - 1, h]
+            states = torch.cat([states, out])
+        logits = head.target_logits(states, self.target.lm_head)  # [k, V]
+        return drafter.shape.draft(logits, self.law, self._steps.generator)

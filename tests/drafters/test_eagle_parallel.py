@@ -81,9 +81,37 @@ def test_greedy_is_lossless_and_accepted_with_a_fitted_head(target, plain_greedy
 @pytest.mark.parametrize("shape, sampling", [("chain", None), ("tree", None),
                                              ("tree", SamplingParams(1.0))])
 def test_a_static_step_reads_the_host_once(target, fitted, shape, sampling):
-    """Drafted eagerly, its tree stays on the device for the step's one read."""
+    """Drafted in static shapes, its chain or tree stays on the device for the step's one
+    read."""
     assert host_reads_per_step(target, lambda: ParallelEagleDrafter(fitted, **SHAPES[shape]),
                                PROMPTS[3], sampling) == 1
+
+
+def drafted_tokens(target, head, prompt, static: bool, **kwargs) -> list[list[int]]:
+    """Every step's drafted tokens while decoding prompt greedily."""
+    drafter, seen = ParallelEagleDrafter(head, **kwargs), []
+    propose = drafter.propose
+
+    def recording(context):
+        draft = propose(context)
+        seen.append(draft.tokens.tolist())
+        return draft
+
+    drafter.propose = recording
+    generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS, cuda_graphs=static)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, K])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_static_steps_draft_the_tokens_of_the_one_eager_forward(target, fitted, shape, k):
+    """The static form (the committed pairs fed padded, then the mask pairs at positions held
+    on the device) drafts, step after step, what the eager forward over both drafts."""
+    for prompt in PROMPTS:
+        eager = drafted_tokens(target, fitted, list(prompt), False, num_draft_tokens=k,
+                               **SHAPES[shape])
+        assert drafted_tokens(target, fitted, list(prompt), True, num_draft_tokens=k,
+                              **SHAPES[shape]) == eager
 
 
 def test_a_batch_decodes_each_row_as_it_decodes_alone(target, plain_greedy, fitted):
