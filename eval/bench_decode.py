@@ -19,8 +19,8 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.measure.divergence import describe_difference
 from selfspec.measure.floor import measure_floor
-from selfspec.measure.lossless import describe_difference
 from selfspec.measure.plots import plot_cost_profile
 from selfspec.measure.results import machine_facts, split_percent
 

@@ -7,7 +7,7 @@ Our drafters are compared with our plain greedy decoding, the Hugging Face peers
 plain greedy `generate`. Prints one line per method and draft length and every mismatch with
 its prompt id and plain decoding's top-2 logit gap there. In fp32 every difference is a
 failure; in bf16/fp16 one within the dtype's near-tie tolerance
-(`selfspec.measure.lossless.near_tie_tolerance`) is reported as a numeric near-tie apart from
+(`selfspec.measure.divergence.near_tie_tolerance`) is reported as a numeric near-tie apart from
 real failures. Exits 1 on a real failure, 2 on
 a configuration error.
 """

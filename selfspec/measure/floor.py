@@ -14,7 +14,7 @@ import torch
 
 from selfspec.devices import synchronize
 from selfspec.measure.costs import CostProfile, measure_cost_profile
-from selfspec.measure.lossless import first_difference
+from selfspec.measure.divergence import first_difference
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.method_costs import METHODS, method_cost_row
 from selfspec.measure.oracle import OracleDrafter

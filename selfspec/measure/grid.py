@@ -168,7 +168,7 @@ class SweepRow:
     baseline_repeated_4gram_share: float
     lossless: bool | None
     ours_over_hf: float | None = None
-    first_difference: dict | None = None  # where a greedy output first parts (lossless False)
+    first_difference: dict | None = None  # lossless False: where (`divergence.first_difference`)
     nodes_per_step: float = 0.0
     nodes_histogram: list[int] = field(default_factory=list)
     draft_ms_per_step: float | None = None

@@ -18,8 +18,8 @@ import torch
 
 from selfspec.decode import GenerationResult
 from selfspec.drafters.base import Drafter
+from selfspec.measure.divergence import describe_difference, first_difference
 from selfspec.measure.grid import GridPoint, SweepRow, Variant
-from selfspec.measure.lossless import describe_difference, first_difference
 from selfspec.measure.memory import PeakMemory
 from selfspec.measure.peers import Decoder, OurDecoder
 from selfspec.metrics import SHARED_BY_ROWS, GenerationStats, describe_split
@@ -237,7 +237,7 @@ class Comparison:
     prompts: int
     new_tokens: int
     time_split: dict[str, dict[str, float]] | None = None  # the drafter's, GenerationStats'
-    first_difference: dict | None = None  # lossless False: where (`lossless.first_difference`)
+    first_difference: dict | None = None  # lossless False: where (`divergence.first_difference`)
 
     def as_dict(self) -> dict:
         return asdict(self)

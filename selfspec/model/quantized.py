@@ -189,7 +189,7 @@ def quantized_copy(target: Transformer, bits: int, layout: Layout | None = None)
         setattr(parent, name, _quantized_linear(layer, layout))
     # Its products round activations to bf16, so, as a bf16 model, a forward over several rows
     # may break a near-tie of its logits otherwise than a one-row forward: the lossless check
-    # reads this to count such divergences as the dtype's near-ties (measure.lossless).
+    # reads this to count such divergences as the dtype's near-ties (measure.divergence).
     quantized.products_dtype = COMPUTE_DTYPE
     return quantized.eval()
 

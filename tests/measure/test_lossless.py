@@ -4,13 +4,8 @@ import pytest
 import torch
 
 from selfspec.decode import GenerationResult
-from selfspec.measure.lossless import (
-    NEAR_TIE_ULPS,
-    describe_difference,
-    first_difference,
-    greedy_outputs,
-    lossless_mismatches,
-)
+from selfspec.measure.divergence import NEAR_TIE_ULPS, describe_difference, first_difference
+from selfspec.measure.lossless import greedy_outputs, lossless_mismatches
 from selfspec.measure.passes import Method
 from selfspec.measure.peers import OurDecoder
 from selfspec.metrics import GenerationStats

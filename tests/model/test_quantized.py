@@ -100,7 +100,7 @@ def test_each_quantized_product_errs_within_the_quantization_step(target, tiny, 
 
 def test_a_quantized_models_divergences_count_as_its_products_near_ties(tiny):
     """Its products round activations to bf16: the lossless check allows bf16's near-ties."""
-    from selfspec.measure.lossless import near_tie_tolerance
+    from selfspec.measure.divergence import near_tie_tolerance
     from selfspec.measure.peers import OurDecoder
 
     copied = quantized_copy(tiny, 8)
