@@ -166,6 +166,11 @@ class Drafted:
     parents: torch.Tensor | None = None
     valid: torch.Tensor | None = None
 
+    def cloned(self) -> Drafted:
+        """A copy of each tensor: a captured step rewrites its outputs at its next replay."""
+        return Drafted(*(None if t is None else t.clone()
+                         for t in (self.tokens, self.q, self.parents, self.valid)))
+
 
 @dataclass(frozen=True)
 class BlockShape:
@@ -335,10 +340,8 @@ class StaticDFlashDraft:
         self._start.fill_(start)
         self._count.fill_(count)
         self._tokens[:1].fill_(root)
-        drafted = self._steps.run("draft", self._draft,
-                                  generator if self.law is not None else None)
-        return Drafted(*(None if t is None else t.clone() for t in (
-            drafted.tokens, drafted.q, drafted.parents, drafted.valid)))
+        return self._steps.run("draft", self._draft,
+                               generator if self.law is not None else None).cloned()
 
     def _draft(self) -> Drafted:
         head, drafter = self.drafter.head, self.drafter

@@ -153,10 +153,8 @@ class StaticParallelDraft:
         [A, h]); a captured step's outputs, copied (the next step rewrites them)."""
         self.pairs.consume(tokens, feature, start)
         self._committed.fill_(start + len(tokens))
-        drafted = self._steps.run("draft", self._draft,
-                                  generator if self.law is not None else None)
-        return Drafted(*(None if t is None else t.clone() for t in (
-            drafted.tokens, drafted.q, drafted.parents, drafted.valid)))
+        return self._steps.run("draft", self._draft,
+                               generator if self.law is not None else None).cloned()
 
     def _draft(self) -> Drafted:
         head, drafter = self.drafter.head, self.drafter
