@@ -7,7 +7,9 @@ still rising (more data or steps would help).
     python train/learning_curves.py --config-name learning_curves_smollm2   # SmolLM2, one core
 
 Runs each trainer in turn (`train/<trainer>.py`, its run in <run_dir>/<method>), then writes
-curves.json and learning_curves.png into the run folder and prints a table.
+curves.json and learning_curves.png into the run folder and prints a table. Run again in the
+same folder (hydra.run.dir=<run_dir>) after an interruption or a failed method, it keeps the
+methods whose runs finished and trains the rest.
 """
 
 from __future__ import annotations
@@ -41,13 +43,10 @@ def main(cfg: DictConfig) -> None:
     results = {}
     for name, (trainer, *settings) in methods.items():
         run_dir = folder / name
-        print(f"== {name}: train/{trainer}.py for {cfg.minutes} minutes", flush=True)
-        done = subprocess.run([sys.executable, str(TRAIN / f"{trainer}.py"),
-                               *trainer_overrides(cfg, run_dir), *settings,
-                               *method_overrides(cfg, name)])
-        if done.returncode != 0:
-            raise SelfspecError(f"{name}: train/{trainer}.py failed (exit {done.returncode}); "
-                                f"its log is in {run_dir}")
+        if (run_dir / "summary.json").exists():  # written last: the run finished before
+            print(f"== {name}: kept, its run in {run_dir} finished", flush=True)
+        else:
+            train_one(cfg, name, trainer, settings, run_dir)
         results[name] = {"curve": tau_curve(run_dir), **final_report(run_dir)}
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     labels = {f"{name} ({r['speedup']:.2f}x)": r["curve"] for name, r in results.items()}
@@ -56,6 +55,17 @@ def main(cfg: DictConfig) -> None:
                                                               dpi=110)
     print(table(results))
     print(f"figures in {folder.resolve()}")
+
+
+def train_one(cfg: DictConfig, name: str, trainer: str, settings: list[str], run_dir: Path
+              ) -> None:
+    print(f"== {name}: train/{trainer}.py for {cfg.minutes} minutes", flush=True)
+    done = subprocess.run([sys.executable, str(TRAIN / f"{trainer}.py"),
+                           *trainer_overrides(cfg, run_dir), *settings,
+                           *method_overrides(cfg, name)])
+    if done.returncode != 0:
+        raise SelfspecError(f"{name}: train/{trainer}.py failed (exit {done.returncode}); "
+                            f"its log is in {run_dir}")
 
 
 def checked_methods(cfg: DictConfig) -> dict[str, list[str]]:

@@ -1,5 +1,5 @@
 """`python train/learning_curves.py` end to end: two methods on the toy target for the same
-short budget, their curves, figure and table."""
+short budget, their curves, figure and table; run again, the finished runs are kept."""
 
 import json
 import subprocess
@@ -37,6 +37,17 @@ def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, q
         assert result["speedup"] > 0 and result["tau"] >= 1
     assert (run_dir / "learning_curves.png").stat().st_size > 10_000
     assert "medusa" in done.stdout and "rising" in done.stdout
+
+    # run again in the same folder: the finished run is kept, not trained again
+    finished = (run_dir / "medusa" / "summary.json").stat().st_mtime_ns
+    again = subprocess.run(
+        [sys.executable, str(ENTRY), "model=local", f"model.path={model}", "minutes=0.05",
+         "methods=[medusa]", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "medusa: kept" in again.stdout
+    assert (run_dir / "medusa" / "summary.json").stat().st_mtime_ns == finished
+    assert json.loads((run_dir / "curves.json").read_text())["medusa"] == curves["medusa"]
 
 
 def test_a_bad_method_list_is_one_line():
