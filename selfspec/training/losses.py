@@ -167,16 +167,40 @@ def eagle3_loss(
     batch, length, _ = target_logits.shape
     mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
     mask = mask if loss_mask is None else loss_mask.bool()
+    teacher = DraftTeacher.of(target_logits, t2d)
     total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
     for j, logits in enumerate(step_logits):
         n = max(length - 2 - j, 0)  # rows whose token t+2+j exists
-        teacher = target_logits[:, 1 + j: 1 + j + n]  # [B, n, V]
-        rows = mask[:, 2 + j: 2 + j + n] & t2d[teacher.argmax(-1)]  # [B, n]
-        step = _masked_mean(soft_cross_entropy(logits[:, :n], teacher[..., t2d]), rows)
+        law = teacher.at(slice(1 + j, 1 + j + n))  # the laws of tokens t+2+j: [B, n, ...]
+        rows = mask[:, 2 + j: 2 + j + n] & law.in_vocab  # [B, n]
+        step = _masked_mean(cross_entropy_to(logits[:, :n], law.probs), rows)
         total = total + decay**j * step
         metrics[f"eagle3/step{j}_loss"] = float(step.detach())
-        metrics[f"eagle3/step{j}_top1"] = _agreement(logits[:, :n], teacher[..., t2d], rows)
+        metrics[f"eagle3/step{j}_top1"] = _hits(logits[:, :n], law.top, rows)
     return LossOutput(total, metrics)
+
+
+@dataclass
+class DraftTeacher:
+    """The target's laws over a draft vocabulary, computed once for every step or copy of a
+    loss to slice (per step, the argmax over the whole vocabulary and the restriction cost as
+    much as the head's own step). in_vocab [B, T]: the target's argmax lies in the draft
+    vocabulary; probs [B, T, Vd]: its law restricted to the draft vocabulary (fp32); top
+    [B, T]: that law's argmax."""
+
+    in_vocab: torch.Tensor
+    probs: torch.Tensor
+    top: torch.Tensor
+
+    @classmethod
+    def of(cls, target_logits: torch.Tensor, t2d: torch.Tensor) -> DraftTeacher:
+        restricted = target_logits[..., t2d]
+        return cls(t2d[target_logits.argmax(-1)], torch.softmax(restricted.float(), dim=-1),
+                   restricted.argmax(-1))
+
+    def at(self, index: slice | torch.Tensor) -> DraftTeacher:
+        """The laws at positions `index` (of dimension 1)."""
+        return DraftTeacher(self.in_vocab[:, index], self.probs[:, index], self.top[:, index])
 
 
 def parallel_eagle3_loss(
@@ -204,17 +228,18 @@ def parallel_eagle3_loss(
     batch, length, _ = target_logits.shape
     mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
     mask = mask if loss_mask is None else loss_mask.bool()
+    teacher = DraftTeacher.of(target_logits, t2d)
     total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
     for j in range(count):
         picked = ((copies == j) & (positions + 2 < length)).nonzero().flatten()  # [n]
         at = positions[picked]  # copy j's rows whose token exists
-        teacher = target_logits[:, at + 1]  # [B, n, V] the law of token at + 2
-        rows = mask[:, at + 2] & t2d[teacher.argmax(-1)]  # [B, n]
+        law = teacher.at(at + 1)  # the laws of tokens at + 2: [B, n, ...]
+        rows = mask[:, at + 2] & law.in_vocab  # [B, n]
         scores = logits[:, picked]
-        part = _masked_mean(soft_cross_entropy(scores, teacher[..., t2d]), rows)
+        part = _masked_mean(cross_entropy_to(scores, law.probs), rows)
         total = total + decay**j * part
         metrics[f"peagle/copy{j}_loss"] = float(part.detach())
-        metrics[f"peagle/copy{j}_top1"] = _agreement(scores, teacher[..., t2d], rows)
+        metrics[f"peagle/copy{j}_top1"] = _hits(scores, law.top, rows)
     return LossOutput(total, metrics)
 
 
@@ -270,8 +295,12 @@ def _check_exit_inputs(
 
 def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """[...] -sum softmax(teacher) * log_softmax(logits) over the last dimension (fp32)."""
-    teacher = torch.softmax(teacher_logits.float(), dim=-1)
-    return -(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return cross_entropy_to(logits, torch.softmax(teacher_logits.float(), dim=-1))
+
+
+def cross_entropy_to(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[...] -sum probs * log_softmax(logits) over the last dimension (fp32)."""
+    return -(probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def _masked_mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -282,7 +311,12 @@ def _masked_mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _agreement(logits: torch.Tensor, teacher_logits: torch.Tensor, rows: torch.Tensor) -> float:
     """Share of the counted rows where both argmaxes agree (0 when no row counts)."""
-    same = (logits.detach().argmax(-1) == teacher_logits.argmax(-1)) & rows
+    return _hits(logits, teacher_logits.argmax(-1), rows)
+
+
+def _hits(logits: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor) -> float:
+    """Share of the counted rows where the argmax of logits is `wanted` (0 when none counts)."""
+    same = (logits.detach().argmax(-1) == wanted) & rows
     return float(same.sum()) / max(float(rows.sum()), 1.0)
 
 

@@ -147,6 +147,33 @@ def test_eagle3_loss_skips_rows_whose_target_token_is_not_a_draft_token():
     assert torch.isfinite(step.grad).all()
 
 
+def test_eagle3_loss_matches_a_row_by_row_hand_computation():
+    torch.manual_seed(0)
+    batch, length, vocab, steps = 2, 9, 12, 3
+    target_logits = torch.randn(batch, length, vocab)
+    t2d = torch.rand(vocab) < 0.6
+    t2d[target_logits[0, 3].argmax()] = False  # some rows' target token is no draft token
+    step_logits = [torch.randn(batch, length - 1, int(t2d.sum())) for _ in range(steps)]
+    mask = torch.rand(batch, length) < 0.8
+    out = eagle3_loss(step_logits, target_logits, t2d, mask, decay=0.7)
+    total = 0.0
+    for j, logits in enumerate(step_logits):
+        losses, hits = [], []
+        for b in range(batch):
+            for t in range(length - 2 - j):
+                teacher = target_logits[b, t + 1 + j]  # the law of token t + 2 + j
+                if not (mask[b, t + 2 + j] and t2d[teacher.argmax()]):
+                    continue
+                law = teacher[t2d].softmax(-1)
+                losses.append(float(-(law * logits[b, t].log_softmax(-1)).sum()))
+                hits.append(float(logits[b, t].argmax() == law.argmax()))
+        step = sum(losses) / max(len(losses), 1)
+        total += 0.7**j * step
+        assert out.metrics[f"eagle3/step{j}_loss"] == pytest.approx(step, rel=1e-5)
+        assert out.metrics[f"eagle3/step{j}_top1"] == pytest.approx(sum(hits) / len(hits))
+    assert float(out.loss) == pytest.approx(total, rel=1e-5)
+
+
 # ---- early exit ------------------------------------------------------------------------------
 
 
