@@ -181,6 +181,9 @@ def eagle_version(cfg: DictConfig) -> int:
     return int(version)
 
 
+EAGLE3_DRAFT_VOCAB = 1024  # eagle.draft_vocab_size=null: a small target's CPU default
+
+
 def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int | None = None
                  ) -> EagleConfig:
     """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
@@ -197,11 +200,18 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
     if parallel != 1 and version != 3:
         raise ValueError(f"eagle.parallel={parallel} (P-EAGLE) drafts with EAGLE-3 heads: set "
                          f"eagle.version=3, or eagle.parallel=1")
+    if version < 3:
+        if e.get("draft_vocab_size") is not None or layers is not None:
+            raise ValueError(f"eagle.draft_vocab_size and eagle.target_layers are EAGLE-3's: an "
+                             f"EAGLE-{version} head reads the last hidden state and scores the "
+                             f"whole vocabulary through the target's LM head; leave them unset, "
+                             f"or set eagle.version=3")
+        return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
+    draft_vocab = e.get("draft_vocab_size")
     try:
-        if version < 3:
-            return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
         return EagleConfig.for_target(
-            target_config, 3, draft_vocab_size=e.draft_vocab_size, fc_bias=fc_bias,
+            target_config, 3, fc_bias=fc_bias,
+            draft_vocab_size=EAGLE3_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
             target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
             parallel=parallel, mask_token_id=None if parallel == 1 else mask_token_id)
     except ValueError as exc:

@@ -28,8 +28,9 @@ def rows() -> TokenRows:
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of, target, rows,
                                                                           version):
-    cfg = cfg_of("train_eagle", f"eagle.version={version}", "eagle.draft_vocab_size=32",
-                 "eagle.target_layers=[0,1,2]", "eagle.ttt_steps=2", "run_dir=/tmp/unused")
+    eagle3 = ["eagle.draft_vocab_size=32", "eagle.target_layers=[0,1,2]"] if version == 3 else []
+    cfg = cfg_of("train_eagle", f"eagle.version={version}", *eagle3, "eagle.ttt_steps=2",
+                 "run_dir=/tmp/unused")
     assert from_config.check_eagle_settings(cfg) == version
     head, config = from_config.eagle_head(cfg, target, rows)
     assert config.version == (3 if version == 3 else 1) and head.config == config
@@ -142,3 +143,10 @@ def test_impossible_dflash_settings_are_refused_before_anything_loads(cfg_of, ov
     cfg = cfg_of("train_dflash", override, "run_dir=/tmp/unused")
     with pytest.raises(ValueError, match=message):
         from_config.check_dflash_settings(cfg)
+
+
+@pytest.mark.parametrize("setting", ["eagle.draft_vocab_size=32", "eagle.target_layers=[0,1,2]"])
+def test_eagle1_and_2_heads_refuse_eagle3s_settings(cfg_of, setting):
+    cfg = cfg_of("train_eagle", "eagle.version=2", setting, "run_dir=/tmp/unused")
+    with pytest.raises(ValueError, match="are EAGLE-3's: an EAGLE-2 head reads the last hidden"):
+        from_config.check_eagle_settings(cfg)
