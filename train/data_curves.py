@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from learning_curves import METHODS, model_overrides
+from learning_curves import METHODS, check_kept, model_overrides
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.cli import hydra_entry_point
@@ -40,11 +40,14 @@ def main(cfg: DictConfig) -> None:
     for answers in sizes:
         for name, (trainer, *settings) in methods.items():
             run_dir = folder / name / f"N{answers}"
-            if not finished(run_dir, float(cfg.epochs)):
+            command = [*trainer_overrides(cfg, run_dir, answers, store), *settings,
+                       *(cfg.method_overrides.get(name) or [])]
+            if finished(run_dir, float(cfg.epochs)):
+                check_kept(trainer, command, run_dir)
+            else:
                 print(f"== {name}, {answers:,} answers: train/{trainer}.py, {cfg.epochs} epochs",
                       flush=True)
-                run([TRAIN / f"{trainer}.py", *trainer_overrides(cfg, run_dir, answers, store),
-                     *settings, *(cfg.method_overrides.get(name) or [])], f"{name} N={answers}")
+                run([TRAIN / f"{trainer}.py", *command], f"{name} N={answers}")
             results[name][answers] = tau_curve(run_dir)
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     data_curves_figure(results, f"held-out tau against answers and epochs, {cfg.model.name} "

@@ -9,7 +9,8 @@ still rising (more data or steps would help).
 Runs each trainer in turn (`train/<trainer>.py`, its run in <run_dir>/<method>), then writes
 curves.json and learning_curves.png into the run folder and prints a table. Run again in the
 same folder (hydra.run.dir=<run_dir>) after an interruption or a failed method, it keeps the
-methods whose runs finished and trains the rest.
+methods whose runs finished with today's settings (another setting is refused, naming it) and
+trains the rest.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
+from selfspec.from_config import check_kept_run
 from selfspec.measure.curves import final_report, judge_share, rising, tau_curve
 from selfspec.measure.plots import learning_curves_figure
 
@@ -43,10 +46,12 @@ def main(cfg: DictConfig) -> None:
     results = {}
     for name, (trainer, *settings) in methods.items():
         run_dir = folder / name
+        command = [*trainer_overrides(cfg, run_dir), *settings, *method_overrides(cfg, name)]
         if (run_dir / "summary.json").exists():  # written last: the run finished before
+            check_kept(trainer, command, run_dir)
             print(f"== {name}: kept, its run in {run_dir} finished", flush=True)
         else:
-            train_one(cfg, name, trainer, settings, run_dir)
+            train_one(name, trainer, command, run_dir)
         results[name] = {"curve": tau_curve(run_dir), **final_report(run_dir)}
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     labels = {f"{name} ({r['speedup']:.2f}x)": r["curve"] for name, r in results.items()}
@@ -57,15 +62,19 @@ def main(cfg: DictConfig) -> None:
     print(f"figures in {folder.resolve()}")
 
 
-def train_one(cfg: DictConfig, name: str, trainer: str, settings: list[str], run_dir: Path
-              ) -> None:
-    print(f"== {name}: train/{trainer}.py for {cfg.minutes} minutes", flush=True)
-    done = subprocess.run([sys.executable, str(TRAIN / f"{trainer}.py"),
-                           *trainer_overrides(cfg, run_dir), *settings,
-                           *method_overrides(cfg, name)])
+def train_one(name: str, trainer: str, command: list[str], run_dir: Path) -> None:
+    print(f"== {name}: train/{trainer}.py", flush=True)
+    done = subprocess.run([sys.executable, str(TRAIN / f"{trainer}.py"), *command])
     if done.returncode != 0:
         raise SelfspecError(f"{name}: train/{trainer}.py failed (exit {done.returncode}); "
                             f"its log is in {run_dir}")
+
+
+def check_kept(trainer: str, command: list[str], run_dir: Path) -> None:
+    """A finished run is kept only if its trainer was given what `command` gives it now
+    (the check of a resume): a curve never mixes runs of two configs."""
+    cfg = compose(f"train_{trainer}", [o for o in command if not o.startswith("hydra.")])
+    check_kept_run(cfg, run_dir)
 
 
 def checked_methods(cfg: DictConfig) -> dict[str, list[str]]:

@@ -134,6 +134,7 @@ from selfspec.from_config.trainers import (  # noqa: F401
 )
 from selfspec.from_config.training import (  # noqa: F401
     RESUMABLE_CHANGES,
+    check_kept_run,
     compare_on_final_eval,
     deepspeed_config,
     distilled_corpus,

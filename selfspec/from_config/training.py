@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.decode import generate
 from selfspec.drafters import Drafter
+from selfspec.errors import SelfspecError
 from selfspec.from_config.common import device, positive_int, sampling_params
 from selfspec.from_config.models import (
     load_hf_model,
@@ -87,6 +88,17 @@ def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
     is refused (see `training.record_run_config`)."""
     checkpoints.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                resume=settings.resume, may_change=RESUMABLE_CHANGES)
+
+
+def check_kept_run(cfg: DictConfig, run_dir: str | Path) -> None:
+    """Refuse to keep a finished run of run_dir that was trained with settings other than
+    cfg's (the check a resume makes, without training): a curve never mixes runs of two
+    configs."""
+    changes = checkpoints.config_changes(run_dir, OmegaConf.to_container(cfg, resolve=True),
+                                         RESUMABLE_CHANGES)
+    if changes:
+        raise SelfspecError(f"{run_dir} finished with another config ({changes}); remove that "
+                            f"folder to train it again, or run with its values")
 
 
 def run_tracker(cfg: DictConfig, settings: TrainSettings, is_main_process: bool

@@ -35,16 +35,10 @@ def record_run_config(
     refuse a config that differs from it outside `may_change` (dotted keys or prefixes of
     settings that do not shape the weights or the optimizer), naming each key and both values.
     """
-    path, text = Path(run_dir) / RUN_CONFIG, json.dumps(config, indent=1, sort_keys=True,
-                                                         default=str)
+    path, text = Path(run_dir) / RUN_CONFIG, _config_text(config)
     if resume and path.is_file():
-        saved, now = (_flatten(json.loads(t)) for t in (path.read_text(), text))
-        differ = sorted(k for k in saved.keys() | now.keys()
-                        if saved.get(k, "<unset>") != now.get(k, "<unset>")
-                        and not any(k == m or k.startswith(m + ".") for m in may_change))
-        if differ:
-            changes = "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the run, "
-                                f"{now.get(k, '<unset>')!r} now" for k in differ)
+        changes = config_changes(run_dir, config, may_change)
+        if changes:
             raise SelfspecError(
                 f"trainer.resume=true: {run_dir} was trained with another config ({changes}); "
                 f"resume with the run's values, or start a new run folder")
@@ -52,6 +46,22 @@ def record_run_config(
     if int(os.environ.get("RANK", "0")) == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         write_atomically(path, text)
+
+
+def config_changes(run_dir: str | Path, config: dict, may_change: tuple[str, ...] = ()) -> str:
+    """How `config` differs from the one run_dir's run was started with, outside may_change:
+    "key: <the run's value> in the run, <config's> now; ..." ("" when it does not)."""
+    saved, now = (_flatten(json.loads(t)) for t in ((Path(run_dir) / RUN_CONFIG).read_text(),
+                                                    _config_text(config)))
+    differ = sorted(k for k in saved.keys() | now.keys()
+                    if saved.get(k, "<unset>") != now.get(k, "<unset>")
+                    and not any(k == m or k.startswith(m + ".") for m in may_change))
+    return "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the run, {now.get(k, '<unset>')!r} "
+                     f"now" for k in differ)
+
+
+def _config_text(config: dict) -> str:
+    return json.dumps(config, indent=1, sort_keys=True, default=str)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -42,3 +42,7 @@ def test_nested_answer_sets_train_from_one_store_and_draw_tau_against_data(tmp_p
     assert "+-" in done.stdout
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "== medusa" not in again.stdout  # finished runs are kept
+    other = subprocess.run([*command, "+method_overrides.medusa=['optim.lr=0.5']"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2  # a finished run of other settings is refused, not kept
+    assert "finished with another config (optim.lr:" in other.stderr.strip().splitlines()[-1]

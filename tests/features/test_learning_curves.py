@@ -20,13 +20,11 @@ def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, q
              f"train_data.path={sharegpt_file(tmp_path)}", "trainer.micro_batch_size=4",
              "trainer.seq_len=32", "trainer.threads=1", "final_eval.num_prompts=2",
              "final_eval.max_new_tokens=12", "trainer.tau_new_tokens=16", "wandb.enabled=false"]
-    done = subprocess.run(
-        [sys.executable, str(ENTRY), "model=local", f"model.path={model}", "minutes=0.05",
-         "eval_every=3",
-         "tau_prompts=2",
-         "methods=[medusa,draft]",
-         f"train_overrides=[{','.join(repr(o) for o in extra)}]", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, str(ENTRY), "model=local", f"model.path={model}", "minutes=0.05",
+               "eval_every=3", "tau_prompts=2", f"hydra.run.dir={run_dir}",
+               f"train_overrides=[{','.join(repr(o) for o in extra)}]"]
+    done = subprocess.run([*command, "methods=[medusa,draft]"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     curves = json.loads((run_dir / "curves.json").read_text())
     assert set(curves) == {"medusa", "draft"}
@@ -40,14 +38,18 @@ def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, q
 
     # run again in the same folder: the finished run is kept, not trained again
     finished = (run_dir / "medusa" / "summary.json").stat().st_mtime_ns
-    again = subprocess.run(
-        [sys.executable, str(ENTRY), "model=local", f"model.path={model}", "minutes=0.05",
-         "methods=[medusa]", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = subprocess.run([*command, "methods=[medusa]"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "medusa: kept" in again.stdout
     assert (run_dir / "medusa" / "summary.json").stat().st_mtime_ns == finished
     assert json.loads((run_dir / "curves.json").read_text())["medusa"] == curves["medusa"]
+    # with another setting the finished run is not silently kept
+    other = subprocess.run([*command, "methods=[medusa]", "+method_overrides.medusa="
+                            "['optim.lr=0.5']"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert other.returncode == 2
+    assert "finished with another config (optim.lr:" in other.stderr.strip().splitlines()[-1]
 
 
 def test_a_bad_method_list_is_one_line():
