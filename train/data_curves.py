@@ -35,6 +35,20 @@ TRAIN = Path(__file__).resolve().parent
 def main(cfg: DictConfig) -> None:
     methods, sizes = checked(cfg)
     folder = Path(cfg.run_dir)
+    results = finished_runs(cfg, methods, sizes) if cfg.draw_only else train_all(cfg, methods,
+                                                                                 sizes)
+    (folder / "curves.json").write_text(json.dumps(results, indent=1))
+    data_curves_figure(results, f"held-out tau against answers and epochs, {cfg.model.name} "
+                       f"({cfg.tau_prompts} prompts)").savefig(folder / "data_curves.png",
+                                                               dpi=110)
+    print(table(results))
+    print(f"figures in {folder.resolve()}")
+
+
+def train_all(cfg: DictConfig, methods: dict[str, list[str]], sizes: list[int]
+              ) -> dict[str, dict[int, list]]:
+    """Every method on every answer set, the smaller sets first (a finished run is kept)."""
+    folder = Path(cfg.run_dir)
     store = build_store(cfg, folder / "store", max(sizes)) if cfg.store.enabled else None
     results: dict[str, dict[int, list]] = {name: {} for name in methods}
     for answers in sizes:
@@ -49,12 +63,16 @@ def main(cfg: DictConfig) -> None:
                       flush=True)
                 run([TRAIN / f"{trainer}.py", *command], f"{name} N={answers}")
             results[name][answers] = tau_curve(run_dir)
-    (folder / "curves.json").write_text(json.dumps(results, indent=1))
-    data_curves_figure(results, f"held-out tau against answers and epochs, {cfg.model.name} "
-                       f"({cfg.tau_prompts} prompts)").savefig(folder / "data_curves.png",
-                                                               dpi=110)
-    print(table(results))
-    print(f"figures in {folder.resolve()}")
+    return results
+
+
+def finished_runs(cfg: DictConfig, methods: dict[str, list[str]], sizes: list[int]
+                  ) -> dict[str, dict[int, list]]:
+    """draw_only: the curves of the runs that finished so far, training nothing (a long run
+    can be drawn while it goes on)."""
+    folder = Path(cfg.run_dir)
+    return {name: {n: tau_curve(folder / name / f"N{n}") for n in sizes
+                   if finished(folder / name / f"N{n}", float(cfg.epochs))} for name in methods}
 
 
 def checked(cfg: DictConfig) -> tuple[dict[str, list[str]], list[int]]:

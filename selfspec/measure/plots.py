@@ -348,7 +348,8 @@ def data_curves_figure(curves: Mapping[str, Mapping[int, Sequence[Row]]], title:
         axes.set(title=method, xlabel="epochs", ylabel="held-out tau (greedy)")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        if by_size:  # a method none of whose runs finished yet (draw_only) has no lines
+            axes.legend(fontsize=7)
     last = panels[-1]
     for i, (method, by_size) in enumerate(curves.items()):
         sizes = sorted(size for size, points in by_size.items() if points)

@@ -42,6 +42,10 @@ def test_nested_answer_sets_train_from_one_store_and_draw_tau_against_data(tmp_p
     assert "+-" in done.stdout
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "== medusa" not in again.stdout  # finished runs are kept
+    drawn = subprocess.run([*command, "answers=[20,50,80]", "draw_only=true"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0 and "== " not in drawn.stdout  # nothing trained, no store
+    assert json.loads((run_dir / "curves.json").read_text()) == curves  # N=80 never ran
     other = subprocess.run([*command, "+method_overrides.medusa=['optim.lr=0.5']"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert other.returncode == 2  # a finished run of other settings is refused, not kept
