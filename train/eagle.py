@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.heads.draft_vocab import save_token_counts, token_counts
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import describe_target, save_head
 from selfspec.model.plan import head_training_lines
@@ -44,12 +45,15 @@ def main(cfg: DictConfig) -> None:
     objective = from_config.eagle_objective(cfg, target, head, features)
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
     buffers = {name: b.detach().clone() for name, b in head.named_buffers()}  # EAGLE-3 d2t, t2d
+    counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
-        """The head alone (safetensors + config), in the published checkpoints' names."""
+        """The head alone (safetensors + config), in the published checkpoints' names, and the
+        training data's token counts (an EAGLE-1 head's eagle.draft_vocab is chosen from them)."""
         trained = EagleHead(head_config)
         trained.load_state_dict(state_part(state, "head.") | buffers)
         save_head(folder, trained, head_config, target_info)
+        save_token_counts(folder, counts)
 
     result = fit(objective, train, heldout, settings, accelerator=accelerator, tracker=tracker,
                  export=export, judge=judge)

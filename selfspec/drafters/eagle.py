@@ -35,6 +35,11 @@ the static draft plans from the shape alone (`level_plan`): a child that a law c
 (a top-k or top-p cut, or an underflow) is missing with its subtree, and its budget is not
 spent elsewhere. Each level's children are drawn from one block of uniforms, a row per
 planned parent, as the static draft draws them.
+
+`draft_vocab` (EAGLE-1 heads): the head's features go through only the K rows of the target's
+LM head that a draft vocabulary keeps (the head's K most frequent training tokens), -inf
+elsewhere, as EAGLE-3's own LM head scores its draft vocabulary: a cheaper draft whose tokens
+outside the vocabulary are never proposed. It drafts on the host path.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.eagle_static import (
@@ -52,8 +58,10 @@ from selfspec.drafters.eagle_static import (
     StaticShape,
     level_plan,
 )
+from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import check_fused_target
+from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked
 from selfspec.sampling import gumbel_top, logits_to_probs
@@ -109,8 +117,13 @@ class EagleDrafter:
         depth: int | None = None,
         top_k: int | None = None,
         sampled_children: bool = True,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
+        if draft_vocab is not None and head.config.version != 1:
+            raise ValueError("EagleDrafter: draft_vocab restricts an EAGLE-1 head to rows of the "
+                             "target's LM head; an EAGLE-3 head scores its own draft vocabulary")
         self.head, self.sampled_children = head, bool(sampled_children)
+        self.draft_vocab, self._rows = draft_vocab, None
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
         self.shape: EagleShape = (_static_shape(head, tree, (total_tokens, depth, top_k))
                                   if tree is not None
@@ -127,7 +140,12 @@ class EagleDrafter:
         self._sampling = setup.sampling
         self._sampled = self.sampled_children and not setup.sampling.greedy
         self._committed = 0
-        self._use_static = setup.static_steps  # where the target runs static steps
+        # where the target runs static steps (a draft vocabulary drafts eagerly)
+        self._use_static = setup.static_steps and self.draft_vocab is None
+        if self.draft_vocab is not None:
+            weight = self.head.fc.weight
+            self._rows = vocab_rows(setup.target, self.draft_vocab).to(weight)
+            self.draft_vocab = self.draft_vocab.to(weight.device)
         if self._use_static:
             self._begin_static(setup)
             return
@@ -188,7 +206,14 @@ class EagleDrafter:
         embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, A, h]
         out = self.head(embeds, feature[None], positions, self._cache)[0]  # [A, h]
         self._committed = self._cache.length
-        return out[-1], self.head.target_logits(out[-1], self._target.lm_head)
+        return out[-1], self._scores(out[-1])
+
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., V] the head's scores over the target vocabulary; with a draft vocabulary only
+        its K rows of the target's LM head are computed (-inf elsewhere)."""
+        if self._rows is None:
+            return self.head.target_logits(hidden, self._target.lm_head)
+        return self.draft_vocab.scatter(F.linear(hidden, self._rows).float())
 
     # ---- growing a tree ------------------------------------------------------------------------
 
@@ -282,7 +307,7 @@ class EagleDrafter:
         embeds = self._target.embed_tokens(tokens)[None].to(weight)  # [1, n, h]
         mask = self._tree_mask(growth, nodes, past)
         out = self.head(embeds, feature, positions, self._cache, mask=mask)[0]  # [n, h]
-        logits = self.head.target_logits(out, self._target.lm_head)  # [n, V]
+        logits = self._scores(out)  # [n, V]
         for row, node in enumerate(nodes):
             growth.slot[node] = past + row
             growth.hidden[node], growth.logits[node] = out[row], logits[row]
@@ -311,6 +336,15 @@ class EagleDrafter:
             return Draft(tree, tokens)
         q = torch.stack([growth.laws[n.law] for n in nodes])  # [N, V]
         return Draft(tree, tokens, q, without_replacement=True)
+
+
+def vocab_rows(target: Transformer, vocab: DraftVocab) -> torch.Tensor:
+    """[K, h] the target's LM-head rows of a draft vocabulary (a quantized head dequantized:
+    only drafts read them)."""
+    check_vocab_covers(vocab, target.config.vocab_size)
+    head = target.lm_head
+    weight = head.dense_weight() if hasattr(head, "dense_weight") else head.weight
+    return weight[vocab.to(weight.device).target_ids].detach()
 
 
 def committed_pairs(head: EagleHead, context: DraftContext, committed: int, name: str

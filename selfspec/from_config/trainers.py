@@ -204,8 +204,9 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
         if e.get("draft_vocab_size") is not None or layers is not None:
             raise ValueError(f"eagle.draft_vocab_size and eagle.target_layers are EAGLE-3's: an "
                              f"EAGLE-{version} head reads the last hidden state and scores the "
-                             f"whole vocabulary through the target's LM head; leave them unset, "
-                             f"or set eagle.version=3")
+                             f"whole vocabulary through the target's LM head (drafting, "
+                             f"eagle.draft_vocab=K keeps K rows of it); leave them unset, or set "
+                             f"eagle.version=3")
         return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
     draft_vocab = e.get("draft_vocab_size")
     try:

@@ -112,9 +112,10 @@ def load_draft_vocab(folder: str | Path, draft_vocab_size: int) -> DraftVocab:
     """The draft_vocab_size most frequent ids in the counts saved beside a model."""
     path = Path(folder) / COUNTS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a draft vocabulary needs the draft model's "
-                                f"training-data token counts (train/draft.py writes them); "
-                                f"drop draft_vocab to score the whole vocabulary")
+        raise FileNotFoundError(f"{path} not found: a draft vocabulary needs the token counts "
+                                f"of the drafter's training data (train/draft.py and "
+                                f"train/eagle.py write them beside their exports); drop "
+                                f"draft_vocab to score the whole vocabulary")
     return most_frequent(load_file(str(path))["token_counts"], draft_vocab_size)
 
 

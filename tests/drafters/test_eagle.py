@@ -17,6 +17,7 @@ from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.drafters import DraftContext, EagleDrafter
 from selfspec.drafters.eagle_static import DynamicShape, StaticShape
 from selfspec.heads import EagleConfig
+from selfspec.heads.draft_vocab import most_frequent
 from selfspec.model.kv_cache import KVCache
 
 PROMPTS = [
@@ -77,6 +78,36 @@ def test_greedy_is_lossless_and_accepted_with_fitted_heads(
                              static)
     # measured: every prompt 2.27 or more, each mode's mean 2.78 or more
     assert min(taus) > 2.0 and sum(taus) / len(taus) > 2.5, taus
+
+
+# ---- a draft vocabulary (EAGLE-1 heads) ------------------------------------------------------
+
+
+def continuation_vocab(plain_greedy, size: int):
+    """The `size` most frequent tokens of the target's own continuations (what a head trained
+    on them would have counted)."""
+    tokens = torch.tensor([t for new in plain_greedy.values() for t in new])
+    return most_frequent(torch.bincount(tokens, minlength=64), size)
+
+
+@pytest.mark.parametrize("mode", ["chain", "dynamic"])
+def test_a_draft_vocabulary_stays_lossless_and_drafts_only_its_tokens(
+    target, plain_greedy, fitted_heads, mode
+):
+    vocab = continuation_vocab(plain_greedy, 12)
+    kwargs = DRAFTERS[mode] | {"draft_vocab": vocab}
+    taus = greedy_with_eagle(target, fitted_heads[1], kwargs, plain_greedy)
+    assert sum(taus) / len(taus) > 1.5, taus  # the continuations' own tokens: still accepted
+    drafter = EagleDrafter(fitted_heads[1], **kwargs)
+    generate(target, PROMPTS[2], drafter=drafter, max_new_tokens=1)  # begin: the rows
+    drafter._cache.reset()
+    drafter._committed = 0
+    draft = drafter.propose(committed_context(target, fitted_heads[1], PROMPTS[2]))
+    assert draft.tree.num_nodes > 0 and vocab.t2d[draft.tokens].all()
+    full = torch.isfinite(fitted_heads[1].target_logits(torch.randn(3, 32), target.lm_head))
+    assert full.all() and torch.isfinite(drafter._scores(torch.randn(3, 32))).sum(-1).eq(12).all()
+    with pytest.raises(ValueError, match="EAGLE-3 head scores its own draft vocabulary"):
+        EagleDrafter(fitted_heads[3], **kwargs)
 
 
 # ---- what it proposes ------------------------------------------------------------------------
@@ -210,6 +241,14 @@ def test_sampling_through_eagle_follows_the_target_law(params, kwargs, samples):
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
     drafter = EagleDrafter(head, **kwargs)
     assert_drafted_sampling_is_exact(target, drafter, params, samples)
+
+
+def test_sampling_through_a_draft_vocabulary_follows_the_target_law():
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
+    vocab = most_frequent(torch.arange(SMALL_VOCAB), 5)  # q is zero on three target tokens
+    drafter = EagleDrafter(head, draft_vocab=vocab, **SAMPLED)
+    assert_drafted_sampling_is_exact(target, drafter, T1, FAST_LAW_SAMPLES)
 
 
 def test_sampled_children_come_with_their_laws(target):

@@ -1,12 +1,14 @@
 """eval/lossless.py on the toy target: every method's greedy rows equal plain decoding's."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from helpers import load_entry, sweep_variant, toy
 
 from selfspec import from_config, generate
+from selfspec.heads.draft_vocab import save_token_counts
 from selfspec.measure.grid import GridPoint
 from selfspec.measure.lossless import greedy_outputs
 from selfspec.measure.passes import BenchSettings, Method, measure_row
@@ -23,6 +25,27 @@ def test_lossless_passes_on_the_toy_target(quick_build, cfg_of, heads_dir, capsy
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and "medusa k=1: 3/3 prompts equal plain" in out
     assert "hf_assisted k=3: 3/3 prompts equal hf_plain" in out
+
+
+def test_an_eagle1_draft_vocabulary_is_lossless_and_eagle3_heads_refuse_one(
+        quick_build, cfg_of, eagle_dir, capsys, tmp_path):
+    head = tmp_path / "export"
+    shutil.copytree(eagle_dir, head)
+    counts = torch.arange(384).flip(0)  # the toy vocabulary; the draft vocabulary: ids 0..K-1
+    save_token_counts(head, counts)
+    cfg = cfg_of("lossless", *toy(quick_build)[:3], f"eagle_head={head}", "methods=[eagle]",
+                 "num_draft_tokens=[3]", "num_prompts=3", "max_new_tokens=16",
+                 "eagle.total_tokens=6", "eagle.top_k=2", "eagle.draft_vocab=64")
+    version = json.loads((head / "head_config.json").read_text())["config"]["version"]
+    if version == 3:
+        with pytest.raises(ValueError, match="EAGLE-3 head scores its own draft vocabulary"):
+            load_entry("lossless").run(cfg)
+        return
+    assert load_entry("lossless").run(cfg) == 0
+    assert "eagle k=3: 3/3 prompts equal plain" in capsys.readouterr().out
+    models = from_config.load_sweep_models(cfg, (sweep_variant(cfg, "eagle"),))
+    drafter = from_config.build_method(models, sweep_variant(cfg, "eagle"), 3).decoder.drafter
+    assert drafter.draft_vocab.t2d.sum() == 64 and drafter.draft_vocab.t2d[:64].all()
 
 
 def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, capsys, tmp_path):

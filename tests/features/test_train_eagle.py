@@ -9,6 +9,7 @@ import torch
 from helpers import HAS_WANDB, LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file
 
 from selfspec.heads import EagleConfig, EagleHead, load_head
+from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.model import Transformer
 from selfspec.training.tracking import read_metrics
 
@@ -42,6 +43,9 @@ def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build)
     head = load_head(run_dir / "checkpoints/step_0000008/export", EagleHead, EagleConfig,
                      target=target)
     assert head.config.version == 1 and "fc.bias" in head.state_dict()
+    # the training tokens' counts, from which eagle.draft_vocab=K picks K when drafting
+    vocab = load_draft_vocab(run_dir / "checkpoints/step_0000008/export", 16)
+    assert len(vocab.t2d) == target.config.vocab_size and int(vocab.t2d.sum()) == 16
 
 
 @pytest.mark.slow

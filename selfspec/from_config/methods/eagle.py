@@ -25,6 +25,7 @@ from selfspec.from_config.methods.entry import (
     required_head_folder,
     when_set,
 )
+from selfspec.heads.draft_vocab import DraftVocab, load_draft_vocab
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
@@ -36,6 +37,9 @@ HEAD = "eagle_head"  # the setting naming the head's export folder
 def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     required_head_folder(cfg, HEAD, "eagle", "eagle", "a trained head")
     check_eagle_tree(cfg, lengths)
+    size = cfg.eagle.get("draft_vocab")
+    if size is not None and not is_count(size):
+        raise ValueError(f"eagle.draft_vocab must be null or a token count >= 1, got {size!r}")
 
 
 def check_eagle_tree(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
@@ -65,7 +69,17 @@ def drafter(loaded: Loaded, variant: Variant, k: int) -> EagleDrafter | Parallel
         return ParallelEagleDrafter(eagle, k, tree_nodes=e.get("tree_nodes"),
                                     sampled_children=e.sampled_children)
     return EagleDrafter(eagle, total_tokens=e.total_tokens, depth=k, top_k=e.top_k,
-                        sampled_children=e.sampled_children)
+                        sampled_children=e.sampled_children, draft_vocab=draft_vocab(loaded))
+
+
+def draft_vocab(loaded: Loaded) -> DraftVocab | None:
+    """eagle.draft_vocab=K: the K most frequent tokens of the head's training data (the counts
+    train/eagle.py keeps beside its export); null: the whole vocabulary."""
+    size = loaded.cfg.eagle.get("draft_vocab")
+    if size is None:
+        return None
+    folder = head_folder(loaded.cfg, HEAD)
+    return loaded.once(f"eagle_vocab/{size}", lambda: load_draft_vocab(folder, size))
 
 
 def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
