@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,17 +147,20 @@ def eagle_loss(
 
 
 def eagle3_loss(
-    step_logits: list[torch.Tensor],
+    step_outputs: list[torch.Tensor],
     target_logits: torch.Tensor,
     t2d: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
+    scores: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows,
 ) -> LossOutput:
     """EAGLE-3's training-time-test loss: sum over steps j of decay**j x the cross-entropy of
     step j's draft-vocabulary logits against the target's law restricted to the draft
     vocabulary.
 
-    step_logits: per step j, [B, T-1, Vd]: row t scores token t+2+j (`EagleHead.unroll`).
+    step_outputs: per step j, [B, T-1, ...]: row t scores token t+2+j (`EagleHead.unroll`);
+    scores turns the rows that count ([n, ...]) into draft-vocabulary logits [n, Vd] (the
+    head's norm and LM head, run on no other row; default: the outputs are the logits).
     target_logits: [B, T, V] the target's logits on the row (position i: the law of token i+1).
     t2d: [V] bool, the draft vocabulary. loss_mask: [B, T] whether a token is a prediction
     target (None: every token). Row t of step j counts when token t+2+j exists and counts, and
@@ -169,14 +173,15 @@ def eagle3_loss(
     mask = mask if loss_mask is None else loss_mask.bool()
     teacher = DraftTeacher.of(target_logits, t2d)
     total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
-    for j, logits in enumerate(step_logits):
+    for j, outputs in enumerate(step_outputs):
         n = max(length - 2 - j, 0)  # rows whose token t+2+j exists
         law = teacher.at(slice(1 + j, 1 + j + n))  # the laws of tokens t+2+j: [B, n, ...]
         rows = mask[:, 2 + j: 2 + j + n] & law.in_vocab  # [B, n]
-        step = _masked_mean(cross_entropy_to(logits[:, :n], law.probs), rows)
+        logits = scores(outputs[:, :n][rows])  # [m, Vd], the counted rows alone
+        step = cross_entropy_to(logits, law.probs[rows]).sum() / max(len(logits), 1)
         total = total + decay**j * step
         metrics[f"eagle3/step{j}_loss"] = float(step.detach())
-        metrics[f"eagle3/step{j}_top1"] = _hits(logits[:, :n], law.top, rows)
+        metrics[f"eagle3/step{j}_top1"] = _hits(logits, law.top[rows])
     return LossOutput(total, metrics)
 
 
@@ -314,10 +319,13 @@ def _agreement(logits: torch.Tensor, teacher_logits: torch.Tensor, rows: torch.T
     return _hits(logits, teacher_logits.argmax(-1), rows)
 
 
-def _hits(logits: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor) -> float:
-    """Share of the counted rows where the argmax of logits is `wanted` (0 when none counts)."""
-    same = (logits.detach().argmax(-1) == wanted) & rows
-    return float(same.sum()) / max(float(rows.sum()), 1.0)
+def _hits(logits: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor | None = None
+          ) -> float:
+    """Share of the counted rows (None: all) where the argmax of logits is `wanted` (0 when
+    none counts)."""
+    same = logits.detach().argmax(-1) == wanted
+    rows = torch.ones_like(same) if rows is None else rows
+    return float((same & rows).sum()) / max(float(rows.sum()), 1.0)
 
 
 def _check_eagle_inputs(

@@ -164,15 +164,20 @@ class EagleObjective(nn.Module):
         self.features = feature_source((), cache_features, features, "EagleObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        last, _, target_logits, embeds = _target_states(self.target, tokens, (), self.features)
+        with torch.no_grad():
+            last = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
+            embeds = self.target.embed_tokens(tokens)
         feature = self._noisy(last[:, :-1])  # [B, T-1, H] f_t for t <= T-2
         positions = torch.arange(tokens.shape[1] - 1, device=tokens.device)
         predicted = self.head(embeds[:, 1:], feature, positions)  # [B, T-1, H] f_{t+1}
-        logits = self.head.logits(predicted, self.target.lm_head)  # [B, T-1, V]
         valid = torch.cat([loss_mask[:, 2:].bool(), loss_mask.new_zeros(
             loss_mask.shape[0], 1, dtype=torch.bool)], dim=1)  # [B, T-1]: token t+2 counts
-        return eagle_loss(predicted, logits, last[:, 1:], target_logits[:, 1:], valid,
-                          self.feature_weight, self.token_weight)
+        # Both LM heads score only the rows that count (a chat row's prompt does not): [1, n].
+        kept, next_feature = predicted[valid][None], last[:, 1:][valid][None]
+        with torch.no_grad():
+            target_logits = self.target.logits_of(next_feature)
+        return eagle_loss(kept, self.head.logits(kept, self.target.lm_head), next_feature,
+                          target_logits, None, self.feature_weight, self.token_weight)
 
     def _noisy(self, feature: torch.Tensor) -> torch.Tensor:
         if not self.training or self.feature_noise == 0:
@@ -218,8 +223,9 @@ class Eagle3Objective(nn.Module):
         if self.head.config.parallel > 1:
             return self._parallel(tokens, loss_mask, feature, target_logits)
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
-        logits = [self.head.logits(h) for h in hidden]  # steps x [B, T-1, Vd]
-        return eagle3_loss(logits, target_logits, self.head.t2d, loss_mask, decay=self.decay)
+        # the head's LM head scores only the rows that count (a chat row's prompt does not)
+        return eagle3_loss(hidden, target_logits, self.head.t2d, loss_mask, decay=self.decay,
+                           scores=self.head.logits)
 
     def _parallel(self, tokens: torch.Tensor, loss_mask: torch.Tensor, feature: torch.Tensor,
                   target_logits: torch.Tensor) -> LossOutput:

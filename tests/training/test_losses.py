@@ -172,6 +172,16 @@ def test_eagle3_loss_matches_a_row_by_row_hand_computation():
         assert out.metrics[f"eagle3/step{j}_loss"] == pytest.approx(step, rel=1e-5)
         assert out.metrics[f"eagle3/step{j}_top1"] == pytest.approx(sum(hits) / len(hits))
     assert float(out.loss) == pytest.approx(total, rel=1e-5)
+    # scored from the step outputs, only the counted rows reach `scores`: the same loss
+    lift = torch.nn.Linear(5, int(t2d.sum()))
+    hidden = [torch.randn(batch, length - 1, 5) for _ in range(steps)]
+    seen = []
+    scored = eagle3_loss(hidden, target_logits, t2d, mask, decay=0.7,
+                         scores=lambda rows: seen.append(len(rows)) or lift(rows))
+    direct = eagle3_loss([lift(h) for h in hidden], target_logits, t2d, mask, decay=0.7)
+    assert float(scored.loss) == pytest.approx(float(direct.loss), rel=1e-6)
+    assert scored.metrics == pytest.approx(direct.metrics)
+    assert all(m < batch * (length - 2) for m in seen)
 
 
 # ---- early exit ------------------------------------------------------------------------------
