@@ -3,6 +3,7 @@
     python scripts/export_heads.py runs/medusa/checkpoints/step_0000200/export --to vllm out/
     python scripts/export_heads.py HEAD_FOLDER --to vllm|sglang|medusa|eagle OUT
     python scripts/export_heads.py HEAD_FOLDER --to selfspec --dtype float16 OUT   # half the size
+    python scripts/export_heads.py HEAD_FOLDER --to selfspec --dtype bfloat16 --draft-vocab 4096 OUT
 
 HEAD_FOLDER: a selfspec head export or a published Medusa / EAGLE folder. The launch command
 is printed and saved as OUT/SERVING.md. A Medusa-2 export's adapter is merged into its target,
@@ -12,12 +13,15 @@ written to OUT/target with transformers' save_pretrained (the model the engine m
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from selfspec.cli import exit_on_user_error
+from selfspec.heads import MedusaHeads
+from selfspec.heads.draft_vocab import COUNTS_FILE, load_token_counts
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
 from selfspec.heads.io import read_head, recorded_target, save_head
 from selfspec.heads.published import TargetNeeded
@@ -41,14 +45,18 @@ def main(argv: list[str]) -> None:
                         help="the target's name in the launch command (default: --target)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="of the written weights (default: as stored)")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                        help="with --to selfspec: Medusa heads that score only the K tokens of "
+                             "their vocabulary most frequent in their training data")
     args = parser.parse_args(argv)
     target_folder = args.target or recorded_target(args.head_folder)
     target = ModelConfig.from_folder(target_folder) if target_folder else None
     head, info = _read(args.head_folder, target)
-    if args.to == SELFSPEC:  # loads wherever the head loaded; a cast shrinks shipped heads
-        module = head.to(DTYPES[args.dtype]) if args.dtype else head
-        print(f"wrote {save_head(args.out, module, head.config, info.get('target', {}))}")
-        return
+    if args.to == SELFSPEC:
+        return _rewrite(head, info, args)
+    if args.draft_vocab is not None:
+        raise ValueError("--draft-vocab narrows heads written --to selfspec; an engine's "
+                         "layout keeps the head's own vocabulary")
     recorded = info.get("target", {})
     base = args.base_model or (str(target_folder) if target_folder else info["base_model"])
     adapter = args.head_folder / ADAPTER_DIR
@@ -67,6 +75,22 @@ def main(argv: list[str]) -> None:
     print(f"wrote {exported.folder} for {args.to}; launch with:\n  {exported.command}")
     for note in exported.notes:
         print(f"  - {note}")
+
+
+def _rewrite(head, info: dict, args: argparse.Namespace) -> None:
+    """The head in selfspec's layout, where it loads as before: cast (a cast shrinks shipped
+    heads), narrowed to its K most frequent tokens, with its training data's token counts."""
+    counts = args.head_folder / COUNTS_FILE
+    if args.draft_vocab is not None:
+        if not isinstance(head, MedusaHeads):
+            raise ValueError(f"--draft-vocab narrows Medusa heads, not {type(head).__name__}; "
+                             f"an EAGLE-1/2 head takes eagle.draft_vocab=K when it is loaded")
+        head = head.narrowed(load_token_counts(args.head_folder), args.draft_vocab)
+    module = head.to(DTYPES[args.dtype]) if args.dtype else head
+    folder = save_head(args.out, module, head.config, info.get("target", {}))
+    if counts.is_file():
+        shutil.copyfile(counts, folder / COUNTS_FILE)
+    print(f"wrote {folder}")
 
 
 def _read(folder: Path, target: ModelConfig | None):

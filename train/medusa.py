@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.heads.draft_vocab import save_token_counts, token_counts
 from selfspec.heads.io import describe_target, save_head
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.measure.lossless import greedy_agreement
@@ -49,12 +50,16 @@ def main(cfg: DictConfig) -> None:
     tracker = from_config.run_tracker(cfg, settings, accelerator.is_main_process)
 
     buffers = {name: b.detach().clone() for name, b in heads.named_buffers()}  # d2t, t2d
+    counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
 
     def export(state: dict[str, torch.Tensor], folder: Path) -> None:
-        """Heads alone (safetensors + config); Medusa-2 adds its adapter in peft's format."""
+        """Heads alone (safetensors + config) and the training data's token counts (from which
+        scripts/export_heads.py --draft-vocab narrows them); Medusa-2 adds its adapter in
+        peft's format."""
         trained = MedusaHeads(head_config)
         trained.load_state_dict(state_part(state, "heads.") | buffers)
         save_head(folder, trained, head_config, target_info)
+        save_token_counts(folder, counts)
         if version == 2:
             save_adapter(objective.target, folder / ADAPTER_DIR, state_part(state, "target."))
 

@@ -83,6 +83,24 @@ def most_frequent(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
     return DraftVocab(d2t, t2d)
 
 
+def narrowed(vocab: DraftVocab, counts: torch.Tensor, size: int) -> tuple[DraftVocab,
+                                                                         torch.Tensor]:
+    """The `size` ids of `vocab` most frequent in `counts` [V] (ties: lower id first), and the
+    draft ids they held in `vocab`: the rows of a head's projection that score them."""
+    if not 1 <= size <= len(vocab.d2t):
+        raise ValueError(f"draft vocabulary: it can be narrowed to 1..{len(vocab.d2t)} tokens "
+                         f"(the tokens it holds), got {size}")
+    check_vocab_covers(vocab, len(counts))
+    kept = most_frequent(counts.cpu().masked_fill(~vocab.t2d.cpu(), -1), size)
+    return kept, vocab.to("cpu").draft_ids(kept.target_ids)[0]
+
+
+def whole_vocab(vocab_size: int) -> DraftVocab:
+    """Every target id: the draft vocabulary of a head that scores the whole vocabulary."""
+    return DraftVocab(torch.zeros(vocab_size, dtype=torch.long),
+                      torch.ones(vocab_size, dtype=torch.bool))
+
+
 def rarest_token(counts: torch.Tensor) -> int:
     """The id with the lowest count [V], the highest id among equals: a mask token that
     stands for nothing the counted rows say (DFlash's, PARD's)."""
@@ -108,15 +126,20 @@ def save_token_counts(folder: str | Path, counts: torch.Tensor) -> None:
     save_file({"token_counts": counts.cpu().long()}, str(Path(folder) / COUNTS_FILE))
 
 
-def load_draft_vocab(folder: str | Path, draft_vocab_size: int) -> DraftVocab:
-    """The draft_vocab_size most frequent ids in the counts saved beside a model."""
+def load_token_counts(folder: str | Path) -> torch.Tensor:
+    """[V] the training-data token counts saved beside a model (`save_token_counts`)."""
     path = Path(folder) / COUNTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a draft vocabulary needs the token counts "
-                                f"of the drafter's training data (train/draft.py and "
-                                f"train/eagle.py write them beside their exports); drop "
-                                f"draft_vocab to score the whole vocabulary")
-    return most_frequent(load_file(str(path))["token_counts"], draft_vocab_size)
+                                f"of the drafter's training data (train/draft.py, "
+                                f"train/eagle.py and train/medusa.py write them beside their "
+                                f"exports); drop draft_vocab to score the whole vocabulary")
+    return load_file(str(path))["token_counts"]
+
+
+def load_draft_vocab(folder: str | Path, draft_vocab_size: int) -> DraftVocab:
+    """The draft_vocab_size most frequent ids in the counts saved beside a model."""
+    return most_frequent(load_token_counts(folder), draft_vocab_size)
 
 
 def set_head_vocab(who: str, head: torch.nn.Module, vocab: DraftVocab, size: int | None,

@@ -10,13 +10,19 @@ every head in one matmul. Trainable modules only: decoding lives in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from selfspec.heads.base import Head
-from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
+from selfspec.heads.draft_vocab import (
+    DraftVocab,
+    default_vocab,
+    narrowed,
+    set_head_vocab,
+    whole_vocab,
+)
 from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
 
@@ -119,6 +125,24 @@ class MedusaHeads(Head):
         set_head_vocab("MedusaHeads", self, vocab, self.config.draft_vocab_size,
                        self.config.vocab_size)
         return self
+
+    @torch.no_grad()
+    def narrowed(self, counts: torch.Tensor, size: int) -> MedusaHeads:
+        """A copy that scores only the `size` tokens of this vocabulary most frequent in
+        `counts` [V] (each projection keeps their rows): smaller heads to ship, whose logits
+        on the tokens kept are these heads' own."""
+        if self.config.shared_lm_head:
+            raise ValueError("MedusaHeads.narrowed: these heads share the target's LM head; "
+                             "they have no projection of their own to narrow")
+        vocab, rows = narrowed(self.draft_vocab or whole_vocab(self.config.vocab_size), counts,
+                               size)
+        weight = next(self.parameters())
+        smaller = MedusaHeads(replace(self.config, draft_vocab_size=size))
+        smaller.to(device=weight.device, dtype=weight.dtype).set_draft_vocab(vocab)
+        for new, old in zip(smaller.heads, self.heads):
+            new.blocks.load_state_dict(old.blocks.state_dict())
+            new.lm_head.weight.copy_(old.lm_head.weight[rows.to(weight.device)])
+        return smaller
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of the heads' output indices (the same ids without a draft vocab)."""

@@ -67,6 +67,39 @@ def test_the_script_exports_a_medusa2_export_with_its_merged_target(tmp_path, qu
     same_state(loaded.state_dict(), heads.state_dict())
 
 
+def test_the_script_narrows_medusa_heads_to_their_most_frequent_tokens_for_shipping(
+        target, tmp_path, capsys):
+    from selfspec.heads import describe_target, save_head
+    from selfspec.heads.draft_vocab import COUNTS_FILE, save_token_counts
+
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(target))
+    counts = torch.arange(V).flip(0)  # low ids most frequent
+    save_token_counts(export, counts)
+    run_export([str(export), "--to", "selfspec", "--dtype", "bfloat16", "--draft-vocab", "8",
+                str(tmp_path / "small")], capsys)
+    small = load_head(tmp_path / "small", target=target)
+    assert small.draft_vocab.target_ids.tolist() == list(range(8))
+    stored = load_file(tmp_path / "small" / "model.safetensors")
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
+    hidden = torch.randn(3, H)
+    torch.testing.assert_close(small(hidden), heads(hidden)[..., :8], rtol=0.02, atol=0.02)
+    assert torch.equal(load_file(tmp_path / "small" / COUNTS_FILE)["token_counts"], counts)
+
+
+def test_narrowing_needs_the_counts_and_medusa_heads(target, tmp_path, capsys):
+    from selfspec.heads import describe_target, save_head
+
+    heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2))
+    export = save_head(tmp_path / "export", heads, heads.config, describe_target(target))
+    for to, error in [("selfspec", "train/medusa.py write them"),
+                      ("vllm", "--draft-vocab narrows heads written --to selfspec")]:
+        with pytest.raises(SystemExit) as exit:
+            run_export([str(export), "--to", to, "--draft-vocab", "8", str(tmp_path / to)],
+                       capsys)
+        assert exit.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_the_script_rewrites_a_head_in_half_precision_that_loads_as_before(target, tmp_path,
                                                                            capsys):
     from selfspec.heads import describe_target, save_head

@@ -13,7 +13,10 @@ from helpers import (
     suite_threads,
 )
 
+import torch
+
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
+from selfspec.heads.draft_vocab import load_token_counts, most_frequent
 from selfspec.model import Transformer
 from selfspec.model.lora import merge_adapter
 from selfspec.training.tracking import read_metrics
@@ -45,6 +48,9 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     assert heads.config.num_heads == 4 and heads.config.draft_vocab_size == 256
     assert heads.heads[0].lm_head.weight.shape == (256, target.config.hidden_size)
     assert heads.draft_vocab.t2d.sum() == 256 and heads.d2t.abs().sum() > 0  # not the default
+    # the training tokens' counts beside them chose their vocabulary, and narrow it to ship
+    counts = load_token_counts(run_dir / "checkpoints/step_0000008/export")
+    assert torch.equal(heads.draft_vocab.t2d, most_frequent(counts, 256).t2d)
 
 
 @pytest.mark.slow

@@ -61,5 +61,5 @@ def test_token_counts_choose_any_vocabulary_size_later(tmp_path):
     assert load_draft_vocab(tmp_path, 2).target_ids.tolist() == [3, 5]  # 4x each, then 7 (3x)
     assert load_draft_vocab(tmp_path, 3).target_ids.tolist() == [3, 5, 7]
     assert load_draft_vocab(tmp_path, 4).target_ids.tolist() == [3, 5, 7, 9]
-    with pytest.raises(FileNotFoundError, match="train/draft.py and train/eagle.py write them"):
+    with pytest.raises(FileNotFoundError, match="train/eagle.py and train/medusa.py write them"):
         load_draft_vocab(tmp_path / "elsewhere", 2)

@@ -110,3 +110,35 @@ def test_a_vocabulary_of_the_wrong_size_is_refused(target):
     with pytest.raises(ValueError, match="draft vocabulary of 3 of 64 ids, got 2 of 64"):
         heads.set_draft_vocab(draft_vocabulary(torch.tensor([1, 2]), 64, 2))
     assert isinstance(heads.draft_vocab, DraftVocab)
+
+
+# ---- narrowing trained heads to their most frequent tokens, to ship them smaller ------------
+
+
+@pytest.mark.parametrize("start", [None, [1, 4, 9, 30, 40, 63]])
+def test_narrowed_heads_keep_their_logits_on_the_most_frequent_tokens(start):
+    config = MedusaConfig(hidden_size=32, vocab_size=64, num_heads=3, num_layers=2,
+                          draft_vocab_size=None if start is None else len(start))
+    heads = random_medusa_heads(config, 3)
+    if start is not None:
+        heads.set_draft_vocab(draft_vocabulary(torch.tensor(start), 64, len(start)))
+    counts = torch.zeros(64, dtype=torch.long)
+    counts[[9, 40, 63, 2]] = torch.tensor([5, 9, 7, 50])  # 2 is outside `start`: never kept
+    smaller = heads.narrowed(counts, 3)
+    kept = [2, 40, 63] if start is None else [9, 40, 63]
+    assert smaller.draft_vocab.target_ids.tolist() == kept
+    assert smaller.config.draft_vocab_size == 3
+    hidden = torch.randn(5, 32)
+    full = heads.draft_vocab.scatter(heads(hidden)) if start is not None else heads(hidden)
+    torch.testing.assert_close(smaller(hidden), full[..., kept])
+    same = heads.narrowed(counts, len(start or range(64)))
+    torch.testing.assert_close(same(hidden), heads(hidden))  # narrowed to itself: unchanged
+
+
+def test_narrowing_refuses_a_size_it_cannot_hold_and_shared_heads():
+    heads = random_medusa_heads(MedusaConfig(hidden_size=8, vocab_size=16, draft_vocab_size=4), 0)
+    with pytest.raises(ValueError, match="narrowed to 1..4 tokens"):
+        heads.narrowed(torch.ones(16, dtype=torch.long), 5)
+    shared = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, shared_lm_head=True))
+    with pytest.raises(ValueError, match="share the target's LM head"):
+        shared.narrowed(torch.ones(16, dtype=torch.long), 4)
