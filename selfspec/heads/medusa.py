@@ -139,7 +139,7 @@ class MedusaHeads(Head):
         weight = next(self.parameters())
         smaller = MedusaHeads(replace(self.config, draft_vocab_size=size))
         smaller.to(device=weight.device, dtype=weight.dtype).set_draft_vocab(vocab)
-        for new, old in zip(smaller.heads, self.heads):
+        for new, old in zip(smaller.heads, self.heads, strict=True):
             new.blocks.load_state_dict(old.blocks.state_dict())
             new.lm_head.weight.copy_(old.lm_head.weight[rows.to(weight.device)])
         return smaller

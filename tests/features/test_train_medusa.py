@@ -4,6 +4,7 @@ import json
 from functools import partial
 
 import pytest
+import torch
 from helpers import (
     HAS_WANDB,
     LEARNS,
@@ -12,8 +13,6 @@ from helpers import (
     sharegpt_file,
     suite_threads,
 )
-
-import torch
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.heads.draft_vocab import load_token_counts, most_frequent
