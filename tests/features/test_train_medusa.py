@@ -1,7 +1,10 @@
 """`python train/medusa.py` end to end on a toy target, and its dry run for a 70B target."""
 
 import json
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +18,13 @@ from helpers import (
 )
 
 from selfspec.heads import MedusaConfig, MedusaHeads, load_head
-from selfspec.heads.draft_vocab import load_token_counts, most_frequent
+from selfspec.heads.draft_vocab import COUNTS_FILE, load_token_counts, most_frequent
 from selfspec.model import Transformer
 from selfspec.model.lora import merge_adapter
 from selfspec.training.tracking import read_metrics
 
 run_entry = partial(run_trainer, "medusa")
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 @pytest.mark.slow
 def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
@@ -50,6 +54,14 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     # the training tokens' counts beside them chose their vocabulary, and narrow it to ship
     counts = load_token_counts(run_dir / "checkpoints/step_0000008/export")
     assert torch.equal(heads.draft_vocab.t2d, most_frequent(counts, 256).t2d)
+    # and scripts/token_counts.py rebuilds them from the run's recorded config alone
+    for export in run_dir.glob("checkpoints/*/export"):
+        (export / COUNTS_FILE).unlink()
+    rebuilt = subprocess.run([sys.executable, str(SCRIPTS / "token_counts.py"), str(run_dir)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    for export in run_dir.glob("checkpoints/*/export"):
+        assert torch.equal(load_token_counts(export), counts)
 
 
 @pytest.mark.slow
