@@ -95,12 +95,6 @@ def narrowed(vocab: DraftVocab, counts: torch.Tensor, size: int) -> tuple[DraftV
     return kept, vocab.to("cpu").draft_ids(kept.target_ids)[0]
 
 
-def whole_vocab(vocab_size: int) -> DraftVocab:
-    """Every target id: the draft vocabulary of a head that scores the whole vocabulary."""
-    return DraftVocab(torch.zeros(vocab_size, dtype=torch.long),
-                      torch.ones(vocab_size, dtype=torch.bool))
-
-
 def rarest_token(counts: torch.Tensor) -> int:
     """The id with the lowest count [V], the highest id among equals: a mask token that
     stands for nothing the counted rows say (DFlash's, PARD's)."""

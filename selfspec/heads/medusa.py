@@ -21,7 +21,6 @@ from selfspec.heads.draft_vocab import (
     default_vocab,
     narrowed,
     set_head_vocab,
-    whole_vocab,
 )
 from selfspec.model import Linear  # nn.Linear with the CPU's faster few-row products
 
@@ -134,8 +133,8 @@ class MedusaHeads(Head):
         if self.config.shared_lm_head:
             raise ValueError("MedusaHeads.narrowed: these heads share the target's LM head; "
                              "they have no projection of their own to narrow")
-        vocab, rows = narrowed(self.draft_vocab or whole_vocab(self.config.vocab_size), counts,
-                               size)
+        whole = self.config.vocab_size  # the first V of V ids: every id
+        vocab, rows = narrowed(self.draft_vocab or default_vocab(whole, whole), counts, size)
         weight = next(self.parameters())
         smaller = MedusaHeads(replace(self.config, draft_vocab_size=size))
         smaller.to(device=weight.device, dtype=weight.dtype).set_draft_vocab(vocab)
