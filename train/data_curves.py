@@ -37,6 +37,7 @@ def main(cfg: DictConfig) -> None:
     folder = Path(cfg.run_dir)
     results = finished_runs(cfg, methods, sizes) if cfg.draw_only else train_all(cfg, methods,
                                                                                  sizes)
+    results = with_earlier(results, cfg.earlier)
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     data_curves_figure(results, f"held-out tau against answers and epochs, {cfg.model.name} "
                        f"({cfg.tau_prompts} prompts)").savefig(folder / "data_curves.png",
@@ -73,6 +74,22 @@ def finished_runs(cfg: DictConfig, methods: dict[str, list[str]], sizes: list[in
     folder = Path(cfg.run_dir)
     return {name: {n: tau_curve(folder / name / f"N{n}") for n in sizes
                    if finished(folder / name / f"N{n}", float(cfg.epochs))} for name in methods}
+
+
+def with_earlier(results: dict[str, dict[int, list]], earlier: list[str] | None
+                 ) -> dict[str, dict[int, list]]:
+    """This run's curves and, where it has no run of its own, the points of earlier curves.json
+    files (runs made elsewhere whose folders are gone), so that one figure holds them all."""
+    merged: dict[str, dict[int, list]] = {}
+    for path in earlier or []:
+        if not Path(path).is_file():
+            raise SelfspecError(f"earlier: no curves.json at {path}; give the curves.json "
+                                f"files of earlier runs")
+        for name, by_size in json.loads(Path(path).read_text()).items():
+            merged.setdefault(name, {}).update({int(n): curve for n, curve in by_size.items()})
+    for name, by_size in results.items():
+        merged.setdefault(name, {}).update(by_size)
+    return {name: dict(sorted(by_size.items())) for name, by_size in merged.items()}
 
 
 def checked(cfg: DictConfig) -> tuple[dict[str, list[str]], list[int]]:

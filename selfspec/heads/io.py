@@ -22,6 +22,7 @@ from torch import nn
 from selfspec.heads.base import head_types
 from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
 from selfspec.model import ModelConfig, Transformer, dense_weight
+from selfspec.model.converted import described_source
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -40,7 +41,7 @@ def describe_target(target: Transformer) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "num_layers": config.num_layers,
         "model_type": config.model_type,
-        "source": target.source,
+        "source": described_source(target.source),  # a conversion's package, not its cache
     }
 
 

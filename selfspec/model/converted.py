@@ -115,6 +115,18 @@ def is_converted(folder: Path, source: GGUFSource) -> bool:
     return same and (folder / "config.json").is_file()
 
 
+def described_source(folder: str | Path | None) -> str | None:
+    """What a model folder was made from, in words that hold on any machine: a conversion's
+    package, version and file (not the cache path it sits in here), else the folder itself."""
+    if folder is None:
+        return None
+    try:
+        record = json.loads((Path(folder) / RECORD).read_text())
+        return f"{record['package']} {record['version']} ({record['file']})"
+    except (OSError, ValueError, TypeError, KeyError):
+        return str(folder)
+
+
 def _recorded(source: GGUFSource) -> dict:
     """What the conversion's record says of its source: parts as a list, and only where the
     file comes in parts (the records of single files are as they always were)."""

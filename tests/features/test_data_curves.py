@@ -46,6 +46,16 @@ def test_nested_answer_sets_train_from_one_store_and_draw_tau_against_data(tmp_p
                            capture_output=True, text=True, timeout=300)
     assert drawn.returncode == 0 and "== " not in drawn.stdout  # nothing trained, no store
     assert json.loads((run_dir / "curves.json").read_text()) == curves  # N=80 never ran
+    elsewhere = tmp_path / "elsewhere.json"  # an earlier run's points, its folders gone
+    elsewhere.write_text(json.dumps({"medusa": {"20": [], "80": curves["medusa"]["50"]},
+                                     "eagle2": {"7": curves["medusa"]["20"]}}))
+    merged = subprocess.run([*command, "draw_only=true", f"earlier=[{elsewhere}]"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    drawn_all = json.loads((run_dir / "curves.json").read_text())
+    assert drawn_all["medusa"] == {**curves["medusa"], "80": curves["medusa"]["50"]}
+    assert drawn_all["eagle2"] == {"7": curves["medusa"]["20"]}  # this run's N=20 wins
+    assert "eagle2" in merged.stdout and "      80" in merged.stdout
     other = subprocess.run([*command, "+method_overrides.medusa=['optim.lr=0.5']"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert other.returncode == 2  # a finished run of other settings is refused, not kept

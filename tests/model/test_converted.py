@@ -64,6 +64,15 @@ def test_a_single_files_record_is_as_it_always_was(fake_conversion, tmp_path):
     assert "parts" not in json.loads((folder / converted.RECORD).read_text())
 
 
+def test_a_conversion_is_described_by_its_package_not_its_cache_path(fake_conversion,
+                                                                      tmp_path):
+    """What a head checkpoint records of its target holds on another machine."""
+    folder = gguf_model_folder("m", GGUFSource("pkg", "1.0", "model.gguf"), cache=tmp_path)
+    assert converted.described_source(folder) == "pkg 1.0 (model.gguf)"
+    assert converted.described_source(tmp_path) == str(tmp_path)  # a plain folder: its path
+    assert converted.described_source(None) is None
+
+
 def test_a_file_in_parts_is_joined_in_the_private_folder_and_gone_after(monkeypatch, tmp_path,
                                                                       fake_conversion):
     joined: list[Path] = []
