@@ -6,7 +6,9 @@ thresholds and `linear`."""
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ PACKED_FOR_ROWS = 8  # the row count oneDNN lays the packed copy out for (any co
 # CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
 # weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
 PACKED_FROM_MODEL_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -28,9 +31,10 @@ class Linear(nn.Linear):
     draft, a verification) its own way, because MKL's speed over few rows depends on the form
     of the product and on the CPU (scripts/bench_linear.py measures the arms):
 
-    - up to 128 rows as `(W @ x.T).T` (a single row twice), or, for one or two rows of a
-      layer with `packed_products`, MKL's `x @ W.T` where that streams its weight faster on
-      this CPU (`linear`);
+    - up to 128 rows in a form whose rows come out the same bits however many come together
+      (`invariant_form`: `(W @ x.T).T`, a single row twice, where that holds on this CPU, else
+      the packed copy below), or, for one or two rows of a layer with `packed_products`,
+      MKL's `x @ W.T` where that streams its weight faster on this CPU (`linear`);
     - 3-128 rows on oneDNN's inner product over a copy of W packed into its blocked layout
       (made on first use, remade when W changes, never saved or copied): it streams the
       weight about as fast for 8 rows as for one, where W @ x.T took twice as long from three
@@ -51,7 +55,7 @@ class Linear(nn.Linear):
                 and _packable():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
                                                       "none", [], "")
-        return linear(x, self.weight, self.bias, fastest=self.packed_products)
+        return linear(x, self.weight, self.bias, fastest=self.packed_products, packed=self.packed)
 
 
 class PackedWeight:
@@ -99,20 +103,21 @@ def _packable() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fastest: bool = False) -> torch.Tensor:
+           fastest: bool = False, packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), computed the way `Linear` computes it (for heads that keep
     a weight of their own, such as a draft vocabulary's rows of an LM head).
 
-    Few CPU rows take `W @ x.T`, a single row twice, whose rows come out the same bits however
-    many came with them. With `fastest` (a model whose weights stream from memory, the one
-    whose products of 3 rows or more take the packed copy: `Linear`) one or two rows take
-    instead the faster of that and MKL's own `x @ W.T` for the weight's shape, timed on its
-    first one-row product at this thread count (`few_row_form`), since which is faster
-    differs from one CPU to another: on one Xeon host `W @ x.T` ran SmolLM2's 49,152 x 576 LM
-    head three times as fast as MKL's matrix-vector product (plain decoding 1.3x faster); on
-    another the latter ran it 3x faster, Gemma 3's 262,144 x 640 LM head 2.5x faster, and
-    plain decoding twice as fast. A one-row product's bits may then differ from the same row's
-    among others, as they already do from the packed copy's."""
+    Few CPU rows take the form `invariant_form` found for the weight's shape, whose rows come
+    out the same bits however many came with them (packed: the weight's packed copy, if that
+    is the form; else one kept beside the weight). With `fastest` (a model whose weights
+    stream from memory, the one whose products of 3 rows or more take the packed copy:
+    `Linear`) one or two rows take instead the faster of `W @ x.T` and MKL's own `x @ W.T` for
+    the weight's shape, timed on its first one-row product at this thread count
+    (`few_row_form`), since which is faster differs from one CPU to another: on one Xeon host
+    `W @ x.T` ran SmolLM2's 49,152 x 576 LM head three times as fast as MKL's matrix-vector
+    product (plain decoding 1.3x faster); on another the latter ran it 3x faster, Gemma 3's
+    262,144 x 640 LM head 2.5x faster, and plain decoding twice as fast. A one-row product's
+    bits may then differ from the same row's among others."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     if not _few_rows_on_cpu(x, rows):
@@ -120,8 +125,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Row-major rows: an MLP's output can arrive column-major (it follows the layout of the
     # transposed products before it), and MKL took 5x as long over that layout.
     flat = x.reshape(rows, in_features).contiguous()
-    form = few_row_form(weight) if fastest and rows <= 2 else "transposed"
-    out = FEW_ROW_FORMS[form](flat, weight)
+    if fastest and rows <= 2:
+        out = FEW_ROW_FORMS[few_row_form(weight)](flat, weight)
+    elif invariant_form(weight) == "packed" and _packable():
+        packed = packed if packed is not None else _packed_copy(weight)
+        out = _packed_product(flat, packed.of(weight))
+    else:
+        out = _transposed(flat, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
@@ -134,8 +144,57 @@ def _transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ rows.t()).t().contiguous()  # row-major: SDPA's fused kernel needs it
 
 
+def _packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+
 FEW_ROW_FORMS = {"transposed": _transposed, "mkl": lambda rows, weight: rows @ weight.t()}
 _CHOSEN: dict[tuple, str] = {}
+_INVARIANT: dict[tuple, str] = {}
+_PACKED_COPIES: dict[int, PackedWeight] = {}  # by the id of a weight alive
+PROBED_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 17, 32, 64, 128)
+
+
+def invariant_form(weight: torch.Tensor) -> str:
+    """"transposed" (`W @ x.T`, one row twice) or "packed" (oneDNN's inner product over the
+    weight packed for 8 rows): the first whose rows of a product come out the same bits as
+    each row alone, over 1-128 rows, for this weight's shape at this thread count, probed
+    once on a random weight of that shape. Which holds depends on the CPU: on Xeon hosts
+    `W @ x.T` does; on an AVX2 EPYC host MKL sums 1-3, 4-11 and 12 or more rows three ways,
+    while the packed product kept its bits. Where neither holds (or oneDNN is missing),
+    "transposed", with a warning: greedy decoding then equals plain decoding up to near-ties."""
+    key = (tuple(weight.shape), torch.get_num_threads())
+    if key not in _INVARIANT:
+        _INVARIANT[key] = _probe_invariant_form(*weight.shape)
+    return _INVARIANT[key]
+
+
+def _probe_invariant_form(out_features: int, in_features: int) -> str:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(FEW_ROWS_ON_CPU, in_features, generator=generator)
+    forms = {"transposed": lambda rows: _transposed(rows, weight)}
+    if torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+        forms["packed"] = lambda rows: _packed_product(rows, packed)
+    with torch.no_grad():
+        for name, product in forms.items():
+            alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+            if all(torch.equal(product(x[:n]), alone[:n]) for n in PROBED_ROWS):
+                return name
+    log.warning("this CPU's products of %d x %d weights give a row other bits among other "
+                "rows than alone: greedy speculative decoding equals plain decoding up to "
+                "near-ties", out_features, in_features)
+    return "transposed"
+
+
+def _packed_copy(weight: torch.Tensor) -> PackedWeight:
+    """The packed copy kept beside a weight held outside a `Linear` (gone with the weight)."""
+    key = id(weight)
+    if key not in _PACKED_COPIES:
+        _PACKED_COPIES[key] = PackedWeight()
+        weakref.finalize(weight, _PACKED_COPIES.pop, key, None)
+    return _PACKED_COPIES[key]
 
 
 def few_row_form(weight: torch.Tensor) -> str:

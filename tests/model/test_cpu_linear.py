@@ -46,10 +46,10 @@ def test_the_packed_copy_follows_the_weight_and_is_never_copied():
 
 
 def test_few_rows_keep_their_bits_among_others_and_a_streamed_weight_takes_its_faster_form():
-    """Without `fastest` a row's product is the same bits alone and among others (W @ x.T, one
-    row twice); with it (a streamed model's layers) one or two rows take the form timed
-    faster for the weight's shape, kept for later products, equal to F.linear's up to
-    rounding."""
+    """Without `fastest` a row's product is the same bits alone and among others (the form
+    `invariant_form` found on this CPU); with it (a streamed model's layers) one or two rows
+    take the form timed faster for the weight's shape, kept for later products, equal to
+    F.linear's up to rounding."""
     from selfspec.model import cpu_linear
 
     torch.manual_seed(0)
@@ -65,3 +65,18 @@ def test_few_rows_keep_their_bits_among_others_and_a_streamed_weight_takes_its_f
     form = cpu_linear.few_row_form(weight)
     assert form in cpu_linear.FEW_ROW_FORMS
     assert cpu_linear._CHOSEN[(tuple(weight.shape), torch.get_num_threads())] == form
+
+
+def test_a_form_whose_rows_depend_on_their_company_is_not_taken(monkeypatch):
+    """A planted `W @ x.T` whose bits change with the row count: the probe takes the packed
+    product instead; with both planted, it warns and keeps `W @ x.T`."""
+    from selfspec.model import cpu_linear
+
+    def company(rows, weight):  # one ulp's worth more for every row beside the first
+        return (weight @ rows.t()).t() * (1 + 1e-7 * (rows.shape[0] > 1))
+
+    monkeypatch.setattr(cpu_linear, "_transposed", company)
+    assert cpu_linear._probe_invariant_form(64, 48) == "packed"
+    monkeypatch.setattr(cpu_linear, "_packed_product", lambda rows, packed: company(
+        rows, torch.ones(64, 48)))
+    assert cpu_linear._probe_invariant_form(64, 48) == "transposed"
