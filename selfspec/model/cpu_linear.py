@@ -127,7 +127,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(rows, in_features).contiguous()
     if fastest and rows <= 2:
         out = FEW_ROW_FORMS[few_row_form(weight)](flat, weight)
-    elif invariant_form(weight) == "packed" and _packable():
+    elif not torch.compiler.is_compiling() and _packable() \
+            and invariant_form(weight) == "packed":  # inductor cannot lower oneDNN's op
         packed = packed if packed is not None else _packed_copy(weight)
         out = _packed_product(flat, packed.of(weight))
     else:

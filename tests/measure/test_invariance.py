@@ -131,6 +131,7 @@ def test_the_diagnosis_runs_every_view_and_says_what_it_found():
 def test_the_compiled_steps_are_diagnosed_on_the_cpu_too():
     """inductor's CPU backend: the compiled stages are ops of the report, and decoding in
     compiled steps stays lossless in fp32."""
+    torch._dynamo.reset()  # graphs another test of this worker compiled would be reused
     target = model()
     prompt, tokens = inputs(target, length=24, rows=2)
     report = diagnose(target, prompt, tokens, modes=["compiled"], buckets=[2],
