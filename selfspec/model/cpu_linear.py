@@ -53,8 +53,7 @@ class Linear(nn.Linear):
         rows = x.numel() // self.in_features
         if self.packed_products and PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) \
                 and _packable():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed.of(self.weight), self.bias,
-                                                      "none", [], "")
+            return _packed_product(x, self.packed.of(self.weight), self.bias)
         return linear(x, self.weight, self.bias, fastest=self.packed_products, packed=self.packed)
 
 
@@ -145,8 +144,9 @@ def _transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ rows.t()).t().contiguous()  # row-major: SDPA's fused kernel needs it
 
 
-def _packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+def _packed_product(rows: torch.Tensor, packed: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 FEW_ROW_FORMS = {"transposed": _transposed, "mkl": lambda rows, weight: rows @ weight.t()}
