@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.checks import is_count
 from selfspec.devices import synchronize
 from selfspec.drafters.base import (
     BatchDrafter,
@@ -54,8 +55,7 @@ class GenerationSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
+        if not is_count(self.max_new_tokens):
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.checks import is_count
 from selfspec.ranking import ranked, ranked_on_device
 
 
@@ -38,7 +39,7 @@ class SamplingParams:
                 f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), "
                 f"got {self.temperature!r}"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_count(self.top_k, 0):
             raise ValueError(
                 f"SamplingParams: top_k must be an integer >= 0 (0 = no top-k), got {self.top_k!r}"
             )

@@ -23,6 +23,7 @@ from pathlib import Path
 from learning_curves import METHODS, check_kept, model_overrides
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import is_count
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
 from selfspec.measure.curves import tau_curve
@@ -97,8 +98,7 @@ def checked(cfg: DictConfig) -> tuple[dict[str, list[str]], list[int]]:
     if not isinstance(methods, list) or not methods or not set(methods) <= set(METHODS):
         raise SelfspecError(f"methods: give a list of {', '.join(METHODS)}, got {methods}")
     sizes = OmegaConf.to_container(cfg.answers)
-    if not isinstance(sizes, list) or not sizes or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+    if not isinstance(sizes, list) or not sizes or not all(map(is_count, sizes)):
         raise SelfspecError(f"answers: give a list of training set sizes >= 1, got {sizes}")
     if not cfg.epochs > 0 or not int(cfg.tau_prompts) >= 2:
         raise SelfspecError(f"epochs must be > 0 and tau_prompts >= 2 (a standard error needs "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.checks import is_number
+
 
 def check_confidence_threshold(who: str, threshold: float | None) -> float | None:
     """None (never stop early) or a number in (0, 1); anything else is a clear error."""
     if threshold is None:
         return None
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
-            or not 0.0 < float(threshold) < 1.0:
+    if not is_number(threshold) or not 0.0 < float(threshold) < 1.0:
         raise ValueError(f"{who}: confidence_threshold must lie in (0, 1) (the top-1 "
                          f"probability under which drafting stops) or be None, got {threshold!r}")
     return float(threshold)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.checks import is_count, is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.heads.dflash import DFlashHead
 from selfspec.heads.io import check_fused_target
@@ -53,7 +54,7 @@ class DFlashDrafter:
                  tree_nodes: int | None = None, sampled_children: bool = True) -> None:
         block = head.config.block_size
         k = block - 1 if num_draft_tokens is None else num_draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < block:
+        if not is_int_in(k, range(1, block)):
             raise ValueError(f"DFlashDrafter: num_draft_tokens must be in 1..{block - 1} (the "
                              f"head's block of {block} slots drafts up to {block - 1}), got {k!r}")
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
@@ -185,8 +186,7 @@ class BlockShape:
     @classmethod
     def checked(cls, drafter: str, k: int, nodes, vocab: int) -> BlockShape:
         """The shape, its `nodes` checked: null (a chain) or an integer >= 1."""
-        if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
-                                  or nodes < 1):
+        if nodes is not None and not is_count(nodes):
             raise ValueError(f"{drafter}: tree_nodes must be null (a chain) or an integer >= 1, "
                              f"got {nodes!r}")
         return cls(k, nodes, vocab)

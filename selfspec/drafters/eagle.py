@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from selfspec.checks import is_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.eagle_static import (
     DynamicShape,
@@ -392,7 +393,7 @@ def _static_shape(head: EagleHead, tree: Tree | Sequence[Sequence[int]], dynamic
 
 def _dynamic_shape(head: EagleHead, total_tokens, depth, top_k) -> DynamicShape:
     for name, value in (("total_tokens", total_tokens), ("depth", depth), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ValueError(f"EagleDrafter: {name} must be an integer >= 1, got {value!r} "
                              f"(or pass tree= for a static tree)")
     if total_tokens < depth:

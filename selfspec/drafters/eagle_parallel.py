@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.dflash import BlockShape, Drafted, block_draft
 from selfspec.drafters.eagle import committed_pairs
@@ -49,7 +50,7 @@ class ParallelEagleDrafter:
                              "(parallel=1); draft it with EagleDrafter, or train one with "
                              "eagle.parallel=K")
         k = most if num_draft_tokens is None else num_draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
+        if not is_int_in(k, range(1, most + 1)):
             raise ValueError(f"ParallelEagleDrafter: num_draft_tokens must be in 1..{most} (the "
                              f"head drafts up to {most} tokens a forward), got {k!r}")
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.checks import check_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.early_exit import ExitHead, check_exit_target
@@ -44,10 +45,7 @@ class EarlyExitDrafter:
 
     def __init__(self, head: ExitHead, num_draft_tokens: int = 4,
                  confidence_threshold: float | None = None) -> None:
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) \
-                or num_draft_tokens < 1:
-            raise ValueError(f"EarlyExitDrafter: num_draft_tokens must be an integer >= 1, "
-                             f"got {num_draft_tokens!r}")
+        check_count("num_draft_tokens", num_draft_tokens, owner="EarlyExitDrafter")
         self.head, self.num_draft_tokens = head, num_draft_tokens
         self.confidence_threshold = check_confidence_threshold("EarlyExitDrafter",
                                                                confidence_threshold)

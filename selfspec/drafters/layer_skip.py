@@ -38,6 +38,7 @@ from collections.abc import Iterable
 
 import torch
 
+from selfspec.checks import check_count, is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.sampling import logits_to_probs, sample
 
@@ -59,8 +60,7 @@ def check_skip_layers(skip_layers: Iterable[int], num_layers: int, adaptive: boo
     it starts an adaptive search; anything else is a clear error naming `who`."""
     ids = list(skip_layers)
     low, high = (1, num_layers - 2) if adaptive else (0, num_layers - 1)
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
-           or not low <= i <= high]
+    bad = [i for i in ids if not is_int_in(i, range(low, high + 1))]
     if bad or len(set(ids)) != len(ids):
         what = "the middle layers" if adaptive else "the layers"
         raise ValueError(f"{who}: give distinct layer ids in {low}..{high} ({what} of the "
@@ -127,9 +127,7 @@ class LayerSkipDrafter:
     def __init__(self, skip_layers: Iterable[int] | None = None, num_draft_tokens: int = 4,
                  adaptive: bool = False, window: int = 8, seed: int = 0) -> None:
         for name, value in (("num_draft_tokens", num_draft_tokens), ("window", window)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LayerSkipDrafter: {name} must be an integer >= 1, "
-                                 f"got {value!r}")
+            check_count(name, value, owner="LayerSkipDrafter")
         if not isinstance(adaptive, bool):
             raise ValueError(f"LayerSkipDrafter: adaptive must be True or False, got {adaptive!r}")
         self.start = None if skip_layers is None else tuple(skip_layers)

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from selfspec.checks import check_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, ExtraRows
 from selfspec.tree import Tree
 
@@ -59,9 +60,7 @@ class LookaheadDrafter:
         for name, value, low in (("window", window, 1), ("ngram", ngram, 3),
                                  ("candidates", candidates, 1), ("depth", depth or 1, 1),
                                  ("pool_size", pool_size or 1, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LookaheadDrafter: {name} must be an integer >= {low}, got "
-                                 f"{value!r}")
+            check_count(name, value, low, owner="LookaheadDrafter")
         self.window, self.ngram, self.candidates = window, ngram, candidates
         self.depth = min(depth or ngram - 1, ngram - 1)
         self.pool_size = pool_size or candidates

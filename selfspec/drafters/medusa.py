@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.checks import is_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.heads.io import check_sizes
 from selfspec.heads.medusa import MedusaHeads
@@ -233,7 +234,7 @@ def _check_product_arguments(heads: MedusaHeads, top_k: int, max_nodes: int, dep
         ("max_nodes", max_nodes, "pass max_nodes >= 1 (the most nodes one draft may have)"),
         ("depth", depth, f"pass 1 <= depth <= {num_heads}, or depth=None for all heads"),
     ]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ValueError(f"{name}: {arg} must be an integer >= 1, got {value!r}; {fix}")
     _check_depth(
         name,

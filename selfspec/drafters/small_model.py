@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from selfspec.checks import check_count, is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.drafters.dflash import BlockShape
@@ -57,9 +58,7 @@ class SmallModelDrafter:
                  first_candidates: int = 1, mask_token_id: int | None = None):
         for name, value in (("num_draft_tokens", num_draft_tokens),
                             ("first_candidates", first_candidates)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SmallModelDrafter: {name} must be an integer >= 1, "
-                                 f"got {value!r}")
+            check_count(name, value, owner="SmallModelDrafter")
         self.confidence_threshold = check_confidence_threshold("SmallModelDrafter",
                                                                confidence_threshold)
         self.model = model
@@ -427,8 +426,7 @@ def _checked_mask(mask_token_id: int | None, model: Transformer, first_candidate
     """A PARD mask token id, refused where it cannot draft (None: drafting token by token)."""
     if mask_token_id is None:
         return None
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) \
-            or not 0 <= mask_token_id < model.config.vocab_size:
+    if not is_int_in(mask_token_id, range(model.config.vocab_size)):
         raise ValueError(f"SmallModelDrafter: mask_token_id must be a token id of the draft "
                          f"model (0..{model.config.vocab_size - 1}), got {mask_token_id!r}")
     if first_candidates != 1 or confidence_threshold is not None:

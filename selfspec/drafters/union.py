@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from selfspec.checks import is_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, Drafter
 
 Path = tuple[int, ...]  # the tokens from the root down to a node
@@ -25,8 +26,7 @@ class UnionDrafter:
             raise ValueError(f"UnionDrafter: give at least two drafters to merge, got "
                              f"{len(drafters)}; use the drafter itself otherwise")
         most = sum(d.max_nodes for d in drafters)
-        if max_nodes is not None and (isinstance(max_nodes, bool)
-                                      or not isinstance(max_nodes, int) or max_nodes < 1):
+        if max_nodes is not None and not is_count(max_nodes):
             raise ValueError(f"UnionDrafter: max_nodes must be an integer >= 1 or None (every "
                              f"node of every part), got {max_nodes!r}")
         self.drafters = tuple(drafters)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from selfspec.checks import check_count
 from selfspec.devices import check_device
 from selfspec.sampling import SamplingParams
 
@@ -42,10 +43,7 @@ def checked_settings(cls: type, section: str, **values: Any) -> Any:
 
 def positive_int(cfg: DictConfig, key: str, low: int = 1) -> int:
     """cfg's setting `key` (dotted), checked to be an integer >= low."""
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-    return value
+    return check_count(key, OmegaConf.select(cfg, key), low)
 
 
 def as_list(value) -> list:

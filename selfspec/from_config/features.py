@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import is_int_in
 from selfspec.from_config.common import positive_int, set_threads
 from selfspec.from_config.models import load_target, load_tokenizer
 from selfspec.from_config.training import training_rows
@@ -111,7 +112,7 @@ def store_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
             layers += default_target_layers(num_layers)
         elif item == "dflash":
             layers += dflash_target_layers(num_layers)
-        elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= num_layers:
+        elif is_int_in(item, range(num_layers + 1)):
             layers.append(item)
         else:
             raise ValueError(f"store.layers: each entry is a layer count in [0, {num_layers}], "

@@ -7,6 +7,7 @@ import warnings
 
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import check_count
 from selfspec.decode import GenerationSettings
 from selfspec.drafters import Drafter
 from selfspec.drafters.confidence import check_confidence_threshold
@@ -43,8 +44,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None,
     ours = [n for n, e in registry().items() if e.ours]
     if name != PLAIN and name not in ours:
         raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(ours)}, {PLAIN}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    check_count("num_draft_tokens", k)
     if name == PLAIN:
         return None, None, k
     method = entry(name)

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import is_count
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, device, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
@@ -116,7 +117,7 @@ def sweep_methods(cfg: DictConfig) -> tuple[MethodEntry, ...]:
 def draft_lengths(cfg: DictConfig) -> tuple[int, ...]:
     """The fixed draft lengths of num_draft_tokens (`auto` beside them: see wants_auto)."""
     values = [v for v in as_list(cfg.num_draft_tokens) if v != AUTO]
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    bad = [v for v in values if not is_count(v)]
     if bad or not values:
         raise ValueError(f"num_draft_tokens must be integers >= 1 (and optionally auto), got "
                          f"{as_list(cfg.num_draft_tokens)}: e.g. num_draft_tokens=[2,4,8] or "
@@ -131,7 +132,7 @@ def batch_sizes(cfg: DictConfig, methods: Sequence[MethodEntry]) -> tuple[int, .
     """bench.batch_sizes (default [1]): prompts decoded together, each batch size a set of
     rows; transformers' assisted generation and prompt lookup take one prompt."""
     sizes = tuple(as_list(cfg.bench.get("batch_sizes")) or (1,))
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+    if not all(map(is_count, sizes)):
         raise ValueError(f"bench.batch_sizes: give integers >= 1, e.g. [1,2,4,8], got "
                          f"{list(sizes)}")
     one_prompt = [m.name for m in methods if m.name in ONE_PROMPT]

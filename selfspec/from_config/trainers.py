@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import is_count, is_int_in
 from selfspec.drafters import (
     DFlashDrafter,
     EagleDrafter,
@@ -36,7 +37,6 @@ from selfspec.from_config.methods.early_exit import (
     early_exit_thresholds,
     load_early_exit,
 )
-from selfspec.from_config.methods.entry import is_count
 from selfspec.from_config.methods.medusa import load_medusa, medusa_drafter
 from selfspec.from_config.methods.small_model import read_pard
 from selfspec.from_config.models import model_config, target_quantization
@@ -381,8 +381,7 @@ def check_draft_model_settings(cfg: DictConfig) -> int:
     if not is_count(parallel):
         raise ValueError(f"draft_model.parallel must be an integer >= 1 (1: token by token; "
                          f"K: PARD, K tokens from one forward), got {parallel!r}")
-    if mask is not None and (isinstance(mask, bool) or not isinstance(mask, int)
-                             or not 0 <= mask < target.vocab_size):
+    if mask is not None and not is_int_in(mask, range(target.vocab_size)):
         raise ValueError(f"draft_model.mask_token_id must be null or a token id in "
                          f"[0, {target.vocab_size}), got {mask!r}")
     if parallel > 1 and d.num_draft_tokens > parallel:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import check_count
 from selfspec.decode import generate
 from selfspec.drafters import Drafter
 from selfspec.errors import SelfspecError
@@ -317,8 +318,7 @@ def instruction_conversations(cfg: DictConfig, target: Transformer | None, token
     if target is None:
         raise ValueError("train_data.source=instructions needs the target to answer its prompts")
     general = cfg.train_data.get("general_prompts") or 0
-    if isinstance(general, bool) or not isinstance(general, int) or general < 0:
-        raise ValueError(f"train_data.general_prompts must be an integer >= 0, got {general!r}")
+    check_count("train_data.general_prompts", general, 0)
     # general first: the held-out rows (the first twentieth) then come from them too
     prompts = (general_instructions(general)
                + stdlib_instructions(positive_int(cfg, "train_data.num_prompts")))

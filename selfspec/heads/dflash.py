@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from selfspec.checks import check_count, is_count, is_int_in
 from selfspec.heads.base import AttentionShape, Head, start_from_target
 from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
 from selfspec.model import (
@@ -86,21 +87,18 @@ class DFlashConfig(AttentionShape):
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
                      "num_kv_heads", "head_dim", "num_layers"):
-            _check_count(name, getattr(self, name))
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
-                or self.block_size < 2:
+            check_count(name, getattr(self, name), owner="DFlashConfig")
+        if not is_count(self.block_size, 2):
             raise ValueError(f"DFlashConfig: block_size must be an integer >= 2 (the root and "
                              f"at least one mask), got {self.block_size!r}")
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) \
-                or not 0 <= self.mask_token_id < self.vocab_size:
+        if not is_int_in(self.mask_token_id, range(self.vocab_size)):
             raise ValueError(f"DFlashConfig: mask_token_id must be a token id in "
                              f"[0, {self.vocab_size}), got {self.mask_token_id!r}")
-        if not self.target_layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                                         for i in self.target_layers):
+        if not self.target_layers or not all(is_count(i, 0) for i in self.target_layers):
             raise ValueError(f"DFlashConfig: target_layers must be one or more layer ids >= 0, "
                              f"got {self.target_layers!r}")
         if self.draft_vocab_size is not None:
-            _check_count("draft_vocab_size", self.draft_vocab_size)
+            check_count("draft_vocab_size", self.draft_vocab_size, owner="DFlashConfig")
             if self.draft_vocab_size > self.vocab_size:
                 raise ValueError(f"DFlashConfig: draft_vocab_size {self.draft_vocab_size} "
                                  f"exceeds the target's vocab_size {self.vocab_size}")
@@ -133,11 +131,6 @@ class DFlashConfig(AttentionShape):
     def layer_config(self) -> ModelConfig:
         """The config each draft layer is built from."""
         return self.one_layer(self.intermediate_size, self.mlp_bias)
-
-
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DFlashConfig: {name} must be an integer >= 1, got {value!r}")
 
 
 class DFlashHead(Head):

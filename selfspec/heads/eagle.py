@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from selfspec.checks import check_count, is_count, is_int_in
 from selfspec.heads.base import AttentionShape, Head, start_from_target
 from selfspec.heads.draft_vocab import (  # noqa: F401
     DraftVocab,
@@ -90,7 +91,7 @@ class EagleConfig(AttentionShape):
             raise ValueError(f"EagleConfig: version must be 1 or 3, got {self.version!r}")
         for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
                      "num_kv_heads", "head_dim"):
-            _check_int(name, getattr(self, name))
+            check_count(name, getattr(self, name), owner="EagleConfig")
         if self.version == 1 and (self.draft_vocab_size not in (None, self.vocab_size)
                                   or self.target_layers):
             raise ValueError("EagleConfig: EAGLE-1 drafts over the full vocabulary from the last "
@@ -100,7 +101,7 @@ class EagleConfig(AttentionShape):
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        _check_int("parallel", self.parallel)
+        check_count("parallel", self.parallel, owner="EagleConfig")
         if self.parallel == 1:
             if self.mask_token_id is not None:
                 raise ValueError("EagleConfig: mask_token_id is P-EAGLE's (parallel > 1): leave "
@@ -110,22 +111,20 @@ class EagleConfig(AttentionShape):
             raise ValueError(f"EagleConfig: P-EAGLE (parallel={self.parallel}) drafts with "
                              f"EAGLE-3 heads: use version 3 or parallel 1")
         mask = self.mask_token_id
-        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < self.vocab_size:
+        if not is_int_in(mask, range(self.vocab_size)):
             raise ValueError(f"EagleConfig: P-EAGLE's mask_token_id must be a token id in "
                              f"0..{self.vocab_size - 1}, got {mask!r}")
 
     def _check_version_3(self) -> None:
-        _check_int("draft_vocab_size", self.draft_vocab_size)
+        check_count("draft_vocab_size", self.draft_vocab_size, owner="EagleConfig")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"EagleConfig: draft_vocab_size {self.draft_vocab_size} exceeds the "
                              f"target's vocab_size {self.vocab_size}")
-        if len(self.target_layers) != 3 or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0
-                for i in self.target_layers):
+        if len(self.target_layers) != 3 or not all(is_count(i, 0) for i in self.target_layers):
             raise ValueError(f"EagleConfig: EAGLE-3 fuses three target layers (ids >= 0), got "
                              f"target_layers={self.target_layers!r}")
         if self.target_hidden_size is not None:
-            _check_int("target_hidden_size", self.target_hidden_size)
+            check_count("target_hidden_size", self.target_hidden_size, owner="EagleConfig")
 
     @classmethod
     def for_target(
@@ -165,11 +164,6 @@ class EagleConfig(AttentionShape):
     def layer_config(self) -> ModelConfig:
         """The one-layer Llama config of the head's decoder layer."""
         return self.one_layer(self.intermediate_size, self.mlp_bias)
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"EagleConfig: {name} must be an integer >= 1, got {value!r}")
 
 
 class EagleMidLayer(nn.Module):

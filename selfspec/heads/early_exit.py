@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.checks import is_count
 from selfspec.heads.base import AttentionShape, Head
 from selfspec.heads.io import check_sizes
 from selfspec.model import (
@@ -66,8 +67,7 @@ def check_exit_layer(exit_layer, num_layers: int | None) -> None:
     """E must be an integer in [1, num_layers): at least one layer drafts, at least one is
     left for verification to start at."""
     upper = "num_layers" if num_layers is None else str(num_layers)
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or exit_layer < 1 \
-            or (num_layers is not None and exit_layer >= num_layers):
+    if not is_count(exit_layer) or (num_layers is not None and exit_layer >= num_layers):
         raise ValueError(f"exit layer E must be an integer in [1, {upper}) (E=0 drafts with no "
                          f"layer, E={upper} leaves none to verify with), got {exit_layer!r}")
 

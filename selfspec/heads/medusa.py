@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from selfspec.checks import check_count, is_int_in
 from selfspec.heads.base import Head
 from selfspec.heads.draft_vocab import (
     DraftVocab,
@@ -42,14 +43,9 @@ class MedusaConfig:
     def __post_init__(self) -> None:
         minimum = {"hidden_size": 1, "vocab_size": 1, "num_heads": 1, "num_layers": 0}
         for name, least in minimum.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(
-                    f"MedusaConfig: {name} must be an integer >= {least}, got {value!r}"
-                )
+            check_count(name, getattr(self, name), least, owner="MedusaConfig")
         size = self.draft_vocab_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
-                                 or not 1 <= size <= self.vocab_size):
+        if size is not None and not is_int_in(size, range(1, self.vocab_size + 1)):
             raise ValueError(f"MedusaConfig: draft_vocab_size must be null or an integer in "
                              f"[1, {self.vocab_size}] (the target's vocab_size), got {size!r}")
         if not isinstance(self.shared_lm_head, bool):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from selfspec.checks import is_count
 from selfspec.sampling import SamplingParams
 
 
@@ -42,7 +43,7 @@ class GridLine:
     auto: bool = True
 
     def __post_init__(self) -> None:
-        bad = [k for k in self.lengths if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+        bad = [k for k in self.lengths if not is_count(k)]
         if bad or not self.lengths:
             raise ValueError(f"draft lengths must be integers >= 1, got {list(self.lengths)} "
                              f"(e.g. num_draft_tokens=[2,4])")
@@ -84,8 +85,7 @@ class SweepGrid:
                              "methods=[small_model,ngram])")
         if not self.samplings:
             raise ValueError("no sampling settings: give at least one (e.g. samplings=[greedy])")
-        if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                                       for b in self.batch_sizes):
+        if not self.batch_sizes or not all(map(is_count, self.batch_sizes)):
             raise ValueError(f"bench.batch_sizes: give integers >= 1, e.g. [1,2,4,8], got "
                              f"{list(self.batch_sizes)}")
 

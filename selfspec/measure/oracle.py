@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.checks import check_count
 from selfspec.decode import generate
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.step import use_cuda_graphs
@@ -35,10 +36,7 @@ class OracleDrafter:
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, num_draft_tokens: int = 4):
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) \
-                or num_draft_tokens < 1:
-            raise ValueError(f"OracleDrafter: num_draft_tokens must be an integer >= 1, "
-                             f"got {num_draft_tokens!r}")
+        check_count("num_draft_tokens", num_draft_tokens, owner="OracleDrafter")
         self.num_draft_tokens = self.max_nodes = num_draft_tokens
         self._answer: list[int] = []
         self._prompt_length = 0

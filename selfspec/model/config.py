@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from selfspec.checks import is_count
+
 # What each family's class implies beyond what its config.json says (every other field is
 # read from config.json). Keys are ModelConfig fields.
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -218,9 +220,7 @@ class ModelConfig:
                                  or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each "
                              f"of the {self.num_layers} layers, got {list(self.layer_types)}")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or not isinstance(self.sliding_window, int)
-                                                or self.sliding_window < 1):
+        if self.sliding_window is not None and not is_count(self.sliding_window):
             raise ValueError(f"sliding_window must be an integer >= 1 or None, got "
                              f"{self.sliding_window!r}")
         if self.sliding_layers and self.sliding_window is None:

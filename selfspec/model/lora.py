@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.checks import check_count
 from selfspec.model import Transformer
 from selfspec.quiet import quiet_imports
 
@@ -38,8 +39,7 @@ class LoraSettings:
     target_modules: tuple[str, ...] = LINEAR_LAYERS
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoraSettings: rank must be an integer >= 1, got {self.rank!r}")
+        check_count("rank", self.rank, owner="LoraSettings")
         if not self.alpha > 0:
             raise ValueError(f"LoraSettings: alpha must be > 0, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:

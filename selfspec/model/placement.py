@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.checks import is_int
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -62,7 +64,7 @@ class Placement:
 def parse_device(value) -> torch.device:
     """A device as accelerate and our configs write it: an integer is a CUDA GPU; "cuda" is
     cuda:0."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return torch.device("cuda", value)
     try:
         device = torch.device(str(value))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.checks import check_count
 from selfspec.model.config import ModelConfig
 from selfspec.model.placement import Placement, parse_device
 from selfspec.model.transformer import DecoderLayer, Transformer
@@ -69,8 +70,7 @@ class ModelPlan:
 def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8,
                placement: Placement | None = None, placement_dtype: str = "bf16") -> ModelPlan:
     """The plan of `config` without weights (the model is built on the meta device)."""
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ValueError(f"plan_model: num_gpus must be an integer >= 1, got {num_gpus!r}")
+    check_count("num_gpus", num_gpus, owner="plan_model")
     num_params = count_parameters(config)
     kv_values_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim  # K and V
     bf16_weights = num_params * BYTES_PER_PARAM["bf16"]

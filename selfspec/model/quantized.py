@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.checks import is_int_in
 from selfspec.model import Linear, Transformer
 from selfspec.quiet import quiet_imports
 
@@ -198,7 +199,7 @@ def check_quantizable(bits: int, device: torch.device | str) -> None:
     """Refuse what `quantized_copy` cannot build here: bits other than 8 or 4, a device other
     than the CPU or a CUDA GPU, a missing torchao, an int4 kernel that does not run on this
     machine (on CUDA: a GPU older than compute capability 8.0)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+    if not is_int_in(bits, BITS):
         raise ValueError(f"quantized copy: bits must be 8 or 4 (int8 or int4 weights), "
                          f"got {bits!r}")
     device = _checked_device(device)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from selfspec.checks import is_int_in
 from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
@@ -635,8 +636,7 @@ class Transformer(nn.Module):
         except TypeError:
             raise ValueError(f"skip_layers must be a set or tuple of layer ids, "
                              f"got {skip_layers!r}") from None
-        bad = sorted((i for i in skip if isinstance(i, bool) or not isinstance(i, int)
-                      or not 0 <= i < n), key=str)
+        bad = sorted((i for i in skip if not is_int_in(i, range(n))), key=str)
         if bad:
             raise ValueError(f"skip_layers must be layer ids in [0, {n}) (the model's layers), "
                              f"got {bad}")

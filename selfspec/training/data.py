@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from selfspec.checks import is_count
 from selfspec.model.fingerprint import weights_fingerprint
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def first_answers(items: Sequence, count: int) -> list:
     on count: the sets of several counts are nested, each a prefix of the next."""
     import random
 
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if not is_count(count):
         raise ValueError(f"train_data.max_answers must be an integer >= 1 (or null), got "
                          f"{count!r}")
     order = list(range(len(items)))
@@ -234,8 +235,7 @@ def _document(line: str, tokenizer, where: str) -> Document:
 
 
 def _ids(values, where: str) -> list[int]:
-    if not isinstance(values, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not isinstance(values, list) or not all(is_count(v, 0) for v in values):
         raise ValueError(f"{where}: token ids must be a list of integers >= 0")
     return values
 

@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from selfspec.checks import is_count
 from selfspec.files import (
     partial_path,
     process_exists,
@@ -77,7 +78,7 @@ class StoreSpec:
         if self.dtype not in STORAGE:
             raise ValueError(f"store dtype must be one of {', '.join(STORAGE)}, got "
                              f"{self.dtype!r}")
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers):
+        if not all(is_count(i, 0) for i in self.layers):
             raise ValueError(f"store layers must be layer counts >= 0, got {list(self.layers)}")
 
     @property

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.checks import check_count, is_count
 from selfspec.heads.dflash import DFlashHead, PrefixKeys
 from selfspec.heads.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
@@ -207,8 +208,7 @@ class Eagle3Objective(nn.Module):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"Eagle3Objective: steps must be an integer >= 1, got {steps!r}")
+        check_count("steps", steps, owner="Eagle3Objective")
         if not 0 < keep <= 1:
             raise ValueError(f"Eagle3Objective: keep must be in (0, 1], got {keep}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
@@ -310,8 +310,7 @@ class DraftModelObjective(nn.Module):
         if hard_weight and draft_vocab is not None:
             raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
                              "supported (tokens outside it have no label); set one of them")
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1 \
-                or (parallel > 1) != (mask_token_id is not None):
+        if not is_count(parallel) or (parallel > 1) != (mask_token_id is not None):
             raise ValueError(f"DraftModelObjective: parallel must be an integer >= 1, with a "
                              f"mask_token_id when > 1, got {parallel!r} and {mask_token_id!r}")
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
@@ -378,8 +377,7 @@ class DFlashObjective(nn.Module):
                  generator: torch.Generator | None = None, cache_features: bool = False,
                  features: FeatureSource | None = None):
         super().__init__()
-        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
-            raise ValueError(f"DFlashObjective: anchors must be an integer >= 1, got {anchors!r}")
+        check_count("anchors", anchors, owner="DFlashObjective")
         if not gamma > 0:
             raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
         self.target, self.head, self.anchors = freeze(target), head, anchors

@@ -82,7 +82,7 @@ def test_the_walk_finds_a_planted_circle_through_a_typing_only_import(tmp_path):
 # drafters/base.py is the loop's contract with the drafters (the Drafter protocol and the
 # dataclasses they exchange), so it sits below the loop that uses it.
 LAYERS = (
-    ("leaves", ("errors", "devices", "metrics", "files", "quiet")),
+    ("leaves", ("errors", "checks", "devices", "metrics", "files", "quiet")),
     ("core", ("verify", "sampling", "tree", "ranking")),
     ("model", ("model",)),
     ("step", ("step", "drafters.base")),

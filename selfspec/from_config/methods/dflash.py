@@ -15,13 +15,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters import DFlashDrafter
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
     head_folder,
-    is_count,
     required_head_folder,
     when_set,
 )

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters import EagleDrafter, ParallelEagleDrafter
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
     head_folder,
-    is_count,
     one_variant,
     required_head_folder,
     when_set,

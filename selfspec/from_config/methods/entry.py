@@ -128,10 +128,6 @@ def one_variant(name: str) -> Callable[[DictConfig, bool], tuple[Variant, ...]]:
     return variants
 
 
-def is_count(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
-
-
 def head_folder(cfg: DictConfig, key: str) -> Path:
     """The folder of cfg[key] (medusa_heads, eagle_head): a path, or `shipped` for the heads
     that ship with the model, in selfspec/assets/heads/<model.name>/<key>/."""

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, ListConfig
 
+from selfspec.checks import is_count, is_int
 from selfspec.drafters.layer_skip import (
     LayerSkipDrafter,
     check_skip_layers,
     every_other_middle_layer,
 )
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.from_config.models import model_config
 from selfspec.measure.grid import Variant
 
@@ -78,7 +79,7 @@ def skip_sets(raw) -> list[list[int] | None]:
     if raw is None:
         return [None]
     values = as_list(raw)
-    if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if values and all(map(is_int, values)):
         return [values]
     if not values or not all(v is None or isinstance(v, ListConfig | list) for v in values):
         raise ValueError(f"{SETTING}: give null (every other middle layer), a set of layer ids "
@@ -94,7 +95,7 @@ def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     if not is_count(window):
         raise ValueError(f"layer_skip.window must be an integer >= 1 (steps per trial of the "
                          f"adaptive search), got {window!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise ValueError(f"layer_skip.seed must be an integer, got {seed!r}")
 
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters.lookahead import LookaheadDrafter
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.measure.grid import Variant
 
 SETTINGS = ("window", "ngram", "candidates")

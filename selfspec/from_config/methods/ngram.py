@@ -13,9 +13,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters import LookupCorpus, NgramDrafter
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, always, is_count
+from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, always
 from selfspec.from_config.models import load_tokenizer
 from selfspec.measure.grid import Variant
 from selfspec.training.instructions import cached_answers, shipped_answers

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec.checks import is_count
 from selfspec.drafters import LookupCorpus, MedusaDrafter, UnionDrafter
 from selfspec.from_config.methods import medusa, ngram
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
-    is_count,
     required_head_folder,
 )
 from selfspec.heads.medusa import MedusaHeads

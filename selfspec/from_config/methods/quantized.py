@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count, is_int_in
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list, device
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
 from selfspec.model.quantized import BITS, check_quantizable, quantized_copy
@@ -43,7 +44,7 @@ def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[QuantizedVariant,
     bits = as_list(group.get("bits")) or [8]
     widths = as_list(group.get("first_candidates")) or [1]
     stops = as_list(group.get("confidence_threshold")) or [None]
-    if any(isinstance(b, bool) or not isinstance(b, int) or b not in BITS for b in bits):
+    if not all(is_int_in(b, BITS) for b in bits):
         raise ValueError(f"{GROUP}.bits: give 8 or 4 (int8 or int4 weights of the target), "
                          f"got {bits}")
     if not all(map(is_count, widths)):

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config.common import as_list, device
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, always, is_count
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, always
 from selfspec.from_config.models import (
     compile_steps,
     draft_model_config,
