@@ -38,8 +38,8 @@ from selfspec.training.features import (
     data_key,
     store_spec,
 )
-from selfspec.training.loop import TokenRows
 from selfspec.training.objectives import EarlyExitObjective
+from selfspec.training.rows import TokenRows
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 METHODS = {"medusa": ("train_medusa", ["medusa.version=1"]),

@@ -47,8 +47,9 @@ from selfspec.training.data import (
     stdlib_manifest_sha256,
     token_stream,
 )
-from selfspec.training.loop import TokenRows, TrainSettings, fit, make_accelerator
+from selfspec.training.loop import TrainSettings, fit, make_accelerator
 from selfspec.training.losses import LossOutput, kl_to_teacher
+from selfspec.training.rows import TokenRows
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "selfspec" / "assets" / "tiny"

@@ -29,7 +29,7 @@ from selfspec.training.features import (
     build_store,
     store_spec,
 )
-from selfspec.training.loop import TokenRows
+from selfspec.training.rows import TokenRows
 
 DTYPES = ("fp32", "bf16", "fp8")
 

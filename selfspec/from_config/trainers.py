@@ -55,7 +55,6 @@ from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import ModelConfig, Transformer, dense_weight
 from selfspec.model.lora import LoraSettings, add_lora
 from selfspec.training.features import FeatureSource
-from selfspec.training.loop import TokenRows
 from selfspec.training.objectives import (
     DFlashObjective,
     DraftModelObjective,
@@ -65,6 +64,7 @@ from selfspec.training.objectives import (
     Medusa2Objective,
     MedusaObjective,
 )
+from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
 
 # ---- Medusa heads (train/medusa.py) -------------------------------------------------------------

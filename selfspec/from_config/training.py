@@ -51,7 +51,8 @@ from selfspec.training.instructions import (
     shipped_answers,
     stdlib_instructions,
 )
-from selfspec.training.loop import FitResult, TokenRows, TrainSettings
+from selfspec.training.loop import FitResult, TrainSettings
+from selfspec.training.rows import TokenRows
 from selfspec.training.tracking import Tracker
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.

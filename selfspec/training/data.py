@@ -23,6 +23,7 @@ import torch
 
 from selfspec.checks import is_count
 from selfspec.model.fingerprint import weights_fingerprint
+from selfspec.training.rows import TokenRows
 
 if TYPE_CHECKING:
     from selfspec.training.features import StoreWriter, TargetStates
@@ -328,9 +329,7 @@ def _plain_header(role: str) -> str:
 
 
 def rows_from_dataset(dataset):
-    """A packed `datasets.Dataset` as `selfspec.training.loop.TokenRows` tensors."""
-    from selfspec.training.loop import TokenRows
-
+    """A packed `datasets.Dataset` as `TokenRows` tensors."""
     columns = dataset.with_format("torch")[:]  # every row, as tensors
     return TokenRows(columns["tokens"].long(), columns["loss_mask"].long())
 
@@ -417,8 +416,6 @@ def self_distill_rows(rows, target, *, prompt_tokens: int, count: int | None = N
     """
     from safetensors.torch import load_file, save_file
 
-    from selfspec.training.loop import TokenRows
-
     length = rows.tokens.shape[1]
     if not 1 <= prompt_tokens < length:
         raise ValueError(f"self-distillation: prompt_tokens must lie in [1, {length}) (the rows' "
@@ -449,8 +446,6 @@ def _distilled_batch(target, prompts: torch.Tensor, new_tokens: int, store: Stor
                      shard: str, mask: torch.Tensor) -> torch.Tensor:
     """One batch's rows [B, P + new_tokens]: generated, or read back from its shard; with a
     store, the shard written with the states the generation computed."""
-    from selfspec.training.loop import TokenRows
-
     if store is None:
         return _greedy_continuations(target, prompts, new_tokens)[0]
     if store.done(shard):

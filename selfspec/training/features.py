@@ -42,7 +42,7 @@ from selfspec.files import (
 )
 from selfspec.model import Transformer
 from selfspec.model.fingerprint import weights_fingerprint
-from selfspec.training.loop import TokenRows
+from selfspec.training.rows import TokenRows
 
 FORMAT = 1
 INDEX, CLAIM, SHARD = "index.json", "store.json", ".safetensors"

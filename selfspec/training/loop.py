@@ -39,6 +39,7 @@ from selfspec.training.checkpoints import (
     save_checkpoint,
 )
 from selfspec.training.losses import LossOutput
+from selfspec.training.rows import TokenRows
 from selfspec.training.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -131,23 +132,6 @@ class TrainSettings:
         per_epoch = max(1, math.ceil(rows / per_step))
         return replace(self, max_steps=math.ceil(self.epochs * per_epoch), eval_every=per_epoch,
                        save_every=per_epoch)
-
-
-@dataclass(frozen=True)
-class TokenRows:
-    """Packed training rows: tokens [N, T] and loss_mask [N, T] (1 = a token to predict)."""
-
-    tokens: torch.Tensor
-    loss_mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def select(self, indices: torch.Tensor) -> TokenRows:
-        return TokenRows(self.tokens[indices], self.loss_mask[indices])
-
-    def to(self, device: torch.device | str) -> TokenRows:
-        return TokenRows(self.tokens.to(device), self.loss_mask.to(device))
 
 
 @dataclass

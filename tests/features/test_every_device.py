@@ -32,8 +32,9 @@ from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.model import ModelConfig, attention_kernels
 from selfspec.model.transformer import _kv_for_kernels
 from selfspec.sampling import check_generator, sample
-from selfspec.training.loop import TokenRows, TrainSettings, _evaluate, _micro_batch
+from selfspec.training.loop import TrainSettings, _evaluate, _micro_batch
 from selfspec.training.losses import LossOutput
+from selfspec.training.rows import TokenRows
 from selfspec.verify import verify_linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

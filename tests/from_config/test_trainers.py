@@ -10,8 +10,8 @@ from selfspec.drafters import ParallelEagleDrafter
 from selfspec.drafters.eagle_static import DynamicShape
 from selfspec.heads.draft_vocab import token_counts
 from selfspec.model import Transformer
-from selfspec.training.loop import TokenRows
 from selfspec.training.objectives import DraftModelObjective, EarlyExitObjective
+from selfspec.training.rows import TokenRows
 
 
 @pytest.fixture(scope="module")

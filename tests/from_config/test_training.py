@@ -7,7 +7,7 @@ from helpers import group_options, tiny_llama
 from selfspec import from_config
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
-from selfspec.training.loop import TokenRows
+from selfspec.training.rows import TokenRows
 
 
 @pytest.mark.parametrize(

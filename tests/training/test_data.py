@@ -31,7 +31,7 @@ from selfspec.training.features import (
     build_store,
     store_spec,
 )
-from selfspec.training.loop import TokenRows
+from selfspec.training.rows import TokenRows
 
 CHAT = [{"role": "user", "content": "add one"},
         {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]

@@ -20,7 +20,7 @@ from selfspec.training.features import (
     encode,
     store_spec,
 )
-from selfspec.training.loop import TokenRows
+from selfspec.training.rows import TokenRows
 
 LAYERS = (0, 1)  # the embeddings and the residual after layer 1 of the 2-layer toy target
 
