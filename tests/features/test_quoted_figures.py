@@ -1196,6 +1196,17 @@ PROSE = (
         _report("smollm2_eagle_same_data/eagle3/train_summary.json", "tau", "speedup"),
     ),
     Prose(
+        "docs/sweeps.md",
+        "efficiency lies between\n{0.92} (n-gram k=2: {1.17x} against {1.27x}) and {1.16} (small",
+        lambda: (
+            [
+                sweep("tiny_quick/results.csv", "ngram", 2)[f]
+                for f in ("efficiency", "speedup", "bound")
+            ]
+            + [sweep("tiny_quick/results.csv", "small_model", 7)["efficiency"]]
+        ),
+    ),
+    Prose(
         "README.md",
         "EAGLE-3 {0.68x}",
         lambda: [sweep("gemma3_270m/trained/results.json", "eagle", 2)["speedup"]],
