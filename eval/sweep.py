@@ -34,7 +34,7 @@ from selfspec.measure.results import (
     write_results,
 )
 from selfspec.measure.sweep import add_bounds, run_sweep
-from selfspec.training.tracking import Tracker
+from selfspec.tracking import Tracker
 
 
 @hydra_entry_point("sweep")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -36,17 +37,10 @@ from torch import nn
 from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
+from selfspec.corpus import HELDOUT_BUCKETS, read_source, stdlib_files, stdlib_manifest_sha256
 from selfspec.errors import SelfspecError
 from selfspec.training.checkpoints import CHECKPOINT_PREFIX, RUN_CONFIG, record_run_config
-from selfspec.training.data import (
-    EOS_TOKEN,
-    HELDOUT_BUCKETS,
-    pack_token_stream,
-    read_source,
-    stdlib_files,
-    stdlib_manifest_sha256,
-    token_stream,
-)
+from selfspec.training.data import EOS_TOKEN, pack_token_stream, token_stream
 from selfspec.training.loop import TrainSettings, fit, make_accelerator
 from selfspec.training.losses import LossOutput, kl_to_teacher
 from selfspec.training.rows import TokenRows
@@ -446,14 +440,14 @@ def train(ctx: Ctx, run_dir: Path, job: Job, objective: nn.Module, data: Data,
 
 
 def measure_heldout(folder: Path, recipe: Recipe) -> dict:
-    """The card's held-out numbers, by scripts/heldout_loss.py itself (the command the card
-    tells readers to rerun), run as a program: scripts are not modules to import."""
-    command = [sys.executable, str(HELDOUT_SCRIPT), str(folder), "--json",
-               "--seq-len", str(recipe.seq_len), "--threads", str(torch.get_num_threads())]
-    if recipe.final_eval_tokens is not None:
-        command += ["--max-tokens", str(recipe.final_eval_tokens)]
-    done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
-    return json.loads(done.stdout)[0]
+    """The card's held-out numbers, by scripts/heldout_loss.py's own `measure` (the command the
+    card tells readers to rerun), called in this process: a second Python would spend longer
+    importing transformers than the measure takes."""
+    spec = importlib.util.spec_from_file_location("heldout_loss", HELDOUT_SCRIPT)
+    heldout_loss = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heldout_loss)
+    max_tokens = recipe.final_eval_tokens or heldout_loss.DEFAULT_MAX_TOKENS
+    return heldout_loss.measure(folder, max_tokens, recipe.seq_len)
 
 
 def export(model, tokenizer, folder: Path, recipe: Recipe) -> dict:
@@ -494,7 +488,7 @@ def data_lines(corpus: dict) -> list[str]:
     return [f"- source: the standard library `.py` files of Python {corpus['python']} "
             "(`sysconfig.get_paths()['stdlib']`), without site-packages and test folders "
             f"(test/, tests/, idle_test/){quick}",
-            f"- file-list sha256 (relative paths + content hashes, `selfspec.training.data."
+            f"- file-list sha256 (relative paths + content hashes, `selfspec.corpus."
             f"stdlib_manifest_sha256()`): `{corpus['stdlib_manifest_sha256']}`",
             f"- split by file (sha256 of the relative path, 1 bucket in {HELDOUT_BUCKETS} held "
             f"out): {corpus['train_files']} train files, {corpus['heldout_files']} held-out "

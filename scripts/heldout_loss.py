@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
+from selfspec.corpus import stdlib_files
 from selfspec.from_config import load_tokenizer
-from selfspec.training.data import pack_token_stream, stdlib_files, token_stream
+from selfspec.training.data import pack_token_stream, token_stream
 
 DEFAULT_MAX_TOKENS = 200_000
 DEFAULT_SEQ_LEN = 256

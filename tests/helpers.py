@@ -407,7 +407,7 @@ def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: floa
     `train_share` (a fraction) below the mean of its first three (batches differ: one step's
     loss is noisy), and its last held-out loss at least `heldout_share` below the first
     evaluation's (the same rows each time)."""
-    from selfspec.training.tracking import read_metrics
+    from selfspec.tracking import read_metrics
 
     records = read_metrics(run_dir)
     train = [r["loss"] for r in records if "loss" in r]

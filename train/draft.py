@@ -26,8 +26,8 @@ from selfspec.cli import hydra_entry_point
 from selfspec.heads.draft_vocab import save_token_counts, token_counts
 from selfspec.model import Transformer
 from selfspec.model.plan import trainable_line
+from selfspec.tracking import Tracker
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_draft")

@@ -23,8 +23,8 @@ from selfspec.heads.draft_vocab import save_token_counts, token_counts
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.io import describe_target, save_head
 from selfspec.model.plan import head_training_lines
+from selfspec.tracking import Tracker
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_eagle")

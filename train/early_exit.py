@@ -24,8 +24,8 @@ from selfspec.cli import hydra_entry_point
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, save_head
 from selfspec.model.plan import trainable_line
+from selfspec.tracking import Tracker
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_early_exit")

@@ -25,8 +25,8 @@ from selfspec.measure.lossless import greedy_agreement
 from selfspec.model import Transformer
 from selfspec.model.lora import ADAPTER_DIR, lora_parameter_count, save_adapter
 from selfspec.model.plan import head_training_lines, trainable_line
+from selfspec.tracking import Tracker
 from selfspec.training.loop import fit, make_accelerator, state_part
-from selfspec.training.tracking import Tracker
 
 
 @hydra_entry_point("train_medusa")

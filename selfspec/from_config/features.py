@@ -20,7 +20,7 @@ from selfspec.from_config.training import training_rows
 from selfspec.heads.dflash import default_target_layers as dflash_target_layers
 from selfspec.heads.eagle import default_target_layers
 from selfspec.model import Transformer
-from selfspec.training.data import cache_key
+from selfspec.model.fingerprint import cache_key
 from selfspec.training.features import (
     FeatureStore,
     StoredFeatures,

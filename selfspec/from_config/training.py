@@ -31,6 +31,7 @@ from selfspec.measure.replay import GreedyRecord, cached_records, replay
 from selfspec.metrics import TauEstimate
 from selfspec.model import Transformer
 from selfspec.model.fingerprint import weights_fingerprint
+from selfspec.tracking import Tracker
 from selfspec.training import checkpoints
 from selfspec.training.data import (
     document_rows,
@@ -53,7 +54,6 @@ from selfspec.training.instructions import (
 )
 from selfspec.training.loop import FitResult, TrainSettings
 from selfspec.training.rows import TokenRows
-from selfspec.training.tracking import Tracker
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
 RESUMABLE_CHANGES = (

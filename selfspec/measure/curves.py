@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 
 def tau_curve(run_dir: str | Path) -> list[dict[str, float]]:

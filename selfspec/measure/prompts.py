@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.training.data import read_source, stdlib_files, stdlib_root
+from selfspec.corpus import read_source, stdlib_files, stdlib_root
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def humaneval_prompts() -> list[Prompt]:
 def stdlib_heldout_prompts(n: int, num_lines: int) -> list[Prompt]:
     """The first `num_lines` lines of the first `n` non-empty held-out stdlib files.
 
-    Deterministic: the held-out split and its sorted order come from `selfspec.training.data`. Fewer
+    Deterministic: the held-out split and its sorted order come from `selfspec.corpus`. Fewer
     than n prompts come back only if the split has fewer non-empty files.
     """
     if n < 1 or num_lines < 1:

@@ -28,6 +28,7 @@ from selfspec.drafters.base import DecodeSetup, DraftContext, Drafter, TargetFea
 from selfspec.files import write_atomically
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
+from selfspec.model.fingerprint import cache_key, weights_fingerprint
 from selfspec.sampling import SamplingParams
 from selfspec.tree import host_tree
 from selfspec.verify import verify_greedy
@@ -54,9 +55,6 @@ def cached_records(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
                    ) -> list[GreedyRecord]:
     """`record_greedy` of every prompt, written once to cache_dir (JSON) and read back by later
     runs, keyed by the target's weights and these settings (as the training answers are)."""
-    from selfspec.model.fingerprint import weights_fingerprint
-    from selfspec.training.data import cache_key
-
     key = cache_key("greedy", weights_fingerprint(target), [list(p) for p in prompts],
                     max_new_tokens, list(stop_ids), LOOKAHEAD)
     path = None if cache_dir is None else Path(cache_dir) / f"{key}-greedy.json"

@@ -16,7 +16,7 @@ import torch
 from selfspec.measure.costs import CostProfile
 from selfspec.measure.grid import COLUMNS, SweepRow
 from selfspec.metrics import OTHER, PHASES
-from selfspec.training.tracking import Tracker
+from selfspec.tracking import Tracker
 
 
 def machine_facts() -> dict[str, Any]:

@@ -196,7 +196,7 @@ class ModelConfig:
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
         Llama, Mistral or Qwen2 config reads as it did before the families came (caches are
-        keyed by it: `selfspec.training.data.weights_fingerprint`)."""
+        keyed by it: `selfspec.model.fingerprint.weights_fingerprint`)."""
         shown = [f for f in fields(self) if f.name not in _FAMILY_FIELDS
                  or not _same(getattr(self, f.name), f.default)]
         values = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)

@@ -3,7 +3,14 @@ training rows, feature stores)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+
+
+def cache_key(*parts) -> str:
+    """A short hash of the parts: a cached file's name, which changes with any of them."""
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 def weights_fingerprint(target) -> str:

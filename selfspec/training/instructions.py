@@ -2,7 +2,7 @@
 templates crossed with everyday topics), and their answers written by the target itself.
 
 Instruction-tuned targets need chat rows to train drafters on, and no chat data can be
-downloaded here. The training side of the stdlib split (`selfspec.training.data`) documents
+downloaded here. The training side of the stdlib split (`selfspec.corpus`) documents
 thousands of functions and classes in plain English; each documented name becomes one user
 turn (explain it, show an example, summarise its documentation, ...). Docstring questions are
 all of one register, so general prompts (write, advise, role-play, explain a topic) join
@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from selfspec.training.data import read_source, stdlib_files, stdlib_root
+from selfspec.corpus import read_source, stdlib_files, stdlib_root
 
 TEMPLATES = (
     "What does `{name}` in Python's `{module}` module do? Its documentation starts: "

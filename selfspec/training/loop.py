@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from selfspec.errors import SelfspecError
 from selfspec.quiet import quiet_imports
+from selfspec.tracking import Tracker
 from selfspec.training.best import KEEP, BestStep
 from selfspec.training.checkpoints import (
     drop_frozen_weights_from_checkpoints,
@@ -40,7 +41,6 @@ from selfspec.training.checkpoints import (
 )
 from selfspec.training.losses import LossOutput
 from selfspec.training.rows import TokenRows
-from selfspec.training.tracking import Tracker
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,8 @@ def test_the_walk_finds_a_planted_circle_through_a_typing_only_import(tmp_path):
 # drafters/base.py is the loop's contract with the drafters (the Drafter protocol and the
 # dataclasses they exchange), so it sits below the loop that uses it.
 LAYERS = (
-    ("leaves", ("errors", "checks", "devices", "metrics", "files", "quiet")),
+    ("leaves", ("errors", "checks", "devices", "metrics", "files", "quiet", "tracking",
+                "corpus")),
     ("core", ("verify", "sampling", "tree", "ranking")),
     ("model", ("model",)),
     ("step", ("step", "drafters.base")),
@@ -120,6 +121,7 @@ def test_the_layer_check_sees_an_upward_import():
             if layer_of(i) > layer_of(m)] == ["selfspec.decode"]
 
 
-def test_at_most_fifteen_modules_stand_directly_in_the_package():
+def test_at_most_seventeen_modules_stand_directly_in_the_package():
+    """Nine of them the core, the loop and its steps, the composition root's; the rest leaves."""
     modules = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
-    assert len(modules) <= 15, sorted(modules)
+    assert len(modules) <= 17, sorted(modules)

@@ -12,7 +12,7 @@ import torch
 from helpers import sharegpt_file, suite_threads, three_layer_target
 from safetensors.torch import load_file
 
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from selfspec import from_config, generate
 from selfspec.heads import DFlashConfig, DFlashHead, load_head
 from selfspec.model import Transformer
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 run_entry = partial(run_trainer, "dflash")
 

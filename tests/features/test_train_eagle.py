@@ -11,7 +11,7 @@ from helpers import HAS_WANDB, LEARNS, assert_the_loss_falls, run_trainer, share
 from selfspec.heads import EagleConfig, EagleHead, load_head
 from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.model import Transformer
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 run_entry = partial(run_trainer, "eagle")
 

@@ -9,7 +9,7 @@ from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, t
 
 from selfspec.from_config import load_early_exit
 from selfspec.model import Transformer
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 run_entry = partial(run_trainer, "early_exit")
 

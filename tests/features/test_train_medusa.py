@@ -21,7 +21,7 @@ from selfspec.heads import MedusaConfig, MedusaHeads, load_head
 from selfspec.heads.draft_vocab import COUNTS_FILE, load_token_counts, most_frequent
 from selfspec.model import Transformer
 from selfspec.model.lora import merge_adapter
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 run_entry = partial(run_trainer, "medusa")
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -12,7 +12,7 @@ from helpers import run_trainer, sharegpt_file, three_layer_target
 from selfspec.from_config import load_early_exit
 from selfspec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, load_head
 from selfspec.model import Transformer
-from selfspec.training.tracking import read_metrics
+from selfspec.tracking import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEPS = 12

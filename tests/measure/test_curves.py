@@ -3,7 +3,7 @@
 import json
 
 from selfspec.measure.curves import final_report, judge_share, rising, tau_curve
-from selfspec.training.tracking import Tracker
+from selfspec.tracking import Tracker
 
 
 def test_a_runs_tau_curve_and_its_final_report(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from selfspec.corpus import stdlib_files, stdlib_root
 from selfspec.measure.prompts import (
     Prompt,
     by_category_in_turns,
@@ -17,7 +18,6 @@ from selfspec.measure.prompts import (
     spec_bench_prompts,
     stdlib_heldout_prompts,
 )
-from selfspec.training.data import stdlib_files, stdlib_root
 
 SHIPPED = Path(str(resources.files("selfspec") / "assets" / "prompts"))  # package data
 

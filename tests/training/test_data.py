@@ -8,6 +8,7 @@ import torch
 from helpers import tiny_llama
 from transformers import AutoTokenizer
 
+from selfspec.corpus import stdlib_files, stdlib_manifest_sha256
 from selfspec.decode import generate
 from selfspec.model import Transformer
 from selfspec.training.data import (
@@ -22,8 +23,6 @@ from selfspec.training.data import (
     rows_from_dataset,
     self_distill,
     self_distill_rows,
-    stdlib_files,
-    stdlib_manifest_sha256,
 )
 from selfspec.training.features import (
     FeatureStore,

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
+from selfspec.tracking import Tracker, read_metrics
 from selfspec.training.checkpoints import checkpoint_problem
 from selfspec.training.loop import (
     NonFiniteLoss,
@@ -35,7 +36,6 @@ from selfspec.training.loop import (
 )
 from selfspec.training.losses import LossOutput
 from selfspec.training.objectives import MedusaObjective
-from selfspec.training.tracking import Tracker, read_metrics
 
 TESTS = Path(__file__).parents[1]
 
@@ -236,7 +236,7 @@ def test_a_non_finite_loss_stops_training_and_names_the_step(tmp_path):
 
 LOG_THREE_STEPS = """
 import sys
-from selfspec.training.tracking import Tracker
+from selfspec.tracking import Tracker
 tracker = Tracker(sys.argv[1], project="selfspec-test", config={"lr": 0.1})
 for step in range(1, 4):
     tracker.log({"loss": 1.0 / step, "medusa/head0_top1": 0.25 * step}, step=step)
@@ -389,15 +389,11 @@ def test_trained_medusa_heads_beat_untrained_ones_on_held_out_code(tmp_path):
     from transformers import AutoTokenizer
 
     from selfspec import generate
+    from selfspec.corpus import stdlib_files
     from selfspec.drafters import MedusaDrafter
     from selfspec.measure.prompts import stdlib_heldout_prompts
     from selfspec.metrics import GenerationStats
-    from selfspec.training.data import (
-        pack_token_stream,
-        self_distill_rows,
-        stdlib_files,
-        token_stream,
-    )
+    from selfspec.training.data import pack_token_stream, self_distill_rows, token_stream
 
     tiny = TESTS.parent / "selfspec" / "assets" / "tiny" / "target"
     target, tokenizer = Transformer.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from selfspec.training.tracking import Tracker, read_metrics, wandb_available
+from selfspec.tracking import Tracker, read_metrics, wandb_available
 
 
 def log_two_steps(run_dir) -> Tracker:
