@@ -24,7 +24,6 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
