@@ -68,7 +68,11 @@ def label(cell: str) -> str:
 NUMBER = r"\d[\d,]*(?:\.\d+)?[kM]?"
 FIGURE = re.compile(rf"(?<![\w.])({NUMBER})x?(?:-({NUMBER})x?)?(?!\w)")
 # parts of a cell that are not quoted figures: "(k=1)", "(+3 window rows)"
-NOT_FIGURES = (re.compile(r"\(k ?= ?\d+\)"), re.compile(r"\(\+\d+ window rows\)"))
+NOT_FIGURES = (
+    re.compile(r"\(k ?= ?\d+\)"),
+    re.compile(r"\(\+\d+ window rows\)"),
+    re.compile(r"\(\d+ buckets\)"),
+)
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,10 @@ def compare(cell: str, sources: Sequence[Source], column: Column) -> str | None:
     return None
 
 
+# file names every folder has: naming one of them does not name a folder
+GENERIC = {"results.json", "results.csv", "train_summary.json", "replay.json", "curves.json"}
+
+
 def problems(quoted: Quoted, text: str) -> list[str]:
     """Every quoted figure of the table that differs from its file, with the row and column."""
     table = find(quoted, text)
@@ -348,8 +356,8 @@ def problems(quoted: Quoted, text: str) -> list[str]:
         used.add(keys[0])
         groups = _groups(quoted.rows[keys[0]]())
         for source in (s for g in groups.values() for s in g):
-            folder = str(source["_file"]).split("/")[0]
-            if folder not in window:
+            folder, file = str(source["_file"]).split("/")[0], Path(str(source["_file"])).name
+            if folder not in window and (file in GENERIC or file not in window):
                 found.append(f"row {name!r}: its folder {folder}/ is not named beside the table")
         if quoted.folder_column is not None:
             named = cells[table.header.index(quoted.folder_column)].strip("` ")
@@ -623,6 +631,35 @@ SMOLLM2_EAGLE_TIMED = Quoted(
         "chain of 2 / 3": lambda: _k(f"{SHIPPED}/eagle_chains/results.json", "eagle", [2, 3]),
         "tree of 6, top-2, depth 2": lambda: _k(
             f"{SHIPPED}/eagle_tree6/results.json", "eagle", [2]
+        ),
+    },
+)
+
+SHAPES3 = "smollm2_eagle_shapes"
+SMOLLM2_EAGLE3_SHAPES = Quoted(
+    doc="docs/smollm2.md",
+    header="| shape | tau | speedup | bound | draft time share |",
+    columns={
+        "tau": TAU,
+        "speedup": SPEEDUP,
+        "bound": BOUND,
+        "draft time share": Column(("draft_time_share",)),
+        "draft cost (forwards)": DRAFT_COST,
+        "lossless": LOSSLESS,
+    },
+    rows={
+        "chain of 3": lambda: _k(f"{SHAPES3}/chain3/results.json", "eagle", [3]),
+        "tree of 4 nodes, top-2, depth 2": lambda: _k(
+            f"{SHAPES3}/tree4_top2/results.json", "eagle", [2]
+        ),
+        "tree of 4 nodes, top-2, depth 3 / 4": lambda: _k(
+            f"{SHAPES3}/tree4_top2/results.json", "eagle", [3, 4]
+        ),
+        "tree of 8 nodes, top-2, depth 2": lambda: _k(
+            f"{SHAPES3}/tree8_top2/results.json", "eagle", [2]
+        ),
+        "tree of 8 nodes, top-2, depth 3 / 4 / 6": lambda: _k(
+            f"{SHAPES3}/tree8_top2/results.json", "eagle", [3, 4, 6]
         ),
     },
 )
@@ -1113,6 +1150,22 @@ GPU_SMOLLM2_SHAPE = Quoted(
     },
 )
 
+GPU_COMPILED = Quoted(
+    doc="docs/gpu.md",
+    header="| Llama-2-7B shape, bf16, CUDA graphs | plain tokens/s |",
+    columns={
+        "plain tokens/s": Column(("plain_tokens_per_s",)),
+        "one-token forward": Column(("one_token_ms",)),
+        "c(2) / c(8) / c(16)": Column(("c2", "c8", "c16")),
+        "setup": Column(("setup_seconds",)),
+        "peak memory": Column((lambda r: r["peak_memory_mb"] / 1000,)),
+    },
+    rows={
+        "as written": lambda: [bench("gpu/h200_random7b_bf16_graphs_beside_compiled.json")],
+        "compiled": lambda: [bench("gpu/h200_random7b_bf16_graphs_compiled.json")],
+    },
+)
+
 QUOTED = (
     README_RESULTS,
     SMOLLM2_GREEDY,
@@ -1121,6 +1174,7 @@ QUOTED = (
     SMOLLM2_REPLAY_LOOKUP,
     SMOLLM2_EAGLE_REPLAY,
     SMOLLM2_EAGLE_TIMED,
+    SMOLLM2_EAGLE3_SHAPES,
     SMOLLM2_FIRST_CANDIDATES,
     SMOLLM2_LINEAR,
     SMOLLM2_DFLASH,
@@ -1141,6 +1195,7 @@ QUOTED = (
     MODELS_GEMMA,
     GPU_RANDOM7B,
     GPU_SMOLLM2_SHAPE,
+    GPU_COMPILED,
 )
 
 
@@ -1270,3 +1325,45 @@ def test_a_planted_wrong_figure_is_caught() -> None:
     # a row pointed at another folder
     moved = text.replace("| (6) | `smollm2_dflash/` |", "| (6) | `smollm2_peagle/` |")
     assert any("not under smollm2_peagle" in p for p in problems(README_RESULTS, moved))
+
+
+# ---------------------------------------------------------------- every such table is checked
+
+DOCS = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
+# tables beside a results folder whose cells quote no file's figure, and why
+NOT_QUOTING: dict[tuple[str, str], str] = {
+    ("docs/design.md", "| layer | where |"): "the code's layers: the names are modules",
+    ("docs/design.md", "| file | what it holds |"): "the project's files: the names are modules",
+    ("docs/gpu.md", "| part | timeout |"): "the GPU check's parts and timeouts, no results",
+    ("docs/gpu.md", "| mode | rows against themselves alone"): (
+        "what h200_diagnosis.json's per-row records show, told in words (layers, buckets, "
+        "gaps), not a table of its figures"
+    ),
+}
+
+
+def _names_a_folder(window: str) -> bool:
+    folders = [p.name for p in RESULTS.iterdir() if p.is_dir()]
+    return any(
+        re.search(rf"(?:results/|(?<![\w/])){re.escape(f)}(?:/|`|\.json)", window) for f in folders
+    )
+
+
+def test_every_table_beside_a_results_folder_is_checked() -> None:
+    checked = {(q.doc, q.header, q.index) for q in QUOTED}
+    missing = []
+    for doc in DOCS:
+        text = _doc(doc)
+        lines = text.splitlines()
+        for table in tables(text):
+            window = "\n".join(lines[max(0, table.line - 12) : table.end])
+            if not _names_a_folder(window):
+                continue
+            same = [t for t in tables(text) if t.header_line == table.header_line]
+            covered = any(
+                d == doc and table.header_line.startswith(h) and same.index(table) == i
+                for d, h, i in checked
+            ) or any(d == doc and table.header_line.startswith(h) for d, h in NOT_QUOTING)
+            if not covered:
+                missing.append(f"{doc}:{table.line + 1}: {table.header_line[:80]}")
+    assert not missing, "tables beside a results folder that no spec checks:\n" + "\n".join(missing)
