@@ -1,5 +1,5 @@
 """Does a row's result depend on the bucket it runs in? The diagnosis of a static step that is
-not lossless (`selfspec.measure.invariance`), as written, compiled, and compiled with
+not lossless (`scripts/invariance.py`), as written, compiled, and compiled with
 inductor's emulated precision casts, in static steps (replayed CUDA graphs on CUDA):
 
 - each bucket's rows (full, and padded: 3 in 4, 5 in 8, 9 in 16) against themselves fed
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from invariance import MODES, diagnose
 
 from selfspec import from_config
 from selfspec.cli import exit_on_user_error
-from selfspec.measure.invariance import MODES, diagnose
 from selfspec.measure.results import machine_facts
 
 

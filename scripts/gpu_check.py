@@ -156,7 +156,7 @@ CUDA_TESTS = ("tests/test_step.py tests/drafters/test_static_drafting.py tests/t
               "tests/model/test_quantized.py tests/drafters/test_lookahead.py "
               "tests/drafters/test_layer_skip.py tests/measure/test_costs.py "
               "tests/measure/test_oracle.py tests/measure/test_floor.py "
-              "tests/measure/test_invariance.py tests/drafters/test_dflash.py "
+              "tests/features/test_bucket_invariance.py tests/drafters/test_dflash.py "
               "tests/measure/test_passes.py::test_a_training_report_line_says_where_the_drafters"
               "_time_went tests/from_config/test_sweeps.py::test_a_random_weights_target_shares"
               "_its_weights_with_its_transformers_twin")

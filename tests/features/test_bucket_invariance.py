@@ -1,23 +1,31 @@
-"""The bucket-invariance diagnosis (measure/invariance.py): on the CPU its static steps run
-eagerly, where a row's results do not depend on its bucket beyond float noise; planted
-row-dependent ops are found at their layer and op, and a planted flip parts decoding where
-it was planted."""
+"""The bucket-invariance diagnosis (scripts/invariance.py, run by scripts/bucket_invariance.py):
+on the CPU its static steps run eagerly, where a row's results do not depend on its bucket
+beyond float noise; planted row-dependent ops are found at their layer and op, and a planted
+flip parts decoding where it was planted."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import tiny_llama
 from torch import nn
 
-from selfspec.measure import invariance
-from selfspec.measure.invariance import (
+from selfspec.model import Transformer
+from selfspec.step import StaticSteps
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "invariance.py"
+spec = importlib.util.spec_from_file_location("invariance", SCRIPT)
+invariance = sys.modules.setdefault("invariance", importlib.util.module_from_spec(spec))
+spec.loader.exec_module(invariance)
+from invariance import (  # noqa: E402  (the module just loaded)
     RowDivergence,
     decode_divergence,
     diagnose,
     op_divergences,
     rows_against_alone,
 )
-from selfspec.model import Transformer
-from selfspec.step import StaticSteps
 
 
 class Shifted(nn.Module):

@@ -1,5 +1,6 @@
 """Does a row's result depend on the rows beside it? The diagnosis of a static step that is
-not lossless in low precision (scripts/bucket_invariance.py, docs/gpu.md "A compiled step").
+not lossless in low precision, for scripts/bucket_invariance.py, the one program that runs it
+(docs/gpu.md "A compiled step").
 
 Greedy speculative decoding equals plain greedy decoding only if a token's logits in a
 verification forward of n rows (a bucket of b >= n, `selfspec.step`) round as they do in the
