@@ -39,7 +39,9 @@ class Table:
 
 
 def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    """A row's cells; an escaped pipe ("\\|") stays inside its cell, as a pipe."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", inner)]
 
 
 def tables(text: str) -> list[Table]:
@@ -51,7 +53,7 @@ def tables(text: str) -> list[Table]:
             j = i + 2
             while j < len(lines) and lines[j].lstrip().startswith("|"):
                 j += 1
-            rows = [_cells(line.replace("\\|", "/")) for line in lines[i + 2 : j]]
+            rows = [_cells(line) for line in lines[i + 2 : j]]
             found.append(Table(i, j, lines[i].strip(), _cells(lines[i]), rows))
             i = j
         else:
@@ -1367,3 +1369,102 @@ def test_every_table_beside_a_results_folder_is_checked() -> None:
             if not covered:
                 missing.append(f"{doc}:{table.line + 1}: {table.header_line[:80]}")
     assert not missing, "tables beside a results folder that no spec checks:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------- every folder names its command
+
+HEAD_KEYS = ("dflash_head", "eagle_head", "medusa_heads", "model.draft.path", "early_exit.exits")
+# folders whose command docs/results/README.md leaves to a section of the docs
+SECTIONS = {
+    "smollm2_dflash/": ("docs/smollm2.md", "## DFlash on SmolLM2"),
+    "smollm2_peagle/": ("docs/smollm2.md", "## P-EAGLE on SmolLM2"),
+    "smollm2_eagle_same_data/": ("docs/smollm2.md", "### EAGLE-2 and EAGLE-3 at the same data"),
+}
+
+
+def listed_folders() -> dict[str, str]:
+    """The current folders of docs/results/README.md, each with its command cell."""
+    current = (RESULTS / "README.md").read_text().split("## Removed")[0]
+    folders = {}
+    for table in tables(current):
+        for cells in table.rows:
+            for folder in re.findall(r"`([^`]+/)`", cells[0]):
+                folders[folder] = cells[1]
+    return folders
+
+
+def _own_files(folder: str, listed: Sequence[str]) -> list[Path]:
+    """The folder's files, less those of a folder inside it with a line of its own."""
+    inner = [f for f in listed if f != folder and f.startswith(folder)]
+    return [
+        p
+        for p in sorted((RESULTS / folder).rglob("*.json"))
+        if not any(p.relative_to(RESULTS).as_posix().startswith(f) for f in inner)
+    ]
+
+
+def recorded_heads(folder: str, listed: Sequence[str]) -> set[str]:
+    """Every head path the folder's files record: a sweep's config, a run's report."""
+    heads = set()
+    for path in _own_files(folder, listed):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            continue
+        config = data.get("config") if isinstance(data.get("config"), dict) else {}
+        for key in HEAD_KEYS:
+            found: object = config
+            for part in key.split("."):
+                found = found.get(part) if isinstance(found, dict) else None
+            if isinstance(found, str) and found:
+                heads.add(found)
+        heads.update(data[k] for k in ("head", "draft") if isinstance(data.get(k), str))
+    return heads
+
+
+def test_every_results_folder_names_its_command_config_and_heads() -> None:
+    listed = listed_folders()
+    tops = {p.name + "/" for p in RESULTS.iterdir() if p.is_dir()}
+    assert tops <= set(listed), f"folders without a line in README: {sorted(tops - set(listed))}"
+    missing = []
+    for folder, command in listed.items():
+        record = RESULTS / folder / "command.txt"
+        if not record.is_file():
+            missing.append(f"{folder}: no command.txt")
+            continue
+        text = record.read_text()
+        if command not in text:
+            missing.append(f"{folder}: command.txt lacks README's command")
+        if "resolved config:" not in text:
+            missing.append(f"{folder}: command.txt says nothing of its resolved config")
+        missing += [
+            f"{folder}: command.txt does not name {h}"
+            for h in sorted(recorded_heads(folder, list(listed)))
+            if h not in text
+        ]
+    assert not missing, "\n".join(missing)
+
+
+def unnamed_runs(folder: str, text: str) -> list[str]:
+    """The run folders of the heads `folder`'s files record that its docs section never names."""
+    heading = SECTIONS[folder][1]
+    section = text[text.index(heading) :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    heads = recorded_heads(folder, list(listed_folders()))
+    assert heads, f"{folder}: no head recorded"
+    return sorted(h for h in heads if h.split("/checkpoints/")[0] not in section)
+
+
+@pytest.mark.parametrize("folder", sorted(SECTIONS))
+def test_a_documented_command_names_the_run_its_files_record(folder: str) -> None:
+    doc, heading = SECTIONS[folder]
+    assert not unnamed_runs(folder, _doc(doc)), f"{doc}, {heading!r}"
+
+
+def test_a_command_naming_another_run_is_caught() -> None:
+    text = _doc("docs/smollm2.md")
+    # the DFlash command as it read before: a run folder its files do not record
+    before = text.replace("/work/runs/s3/smol_dflash", "runs/smollm2-dflash")
+    assert unnamed_runs("smollm2_dflash/", before) == [
+        "/work/runs/s3/smol_dflash/checkpoints/best/export"
+    ]
