@@ -146,13 +146,7 @@ def sweep(
     nodes: int | None = None,
 ) -> dict:
     """The one row of a sweep's results.json (or results.csv) with these settings."""
-    if path.endswith(".csv"):
-        rows = [
-            {k_: _csv_value(v) for k_, v in r.items()}
-            for r in csv.DictReader(_text(path).splitlines())
-        ]
-    else:
-        rows = _json(path)["rows"]
+    rows = _csv(path) if path.endswith(".csv") else _json(path)["rows"]
     found = [
         r
         for r in rows
@@ -164,6 +158,13 @@ def sweep(
     ]
     assert len(found) == 1, f"{path}: {len(found)} rows of {method} k={k} {sampling} batch={batch}"
     return _with_file(found[0], path)
+
+
+@functools.cache
+def _csv(path: str) -> list[dict]:
+    return [
+        {k: _csv_value(v) for k, v in r.items()} for r in csv.DictReader(_text(path).splitlines())
+    ]
 
 
 def _csv_value(text: str) -> object:
@@ -1271,7 +1272,7 @@ PROSE = (
 )
 
 
-@pytest.mark.parametrize("prose", PROSE, ids=lambda p: f"{p.doc}:{p.text[:30]}")
+@pytest.mark.parametrize("prose", PROSE, ids=lambda p: f"{p.doc}:{p.text[:30]}".replace("\n", " "))
 def test_quoted_sentences_equal_their_files(prose: Prose) -> None:
     assert prose.text in _doc(prose.doc), f"{prose.doc} no longer says {prose.text!r}"
     printed, values = prose.quoted, list(prose.values())
@@ -1344,11 +1345,14 @@ NOT_QUOTING: dict[tuple[str, str], str] = {
 }
 
 
+@functools.cache
+def _folder_pattern() -> re.Pattern[str]:
+    folders = "|".join(re.escape(p.name) for p in RESULTS.iterdir() if p.is_dir())
+    return re.compile(rf"(?:results/|(?<![\w/]))(?:{folders})(?:/|`|\.json)")
+
+
 def _names_a_folder(window: str) -> bool:
-    folders = [p.name for p in RESULTS.iterdir() if p.is_dir()]
-    return any(
-        re.search(rf"(?:results/|(?<![\w/])){re.escape(f)}(?:/|`|\.json)", window) for f in folders
-    )
+    return _folder_pattern().search(window) is not None
 
 
 def test_every_table_beside_a_results_folder_is_checked() -> None:
@@ -1357,11 +1361,12 @@ def test_every_table_beside_a_results_folder_is_checked() -> None:
     for doc in DOCS:
         text = _doc(doc)
         lines = text.splitlines()
-        for table in tables(text):
+        found = tables(text)
+        for table in found:
             window = "\n".join(lines[max(0, table.line - 12) : table.end])
             if not _names_a_folder(window):
                 continue
-            same = [t for t in tables(text) if t.header_line == table.header_line]
+            same = [t for t in found if t.header_line == table.header_line]
             covered = any(
                 d == doc and table.header_line.startswith(h) and same.index(table) == i
                 for d, h, i in checked
