@@ -1,7 +1,8 @@
 """Trainable draft heads (no decoding logic) and their checkpoint I/O."""
 
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
-from selfspec.heads.eagle import DraftVocab, EagleConfig, EagleHead, draft_vocabulary
+from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary
+from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.early_exit import ExitConfig, ExitHead
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads

@@ -12,8 +12,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from selfspec.heads.draft_vocab import DraftVocab
-from selfspec.model import ModelConfig, Transformer, attention_mask, dense_weight
+from selfspec.checks import check_count
+from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
+from selfspec.model import Linear, ModelConfig, Transformer, attention_mask, dense_weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,52 @@ class AttentionShape:
             mlp_bias=mlp_bias)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FeatureHeadConfig(AttentionShape):
+    """A head of decoder layers of its own over the target's states (EAGLE, DFlash): the
+    layers' MLP width (intermediate_size, mlp_bias), the fused residual streams of the target
+    (target_layers; hidden l = after l layers) and their width (target_hidden_size, None:
+    hidden_size), and a reduced vocabulary scored by the head's own LM head (draft_vocab_size;
+    None: the target's LM head scores the whole vocabulary)."""
+
+    intermediate_size: int
+    target_layers: tuple[int, ...] = ()
+    target_hidden_size: int | None = None
+    draft_vocab_size: int | None = None
+    mlp_bias: bool = False
+
+    @property
+    def owns_lm_head(self) -> bool:
+        """Whether the head scores a draft vocabulary through an LM head of its own."""
+        return self.draft_vocab_size is not None
+
+    @property
+    def output_vocab_size(self) -> int:
+        """How many tokens the head scores: the draft vocabulary or the full one."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the fused target states the head's `fc` reads."""
+        return (self.target_hidden_size or self.hidden_size) * len(self.target_layers)
+
+    def layer_config(self) -> ModelConfig:
+        """The one-layer config each of the head's decoder layers is built from."""
+        return self.one_layer(self.intermediate_size, self.mlp_bias)
+
+    def _check_counts(self, *names: str) -> None:
+        """Each named field an integer >= 1, the error naming the config's class."""
+        for name in names:
+            check_count(name, getattr(self, name), owner=type(self).__name__)
+
+    def _check_draft_vocab_size(self) -> None:
+        """draft_vocab_size an integer in [1, vocab_size]."""
+        self._check_counts("draft_vocab_size")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"{type(self).__name__}: draft_vocab_size {self.draft_vocab_size} "
+                             f"exceeds the target's vocab_size {self.vocab_size}")
+
+
 class Head(nn.Module):
     """A trainable draft head. Subclasses name their config dataclass in `config_class` and
     take an instance of it as their only constructor argument."""
@@ -70,6 +117,52 @@ class Head(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         past = 0 if cache is None else cache.length
         return cos, sin, attention_mask(mask, x.shape[1], past, x.device)
+
+
+class FeatureHead(Head):
+    """A head built from a `FeatureHeadConfig`: with a draft vocabulary, its own `lm_head` and
+    the `d2t`/`t2d` buffers that map it to the target's ids; its final `norm` (when it has
+    one) and LM head start from the target's (`init_from_target`)."""
+
+    config: FeatureHeadConfig
+
+    def _add_lm_head(self) -> None:
+        """The LM head over the draft vocabulary and its maps (the first ids until
+        `set_draft_vocab`)."""
+        config = self.config
+        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
+        self.register_buffer("d2t", vocab.d2t)
+        self.register_buffer("t2d", vocab.t2d)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        """The draft vocabulary the head scores, None when it scores the target's whole one."""
+        return DraftVocab(self.d2t, self.t2d) if self.config.owns_lm_head else None
+
+    def target_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None
+                      ) -> torch.Tensor:
+        """[..., vocab_size] fp32 scores over the target's vocabulary (-inf outside a draft
+        vocabulary)."""
+        logits = self.logits(hidden, lm_head)
+        vocab = self.draft_vocab
+        return logits if vocab is None else vocab.scatter(logits)
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> FeatureHead:
+        config = self.config
+        set_head_vocab(type(self).__name__, self, vocab,
+                       config.draft_vocab_size if config.owns_lm_head else None, config.vocab_size)
+        return self
+
+    @torch.no_grad()
+    def init_from_target(self, target: Transformer) -> FeatureHead:
+        """Start the final norm from the target's and, with a draft vocabulary, the LM head
+        from the target's rows of it (a head without a norm of its own, EAGLE-1, reads the
+        target's LM head: nothing to do)."""
+        norm = getattr(self, "norm", None)
+        if norm is not None:
+            start_from_target(norm, getattr(self, "lm_head", None), target, self.draft_vocab)
+        return self
 
 
 def head_types() -> dict[str, type[Head]]:

@@ -32,16 +32,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from selfspec.checks import check_count, is_count, is_int_in
-from selfspec.heads.base import AttentionShape, Head, start_from_target
-from selfspec.heads.draft_vocab import DraftVocab, default_vocab, set_head_vocab
+from selfspec.checks import is_count, is_int_in
+from selfspec.heads.base import AttentionShape, FeatureHead, FeatureHeadConfig
 from selfspec.model import (
     DecoderLayer,
     Linear,
     ModelConfig,
     RMSNorm,
     Rope,
-    Transformer,
     apply_rope,
 )
 
@@ -63,7 +61,7 @@ def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DFlashConfig(AttentionShape):
+class DFlashConfig(FeatureHeadConfig):
     """hidden_size, vocab_size: the target's; the layers' sizes (intermediate_size, heads,
     head_dim, RoPE, biases) default to the target's (`for_target`).
     num_layers: the draft's own decoder layers. block_size: B, the slots of one forward (the
@@ -74,20 +72,15 @@ class DFlashConfig(AttentionShape):
     target's LM head scores the whole vocabulary). qk_norm: per-head q/k RMSNorm (Qwen3's
     layers, which the engines build)."""
 
-    intermediate_size: int
     num_layers: int = 1
     block_size: int = 8
     mask_token_id: int
     target_layers: tuple[int, ...]
-    target_hidden_size: int | None = None
-    draft_vocab_size: int | None = None
     qk_norm: bool = True
-    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim", "num_layers"):
-            check_count(name, getattr(self, name), owner="DFlashConfig")
+        self._check_counts("hidden_size", "vocab_size", "intermediate_size", "num_heads",
+                           "num_kv_heads", "head_dim", "num_layers")
         if not is_count(self.block_size, 2):
             raise ValueError(f"DFlashConfig: block_size must be an integer >= 2 (the root and "
                              f"at least one mask), got {self.block_size!r}")
@@ -98,10 +91,7 @@ class DFlashConfig(AttentionShape):
             raise ValueError(f"DFlashConfig: target_layers must be one or more layer ids >= 0, "
                              f"got {self.target_layers!r}")
         if self.draft_vocab_size is not None:
-            check_count("draft_vocab_size", self.draft_vocab_size, owner="DFlashConfig")
-            if self.draft_vocab_size > self.vocab_size:
-                raise ValueError(f"DFlashConfig: draft_vocab_size {self.draft_vocab_size} "
-                                 f"exceeds the target's vocab_size {self.vocab_size}")
+            self._check_draft_vocab_size()
 
     @classmethod
     def for_target(
@@ -118,22 +108,9 @@ class DFlashConfig(AttentionShape):
                    target_hidden_size=target.hidden_size, draft_vocab_size=draft_vocab_size,
                    qk_norm=qk_norm)
 
-    @property
-    def output_vocab_size(self) -> int:
-        """How many tokens the head scores: the draft vocabulary or the full one."""
-        return self.draft_vocab_size or self.vocab_size
-
-    @property
-    def feature_size(self) -> int:
-        """The width of the fused target states `fc` reads."""
-        return (self.target_hidden_size or self.hidden_size) * len(self.target_layers)
-
-    def layer_config(self) -> ModelConfig:
-        """The config each draft layer is built from."""
-        return self.one_layer(self.intermediate_size, self.mlp_bias)
 
 
-class DFlashHead(Head):
+class DFlashHead(FeatureHead):
     """A DFlash block drafter's trainable part: `context(streams)` fuses the target's states,
     `write_context` turns them into every layer's keys and values in a cache, `forward` runs
     a block over that cache and returns its normed hidden states; `logits` scores them."""
@@ -149,11 +126,8 @@ class DFlashHead(Head):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.fc = Linear(config.feature_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
-        if config.draft_vocab_size is not None:
-            self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
-            vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
-            self.register_buffer("d2t", vocab.d2t)
-            self.register_buffer("t2d", vocab.t2d)
+        if config.owns_lm_head:
+            self._add_lm_head()
         self.rope = Rope.of(layer)  # fp32, not a buffer: head.to(bf16) keeps the frequencies
 
     # ---- the context ---------------------------------------------------------------------
@@ -217,36 +191,13 @@ class DFlashHead(Head):
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """[..., output_vocab_size] fp32 scores of normed hidden states: through the head's own
         LM head (a draft vocabulary) or the target's (pass it)."""
-        if self.config.draft_vocab_size is not None:
+        if self.config.owns_lm_head:
             return self.lm_head(hidden).float()
         if lm_head is None:
             raise ValueError("DFlashHead.logits: the head scores through the target's LM head: "
                              "pass lm_head=target.lm_head")
         return lm_head(hidden).float()
 
-    def target_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None
-                      ) -> torch.Tensor:
-        """[..., vocab_size] fp32 scores over the target's vocabulary (-inf outside a draft
-        vocabulary)."""
-        logits = self.logits(hidden, lm_head)
-        vocab = self.draft_vocab
-        return logits if vocab is None else vocab.scatter(logits)
-
-    @property
-    def draft_vocab(self) -> DraftVocab | None:
-        return None if self.config.draft_vocab_size is None else DraftVocab(self.d2t, self.t2d)
-
-    def set_draft_vocab(self, vocab: DraftVocab) -> DFlashHead:
-        set_head_vocab("DFlashHead", self, vocab, self.config.draft_vocab_size,
-                       self.config.vocab_size)
-        return self
-
-    @torch.no_grad()
-    def init_from_target(self, target: Transformer) -> DFlashHead:
-        """Start the final norm from the target's and, with a draft vocabulary, the LM head
-        from the target's rows of it."""
-        start_from_target(self.norm, getattr(self, "lm_head", None), target, self.draft_vocab)
-        return self
 
 
 def _draft_layer(config: ModelConfig, index: int, qk_norm: bool) -> DecoderLayer:

@@ -31,14 +31,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from selfspec.checks import check_count, is_count, is_int_in
-from selfspec.heads.base import AttentionShape, Head, start_from_target
-from selfspec.heads.draft_vocab import (  # noqa: F401
-    DraftVocab,
-    default_vocab,
-    draft_vocabulary,
-    set_head_vocab,
-)
+from selfspec.checks import is_count, is_int_in
+from selfspec.heads.base import AttentionShape, FeatureHead, FeatureHeadConfig
 from selfspec.model import (
     MLP,
     Attention,
@@ -47,7 +41,6 @@ from selfspec.model import (
     ModelConfig,
     RMSNorm,
     Rope,
-    Transformer,
 )
 
 VERSIONS = (1, 3)
@@ -64,7 +57,7 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EagleConfig(AttentionShape):
+class EagleConfig(FeatureHeadConfig):
     """version: 1 (EAGLE-1 features) or 3 (fused features, own LM head, draft vocabulary).
     hidden_size, vocab_size: the target's. The layer's sizes (intermediate_size, num_heads,
     num_kv_heads, head_dim, RoPE, biases) default to the target's (`for_target`).
@@ -77,11 +70,6 @@ class EagleConfig(AttentionShape):
     mask pairs of token mask_token_id and the learned `mask_hidden`; 1: one token a forward."""
 
     version: int
-    intermediate_size: int
-    draft_vocab_size: int | None = None
-    target_hidden_size: int | None = None
-    target_layers: tuple[int, ...] = ()
-    mlp_bias: bool = False
     fc_bias: bool | None = None
     parallel: int = 1
     mask_token_id: int | None = None
@@ -89,9 +77,8 @@ class EagleConfig(AttentionShape):
     def __post_init__(self) -> None:
         if self.version not in VERSIONS:
             raise ValueError(f"EagleConfig: version must be 1 or 3, got {self.version!r}")
-        for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            check_count(name, getattr(self, name), owner="EagleConfig")
+        self._check_counts("hidden_size", "vocab_size", "intermediate_size", "num_heads",
+                           "num_kv_heads", "head_dim")
         if self.version == 1 and (self.draft_vocab_size not in (None, self.vocab_size)
                                   or self.target_layers):
             raise ValueError("EagleConfig: EAGLE-1 drafts over the full vocabulary from the last "
@@ -101,7 +88,7 @@ class EagleConfig(AttentionShape):
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        check_count("parallel", self.parallel, owner="EagleConfig")
+        self._check_counts("parallel")
         if self.parallel == 1:
             if self.mask_token_id is not None:
                 raise ValueError("EagleConfig: mask_token_id is P-EAGLE's (parallel > 1): leave "
@@ -116,15 +103,12 @@ class EagleConfig(AttentionShape):
                              f"0..{self.vocab_size - 1}, got {mask!r}")
 
     def _check_version_3(self) -> None:
-        check_count("draft_vocab_size", self.draft_vocab_size, owner="EagleConfig")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"EagleConfig: draft_vocab_size {self.draft_vocab_size} exceeds the "
-                             f"target's vocab_size {self.vocab_size}")
+        self._check_draft_vocab_size()
         if len(self.target_layers) != 3 or not all(is_count(i, 0) for i in self.target_layers):
             raise ValueError(f"EagleConfig: EAGLE-3 fuses three target layers (ids >= 0), got "
                              f"target_layers={self.target_layers!r}")
         if self.target_hidden_size is not None:
-            check_count("target_hidden_size", self.target_hidden_size, owner="EagleConfig")
+            self._check_counts("target_hidden_size")
 
     @classmethod
     def for_target(
@@ -151,19 +135,15 @@ class EagleConfig(AttentionShape):
         return self.version == 1 if self.fc_bias is None else bool(self.fc_bias)
 
     @property
-    def output_vocab_size(self) -> int:
-        """How many tokens the head scores: the draft vocabulary (EAGLE-3) or the full one."""
-        return self.draft_vocab_size or self.vocab_size
+    def owns_lm_head(self) -> bool:
+        """EAGLE-3 scores its draft vocabulary through its own LM head; EAGLE-1 (whose
+        draft_vocab_size may name the full vocabulary) the target's."""
+        return self.version == 3
 
     @property
     def feature_size(self) -> int:
         """The width of the target's feature the head reads: h, or 3 fused states (EAGLE-3)."""
-        width = self.target_hidden_size or self.hidden_size
-        return width * len(self.target_layers) if self.version == 3 else self.hidden_size
-
-    def layer_config(self) -> ModelConfig:
-        """The one-layer Llama config of the head's decoder layer."""
-        return self.one_layer(self.intermediate_size, self.mlp_bias)
+        return super().feature_size if self.version == 3 else self.hidden_size
 
 
 class EagleMidLayer(nn.Module):
@@ -186,7 +166,7 @@ class EagleMidLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class EagleHead(Head):
+class EagleHead(FeatureHead):
     """An EAGLE-1 or EAGLE-3 head: `forward(embeds, feature, positions, cache, mask)` -> the
     predicted next features [B, T, h]; `logits` turns them into token scores."""
 
@@ -203,10 +183,7 @@ class EagleHead(Head):
             self.fc = Linear(config.feature_size, h, bias=config.has_fc_bias)
             self.midlayer = EagleMidLayer(layer)
             self.norm = RMSNorm(h, config.rms_norm_eps)
-            self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
-            vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
-            self.register_buffer("d2t", vocab.d2t)
-            self.register_buffer("t2d", vocab.t2d)
+            self._add_lm_head()
         if config.parallel > 1:  # P-EAGLE: what a mask pair reads in place of a feature
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
         # Plain fp32 frequencies, as in Transformer: head.to(bf16) keeps them.
@@ -261,36 +238,6 @@ class EagleHead(Head):
                                  "pass lm_head=target.lm_head")
             return lm_head(hidden).float()
         return self.lm_head(self.norm(hidden)).float()
-
-    def target_logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None
-                      ) -> torch.Tensor:
-        """[..., vocab_size] fp32 scores over the target's vocabulary (-inf outside EAGLE-3's
-        draft vocabulary)."""
-        logits = self.logits(hidden, lm_head)
-        if self.config.version == 1:
-            return logits
-        return self.draft_vocab.scatter(logits)
-
-    # ---- EAGLE-3: draft vocabulary and a start from the target --------------------------------
-
-    @property
-    def draft_vocab(self) -> DraftVocab:
-        if self.config.version == 1:
-            raise ValueError("EagleHead: EAGLE-1 heads have no draft vocabulary")
-        return DraftVocab(self.d2t, self.t2d)
-
-    def set_draft_vocab(self, vocab: DraftVocab) -> EagleHead:
-        set_head_vocab("EagleHead", self, vocab, self.config.output_vocab_size,
-                       self.config.vocab_size)
-        return self
-
-    @torch.no_grad()
-    def init_from_target(self, target: Transformer) -> EagleHead:
-        """EAGLE-3: start the LM head from the target's rows of the draft vocabulary and the
-        final norm from the target's (EAGLE-1 reads the target's own LM head: nothing to do)."""
-        if self.config.version == 3:
-            start_from_target(self.norm, self.lm_head, target, self.draft_vocab)
-        return self
 
     # ---- EAGLE-3 training-time test ---------------------------------------------------------
 
