@@ -19,6 +19,9 @@ from torch import nn
 FEW_ROWS_ON_CPU = 128
 PACKED_FROM_ROWS = 3
 PACKED_FOR_ROWS = 8  # the row count oneDNN lays the packed copy out for (any count runs on it)
+# Weights this small may take the elementwise form (see `invariant_form`): its 128-row
+# product holds 128 x this many terms at once (8 MB).
+ELEMENTWISE_MAX_WEIGHT = 16_384
 # A Transformer packs its weights only when they are this large in all: a model that fits in a
 # CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
 # weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
@@ -130,6 +133,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and invariant_form(weight) == "packed":  # inductor cannot lower oneDNN's op
         packed = packed if packed is not None else _packed_copy(weight)
         out = _packed_product(flat, packed.of(weight))
+    elif not torch.compiler.is_compiling() and not torch.is_grad_enabled() \
+            and invariant_form(weight) == "elementwise":
+        out = _elementwise(flat, weight)
     else:
         out = _transposed(flat, weight)
     if bias is not None:
@@ -142,6 +148,13 @@ def _transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # SmolLM2's one-token forward 9-13% slower (the same bits; scripts/bench_one_row.py)
         return (weight @ torch.cat((rows, rows)).t())[:, :1].t()
     return (weight @ rows.t()).t().contiguous()  # row-major: SDPA's fused kernel needs it
+
+
+def _elementwise(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each output as its own sum of products over the input: for weights of at most
+    ELEMENTWISE_MAX_WEIGHT elements, where oneDNN's and MKL's calls cost several times the
+    arithmetic (a 32 x 32 product: 20 us against 50 us packed, on an AVX2 EPYC host)."""
+    return (rows[:, None, :] * weight[None]).sum(-1)  # [rows, out]
 
 
 def _packed_product(rows: torch.Tensor, packed: torch.Tensor,
@@ -157,13 +170,16 @@ PROBED_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 17, 32, 64, 128)
 
 
 def invariant_form(weight: torch.Tensor) -> str:
-    """"transposed" (`W @ x.T`, one row twice) or "packed" (oneDNN's inner product over the
-    weight packed for 8 rows): the first whose rows of a product come out the same bits as
-    each row alone, over 1-128 rows, for this weight's shape at this thread count, probed
-    once on a random weight of that shape. Which holds depends on the CPU: on Xeon hosts
-    `W @ x.T` does; on an AVX2 EPYC host MKL sums 1-3, 4-11 and 12 or more rows three ways,
-    while the packed product kept its bits. Where neither holds (or oneDNN is missing),
-    "transposed", with a warning: greedy decoding then equals plain decoding up to near-ties."""
+    """"elementwise" (each output summed on its own; weights of at most
+    ELEMENTWISE_MAX_WEIGHT elements only, where it is the cheapest), "transposed" (`W @ x.T`,
+    one row twice) or "packed" (oneDNN's inner product over the weight packed for 8 rows):
+    the first whose rows of a product come out the same bits as each row alone, over 1-128
+    rows, for this weight's shape at this thread count, probed once on a random weight of
+    that shape. Which holds depends on the CPU: on Xeon hosts `W @ x.T` does; on an AVX2 EPYC
+    host MKL sums 1-3, 4-11 and 12 or more rows three ways, while the packed product kept its
+    bits. Where none holds (or oneDNN is missing), "transposed", with a warning: greedy
+    decoding then equals plain decoding up to near-ties. The elementwise and packed forms run
+    with autograd off (decoding); a forward that trains takes `W @ x.T`."""
     key = (tuple(weight.shape), torch.get_num_threads())
     if key not in _INVARIANT:
         _INVARIANT[key] = _probe_invariant_form(*weight.shape)
@@ -174,7 +190,10 @@ def _probe_invariant_form(out_features: int, in_features: int) -> str:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     x = torch.randn(FEW_ROWS_ON_CPU, in_features, generator=generator)
-    forms = {"transposed": lambda rows: _transposed(rows, weight)}
+    forms = {}
+    if out_features * in_features <= ELEMENTWISE_MAX_WEIGHT:
+        forms["elementwise"] = lambda rows: _elementwise(rows, weight)
+    forms["transposed"] = lambda rows: _transposed(rows, weight)
     if torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
         forms["packed"] = lambda rows: _packed_product(rows, packed)

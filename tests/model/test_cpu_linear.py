@@ -68,15 +68,32 @@ def test_few_rows_keep_their_bits_among_others_and_a_streamed_weight_takes_its_f
 
 
 def test_a_form_whose_rows_depend_on_their_company_is_not_taken(monkeypatch):
-    """A planted `W @ x.T` whose bits change with the row count: the probe takes the packed
-    product instead; with both planted, it warns and keeps `W @ x.T`."""
+    """Planted forms whose bits change with the row count are passed over, in the probe's
+    order: elementwise (small weights only), `W @ x.T`, the packed product; with all three
+    planted, it warns and keeps `W @ x.T`."""
     from selfspec.model import cpu_linear
 
     def company(rows, weight):  # one ulp's worth more for every row beside the first
         return (weight @ rows.t()).t() * (1 + 1e-7 * (rows.shape[0] > 1))
 
     monkeypatch.setattr(cpu_linear, "_transposed", company)
+    assert cpu_linear._probe_invariant_form(64, 48) == "elementwise"  # each output on its own
+    assert cpu_linear._probe_invariant_form(128, 256) == "packed"  # too large for elementwise
+    monkeypatch.setattr(cpu_linear, "_elementwise", company)
     assert cpu_linear._probe_invariant_form(64, 48) == "packed"
     monkeypatch.setattr(cpu_linear, "_packed_product", lambda rows, packed: company(
         rows, torch.ones(64, 48)))
     assert cpu_linear._probe_invariant_form(64, 48) == "transposed"
+
+
+def test_the_elementwise_form_is_linear_up_to_rounding_and_only_without_autograd():
+    from selfspec.model import cpu_linear
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 48), torch.randn(5, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_linear._elementwise(x, weight),
+                                   torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    if cpu_linear.invariant_form(weight) == "elementwise":
+        trained = cpu_linear.linear(x.requires_grad_(), weight)
+        assert trained.grad_fn is not None and "Sum" not in type(trained.grad_fn).__name__
