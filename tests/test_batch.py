@@ -5,6 +5,8 @@ clear errors; a planted cross-row bug is caught."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import (
@@ -156,21 +158,19 @@ def test_a_batch_of_one_is_one_prompt(target, drafters, alone):
     SamplingParams(temperature=1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_each_rows_two_token_law_is_the_targets_whatever_the_other_rows(target, drafters,
                                                                        params):
-    """Row 0's first two tokens, drawn in a batch beside another prompt, follow the target's
-    exact two-token law (chi-square, p > 0.001), for a draft model's sampled drafts."""
-    prompt, beside = PROMPTS[0], PROMPTS[3]
+    """The prompt's first two tokens, drawn in batches where each of its copies sits beside
+    another prompt, follow the target's exact two-token law (chi-square, p > 0.001), for a
+    draft model's sampled drafts: each copy is a sample, whatever its row and company."""
+    prompt, beside, pairs = PROMPTS[0], PROMPTS[3], 20
     law = exact_two_token_law(target, prompt, params)
     generator = torch.Generator().manual_seed(0)
     drafter = drafters["draft model"](2)
-    samples = 1200
-    counts: dict = {}
-    for _ in range(samples):
-        first = generate(target, [prompt, beside], drafter=drafter, sampling=params,
-                         max_new_tokens=2, generator=generator)[0].tokens
-        counts[tuple(first)] = counts.get(tuple(first), 0) + 1
-    from collections import Counter
-
-    assert fit_pvalue(Counter(counts), law, samples) > 1e-3
+    counts: Counter = Counter()
+    for _ in range(60):
+        results = generate(target, [prompt, beside] * pairs, drafter=drafter, sampling=params,
+                           max_new_tokens=2, generator=generator)
+        counts.update(tuple(r.tokens) for r in results[::2])
+    assert fit_pvalue(counts, law, sum(counts.values())) > 1e-3
 
 
 class CacheProbe:
