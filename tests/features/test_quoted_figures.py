@@ -1264,7 +1264,17 @@ def _readme_efficiencies() -> list[list[float]]:
     return [[e for r in rows.values() for e in r], skip]
 
 
+def _dflash_costs() -> list[float]:
+    profile = _json("smollm2_dflash/results.json")["cost_profile"]
+    return [profile["one_token_ms"], *(profile["c"][str(n)] for n in (2, 3, 4, 5))]
+
+
 PROSE = (
+    Prose(
+        "docs/smollm2.md",
+        "forwards of {32} ms, c(N) {1.07} / {1.47} / {1.52} / {1.53} for N = 2 to 5",
+        _dflash_costs,
+    ),
     Prose(
         "README.md",
         "Each CPU row reaches {0.97-1.12} of its bound (layer skip {0.85})",
