@@ -30,25 +30,23 @@ loop reads with the target's argmax in the step's one host read; eagerly it is r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from selfspec.checks import is_count, is_int_in
+from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.block import BlockDrafter, Drafted, block_draft
 from selfspec.heads.dflash import DFlashHead
-from selfspec.heads.io import check_fused_target
 from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
-from selfspec.ranking import ranked_on_device
-from selfspec.sampling import SamplingParams, gumbel_top, logits_to_probs, sample_rows
 from selfspec.step import CapturedSteps, SlotView, padded_slots, weights_of
-from selfspec.tree import DeviceTree, Tree
 
 
-class DFlashDrafter:
+class DFlashDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the block's B - 1) from one forward of a
     DFlash head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k deep."""
+
+    head: DFlashHead
+    _static: StaticDFlashDraft | None
 
     def __init__(self, head: DFlashHead, num_draft_tokens: int | None = None, *,
                  tree_nodes: int | None = None, sampled_children: bool = True) -> None:
@@ -57,22 +55,10 @@ class DFlashDrafter:
         if not is_int_in(k, range(1, block)):
             raise ValueError(f"DFlashDrafter: num_draft_tokens must be in 1..{block - 1} (the "
                              f"head's block of {block} slots drafts up to {block - 1}), got {k!r}")
-        self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
-        self.shape = BlockShape.checked("DFlashDrafter", k, tree_nodes,
-                                        head.config.output_vocab_size)
-        self.max_nodes = self.shape.max_nodes
-        self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
-        self._cache: KVCache | None = None
-        self._committed = 0  # head cache slots holding committed context
-        self._static: StaticDFlashDraft | None = None
-        self._use_static = False
+        super().__init__(head, k, tree_nodes, sampled_children)
 
     def begin(self, setup: DecodeSetup) -> None:
-        check_fused_target("DFlashDrafter", self.head.config, setup.target)
-        self._target, self._generator = setup.target, setup.generator
-        self._sampling = setup.sampling
-        self._committed = 0
-        self._use_static = setup.static_steps
+        self._begin(setup)
         slots = setup.max_length + self.head.config.block_size
         if self._use_static:
             if self._static is None or not self._static.fits(self, setup.target,
@@ -82,12 +68,6 @@ class DFlashDrafter:
         config = self.head.config
         self._cache = KVCache.reused(self._cache, config.num_layers, config.num_kv_heads, slots,
                                      config.head_dim, self.head.fc.weight)
-
-    @property
-    def law(self) -> SamplingParams | None:
-        """The warping children are drawn under (None: chosen, the top tokens)."""
-        sampling = self._sampling
-        return None if sampling.greedy or not self.sampled_children else sampling
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:
@@ -134,157 +114,6 @@ def block_tokens(root: int | torch.Tensor, config, device: torch.device) -> torc
                        device=device)
     block[0] = root
     return block
-
-
-def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
-    """The draft of one block's laws: a chain, a device tree (on_device, in static steps: read
-    with the target's argmax), or a tree read here, its nodes a sampled law could not supply
-    left out."""
-    if drafted.parents is None:
-        return Draft(Tree.chain(shape.k), drafted.tokens, drafted.q)
-    tree = DeviceTree(drafted.parents, shape.k, drafted.valid, shape.width)
-    sampled = drafted.q is not None
-    if on_device:
-        return Draft(tree, drafted.tokens, drafted.q, without_replacement=sampled)
-    if not sampled:  # chosen: every row a node
-        return Draft(tree.on_host(drafted.parents.tolist()), drafted.tokens)
-    host, kept = tree.nodes_on_host(drafted.parents.tolist(), drafted.valid.tolist())
-    rows = torch.tensor(kept, dtype=torch.long, device=drafted.tokens.device)
-    return Draft(host, drafted.tokens.index_select(0, rows), drafted.q.index_select(0, rows),
-                 without_replacement=True)
-
-
-# ---- chains and trees from the per-position laws ---------------------------------------------
-
-
-@dataclass
-class Drafted:
-    """One draft as tensors: tokens [N]; parents [N] and valid [N] (None: a chain); q [N, V]
-    the law each token was drawn from (None: chosen)."""
-
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None
-    parents: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-
-    def cloned(self) -> Drafted:
-        """A copy of each tensor: a captured step rewrites its outputs at its next replay."""
-        return Drafted(*(None if t is None else t.clone()
-                         for t in (self.tokens, self.q, self.parents, self.valid)))
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """What a draft of k positions looks like: a chain (nodes None) or a best-first tree of
-    `nodes` nodes over a vocabulary of `vocab` tokens, whose nodes are the `width` top
-    candidates of their position (a node has at most that many children)."""
-
-    k: int
-    nodes: int | None
-    vocab: int
-
-    @classmethod
-    def checked(cls, drafter: str, k: int, nodes, vocab: int) -> BlockShape:
-        """The shape, its `nodes` checked: null (a chain) or an integer >= 1."""
-        if nodes is not None and not is_count(nodes):
-            raise ValueError(f"{drafter}: tree_nodes must be null (a chain) or an integer >= 1, "
-                             f"got {nodes!r}")
-        return cls(k, nodes, vocab)
-
-    @property
-    def width(self) -> int:
-        return min(self.nodes or 1, self.vocab)
-
-    @property
-    def max_nodes(self) -> int:
-        """k for a chain; a tree's nodes, or as many rank tuples as there are if fewer."""
-        if self.nodes is None:
-            return self.k
-        tuples, level = 0, 1
-        for _ in range(self.k):
-            level *= self.width
-            tuples += level
-            if tuples >= self.nodes:
-                return self.nodes
-        return tuples
-
-    def draft(self, logits: torch.Tensor, law: SamplingParams | None,
-              generator: torch.Generator | None) -> Drafted:
-        """The draft from the block's logits [k, V]: chosen tokens (law None) or draws from
-        the laws warped by `law`; static shapes, nothing read back."""
-        laws = None if law is None else logits_to_probs(logits, law, static=True)  # [k, V]
-        if self.nodes is None:
-            if laws is None:
-                return Drafted(logits.argmax(dim=-1))  # lowest id on ties, as the ranking
-            return Drafted(sample_rows(laws, generator), laws)
-        scores = torch.log_softmax(logits.double(), dim=-1) if laws is None else laws.double().log()
-        ranked = ranked_on_device(logits if laws is None else laws, self.width)  # [k, width]
-        tree = best_first_tree(scores.gather(1, ranked), self.nodes, self.max_nodes)
-        if laws is None:
-            # Chosen ranks lie within the scored vocabulary: every node has a finite score.
-            return Drafted(ranked[tree.depths - 1, tree.ranks], None, tree.parents)
-        return _sampled_children(tree, laws, self.width, generator)
-
-
-@dataclass
-class BlockTree:
-    """A best-first tree as tensors, nodes in topological order: parents [N] (-1: the root),
-    depths [N] (1..k), ranks [N] (which candidate of its position's law), valid [N] (a path
-    of positive probability)."""
-
-    parents: torch.Tensor
-    depths: torch.Tensor
-    ranks: torch.Tensor
-    valid: torch.Tensor
-
-
-def best_first_tree(scores: torch.Tensor, beam: int, nodes: int) -> BlockTree:
-    """The `nodes` best rank tuples, a tuple scoring the sum of its ranks' scores:
-    scores [k, R] the log-probabilities of each position's R top tokens, best first.
-
-    DDTree pops them from a heap one by one (a popped tuple pushes its first child and its
-    next sibling); here, in fixed shapes, depth d keeps its `beam` best tuples (each of the
-    beam kept at depth d - 1 extended by each of the R ranks), and the pool of all depths gives
-    the `nodes` best. Both find the same set when beam >= nodes: the best tuples of any depth
-    lie among that depth's best `beam`, whose parents are the best a depth above. Ties go to
-    the shallower tuple, then the earlier made, so a parent precedes its child and every kept
-    child's parent is kept. Slots of a beam wider than its depth's tuples score -inf."""
-    k, ranks = scores.shape
-    device = scores.device
-    first = torch.full((beam,), float("-inf"), dtype=scores.dtype, device=device)
-    first[: min(beam, ranks)] = scores[0, :beam]
-    kept, parents = [first], [torch.full((beam,), -1, dtype=torch.long, device=device)]
-    made = [torch.arange(beam, device=device).clamp(max=ranks - 1)]
-    for depth in range(1, k):
-        candidates = (kept[-1][:, None] + scores[depth][None, :]).flatten()  # [beam * R]
-        order = torch.sort(candidates, descending=True, stable=True).indices[:beam]
-        kept.append(candidates[order])
-        parents.append((depth - 1) * beam + order // ranks)  # pool index of the parent
-        made.append(order % ranks)
-    pool = torch.cat(kept)  # [k * beam], depth by depth
-    pick = torch.sort(pool, descending=True, stable=True).indices[:nodes]  # [N]
-    node_of = torch.full_like(pool, -1, dtype=torch.long)
-    node_of[pick] = torch.arange(len(pick), device=device)
-    parent_pool = torch.cat(parents)[pick]
-    return BlockTree(parents=torch.where(parent_pool >= 0, node_of[parent_pool.clamp(min=0)], -1),
-                     depths=pick // beam + 1, ranks=torch.cat(made)[pick],
-                     valid=pool[pick] > float("-inf"))
-
-
-def _sampled_children(tree: BlockTree, laws: torch.Tensor, width: int,
-                      generator: torch.Generator | None) -> Drafted:
-    """The tree's tokens drawn: each node's (and the root's) children are its first draws,
-    without replacement, from the law of the position below it, its child of rank r taking
-    draw r (`gumbel_top`: a row of uniforms per parent, `width` draws). A draw the law could
-    not supply, and everything below it, is no node."""
-    k = laws.shape[0]
-    below = torch.cat([tree.depths.new_zeros(1), tree.depths]).clamp(max=k - 1)  # [N + 1]
-    tokens, drawn = gumbel_top(laws[below], width, generator)  # [N + 1, W] each
-    row = tree.parents + 1  # [N] each node's parent's row (0: the root)
-    valid = drawn[row, tree.ranks] & tree.valid
-    for _ in range(k - 1):  # a node is valid when it and every ancestor were drawn
-        valid = valid & torch.where(tree.parents >= 0, valid[tree.parents.clamp(min=0)], True)
-    return Drafted(tokens[row, tree.ranks], laws[tree.depths - 1], tree.parents, valid)
 
 
 # ---- static steps ------------------------------------------------------------------------------

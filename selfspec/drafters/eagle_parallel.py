@@ -9,7 +9,7 @@ none of which depends on a drafted token. The mask pairs' keys are cut off again
 cache holds the committed context alone.
 
 From those laws the draft is a chain or DDTree's best-first tree, made as DFlash makes its
-own (`selfspec.drafters.dflash.BlockShape`: chosen tokens at greedy, draws without replacement
+own (`selfspec.drafters.block`: chosen tokens at greedy, draws without replacement
 from each position's law when sampling), which keeps the verifier exact for the same reason:
 a position's law does not depend on the tokens above it. Where the target runs static steps
 (`StaticParallelDraft`) the committed pairs are fed as EAGLE's static draft feeds them (padded
@@ -26,21 +26,22 @@ import torch
 
 from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.dflash import BlockShape, Drafted, block_draft
+from selfspec.drafters.block import BlockDrafter, Drafted, block_draft
 from selfspec.drafters.eagle import committed_pairs
 from selfspec.drafters.eagle_static import StaticEagleDraft
 from selfspec.heads.eagle import EagleHead
-from selfspec.heads.io import check_fused_target
 from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
-from selfspec.sampling import SamplingParams
 from selfspec.step import CapturedSteps, SlotView, padded_slots
 
 
-class ParallelEagleDrafter:
+class ParallelEagleDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the head's K) from one forward of a
     P-EAGLE head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k
     deep."""
+
+    head: EagleHead
+    _static: StaticParallelDraft | None
 
     def __init__(self, head: EagleHead, num_draft_tokens: int | None = None, *,
                  tree_nodes: int | None = None, sampled_children: bool = True) -> None:
@@ -53,22 +54,10 @@ class ParallelEagleDrafter:
         if not is_int_in(k, range(1, most + 1)):
             raise ValueError(f"ParallelEagleDrafter: num_draft_tokens must be in 1..{most} (the "
                              f"head drafts up to {most} tokens a forward), got {k!r}")
-        self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
-        self.shape = BlockShape.checked("ParallelEagleDrafter", k, tree_nodes,
-                                        head.config.output_vocab_size)
-        self.max_nodes = self.shape.max_nodes
-        self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
-        self._cache: KVCache | None = None
-        self._committed = 0  # head cache slots holding committed pairs
-        self._static: StaticParallelDraft | None = None  # drafting in static shapes, kept
-        self._use_static = False
+        super().__init__(head, k, tree_nodes, sampled_children)
 
     def begin(self, setup: DecodeSetup) -> None:
-        check_fused_target("ParallelEagleDrafter", self.head.config, setup.target)
-        self._target, self._generator = setup.target, setup.generator
-        self._sampling = setup.sampling
-        self._committed = 0
-        self._use_static = setup.static_steps
+        self._begin(setup)
         if self._use_static:
             slots = padded_slots(setup.max_length + 2 * self.k + 1)
             if self._static is None or not self._static.fits(self, setup.target, slots):
@@ -78,12 +67,6 @@ class ParallelEagleDrafter:
         self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
                                      setup.max_length + self.k, config.head_dim,
                                      self.head.fc.weight)
-
-    @property
-    def law(self) -> SamplingParams | None:
-        """The warping tokens are drawn under (None: chosen, the top tokens)."""
-        sampling = self._sampling
-        return None if sampling.greedy or not self.sampled_children else sampling
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> Draft:

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from selfspec.checks import check_count, is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.drafters.block import BlockShape, block_draft
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
-from selfspec.drafters.dflash import BlockShape
 from selfspec.heads.draft_vocab import DraftVocab, check_vocab_covers
 from selfspec.model import ModelOutput, Transformer, linear
 from selfspec.model.kv_cache import BatchRows, KVCache, RowSlots, pad_rows
@@ -201,9 +201,8 @@ class SmallModelDrafter:
         """A chain from the k laws of logits [k, V] (`BlockShape`: argmax, or a draw from
         each)."""
         law = None if self.sampling.greedy else self.sampling
-        drafted = BlockShape(self.num_draft_tokens, None, logits.shape[-1]).draft(
-            logits, law, self.generator)
-        return Draft.chain(drafted.tokens, drafted.q)
+        shape = BlockShape(self.num_draft_tokens, None, logits.shape[-1])
+        return block_draft(shape.draft(logits, law, self.generator), shape, on_device=False)
 
     def _pending(self, context: DraftContext) -> list[int]:
         """The tokens to feed before drafting: those after the longest prefix its cache

@@ -21,7 +21,8 @@ from helpers import (
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import DFlashDrafter, DraftContext
-from selfspec.drafters.dflash import BlockShape, block_tokens
+from selfspec.drafters.block import BlockShape
+from selfspec.drafters.dflash import block_tokens
 from selfspec.model.kv_cache import KVCache
 from selfspec.tree import host_tree
 
