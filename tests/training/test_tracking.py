@@ -1,4 +1,4 @@
-"""The tracker (training/tracking.py) without W&B: WANDB_MODE=disabled, or no wandb package
+"""The tracker (selfspec/tracking.py) without W&B: WANDB_MODE=disabled, or no wandb package
 (the GPU machines have none), leaves the JSON-lines record alone, and says so once."""
 
 import sys
