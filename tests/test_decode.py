@@ -1,6 +1,7 @@
 """The decode loop: lossless greedy for every drafter, exact sampling end to end, bad input."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,14 +143,15 @@ def test_the_split_can_be_turned_off_and_never_changes_the_tokens(target, draft_
 
 def test_a_gpu_synchronizes_at_phase_boundaries_only_when_asked(monkeypatch):
     """No GPU needed: the clock of a CUDA generation, with synchronize recorded."""
-    calls = []
+    calls, ticks = [], iter(range(100))  # a clock that moves one second a read
     monkeypatch.setattr(decode, "synchronize", calls.append)
+    monkeypatch.setattr(decode, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     cuda = torch.device("cuda")
     fast = decode._PhaseClock(GenerationStats(), cuda, None)  # generate's default
     for phase in ("prefill", "draft", "forward", "probs", "verify", "commit"):
         fast.lap(phase)
     assert not fast.split and calls == []
-    assert fast.stats.draft_time_s >= 0 and fast.stats.forward_time_s == 0.0
+    assert fast.stats.draft_time_s == 1.0 and fast.stats.forward_time_s == 0.0  # the draft alone
     split = decode._PhaseClock(GenerationStats(), cuda, True)
     for phase in ("prefill", "draft", "forward"):
         split.lap(phase)
@@ -194,6 +196,7 @@ def test_sampling_through_a_draft_models_first_candidates_follows_the_target_law
     assert sampled_pvalue(target, drafter, params, samples) > P_VALUE_FLOOR
 
 
+@pytest.mark.slow  # the verifier-level twin (test_verify_exactness) runs quick
 def test_the_end_to_end_check_catches_first_candidates_verified_as_independent_draws(
         small_pair, monkeypatch):
     """The same draws verified as if each sibling were an independent draw from q (the

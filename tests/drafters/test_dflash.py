@@ -323,6 +323,7 @@ class ForgetsItDrewWithoutReplacement(DFlashDrafter):
         return dataclasses.replace(super().propose(context), without_replacement=False)
 
 
+@SLOW  # the planted bug of the law test; the verifier-level twin runs quick
 def test_the_law_test_catches_siblings_verified_as_independent_draws(small_vocab):
     small, head = small_vocab
     drafter = ForgetsItDrewWithoutReplacement(head, tree_nodes=6)

@@ -222,6 +222,7 @@ class ForgetsItDrewWithoutReplacement(ParallelEagleDrafter):
         return dataclasses.replace(super().propose(context), without_replacement=False)
 
 
+@pytest.mark.slow  # the planted bug of the law test; the verifier-level twin runs quick
 def test_the_law_test_catches_siblings_verified_as_independent_draws(small_vocab):
     small, head = small_vocab
     # The correct drafter passes this very test (above, p ~ 0.4); the planted one: p ~ 4e-8.

@@ -262,11 +262,19 @@ def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter
     SamplingParams(0.8, top_p=0.9), marks=pytest.mark.slow)], ids=["t1", "top_p"])
 def test_chosen_candidates_verified_by_draws_keep_the_target_law(params):
     """Static steps verify chosen candidates by one draw per row (`decode._verify_step`):
-    the two-token law of speculative decoding, and of plain decoding, is the target's."""
+    the two-token law of speculative decoding is the target's."""
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
     assert_drafted_sampling_is_exact(target, EagleDrafter(head, **CHOSEN), params, 1000,
                                      cuda_graphs=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)],
+                         ids=["t1", "top_p"])
+def test_plain_static_steps_keep_the_target_law(params):
+    """Plain decoding in static steps draws from the target's two-token law."""
+    target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     g, counts, samples = torch.Generator().manual_seed(1), Counter(), 1000
     for _ in range(samples):
         counts[tuple(generate(target, SAMPLING_PROMPT, sampling=params, max_new_tokens=2,

@@ -60,7 +60,8 @@ def test_results_json_has_every_grid_row(sweep_dir):
         assert 0.0 <= row["draft_time_share"] < 1.0 and row["target_forwards_per_token"] > 0
         assert row["lossless"] is (True if row["sampling"] == "greedy" else None)
     machine = results["machine"]
-    assert machine["cpu_count"] >= 1 and machine["torch_threads"] >= 1
+    assert machine["cpu_count"] == os.cpu_count()  # the machine it ran on, not a default
+    assert machine["torch_threads"] == suite_threads()  # threads=null: the caller's threads
     assert machine["torch_version"]
     assert len(results["prompt_ids"]) == 2
 
@@ -86,7 +87,7 @@ def test_rows_carry_the_time_split_the_bound_and_the_efficiency(sweep_dir):
     for row in results["rows"]:
         split = row["time_split"]
         assert set(split) == {*PHASES, OTHER}
-        assert all(p["s_per_step"] >= 0 and p["share"] >= 0 for p in split.values()), split
+        assert all(split[p]["s_per_step"] > 0 for p in PHASES), split  # every phase ran
         assert sum(p["share"] for p in split.values()) == pytest.approx(1.0)
         assert split["draft"]["share"] == pytest.approx(row["draft_time_share"])
         assert sum(row["nodes_histogram"]) > 0
@@ -133,7 +134,8 @@ def test_offline_wandb_run_holds_the_table_and_plots(sweep_dir):
                if line]
     assert [r["step"] for r in records] == list(range(8))
     summary = json.loads((sweep_dir / "summary.json").read_text())
-    assert "small_model/greedy" in summary["best"] and summary["machine"]["cpu_count"] >= 1
+    assert "small_model/greedy" in summary["best"]
+    assert summary["machine"] == json.loads((sweep_dir / "results.json").read_text())["machine"]
 
 
 def test_hf_peers_and_medusa_on_a_self_draft(tmp_path, quick_build, cfg_of, heads_dir):
