@@ -33,7 +33,7 @@ def test_nested_answer_sets_train_from_one_store_and_draw_tau_against_data(tmp_p
     for points in curves["medusa"].values():
         epochs = [p["epochs"] for p in points]  # a pass ends at its last step's batch
         assert [round(e) for e in epochs] == [1, 2] and epochs[-1] >= 2
-        assert all(p["tau"] >= 1 and p["tau_se"] >= 0 for p in points)
+        assert all(p["tau_se"] is not None and p["tau_seconds"] > 0 for p in points)  # judged
     store = json.loads((run_dir / "store" / "index.json").read_text())
     small, large = (json.loads((run_dir / "medusa" / n / "run_config.json").read_text())
                     for n in ("N20", "N50"))

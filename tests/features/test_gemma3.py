@@ -131,7 +131,8 @@ def test_the_entry_points_run_on_it(compose_cfg, tmp_path, capsys):
     cfg = compose_cfg("replay", "methods=[ngram]", "num_draft_tokens=[2]", "num_prompts=1",
                       "max_new_tokens=8", f"run_dir={tmp_path}")
     (row,) = load_entry("replay").run(cfg)
-    assert row["tau"] >= 1
+    assert (row["method"], row["draft_length"]) == ("ngram", 2)
+    assert json.loads((tmp_path / "replay.json").read_text())["rows"] == [row]  # what it wrote
     cfg = compose_cfg("sweep", "methods=[ngram]", "num_draft_tokens=[1]", "samplings=[greedy]",
                       "bench.num_prompts=1", "bench.max_new_tokens=8", "cost_profile=false",
                       "wandb.enabled=false", f"run_dir={tmp_path / 'sweep'}")

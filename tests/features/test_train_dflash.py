@@ -30,7 +30,8 @@ def test_train_dflash_runs_exports_a_head_a_sweep_loads_and_reports_tau(tmp_path
     assert "blocks of 5, drafting a best-first tree of 6 nodes" in done.stdout
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["tau"] >= 1.0 and summary["lossless"] is True
+    assert summary["lossless"] is True
+    assert f"tau {summary['tau']:.2f}, speedup x{summary['speedup']:.2f}" in done.stdout  # its file
     assert any("eval/dflash/slot4_top1" in r for r in read_metrics(run_dir))
     export = run_dir / "checkpoints/step_0000004/export"
     target = Transformer.from_pretrained(quick_build / "target")

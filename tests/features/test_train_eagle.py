@@ -33,7 +33,8 @@ def test_train_eagle2_runs_saves_the_head_and_reports_tau(tmp_path, quick_build)
     assert "EAGLE-2 dynamic tree" in done.stdout
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["tau"] >= 1.0 and summary["lossless"] is True
+    assert summary["lossless"] is True
+    assert f"tau {summary['tau']:.2f}, speedup x{summary['speedup']:.2f}" in done.stdout  # its file
     assert 0.0 <= summary["draft_time_share"] < 1.0
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
     assert any("eval/eagle/top1" in r for r in read_metrics(run_dir))

@@ -41,7 +41,8 @@ def test_train_medusa_runs_saves_heads_and_reports_tau(tmp_path, quick_build):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tau" in done.stdout and "speedup" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["tau"] >= 1.0 and summary["lossless"] is True
+    assert summary["lossless"] is True
+    assert f"tau {summary['tau']:.2f}, speedup x{summary['speedup']:.2f}" in done.stdout  # its file
     assert [r["step"] for r in read_metrics(run_dir) if "eval/loss" in r] == [4, 8]
     assert_the_loss_falls(run_dir, 0.1, 0.03)  # measured: -15% and -6.7%
     assert bool(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == HAS_WANDB
@@ -88,9 +89,10 @@ def test_train_medusa2_exports_heads_and_adapter_and_reports_its_drift(tmp_path,
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Medusa-2: verified against the LoRA-adapted target" in done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["lossless"] is True and summary["tau"] >= 1.0
+    assert summary["lossless"] is True
+    assert f"tau {summary['tau']:.2f}, speedup x{summary['speedup']:.2f}" in done.stdout  # its file
     assert 0.0 <= summary["greedy_agreement_with_original"] <= 1.0
-    assert summary["eval_kl_to_original"] >= 0.0
+    assert summary["eval_kl_to_original"] > 0.0  # the trained adapter moved the target
     export = run_dir / "checkpoints/step_0000004/export"
     target = Transformer.from_pretrained(quick_build / "target")
     load_head(export, MedusaHeads, MedusaConfig, target=target)
