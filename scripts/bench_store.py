@@ -176,10 +176,10 @@ def store_build(target, rows: TokenRows, args, layers, folder: Path) -> dict:
 def objective(method: str, cfg, target: Transformer, rows: TokenRows, features):
     """The method's training objective, composed as its trainer composes it."""
     if method == "medusa":
-        heads, _ = from_config.medusa_heads(cfg, target, rows)
+        heads = from_config.medusa_heads(cfg, target, rows)
         return from_config.medusa_objective(cfg, target, heads, features)
     if method.startswith("eagle"):
-        head, _ = from_config.eagle_head(cfg, target, rows)
+        head = from_config.eagle_head(cfg, target, rows)
         return from_config.eagle_objective(cfg, target, head, features)
     heads: list[ExitHead] = from_config.early_exit_heads(cfg, target)
     return EarlyExitObjective(target, heads, features=features)

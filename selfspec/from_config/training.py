@@ -1,13 +1,15 @@
 """What every trainer shares, from configs: settings, resume checks, DeepSpeed, training
-rows (with self-distillation), the judge of its exports and its report. What each method's
-trainer composes (its checks, its fresh module, its objective, its export's drafters) is
-`from_config.trainers`'."""
+rows (with self-distillation), a mask token from the rows, a single head's export, the judge
+of its exports and its report. What each method's trainer composes (its checks, its fresh
+module, its objective, its export's drafters) is its `TrainerEntry`, in its module under
+`from_config/methods/`; `from_config.train_method` runs them."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from selfspec.from_config.models import (
     resolve_model_path,
 )
 from selfspec.from_config.prompts import load_prompts
+from selfspec.heads.draft_vocab import rarest_token, save_token_counts, token_counts
+from selfspec.heads.io import describe_target, save_head
 from selfspec.measure.passes import Comparison, compare_with_plain
 from selfspec.measure.replay import GreedyRecord, cached_records, replay
 from selfspec.metrics import TauEstimate
@@ -52,7 +56,7 @@ from selfspec.training.instructions import (
     shipped_answers,
     stdlib_instructions,
 )
-from selfspec.training.loop import FitResult, TrainSettings
+from selfspec.training.loop import FitResult, TrainSettings, state_part
 from selfspec.training.rows import TokenRows
 
 # Settings a resumed run may change: they shape neither the weights nor the optimizer.
@@ -159,6 +163,19 @@ def tau_prompts(cfg: DictConfig, target: Transformer) -> list[list[int]]:
 
 # What a trainer's export drafts: {name: (drafter, the target it verifies on)}; "" for one.
 ExportDrafters = dict[str, tuple[Drafter, Transformer]]
+Export = Callable[[dict[str, torch.Tensor], Path], None]  # `training.loop.fit`'s export
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """A trainer's run as its objective and export see it: the config, the target and its
+    tokenizer, the training rows and the fresh trainable module (heads, exits, a draft)."""
+
+    cfg: DictConfig
+    target: Transformer
+    tokenizer: Any
+    train: TokenRows
+    module: Any
 DraftersOf = Callable[[Transformer, Path], ExportDrafters]
 
 
@@ -224,6 +241,64 @@ def compare_on_final_eval(cfg: DictConfig, target: Transformer, drafter: Drafter
     return compare_with_plain(target, drafter, prompts, sampling=sampling_params(cfg.sampling),
                               max_new_tokens=int(cfg.final_eval.max_new_tokens),
                               seed=int(cfg.seed))
+
+
+def final_comparison(cfg: DictConfig, drafters_of: Callable[..., ExportDrafters], export: Path
+                     ) -> tuple[Drafter, Comparison]:
+    """A trainer's report: the one drafter its export makes (drafters_of(cfg, target, export)),
+    against plain decoding of the target it verifies on, on a fresh target whatever DeepSpeed
+    did to the trained one (`compare_on_final_eval`)."""
+    drafter, verified = drafters_of(cfg, load_target(cfg), export)[""]
+    return drafter, compare_on_final_eval(cfg, verified, drafter)
+
+
+def log_report(cfg: DictConfig, tracker: Tracker, comparison: Comparison, summary: dict,
+               *lines: str) -> None:
+    """A trainer's report: the comparison's figures and `summary` to the tracker, then `lines`
+    and the comparison printed."""
+    tracker.log_summary({**comparison.as_dict(), **summary})
+    print("\n".join([*lines, comparison.describe(cfg.data.name)]))
+
+
+def heldout_top1(metrics: dict[str, float], prefix: str = "eval/") -> dict[str, float]:
+    """The held-out top-1 agreements among a run's last metrics (those under `prefix`), named
+    without "eval/" and rounded: the held-out rows', not the last batch's."""
+    return {k.removeprefix("eval/"): round(v, 3) for k, v in metrics.items()
+            if k.startswith(prefix) and k.endswith("top1")}
+
+
+def mask_token(setting: int | None, target: Transformer, train: TokenRows) -> int:
+    """The mask token of a method that drafts from masks (PARD, DFlash, P-EAGLE): its
+    `mask_token_id` setting, or (null) the training rows' rarest token (the highest id among
+    equals), so that it stands for nothing the rows say."""
+    if setting is not None:
+        return int(setting)
+    return rarest_token(token_counts(train.tokens, target.config.vocab_size))
+
+
+def rows_token_counts(target: Transformer, train: TokenRows) -> torch.Tensor:
+    """The training rows' supervised tokens counted [V], kept beside an export (a draft
+    vocabulary of any size is chosen from them later)."""
+    return token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
+
+
+def head_exporter(head: torch.nn.Module, prefix: str, target: Transformer,
+                  counts: torch.Tensor | None = None) -> Export:
+    """The export of one trained head (`training.fit`'s export): the head alone (safetensors and
+    its config, in the published checkpoints' names) from the state's entries under `prefix`
+    and the buffers it holds now (a draft vocabulary's maps, which training leaves alone), with
+    the training rows' token `counts` beside it when given."""
+    config, info = head.config, describe_target(target)
+    buffers = {name: b.detach().clone() for name, b in head.named_buffers()}
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        trained = type(head)(config)
+        trained.load_state_dict(state_part(state, prefix) | buffers)
+        save_head(folder, trained, config, info)
+        if counts is not None:
+            save_token_counts(folder, counts)
+
+    return export
 
 
 def train_settings(cfg: DictConfig) -> TrainSettings:

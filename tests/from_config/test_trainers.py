@@ -1,5 +1,6 @@
-"""What each trainer composes (from_config/trainers.py): every trainable method's settings,
-fresh module, objective and export drafters, from its training config."""
+"""What each trainer composes (its `TrainerEntry`, in its method's module under
+from_config/methods/): every trainable method's settings, fresh module, objective and export
+drafters, from its training config."""
 
 import pytest
 import torch
@@ -32,9 +33,10 @@ def test_eagle_training_configs_build_their_heads_drafters_and_objectives(cfg_of
     cfg = cfg_of("train_eagle", f"eagle.version={version}", *eagle3, "eagle.ttt_steps=2",
                  "run_dir=/tmp/unused")
     assert from_config.check_eagle_settings(cfg) == version
-    head, config = from_config.eagle_head(cfg, target, rows)
-    assert config.version == (3 if version == 3 else 1) and head.config == config
-    drafter = from_config.eagle_drafter(cfg, head)
+    head = from_config.eagle_head(cfg, target, rows)
+    config = head.config
+    assert config.version == (3 if version == 3 else 1)
+    drafter = from_config.eagle_trainer_drafter(cfg, head)
     if version == 1:  # the static chain4 tree
         assert drafter.shape.tree.is_chain and drafter.max_nodes == 4
     else:  # the EAGLE-2 defaults for a CPU
@@ -51,10 +53,11 @@ def test_a_p_eagle_training_config_builds_its_head_drafter_and_objective(cfg_of,
     cfg = cfg_of("train_eagle", "eagle.version=3", "eagle.parallel=3", "eagle.draft_vocab_size=32",
                  "eagle.target_layers=[0,1,2]", "eagle.tree_nodes=5", "run_dir=/tmp/unused")
     assert from_config.check_eagle_settings(cfg) == 3
-    head, config = from_config.eagle_head(cfg, target, rows)
+    head = from_config.eagle_head(cfg, target, rows)
+    config = head.config
     counts = token_counts(rows.tokens, target.config.vocab_size)
     assert config.parallel == 3 and counts[config.mask_token_id] == counts.min()  # the rarest
-    drafter = from_config.eagle_drafter(cfg, head)
+    drafter = from_config.eagle_trainer_drafter(cfg, head)
     assert isinstance(drafter, ParallelEagleDrafter)
     assert (drafter.k, drafter.shape.nodes) == (3, 5)
     objective = from_config.eagle_objective(cfg, target, head)
@@ -72,7 +75,7 @@ def test_early_exit_training_configs_build_exits_drafters_and_their_objective(cf
     assert from_config.check_early_exit_settings(cfg) == (1,)
     (head,) = from_config.early_exit_heads(cfg, target)
     assert head.config.kind == "adapter" and head.exit_layer == 1
-    drafter = from_config.early_exit_drafter(cfg, head)
+    drafter = from_config.early_exit_trainer_drafter(cfg, head)
     assert (drafter.max_nodes, drafter.confidence_threshold) == (6, 0.6)
     objective = from_config.early_exit_objective(cfg, target, [head])
     assert isinstance(objective, EarlyExitObjective) and objective.hard_weight == 0.5
@@ -102,9 +105,8 @@ def test_draft_model_training_configs_build_the_draft_and_its_objective(cfg_of, 
 def test_medusa_training_configs_build_heads_and_their_objective(cfg_of, target, rows, version):
     cfg = cfg_of("train_medusa", f"medusa.version={version}", "run_dir=/tmp/unused")
     assert from_config.check_medusa_settings(cfg) == version
-    from_config.check_medusa_tree(cfg, target)
-    heads, config = from_config.medusa_heads(cfg, target, rows)
-    assert heads.config == config
+    from_config.check_medusa_tree(cfg, target.config)
+    heads = from_config.medusa_heads(cfg, target, rows)
     objective = from_config.medusa_objective(cfg, Transformer.from_hf(tiny_llama(0)), heads)
     assert type(objective).__name__ == ("MedusaObjective" if version == 1 else "Medusa2Objective")
     assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
@@ -127,7 +129,7 @@ def test_dflash_training_configs_build_their_head_drafter_and_objective(cfg_of, 
         assert set(head.draft_vocab.target_ids.tolist()) < set(tokens.unique().tolist())
     else:  # the rarest token of the rows: one they never hold, the highest such id
         assert head.config.mask_token_id == 63
-    drafter = from_config.dflash_drafter(cfg, head)
+    drafter = from_config.dflash_trainer_drafter(cfg, head)
     assert drafter.k == 3 and drafter.shape.nodes == (6 if overrides else None)
     assert objective(rows.tokens, rows.loss_mask).loss.isfinite()
 

@@ -1,7 +1,7 @@
-"""The method registry: one module per method, each defining `ENTRIES` (its `MethodEntry`s),
-found by looking through this package, so adding a method adds a module here and touches no
-list. Every entry point (eval/generate.py, eval/sweep.py, eval/lossless.py, eval/replay.py)
-takes every method through it.
+"""The method registry: one module per method, each defining `ENTRIES` (its `MethodEntry`s) and,
+for a method that trains, `TRAINER` (its `TrainerEntry`), found by looking through this package,
+so adding a method adds a module here and touches no list. Every entry point (eval/generate.py,
+eval/sweep.py, eval/lossless.py, eval/replay.py, train/<method>.py) takes every method through it.
 """
 
 from __future__ import annotations
@@ -9,18 +9,24 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from types import ModuleType
 
-from selfspec.from_config.methods.entry import Loaded, MethodEntry
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
 
-__all__ = ["Loaded", "MethodEntry", "entry", "method_names", "registry"]
+__all__ = ["Loaded", "MethodEntry", "TrainerEntry", "entry", "method_names", "registry",
+           "trainer", "trainers"]
+
+
+@functools.cache
+def _modules() -> tuple[ModuleType, ...]:
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "entry")
+    return tuple(importlib.import_module(f"{__name__}.{name}") for name in names)
 
 
 @functools.cache
 def registry() -> dict[str, MethodEntry]:
     """Every method by name, in the order of their `order`."""
-    entries: list[MethodEntry] = []
-    for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "entry"):
-        entries += importlib.import_module(f"{__name__}.{module}").ENTRIES
+    entries = [e for module in _modules() for e in module.ENTRIES]
     entries.sort(key=lambda e: (e.order, e.name))
     return {e.name: e for e in entries}
 
@@ -35,3 +41,18 @@ def entry(name: str) -> MethodEntry:
     if name not in methods:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(methods)}")
     return methods[name]
+
+
+@functools.cache
+def trainers() -> dict[str, TrainerEntry]:
+    """Every trainer by name (train/<name>.py), from the modules of the methods that train."""
+    found = (getattr(module, "TRAINER", None) for module in _modules())
+    return {t.name: t for t in sorted(filter(None, found), key=lambda t: t.name)}
+
+
+def trainer(name: str) -> TrainerEntry:
+    """The trainer `name`, or an error that lists the trainers."""
+    found = trainers()
+    if name not in found:
+        raise ValueError(f"unknown trainer {name!r}: choose from {', '.join(found)}")
+    return found[name]

@@ -1,10 +1,14 @@
 """DFlash (`DFlashHead`, drafted by `DFlashDrafter`): a block drafter of a few decoder layers
-over the target's fused features, drafting k tokens in one forward; trained by
-train/dflash.py (`from_config.trainers`).
+over the target's fused features, drafting k tokens in one forward.
 
 Rows: dflash (a chain of the k per-position tokens) and dflash/tree{N} for each N in
 dflash.tree_nodes (DDTree's best-first tree of N nodes, at most k deep), at each draft length
 k up to the head's block size - 1 (longer lengths fold into that one).
+
+Trainer (train/dflash.py, conf/train_dflash.yaml): a fresh head (its mask token and draft
+vocabulary from the training rows) trained on the frozen target, against the data or the
+target's law; the export holds the head; the judge and the report draft dflash.num_draft_tokens
+(null: the block's B - 1) as a chain or DDTree's tree of dflash.tree_nodes nodes.
 """
 
 from __future__ import annotations
@@ -13,22 +17,32 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import is_count
 from selfspec.drafters import DFlashDrafter
+from selfspec.from_config import training
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
+    TrainerEntry,
     head_folder,
     required_head_folder,
     when_set,
 )
+from selfspec.from_config.models import model_config, model_plan
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
+from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
+from selfspec.model.plan import head_training_lines
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.objectives import DFlashObjective
+from selfspec.training.rows import TokenRows
 
 HEAD = "dflash_head"  # the setting naming the head's export folder
 
@@ -71,8 +85,134 @@ def load(loaded: Loaded, chosen: tuple[DFlashVariant, ...]) -> None:
 
 
 def drafter(loaded: Loaded, variant: DFlashVariant, k: int) -> DFlashDrafter:
-    return DFlashDrafter(head(loaded), k, tree_nodes=variant.tree_nodes,
-                         sampled_children=bool(loaded.cfg.dflash.sampled_children))
+    return dflash_drafter(head(loaded), loaded.cfg.dflash, k, variant.tree_nodes)
+
+
+def dflash_drafter(head: DFlashHead, settings: DictConfig, k: int | None,
+                   tree_nodes: int | None) -> DFlashDrafter:
+    """The DFlash drafter, of generation's rows and of the trainer's judge and report alike:
+    k tokens (None: the block's B - 1) from one forward, as a chain (tree_nodes None) or
+    DDTree's best-first tree of tree_nodes nodes; children drawn from each position's law when
+    sampling unless the `dflash` section's sampled_children is false."""
+    return DFlashDrafter(head, k, tree_nodes=tree_nodes,
+                         sampled_children=bool(settings.sampled_children))
+
+
+def load_dflash(folder: str | Path, target: Transformer) -> DFlashHead:
+    """The head of a train/dflash.py export (refused when trained for another target)."""
+    return load_head(folder, DFlashHead, DFlashConfig, target=target)
+
+
+# ---- the trainer (train/dflash.py) ---------------------------------------------------------
+
+DFLASH_LOSSES = ("ce", "kl")  # against the data; against the target's law
+
+
+def dflash_config(cfg: DictConfig, target: ModelConfig, mask_token_id: int) -> DFlashConfig:
+    """The head's config for the target from cfg.dflash (target_layers null: num_features
+    streams spaced as the references space them)."""
+    d = cfg.dflash
+    layers = d.get("target_layers")
+    try:
+        return DFlashConfig.for_target(
+            target, mask_token_id=mask_token_id, num_layers=d.num_layers,
+            block_size=d.block_size, num_features=d.num_features,
+            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
+            draft_vocab_size=d.get("draft_vocab_size"), qk_norm=bool(d.qk_norm))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("DFlashConfig: ", "dflash.", 1)) from None
+
+
+def meta_head(cfg: DictConfig) -> DFlashHead:
+    """The configured head on the meta device (no weights), its mask token dflash.mask_token_id
+    or 0 before the training rows exist."""
+    mask = cfg.dflash.get("mask_token_id")
+    with torch.device("meta"):
+        return DFlashHead(dflash_config(cfg, model_config(cfg.model), mask or 0))
+
+
+def check_dflash_settings(cfg: DictConfig) -> None:
+    """Every cfg.dflash setting checked from the config alone (a head on the meta device, no
+    weights): the head, its objective's settings and the drafter the report uses."""
+    d = cfg.dflash
+    dflash_trainer_drafter(cfg, meta_head(cfg))
+    if not is_count(d.anchors):
+        raise ValueError(f"dflash.anchors must be an integer >= 1, got {d.anchors!r}")
+    if not float(d.gamma) > 0:
+        raise ValueError(f"dflash.gamma must be > 0 (slot k weighs exp(-(k-1)/gamma)), got "
+                         f"{d.gamma}")
+    if d.loss not in DFLASH_LOSSES:
+        raise ValueError(f"dflash.loss must be ce (against the data) or kl (against the "
+                         f"target's law), got {d.loss!r}")
+
+
+def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlashHead:
+    """A fresh head sized for the target. The mask token is dflash.mask_token_id, or (null)
+    the training rows' rarest token (the highest id among equals), so that it stands for
+    nothing the rows say; with dflash.draft_vocab_size the draft vocabulary is the rows' most
+    frequent tokens (where the loss counts). Its final norm (and LM head rows) start from the
+    target's."""
+    config = dflash_config(cfg, target.config,
+                           training.mask_token(cfg.dflash.get("mask_token_id"), target, train))
+    torch.manual_seed(int(cfg.seed))
+    head = DFlashHead(config).to(target.embed_tokens.weight)
+    if config.draft_vocab_size is not None:
+        head.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
+                                              config.draft_vocab_size, train.loss_mask))
+    return head.init_from_target(target)
+
+
+def dflash_objective(cfg: DictConfig, target: Transformer, head: DFlashHead,
+                     features: FeatureSource | None = None) -> DFlashObjective:
+    """Blocks at dflash.anchors anchors a row, slots weighted by dflash.gamma, against the data
+    (dflash.loss=ce) or the target's law (kl); features: the target's states from a feature
+    store."""
+    d = cfg.dflash
+    return DFlashObjective(target, head, anchors=int(d.anchors), gamma=float(d.gamma),
+                           teacher=d.loss == "kl",
+                           cache_features=bool(d.get("cache_features", False)),
+                           features=features)
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    return dflash_objective(run.cfg, run.target, run.module, features)
+
+
+def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
+    """The head alone (safetensors + config), in the published checkpoints' names."""
+    return training.head_exporter(run.module, "head.", run.target)
+
+
+def dflash_trainer_drafter(cfg: DictConfig, trained: DFlashHead) -> DFlashDrafter:
+    """train/dflash.py's drafter (`dflash_drafter` on its settings): dflash.num_draft_tokens
+    (null: the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes."""
+    d = cfg.dflash
+    return dflash_drafter(trained, d, d.get("num_draft_tokens"), d.get("tree_nodes"))
+
+
+def dflash_drafters(cfg: DictConfig, target: Transformer, export: Path) -> training.ExportDrafters:
+    """The exported head, drafting as the config says (dflash.num_draft_tokens, tree_nodes)."""
+    return {"": (dflash_trainer_drafter(cfg, load_dflash(export, target)), target)}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the head, on meta tensors."""
+    print(model_plan(cfg).format())
+    print(head_training_lines(meta_head(cfg), int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the trained head over plain decoding of the
+    target."""
+    drafter, comparison = training.final_comparison(cfg, dflash_drafters, export)
+    top1 = training.heldout_top1(metrics, "eval/dflash/")
+    shape = (f"a chain of {drafter.k}" if drafter.shape.nodes is None
+             else f"a best-first tree of {drafter.shape.nodes} nodes, {drafter.k} deep")
+    layers = drafter.head.config.num_layers
+    training.log_report(cfg, tracker, comparison, {**top1, "head": str(export)},
+                        f"DFlash head ({layers} layer{'s' if layers > 1 else ''}, blocks of "
+                        f"{drafter.head.config.block_size}, drafting {shape}): {export}",
+                        f"top-1 agreement with the data per slot (held-out): {top1}")
 
 
 ENTRIES = (MethodEntry(
@@ -82,8 +222,7 @@ ENTRIES = (MethodEntry(
     default_when=when_set(HEAD), head=DFlashHead,
     color="tab:olive", order=45),)
 
-
-def load_dflash(folder: str | Path, target: Transformer) -> DFlashHead:
-    """The head of a train/dflash.py export (refused when trained for another target)."""
-    return load_head(folder, DFlashHead, DFlashConfig, target=target)
-
+TRAINER = TrainerEntry(
+    name="dflash", config="train_dflash", check=check_dflash_settings, dry_run=dry_run,
+    module=dflash_head, streams=lambda head: head.config.target_layers, objective=objective,
+    exporter=exporter, drafters=dflash_drafters, report=report)

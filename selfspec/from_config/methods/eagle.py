@@ -7,29 +7,44 @@ Rows: eagle, at each draft length k an EAGLE-2 dynamic tree k deep with eagle.to
 nodes and eagle.top_k children per frontier node (whatever the head's version); a P-EAGLE head
 (trained with eagle.parallel=K) drafts its k <= K tokens from one forward instead, a chain or
 (eagle.tree_nodes) a best-first tree (`ParallelEagleDrafter`).
+
+Trainer (train/eagle.py, conf/train_eagle.yaml): a fresh head of eagle.version (EAGLE-3's draft
+vocabulary from the training rows; eagle.parallel=K: P-EAGLE's), trained on the frozen target;
+the export holds the head and the training rows' token counts; the judge and the report draft
+as `eagle_trainer_drafter` reads the trainer's settings.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import is_count
 from selfspec.drafters import EagleDrafter, ParallelEagleDrafter
+from selfspec.from_config import training
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
+    TrainerEntry,
     head_folder,
     one_variant,
     required_head_folder,
     when_set,
 )
-from selfspec.heads.draft_vocab import DraftVocab, load_draft_vocab
+from selfspec.from_config.models import model_config, model_plan
+from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary, load_draft_vocab
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
+from selfspec.model.plan import head_training_lines
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.objectives import Eagle3Objective, EagleObjective
+from selfspec.training.rows import TokenRows
+from selfspec.tree import Tree
 
 HEAD = "eagle_head"  # the setting naming the head's export folder
 
@@ -60,16 +75,29 @@ def head(loaded: Loaded) -> EagleHead:
 
 
 def drafter(loaded: Loaded, variant: Variant, k: int) -> EagleDrafter | ParallelEagleDrafter:
-    e, eagle = loaded.cfg.eagle, head(loaded)
-    if eagle.config.parallel > 1:
-        if k > eagle.config.parallel:
-            raise ValueError(f"eagle: the P-EAGLE head at {loaded.cfg[HEAD]} drafts at most "
-                             f"{eagle.config.parallel} tokens a forward; use num_draft_tokens "
-                             f"<= {eagle.config.parallel}")
-        return ParallelEagleDrafter(eagle, k, tree_nodes=e.get("tree_nodes"),
-                                    sampled_children=e.sampled_children)
-    return EagleDrafter(eagle, total_tokens=e.total_tokens, depth=k, top_k=e.top_k,
-                        sampled_children=e.sampled_children, draft_vocab=draft_vocab(loaded))
+    return eagle_drafter(head(loaded), loaded.cfg.eagle, k, draft_vocab=draft_vocab(loaded))
+
+
+def eagle_drafter(eagle: EagleHead, settings: DictConfig, depth: int | None = None, *,
+                  tree: Tree | None = None, draft_vocab: DraftVocab | None = None
+                  ) -> EagleDrafter | ParallelEagleDrafter:
+    """The EAGLE drafter, of generation's rows and of the trainer's judge and report alike, from
+    an `eagle` settings section (sampled_children; an EAGLE-2 tree's total_tokens and top_k; a
+    P-EAGLE head's tree_nodes): a P-EAGLE head drafts `depth` tokens (None: its K) from one
+    forward; another head the static `tree` when given, else an EAGLE-2 dynamic tree `depth`
+    deep (over the K most frequent tokens of `draft_vocab`, when given)."""
+    sampled = bool(settings.sampled_children)
+    most = eagle.config.parallel
+    if most > 1:
+        if depth is not None and depth > most:
+            raise ValueError(f"eagle: the P-EAGLE head drafts at most {most} tokens a forward; "
+                             f"use num_draft_tokens <= {most}")
+        return ParallelEagleDrafter(eagle, depth, tree_nodes=settings.get("tree_nodes"),
+                                    sampled_children=sampled)
+    if tree is not None:
+        return EagleDrafter(eagle, tree, sampled_children=sampled)
+    return EagleDrafter(eagle, total_tokens=settings.total_tokens, depth=depth,
+                        top_k=settings.top_k, sampled_children=sampled, draft_vocab=draft_vocab)
 
 
 def draft_vocab(loaded: Loaded) -> DraftVocab | None:
@@ -86,13 +114,191 @@ def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
     head(loaded)
 
 
+def load_eagle(folder: str | Path, target: Transformer) -> EagleHead:
+    """The head of a train/eagle.py export (refused when trained for another target)."""
+    return load_head(folder, EagleHead, EagleConfig, target=target)
+
+
+# ---- the trainer (train/eagle.py) ----------------------------------------------------------
+
+
+EAGLE_VERSIONS = {1: "EAGLE-1 head, static tree", 2: "EAGLE-1 head, EAGLE-2 dynamic tree",
+                  3: "EAGLE-3 head, EAGLE-2 dynamic tree"}
+
+
+def eagle_version(cfg: DictConfig) -> int:
+    """1: an EAGLE-1 head drafting cfg.tree (static); 2: the same head drafting EAGLE-2 dynamic
+    trees; 3: an EAGLE-3 head (fused layers, draft vocabulary) drafting dynamic trees."""
+    version = cfg.eagle.get("version", 1)
+    if version not in EAGLE_VERSIONS:
+        choices = "; ".join(f"{v}: {what}" for v, what in EAGLE_VERSIONS.items())
+        raise ValueError(f"eagle.version must be 1, 2 or 3 ({choices}), got {version!r}")
+    return int(version)
+
+
+EAGLE3_DRAFT_VOCAB = 1024  # eagle.draft_vocab_size=null: a small target's CPU default
+
+
+def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int | None = None
+                 ) -> EagleConfig:
+    """The head's config for the target: EAGLE-1 (versions 1, 2) or EAGLE-3 (version 3, with
+    eagle.draft_vocab_size and eagle.target_layers, null = the inputs of 2, L//2, L-3), and
+    with eagle.parallel=K > 1 P-EAGLE's (mask_token_id: its mask; None: eagle.mask_token_id,
+    or token 0 for a config checked before its training rows exist)."""
+    e, version = cfg.eagle, eagle_version(cfg)
+    layers, fc_bias = e.get("target_layers"), e.get("fc_bias")
+    parallel = e.get("parallel", 1)
+    if mask_token_id is None:
+        mask_token_id = e.get("mask_token_id", 0) or 0  # 0: a config checked before its rows
+    if fc_bias is not None and not isinstance(fc_bias, bool):
+        raise ValueError(f"eagle.fc_bias must be null, true or false, got {fc_bias!r}")
+    if parallel != 1 and version != 3:
+        raise ValueError(f"eagle.parallel={parallel} (P-EAGLE) drafts with EAGLE-3 heads: set "
+                         f"eagle.version=3, or eagle.parallel=1")
+    if version < 3:
+        if e.get("draft_vocab_size") is not None or layers is not None:
+            raise ValueError(f"eagle.draft_vocab_size and eagle.target_layers are EAGLE-3's: an "
+                             f"EAGLE-{version} head reads the last hidden state and scores the "
+                             f"whole vocabulary through the target's LM head (drafting, "
+                             f"eagle.draft_vocab=K keeps K rows of it); leave them unset, or set "
+                             f"eagle.version=3")
+        return EagleConfig.for_target(target_config, 1, fc_bias=fc_bias)
+    draft_vocab = e.get("draft_vocab_size")
+    try:
+        return EagleConfig.for_target(
+            target_config, 3, fc_bias=fc_bias,
+            draft_vocab_size=EAGLE3_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
+            target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
+            parallel=parallel, mask_token_id=None if parallel == 1 else mask_token_id)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
+
+
+def check_eagle_settings(cfg: DictConfig) -> int:
+    """Every cfg.eagle setting checked from the config alone (a head on the meta device, no
+    weights): the head's config, loss weights, and the drafter the report will use (tree
+    sizes, total_tokens >= depth, top_k within the vocabulary). Returns the version."""
+    version = eagle_version(cfg)
+    with torch.device("meta"):
+        meta_head = EagleHead(eagle_config(cfg, model_config(cfg.model)))
+    eagle_trainer_drafter(cfg, meta_head)
+    e = cfg.eagle
+    for key in ("feature_weight", "token_weight", "feature_noise"):
+        if not float(e[key]) >= 0:
+            raise ValueError(f"eagle.{key} must be >= 0, got {e[key]}")
+    if not float(e.ttt_decay) > 0:
+        raise ValueError(f"eagle.ttt_decay must be > 0 (step j weighs decay**j), "
+                         f"got {e.ttt_decay}")
+    if not is_count(e.ttt_steps):
+        raise ValueError(f"eagle.ttt_steps must be an integer >= 1, got {e.ttt_steps!r}")
+    if not 0 < float(e.parallel_keep) <= 1:
+        raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
+                         f"once the one before it is), got {e.parallel_keep}")
+    return version
+
+
+def eagle_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> EagleHead:
+    """A fresh head sized for the target. EAGLE-3: the draft vocabulary is the
+    eagle.draft_vocab_size most frequent tokens of the training rows (where the loss counts),
+    and the head's LM head starts from the target's rows of it; P-EAGLE's mask token is
+    eagle.mask_token_id or (null) the rows' rarest token, so that it stands for nothing the
+    rows say. EAGLE-1 heads score the full vocabulary through the target's LM head."""
+    mask = None
+    if cfg.eagle.get("parallel", 1) != 1:
+        mask = training.mask_token(cfg.eagle.get("mask_token_id"), target, train)
+    config = eagle_config(cfg, target.config, mask)
+    torch.manual_seed(int(cfg.seed))
+    head = EagleHead(config).to(target.embed_tokens.weight.dtype)
+    if config.version == 3:
+        vocab = draft_vocabulary(train.tokens, config.vocab_size, config.draft_vocab_size,
+                                 train.loss_mask)
+        head.set_draft_vocab(vocab).init_from_target(target)
+    return head
+
+
+def eagle_objective(
+    cfg: DictConfig, target: Transformer, head: EagleHead,
+    features: FeatureSource | None = None,
+) -> EagleObjective | Eagle3Objective:
+    """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
+    next feature and token law with uniform feature noise (drawn from torch's default
+    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test.
+    features: the target's states read from a feature store."""
+    e = cfg.eagle
+    cache = bool(e.get("cache_features", False))
+    if eagle_version(cfg) < 3:
+        return EagleObjective(target, head, feature_weight=float(e.feature_weight),
+                              token_weight=float(e.token_weight),
+                              feature_noise=float(e.feature_noise), cache_features=cache,
+                              features=features)
+    return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
+                           cache_features=cache, features=features,
+                           keep=float(e.parallel_keep))
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    return eagle_objective(run.cfg, run.target, run.module, features)
+
+
+def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
+    """The head (safetensors + config, in the published checkpoints' names) and the training
+    rows' token counts (an EAGLE-1 head's eagle.draft_vocab is chosen from them)."""
+    counts = training.rows_token_counts(run.target, run.train)
+    return training.head_exporter(run.module, "head.", run.target, counts)
+
+
+def eagle_trainer_drafter(cfg: DictConfig, eagle: EagleHead
+                          ) -> EagleDrafter | ParallelEagleDrafter:
+    """train/eagle.py's drafter (`eagle_drafter` on its settings): version 1 a static tree
+    (cfg.tree's `choices`), versions 2 and 3 an EAGLE-2 dynamic tree eagle.depth deep; a
+    P-EAGLE head its K tokens from one forward."""
+    if eagle.config.parallel > 1:
+        return eagle_drafter(eagle, cfg.eagle)
+    if eagle_version(cfg) > 1:
+        return eagle_drafter(eagle, cfg.eagle, int(cfg.eagle.depth))
+    if cfg.tree.get("choices") is None:
+        raise ValueError(f"eagle.version=1 drafts a static tree: pick one with `choices` "
+                         f"(tree=chain4|medusa_small|medusa_63), not tree={cfg.tree.name}; "
+                         f"or draft dynamic trees with eagle.version=2")
+    tree = Tree.from_paths(OmegaConf.to_container(cfg.tree.choices))
+    return eagle_drafter(eagle, cfg.eagle, tree=tree)
+
+
+def eagle_drafters(cfg: DictConfig, target: Transformer, export: Path) -> training.ExportDrafters:
+    """The exported head, drafting as the config says (eagle.version's tree) for `target`."""
+    return {"": (eagle_trainer_drafter(cfg, load_eagle(export, target)), target)}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the head, on meta tensors."""
+    eagle_version(cfg)
+    print(model_plan(cfg).format())
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        head = EagleHead(eagle_config(cfg, model_config(cfg.model)))
+    print(head_training_lines(head, int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the trained head over plain decoding of the
+    target."""
+    _, comparison = training.final_comparison(cfg, eagle_drafters, export)
+    top1, version = training.heldout_top1(metrics), eagle_version(cfg)
+    parallel = int(cfg.eagle.get("parallel", 1))
+    kind = (f"P-EAGLE: EAGLE-3 head, {parallel} tokens a forward" if parallel > 1
+            else EAGLE_VERSIONS[version])
+    training.log_report(cfg, tracker, comparison,
+                        {**top1, "head": str(export), "eagle_version": version},
+                        f"EAGLE head ({kind}): {export}",
+                        f"top-1 agreement with the target (held-out): {top1}")
+
+
 ENTRIES = (MethodEntry(
     name="eagle",
     summary="an EAGLE-1/EAGLE-3 head over the target's features, drafting EAGLE-2 trees",
     variants=one_variant("eagle"), load=load, drafter=drafter, check=check,
     default_when=when_set(HEAD), head=EagleHead, color="tab:red", order=40),)
 
-
-def load_eagle(folder: str | Path, target: Transformer) -> EagleHead:
-    """The head of a train/eagle.py export (refused when trained for another target)."""
-    return load_head(folder, EagleHead, EagleConfig, target=target)
+TRAINER = TrainerEntry(
+    name="eagle", config="train_eagle", check=check_eagle_settings, dry_run=dry_run,
+    module=eagle_head, streams=lambda head: head.config.target_layers, objective=objective,
+    exporter=exporter, drafters=eagle_drafters, report=report)

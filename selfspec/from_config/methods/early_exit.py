@@ -5,6 +5,11 @@ head on layer E's residual) needs no training; train/early_exit.py trains adapte
 Rows: early_exit/E{E}/{kind}/stop{t} (or nostop) for every early_exit.exit_layers x the norm
 exit (and the trained adapter when early_exit.exits names a train/early_exit.py export) x every
 early_exit.confidence_threshold; a single generation takes the adapter when one is given.
+
+Trainer (train/early_exit.py, conf/train_early_exit.yaml): fresh adapter exits at every
+early_exit.exit_layers, trained together on the frozen target; the export holds one head
+folder per exit (E{E}/); the judge and the report draft early_exit.num_draft_tokens tokens with
+the first early_exit.confidence_threshold, the report beside the norm exit at each E.
 """
 
 from __future__ import annotations
@@ -12,17 +17,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
+from selfspec.checks import is_count
 from selfspec.drafters import EarlyExitDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
+from selfspec.from_config import training
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, check_head_folder, when_set
-from selfspec.from_config.models import model_config
+from selfspec.from_config.methods.entry import (
+    Loaded,
+    MethodEntry,
+    TrainerEntry,
+    check_head_folder,
+    never,
+    when_set,
+)
+from selfspec.from_config.models import load_target, model_config, model_plan
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
-from selfspec.heads.io import load_head
+from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
+from selfspec.model.plan import trainable_line
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.loop import state_part
+from selfspec.training.objectives import EarlyExitObjective
 
 NO_STOP = "nostop"
 KINDS = ("norm", "adapter")
@@ -74,14 +94,14 @@ def load(loaded: Loaded, chosen: tuple[EarlyExitVariant, ...]) -> None:
 
 
 def drafter(loaded: Loaded, variant: EarlyExitVariant, k: int) -> EarlyExitDrafter:
-    return EarlyExitDrafter(exit_head(loaded, variant), k, variant.threshold)
+    return early_exit_drafter(exit_head(loaded, variant), k, variant.threshold)
 
 
-ENTRIES = (MethodEntry(
-    name="early_exit",
-    summary="the target's first E layers through an exit, verification resuming at E",
-    variants=variants, load=load, drafter=drafter, check=check,
-    default_when=when_set("early_exit.exits"), head=ExitHead, color="tab:pink", order=50),)
+def early_exit_drafter(head: ExitHead, k: int, threshold: float | None) -> EarlyExitDrafter:
+    """The early-exit drafter, of generation's rows and of the trainer's judge and report
+    alike: up to k tokens through the exit `head`, ending a draft below the top-1 probability
+    `threshold` (None: never)."""
+    return EarlyExitDrafter(head, k, threshold)
 
 
 # ---- settings and exits ----------------------------------------------------------------------
@@ -125,3 +145,118 @@ def load_early_exit(folder: str | Path, target: Transformer,
                          f"E={exit_layer}; load the export of E={exit_layer} "
                          f"(<run>/checkpoints/step_N/export/E{exit_layer})")
     return loaded
+
+
+# ---- the trainer (train/early_exit.py) -----------------------------------------------------
+
+
+def check_early_exit_settings(cfg: DictConfig) -> tuple[int, ...]:
+    """Every cfg.early_exit setting of train/early_exit.py checked from the config alone
+    (no weights); returns the exit layers."""
+    layers = early_exit_layers(cfg, model_config(cfg.model).num_layers)
+    early_exit_thresholds(cfg)
+    k = cfg.early_exit.num_draft_tokens
+    if not is_count(k):
+        raise ValueError(f"early_exit.num_draft_tokens must be an integer >= 1, got {k!r}")
+    if not float(cfg.early_exit.hard_weight) >= 0:
+        raise ValueError(f"early_exit.hard_weight must be >= 0, got {cfg.early_exit.hard_weight}")
+    return layers
+
+
+def early_exit_heads(cfg: DictConfig, target: Transformer) -> list[ExitHead]:
+    """Fresh adapter exits, one per early_exit.exit_layers, each starting as the norm exit."""
+    torch.manual_seed(int(cfg.seed))
+    dtype = target.embed_tokens.weight.dtype
+    return [ExitHead(ExitConfig.for_target(target.config, e)).to(dtype).init_from_target(target)
+            for e in early_exit_layers(cfg, target.config.num_layers)]
+
+
+def early_exit_objective(cfg: DictConfig, target: Transformer, heads: list[ExitHead],
+                         features: FeatureSource | None = None) -> EarlyExitObjective:
+    """The exits trained together from one target forward (or the states of a feature
+    store), each on the target's final law (plus early_exit.hard_weight x cross-entropy to
+    the tokens)."""
+    return EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight),
+                              features=features)
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    return early_exit_objective(run.cfg, run.target, run.module, features)
+
+
+def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
+    """One head folder per exit layer: export/E{E} (safetensors + config)."""
+    configs, info = [head.config for head in run.module], describe_target(run.target)
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        for i, config in enumerate(configs):
+            head = ExitHead(config)
+            head.load_state_dict(state_part(state, f"heads.{i}."))
+            save_head(folder / f"E{config.exit_layer}", head, config, info)
+
+    return export
+
+
+def early_exit_trainer_drafter(cfg: DictConfig, head: ExitHead) -> EarlyExitDrafter:
+    """train/early_exit.py's drafter (`early_exit_drafter` on its settings): up to
+    early_exit.num_draft_tokens tokens, stopping below the first
+    early_exit.confidence_threshold."""
+    return early_exit_drafter(head, int(cfg.early_exit.num_draft_tokens),
+                              early_exit_thresholds(cfg)[0])
+
+
+def early_exit_drafters(cfg: DictConfig, target: Transformer, export: Path
+                        ) -> training.ExportDrafters:
+    """The exported adapter of each exit layer E, drafting for `target` (named E{E})."""
+    exits = {e: load_early_exit(export / f"E{e}", target, exit_layer=e)
+             for e in early_exit_layers(cfg, target.config.num_layers)}
+    return {f"E{e}": (early_exit_trainer_drafter(cfg, head), target)
+            for e, head in exits.items()}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the adapters, on meta tensors."""
+    print(model_plan(cfg).format())
+    config = model_config(cfg.model)
+    layers = early_exit_layers(cfg, config.num_layers)
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        heads = [ExitHead(ExitConfig.for_target(config, e)) for e in layers]
+    count = sum(p.numel() for head in heads for p in head.parameters())
+    print(trainable_line(f"trainable exits (ExitHead adapters at E={list(layers)})", count,
+                         int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """For each trained E: tau, speedup and draft time share of the adapter and of the norm
+    exit over plain decoding of the target, on fresh weights, whatever DeepSpeed did to the
+    trained ones."""
+    target = load_target(cfg)
+    summary, lines = {"exits": str(export)}, []
+    adapters = early_exit_drafters(cfg, target, export)
+    for e in early_exit_layers(cfg, target.config.num_layers):
+        norm = early_exit_trainer_drafter(cfg, norm_exit(target, e))
+        for kind, drafter in (("norm", norm), ("adapter", adapters[f"E{e}"][0])):
+            comparison = training.compare_on_final_eval(cfg, target, drafter)
+            summary |= {f"E{e}/{kind}/{k}": v for k, v in comparison.as_dict().items()}
+            lines.append(f"E={e} {kind:<7}: {comparison.describe(cfg.data.name)}")
+        top1 = metrics.get(f"eval/exit/E{e}_top1")
+        if top1 is not None:
+            summary[f"E{e}/adapter/heldout_top1"] = round(top1, 3)
+    tracker.log_summary(summary)
+    threshold = early_exit_thresholds(cfg)[0]
+    print(f"early exits: {export}/E*; up to {cfg.early_exit.num_draft_tokens} draft tokens, "
+          f"confidence stop {threshold}")
+    print("\n".join(lines))
+
+
+ENTRIES = (MethodEntry(
+    name="early_exit",
+    summary="the target's first E layers through an exit, verification resuming at E",
+    variants=variants, load=load, drafter=drafter, check=check,
+    default_when=when_set("early_exit.exits"), head=ExitHead, color="tab:pink", order=50),)
+
+TRAINER = TrainerEntry(
+    name="early_exit", config="train_early_exit", check=check_early_exit_settings,
+    dry_run=dry_run, module=lambda cfg, target, train: early_exit_heads(cfg, target),
+    objective=objective, exporter=exporter, drafters=early_exit_drafters, report=report,
+    streams=lambda heads: [head.exit_layer for head in heads], replayable=never)

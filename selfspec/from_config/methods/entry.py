@@ -1,20 +1,27 @@
-"""What the registry knows of a method (`MethodEntry`), and what a run's methods load, once
-(`Loaded`). One module per method in this package defines its entries (`ENTRIES`)."""
+"""What the registry knows of a method (`MethodEntry`), what a run's methods load, once
+(`Loaded`), and what its trainer composes (`TrainerEntry`). One module per
+method in this package defines its entries (`ENTRIES`) and, for a method that trains, its
+trainer (`TRAINER`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.drafters.base import Drafter
+from selfspec.from_config.training import Export, ExportDrafters, TrainingRun
 from selfspec.measure.grid import Variant
 from selfspec.measure.passes import Method
 from selfspec.model import Transformer
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.rows import TokenRows
 
 T = TypeVar("T")
 SHIPPED = "shipped"  # medusa_heads=shipped, ngram.corpus=shipped: what ships with the model
@@ -160,3 +167,43 @@ def required_head_folder(cfg: DictConfig, key: str, method: str, trainer: str,
                          f"checkpoints/step_N/export (an export folder written by "
                          f"train/{trainer}.py)")
     return check_head_folder(head_folder(cfg, key), key, trainer)
+
+
+# ---- trainers ------------------------------------------------------------------------------
+
+def _no_streams(module: Any) -> tuple[int, ...]:
+    return ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerEntry:
+    """One method's trainer, train/<name>.py over conf/<config>.yaml, as the one training `main`
+    (`from_config.train_method`) composes it (keyword arguments only).
+
+    check(cfg): every setting checked from the config alone, before any weights load.
+    dry_run(cfg): the memory plan of the target and the trainable module, on meta tensors.
+    module(cfg, target, train): the fresh trainable module, sized for the target (a draft
+        vocabulary or a mask token read from the training rows `train`).
+    streams(module): the target's residual streams it reads (a feature store must hold them;
+        default none: the last hidden state only).
+    objective(run, features): what `training.loop.fit` trains; features: the target's states
+        read from a feature store (None: the target runs at every step).
+    exporter(run, objective): the function that writes an export folder from a training state.
+    drafters(cfg, target, export): the drafters an export makes, each with the target it
+        verifies on (the judge's, `from_config.tau_judge`, and the report's).
+    report(cfg, export, metrics, tracker): tau and speedup of the export on held-out prompts.
+    replayable(cfg): whether the judge may replay its drafts over recorded answers (a drafter
+        that drafts in the target's own cache, or a target the training changes, may not).
+    """
+
+    name: str
+    config: str
+    check: Callable[[DictConfig], Any]
+    dry_run: Callable[[DictConfig], None]
+    module: Callable[[DictConfig, Transformer, TokenRows], Any]
+    objective: Callable[[TrainingRun, FeatureSource | None], torch.nn.Module]
+    exporter: Callable[[TrainingRun, torch.nn.Module], Export]
+    drafters: Callable[[DictConfig, Transformer, Path], ExportDrafters]
+    report: Callable[[DictConfig, Path, dict, Tracker], None]
+    streams: Callable[[Any], Iterable[int]] = _no_streams
+    replayable: Callable[[DictConfig], bool] = always

@@ -4,6 +4,11 @@ with LoRA on it (Medusa-2, whose drafts verify on the adapted target).
 
 Rows: medusa, at each draft length k a tree's nodes of depth <= k (conf/tree/: static `choices`,
 or the heads' top-k products), lengths beyond the tree's depth folded into one row.
+
+Trainer (train/medusa.py, conf/train_medusa.yaml): fresh heads on the target (output layers
+copied from its LM head), trained on the frozen target (Medusa-1) or with LoRA adapters on it
+(Medusa-2); the export holds the heads, the training rows' token counts and (Medusa-2) the
+adapter; the judge and the report draft cfg.tree.
 """
 
 from __future__ import annotations
@@ -11,23 +16,42 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
+from selfspec.from_config import training
+from selfspec.from_config.common import checked_settings
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
+    TrainerEntry,
     head_folder,
     one_variant,
     required_head_folder,
     when_set,
 )
-from selfspec.from_config.models import load_target
+from selfspec.from_config.models import load_target, model_config, model_plan, target_quantization
+from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.measure.grid import Variant
-from selfspec.model import Transformer
-from selfspec.model.lora import ADAPTER_DIR, merge_adapter
+from selfspec.measure.lossless import greedy_agreement
+from selfspec.model import ModelConfig, Transformer, dense_weight
+from selfspec.model.lora import (
+    ADAPTER_DIR,
+    LoraSettings,
+    add_lora,
+    lora_parameter_count,
+    merge_adapter,
+    save_adapter,
+)
+from selfspec.model.plan import head_training_lines, trainable_line
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.loop import state_part
+from selfspec.training.objectives import Medusa2Objective, MedusaObjective
+from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
 
 HEADS = "medusa_heads"  # the setting naming the heads' export folder
@@ -82,13 +106,6 @@ def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
     heads_and_target(loaded)
 
 
-ENTRIES = (MethodEntry(
-    name="medusa", summary="Medusa heads on the target's last hidden state, drafting a tree",
-    variants=one_variant("medusa"), load=load, drafter=drafter, check=check,
-    verified_on=verified_on, lengths=fold_lengths, default_when=when_set(HEADS),
-    head=MedusaHeads, color="tab:green", order=20),)
-
-
 # ---- trees ---------------------------------------------------------------------------------
 
 
@@ -133,3 +150,175 @@ def load_medusa(
     heads = load_head(folder, MedusaHeads, MedusaConfig, target=target)
     adapter = Path(folder) / ADAPTER_DIR
     return heads, merge_adapter(load_target(cfg), adapter) if adapter.is_dir() else None
+
+
+# ---- the trainer (train/medusa.py) ---------------------------------------------------------
+
+
+def medusa_version(cfg: DictConfig) -> int:
+    """1: heads on the frozen target (Medusa-1); 2: heads and LoRA on the target (Medusa-2)."""
+    version = cfg.medusa.get("version", 1)
+    if version not in (1, 2):
+        raise ValueError(f"medusa.version must be 1 (frozen target) or 2 (joint training with "
+                         f"LoRA on the target), got {version!r}")
+    return int(version)
+
+
+def lora_settings(cfg: DictConfig) -> LoraSettings:
+    lora = cfg.medusa.lora
+    return LoraSettings(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                        target_modules=tuple(str(m) for m in lora.target_modules))
+
+
+def medusa_config(cfg: DictConfig, target_config: ModelConfig) -> MedusaConfig:
+    return checked_settings(MedusaConfig, "medusa", hidden_size=target_config.hidden_size,
+                            vocab_size=target_config.vocab_size,
+                            num_heads=int(cfg.medusa.num_heads),
+                            num_layers=int(cfg.medusa.num_layers),
+                            draft_vocab_size=cfg.medusa.get("draft_vocab_size"),
+                            shared_lm_head=cfg.medusa.get("shared_lm_head", False))
+
+
+def check_medusa_settings(cfg: DictConfig) -> int:
+    """Every cfg.medusa setting checked from the config alone (no weights), with the cfg.tree
+    the judge and the report draft (`check_medusa_tree`); returns the version. A model without
+    an `arch` block has its config.json read, nothing more."""
+    version = medusa_version(cfg)
+    check_medusa_tree(cfg, model_config(cfg.model))
+    if not float(cfg.medusa.decay) > 0:
+        raise ValueError(f"medusa.decay must be > 0 (head k weighs decay**k), "
+                         f"got {cfg.medusa.decay}")
+    if version == 2:
+        if target_quantization(cfg.model) is not None:
+            raise ValueError("medusa.version=2 trains LoRA adapters on the target's linear "
+                             "layers, which a model.quantize target holds quantized: train "
+                             "Medusa-1 heads on it (medusa.version=1), or set model.quantize=null")
+        lora_settings(cfg)
+        if not float(cfg.medusa.lm_weight) >= 0:
+            raise ValueError(f"medusa.lm_weight must be >= 0, got {cfg.medusa.lm_weight}")
+    return version
+
+
+def check_medusa_tree(cfg: DictConfig, target_config: ModelConfig) -> None:
+    """Refuse a cfg.tree the configured heads cannot fill, before any weights are built."""
+    with torch.device("meta"):
+        medusa_drafter(cfg.tree, MedusaHeads(medusa_config(cfg, target_config)))
+
+
+def medusa_heads(cfg: DictConfig, target: Transformer, train: TokenRows | None = None
+                 ) -> MedusaHeads:
+    """Fresh Medusa heads sized for the target (output layers copied from its LM head); with
+    medusa.draft_vocab_size, over the most frequent tokens of the training rows `train`."""
+    config = medusa_config(cfg, target.config)
+    torch.manual_seed(int(cfg.seed))
+    heads = MedusaHeads(config).to(target.embed_tokens.weight.dtype)
+    if config.draft_vocab_size is not None:
+        if train is None:
+            raise ValueError("medusa.draft_vocab_size: the draft vocabulary is read from the "
+                             "training rows: pass them to medusa_heads")
+        heads.set_draft_vocab(draft_vocabulary(train.tokens, config.vocab_size,
+                                               config.draft_vocab_size, train.loss_mask))
+    if cfg.medusa.init_from_lm_head:
+        heads.init_from_lm_head(dense_weight(target.lm_head).detach())
+    return heads
+
+
+def medusa_objective(
+    cfg: DictConfig, target: Transformer, heads: MedusaHeads,
+    features: FeatureSource | None = None,
+) -> MedusaObjective | Medusa2Objective:
+    """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA.
+    features: the target's states read from a feature store (Medusa-1)."""
+    decay = float(cfg.medusa.decay)
+    cache = bool(cfg.medusa.get("cache_features", False))
+    if medusa_version(cfg) == 1:
+        return MedusaObjective(target, heads, decay=decay, cache_features=cache,
+                               features=features)
+    if cache or features is not None:
+        raise ValueError("medusa.cache_features=true and trainer.features need a frozen target "
+                         "(Medusa-1): Medusa-2 trains the target, whose features change every "
+                         "step")
+    adapted = add_lora(target, lora_settings(cfg))
+    return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
+                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    return medusa_objective(run.cfg, run.target, run.module, features)
+
+
+def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
+    """The heads (safetensors + config) and the training rows' token counts (from which
+    scripts/export_heads.py --draft-vocab narrows them); Medusa-2 adds its adapter in peft's
+    format."""
+    heads = training.head_exporter(run.module, "heads.", run.target,
+                          training.rows_token_counts(run.target, run.train))
+    if medusa_version(run.cfg) == 1:
+        return heads
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        heads(state, folder)
+        save_adapter(trained.target, folder / ADAPTER_DIR, state_part(state, "target."))
+
+    return export
+
+
+def medusa_drafters(cfg: DictConfig, target: Transformer, export: Path) -> training.ExportDrafters:
+    """The exported heads on cfg.tree, and the target they verify on: `target`, or for a
+    Medusa-2 export a fresh copy of it with the export's adapter merged."""
+    heads, adapted = load_medusa(cfg, export, target)
+    return {"": (medusa_drafter(cfg.tree, heads), adapted or target)}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target, the heads and (Medusa-2) the adapters, on meta tensors."""
+    version = medusa_version(cfg)
+    print(model_plan(cfg).format())
+    config, gpus = model_config(cfg.model), int(cfg.num_gpus)
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        heads = MedusaHeads(medusa_config(cfg, config))
+        target = Transformer(config) if version == 2 else None
+    print(head_training_lines(heads, gpus))
+    if target is not None:
+        settings = lora_settings(cfg)
+        print(trainable_line(f"LoRA adapters on the target (rank {settings.rank})",
+                             lora_parameter_count(target, settings), gpus))
+        print("  Medusa-2 also back-propagates through the target: plan activation memory "
+              "(micro_batch_size x seq_len) on top")
+
+
+def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau and speedup of the trained heads over plain decoding of the target they draft for
+    (Medusa-2: the adapted target), on fresh weights, whatever DeepSpeed did to the trained
+    ones; for Medusa-2 also how much of the original's greedy output the adapted target keeps."""
+    target = load_target(cfg)
+    drafter, verified = medusa_drafters(cfg, target, heads_folder)[""]
+    comparison = training.compare_on_final_eval(cfg, verified, drafter)
+    top1 = training.heldout_top1(metrics)
+    summary = {**comparison.as_dict(), **top1, "heads": str(heads_folder)}
+    if verified is not target:
+        summary["greedy_agreement_with_original"] = greedy_agreement(
+            target, verified, training.final_eval_prompts(cfg, target),
+            int(cfg.final_eval.max_new_tokens))
+        summary["eval_kl_to_original"] = metrics.get("eval/medusa/lm_kl")
+    tracker.log_summary(summary)
+    print(f"Medusa heads: {heads_folder}")
+    print(f"per-head top-1 (held-out): {top1}")
+    print(comparison.describe(cfg.data.name))
+    if verified is not target:
+        print(f"Medusa-2: verified against the LoRA-adapted target (held-out KL to the original "
+              f"{summary['eval_kl_to_original']}); its greedy output keeps "
+              f"{summary['greedy_agreement_with_original']:.0%} of the original's tokens before "
+              f"the first difference")
+
+
+ENTRIES = (MethodEntry(
+    name="medusa", summary="Medusa heads on the target's last hidden state, drafting a tree",
+    variants=one_variant("medusa"), load=load, drafter=drafter, check=check,
+    verified_on=verified_on, lengths=fold_lengths, default_when=when_set(HEADS),
+    head=MedusaHeads, color="tab:green", order=20),)
+
+TRAINER = TrainerEntry(
+    name="medusa", config="train_medusa", check=check_medusa_settings, dry_run=dry_run,
+    module=medusa_heads, objective=objective, exporter=exporter, drafters=medusa_drafters,
+    report=report, replayable=lambda cfg: medusa_version(cfg) == 1)

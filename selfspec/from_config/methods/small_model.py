@@ -7,6 +7,12 @@ most frequent training tokens; null: the whole vocabulary), W in small_model.fir
 below that top-1 probability; null: never) and small_model.parallel (true: PARD, all k tokens
 from one forward with k - 1 mask tokens, for a draft train/draft.py trained so; its rows are
 chains without a confidence stop, so they come only with W = 1 and t = null).
+
+Trainer (train/draft.py, conf/train_draft.yaml): a draft cut from the target (its first
+draft_model.num_layers layers, final norm and LM head) distilled on the frozen target's law,
+token by token or (draft_model.parallel=K) as PARD's parallel draft; the export is a Hugging
+Face folder with the target's tokenizer, the training rows' token counts and (PARD) pard.json;
+the judge and the report draft draft_model.num_draft_tokens tokens.
 """
 
 from __future__ import annotations
@@ -15,22 +21,43 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
-from selfspec.checks import is_count
+from selfspec.checks import is_count, is_int_in
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
+from selfspec.from_config import training
 from selfspec.from_config.common import as_list, device
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, always
+from selfspec.from_config.methods.entry import (
+    Loaded,
+    MethodEntry,
+    TrainerEntry,
+    always,
+)
 from selfspec.from_config.models import (
     compile_steps,
     draft_model_config,
     load_model,
+    model_config,
+    model_plan,
     resolve_model_path,
+    target_quantization,
 )
-from selfspec.heads.draft_vocab import DraftVocab, load_draft_vocab
+from selfspec.heads.draft_vocab import (
+    DraftVocab,
+    load_draft_vocab,
+    most_frequent,
+    save_token_counts,
+)
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
+from selfspec.model.plan import trainable_line
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.loop import state_part
+from selfspec.training.objectives import DraftModelObjective
+from selfspec.training.rows import TokenRows
 
 
 @dataclass(frozen=True)
@@ -98,10 +125,18 @@ def load(loaded: Loaded, chosen: tuple[SmallModelVariant, ...]) -> None:
 
 
 def drafter(loaded: Loaded, variant: SmallModelVariant, k: int) -> SmallModelDrafter:
-    model = draft_model(loaded)
+    return small_model_drafter(draft_model(loaded), variant, k,
+                               _vocab(loaded, variant.draft_vocab))
+
+
+def small_model_drafter(model: Transformer, variant: SmallModelVariant, k: int,
+                        draft_vocab: DraftVocab | None) -> SmallModelDrafter:
+    """The draft model's drafter, of generation's rows and of the trainer's judge and report
+    alike: k tokens a step as the variant says (the first token's candidates, the confidence
+    stop; PARD's parallel draft with the mask token recorded beside the model), scoring only
+    `draft_vocab` (the variant's K most frequent training tokens) when given."""
     mask = read_pard(model.source)["mask_token_id"] if variant.parallel else None
-    return SmallModelDrafter(model, num_draft_tokens=k,
-                             draft_vocab=_vocab(loaded, variant.draft_vocab),
+    return SmallModelDrafter(model, num_draft_tokens=k, draft_vocab=draft_vocab,
                              confidence_threshold=variant.confidence_threshold,
                              first_candidates=variant.first_candidates, mask_token_id=mask)
 
@@ -125,7 +160,150 @@ def read_pard(folder: str | Path | None) -> dict:
     return json.loads(path.read_text())
 
 
+# ---- the trainer of draft models cut from the target (train/draft.py) ------------------------
+
+
+def check_draft_model_settings(cfg: DictConfig) -> int:
+    """Every cfg.draft_model setting of train/draft.py checked from the config alone (no
+    weights); returns the draft's layer count."""
+    d, target = cfg.draft_model, model_config(cfg.model)
+    if target_quantization(cfg.model) is not None:
+        raise ValueError("train/draft.py cuts the draft from the target's full-precision "
+                         "weights: set model.quantize=null (a draft trained so can still draft "
+                         "for the quantized target in a sweep)")
+    for key in ("num_layers", "num_draft_tokens"):
+        if not is_count(d[key]):
+            raise ValueError(f"draft_model.{key} must be an integer >= 1, got {d[key]!r}")
+    if d.num_layers >= target.num_layers:
+        raise ValueError(f"draft_model.num_layers={d.num_layers}: a draft must be shallower than "
+                         f"the target ({target.num_layers} layers)")
+    if not float(d.hard_weight) >= 0:
+        raise ValueError(f"draft_model.hard_weight must be >= 0, got {d.hard_weight}")
+    size = d.get("draft_vocab")
+    if size is not None and not (isinstance(size, int) and 1 <= size <= target.vocab_size):
+        raise ValueError(f"draft_model.draft_vocab must be null or 1..vocab_size, got {size!r}")
+    parallel, mask = d.get("parallel", 1), d.get("mask_token_id")
+    if not is_count(parallel):
+        raise ValueError(f"draft_model.parallel must be an integer >= 1 (1: token by token; "
+                         f"K: PARD, K tokens from one forward), got {parallel!r}")
+    if mask is not None and not is_int_in(mask, range(target.vocab_size)):
+        raise ValueError(f"draft_model.mask_token_id must be null or a token id in "
+                         f"[0, {target.vocab_size}), got {mask!r}")
+    if parallel > 1 and d.num_draft_tokens > parallel:
+        raise ValueError(f"draft_model.num_draft_tokens={d.num_draft_tokens}: a draft trained "
+                         f"to fill {parallel - 1} masks drafts at most {parallel} tokens at once")
+    return int(d.num_layers)
+
+
+def draft_from_target(cfg: DictConfig, target: Transformer) -> Transformer:
+    """A fresh draft: the target's first draft_model.num_layers layers, its final norm and LM
+    head (copies), the embedding and LM head frozen unless draft_model.train_embeddings."""
+    return freeze_draft_embeddings(cfg, target.first_layers(int(cfg.draft_model.num_layers)))
+
+
+def freeze_draft_embeddings(cfg: DictConfig, draft: Transformer) -> Transformer:
+    if not cfg.draft_model.get("train_embeddings", False):
+        draft.embed_tokens.requires_grad_(False)
+        draft.lm_head.requires_grad_(False)
+    return draft
+
+
+def pard(cfg: DictConfig) -> int:
+    """draft_model.parallel: 1 drafts token by token; K > 1 is PARD's, K tokens a forward."""
+    return int(cfg.draft_model.get("parallel", 1))
+
+
+def draft_model_mask(cfg: DictConfig, target: Transformer, train: TokenRows) -> int | None:
+    """PARD's mask token (draft_model.parallel > 1, `mask_token`); None for a draft that
+    drafts token by token."""
+    if pard(cfg) == 1:
+        return None
+    return training.mask_token(cfg.draft_model.get("mask_token_id"), target, train)
+
+
+def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transformer,
+                          counts: torch.Tensor, mask_token_id: int | None = None,
+                          features: FeatureSource | None = None) -> DraftModelObjective:
+    """The draft distilled on the frozen target's law (plus draft_model.hard_weight x
+    cross-entropy to the tokens), over draft_model.draft_vocab's most frequent tokens of the
+    training rows' counts [V] when set; features: the target's states from a feature store.
+    With a mask token (`draft_model_mask`), PARD's parallel draft of draft_model.parallel
+    tokens."""
+    d = cfg.draft_model
+    vocab = None if d.draft_vocab is None else most_frequent(counts, int(d.draft_vocab))
+    return DraftModelObjective(target, draft, float(d.hard_weight), bool(d.cache_features),
+                               vocab, features, parallel=pard(cfg), mask_token_id=mask_token_id)
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    return draft_model_objective(run.cfg, run.target, run.module,
+                                 training.rows_token_counts(run.target, run.train),
+                                 draft_model_mask(run.cfg, run.target, run.train), features)
+
+
+def exporter(run: training.TrainingRun, trained: DraftModelObjective) -> training.Export:
+    """The draft as a Hugging Face folder, the target's tokenizer and the training rows' token
+    counts (any draft vocabulary size is chosen from them later); a PARD draft its pard.json."""
+    cfg, mask = run.cfg, trained.mask_token_id
+    counts = training.rows_token_counts(run.target, run.train)
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        draft = draft_from_target(cfg, run.target)
+        draft.load_state_dict(state_part(state, "draft."), strict=False)
+        draft.save_pretrained(folder)
+        run.tokenizer.save_pretrained(folder)
+        save_token_counts(folder, counts)
+        if mask is not None:
+            write_pard(folder, mask, pard(cfg))
+
+    return export
+
+
+def draft_model_drafters(cfg: DictConfig, target: Transformer, export: Path
+                         ) -> training.ExportDrafters:
+    """The exported draft, drafting draft_model.num_draft_tokens tokens for `target`
+    (`small_model_drafter` on the trainer's settings)."""
+    weight = target.embed_tokens.weight
+    draft = Transformer.from_pretrained(export, dtype=weight.dtype, device=weight.device)
+    size = cfg.draft_model.draft_vocab
+    variant = SmallModelVariant(draft_vocab=size, parallel=pard(cfg) > 1)
+    vocab = None if size is None else load_draft_vocab(export, int(size))
+    k = int(cfg.draft_model.num_draft_tokens)
+    return {"": (small_model_drafter(draft, variant, k, vocab), target)}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the draft, on meta tensors."""
+    print(model_plan(cfg).format())
+    config = model_config(cfg.model)
+    with torch.device("meta"):  # sized from the config: no weights, no memory
+        draft = Transformer(config).first_layers(check_draft_model_settings(cfg))
+    freeze_draft_embeddings(cfg, draft)
+    count = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    print(trainable_line(f"trainable draft (the target's first {draft.config.num_layers} "
+                         f"layers and final norm)", count, int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the exported draft over plain decoding of the
+    target, on fresh weights, whatever DeepSpeed did to the trained ones."""
+    _, comparison = training.final_comparison(cfg, draft_model_drafters, export)
+    top1 = metrics.get("eval/draft/top1")
+    parallel = pard(cfg)
+    training.log_report(
+        cfg, tracker, comparison,
+        {"draft": str(export), "heldout_top1": None if top1 is None else round(top1, 3)},
+        f"draft model: {export} (draft vocabulary: {cfg.draft_model.draft_vocab or 'whole'}"
+        f"{f'; PARD, up to {parallel} tokens a forward' if parallel > 1 else ''})",
+        f"held-out top-1 agreement with the target: {top1}")
+
+
 ENTRIES = (MethodEntry(
     name="small_model", summary="a separate small draft model with the target's tokenizer",
     variants=variants, load=load, drafter=drafter, check=check, default_when=always,
     color="tab:blue", order=0),)
+
+TRAINER = TrainerEntry(
+    name="draft", config="train_draft", check=check_draft_model_settings, dry_run=dry_run,
+    module=lambda cfg, target, train: draft_from_target(cfg, target), objective=objective,
+    exporter=exporter, drafters=draft_model_drafters, report=report)

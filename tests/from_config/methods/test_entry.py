@@ -1,7 +1,7 @@
 """What registry entries share (from_config/methods/entry.py): keyword-only entries, shipped
-head folders, methods run by default once their setting is given."""
+head folders, methods run by default once their setting is given, trainers in their methods'
+modules."""
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from selfspec import from_config
 from selfspec.from_config import methods
-from selfspec.from_config.methods import MethodEntry, registry
+from selfspec.from_config.methods import MethodEntry, registry, trainers
 from selfspec.from_config.methods.entry import when_set
 
 
@@ -43,10 +43,12 @@ def test_a_method_can_run_by_default_once_its_setting_is_given():
         OmegaConf.create({"medusa_heads": "/h"}))] == ["small_model", "ngram", "medusa"]
 
 
-def test_the_registry_modules_hold_entries_not_trainers():
-    """Trainer composition (objectives, the fit loop) lives in from_config/trainers.py."""
-    folder = Path(methods.__file__).parent
-    for module in folder.glob("*.py"):
-        imported = {node.module for node in ast.walk(ast.parse(module.read_text()))
-                    if isinstance(node, ast.ImportFrom)}
-        assert not imported & {"selfspec.training.objectives", "selfspec.training.loop"}, module
+def test_each_trainer_is_its_methods_module_and_a_shim_over_the_one_main():
+    """A method that trains holds its `TrainerEntry` beside its registry entry; train/<name>.py
+    only names it and its Hydra config."""
+    root = Path(methods.__file__).parents[3]
+    assert sorted(trainers()) == ["dflash", "draft", "eagle", "early_exit", "medusa"]
+    for name, trainer in trainers().items():
+        shim = (root / "train" / f"{name}.py").read_text()
+        assert f'@hydra_entry_point("{trainer.config}")' in shim, name
+        assert f'train_method(cfg, "{name}")' in shim and shim.count("\ndef ") == 1, name
