@@ -34,10 +34,10 @@ def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
         print(from_config.model_plan(cfg).format())
         return
-    settings = from_config.generation_settings(cfg)  # checked before any model loads
+    settings, choice = from_config.generation_settings(cfg)  # checked before any model loads
     data = from_config.prompt_set(cfg)
     texts = from_config.prompts(data)
-    drafter, target = from_config.drafter_and_target(cfg, from_config.load_target(cfg))
+    drafter, target = from_config.drafter_and_target(cfg, from_config.load_target(cfg), choice)
     tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
     prompts = from_config.encode_prompt_texts(data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id

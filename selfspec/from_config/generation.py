@@ -4,6 +4,7 @@ length (`num_draft_tokens=`), with the one variant its settings describe."""
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,18 +25,26 @@ RENAMED = {"confidence_threshold": "small_model.confidence_threshold",
            "first_candidates": "small_model.first_candidates"}
 
 
-def generation_settings(cfg: DictConfig) -> GenerationSettings:
-    """eval/generate.py's settings, checked with its device, target folder and drafter choice
-    before any model loads."""
+class DrafterChoice(NamedTuple):
+    """cfg.drafter's method (None: plain decoding), its one variant and its draft length."""
+
+    method: MethodEntry | None
+    variant: Variant | None
+    k: int
+
+
+def generation_settings(cfg: DictConfig) -> tuple[GenerationSettings, DrafterChoice]:
+    """eval/generate.py's settings and its drafter choice, checked with its device and target
+    folder before any model loads."""
     device(cfg)
     resolve_model_path(cfg.model)
     compile_steps(cfg)
-    drafter_choice(cfg)
+    choice = drafter_choice(cfg)
     return GenerationSettings(max_new_tokens=cfg.max_new_tokens,
-                              sampling=sampling_params(cfg.sampling), seed=int(cfg.seed))
+                              sampling=sampling_params(cfg.sampling), seed=int(cfg.seed)), choice
 
 
-def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None, int]:
+def drafter_choice(cfg: DictConfig) -> DrafterChoice:
     """cfg.drafter's method, the one variant its settings describe, and the draft length it
     runs at (cfg.num_draft_tokens; Medusa: at most its tree's depth), checked; the method's
     weights must be on disk. drafter=none: (None, None, k)."""
@@ -46,7 +55,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None,
         raise ValueError(f"unknown drafter {name!r}: choose one of {', '.join(ours)}, {PLAIN}")
     check_count("num_draft_tokens", k)
     if name == PLAIN:
-        return None, None, k
+        return DrafterChoice(None, None, k)
     method = entry(name)
     method.check(cfg, (k,))
     variants = method.variants(cfg, False)
@@ -54,7 +63,7 @@ def drafter_choice(cfg: DictConfig) -> tuple[MethodEntry | None, Variant | None,
         raise ValueError(f"drafter={name}: its settings describe {len(variants)} rows "
                          f"({', '.join(v.label() for v in variants)}); give one value per "
                          f"setting here (lists are for eval/sweep.py)")
-    return method, variants[0], method.lengths(cfg, variants[0], (k,))[0]
+    return DrafterChoice(method, variants[0], method.lengths(cfg, variants[0], (k,))[0])
 
 
 def renamed_settings(cfg: DictConfig) -> None:
@@ -78,11 +87,12 @@ def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:
     return drafter_and_target(cfg, target)[0]
 
 
-def drafter_and_target(cfg: DictConfig, target: Transformer
+def drafter_and_target(cfg: DictConfig, target: Transformer, choice: DrafterChoice | None = None
                        ) -> tuple[Drafter | None, Transformer]:
     """The drafter named by cfg.drafter (None = plain decoding) and the target it verifies on
-    (a Medusa-2 export: its LoRA-adapted copy of `target`)."""
-    method, variant, k = drafter_choice(cfg)
+    (a Medusa-2 export: its LoRA-adapted copy of `target`); choice: cfg's `drafter_choice`,
+    when already made (`generation_settings`)."""
+    method, variant, k = drafter_choice(cfg) if choice is None else choice
     if method is None:
         return None, target
     loaded = Loaded(cfg, target)
