@@ -197,6 +197,12 @@ SAMPLING_PROMPT = [2, 3, 4, 2, 3, 4, 2, 3]
 FAST_LAW_SAMPLES = 500
 
 
+def law_samples(request, full: int = 1000) -> int:
+    """The draws of a parametrized law test: FAST_LAW_SAMPLES for the default run's case,
+    `full` for the cases marked slow (the complete run's)."""
+    return full if request.node.get_closest_marker("slow") else FAST_LAW_SAMPLES
+
+
 def assert_drafted_sampling_is_exact(target, drafter, params, samples: int = 1000,
                                      cuda_graphs: bool | None = None) -> None:
     """Generate two tokens `samples` times through `drafter` (fixed seed) and check their

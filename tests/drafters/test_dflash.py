@@ -14,6 +14,7 @@ from helpers import (
     dflash_head_config,
     fit_dflash_head,
     host_reads_per_step,
+    law_samples,
     random_dflash_head,
     sampled_pvalue,
     tiny_llama,
@@ -310,10 +311,11 @@ KWARGS = {"chain": {}, "tree": {"tree_nodes": 6},
 
 
 @pytest.mark.parametrize("params, shape, static", LAW_CASES)
-def test_sampling_through_dflash_follows_the_target_law(small_vocab, params, shape, static):
+def test_sampling_through_dflash_follows_the_target_law(small_vocab, params, shape, static,
+                                                        request):
     small, head = small_vocab
     assert_drafted_sampling_is_exact(small, DFlashDrafter(head, **KWARGS[shape]), params,
-                                     N_SAMPLES, cuda_graphs=static)
+                                     law_samples(request, N_SAMPLES), cuda_graphs=static)
 
 
 class ForgetsItDrewWithoutReplacement(DFlashDrafter):

@@ -12,6 +12,7 @@ from helpers import (
     committed_context,
     fit_eagle_head,
     host_reads_per_step,
+    law_samples,
     random_eagle_head,
     sampled_pvalue,
     tiny_llama,
@@ -209,10 +210,10 @@ LAW_SHAPES = {"chain": {}, "tree": {"tree_nodes": 6}}
 
 
 @pytest.mark.parametrize("params, shape", LAW_CASES)
-def test_sampling_through_p_eagle_follows_the_target_law(small_vocab, params, shape):
+def test_sampling_through_p_eagle_follows_the_target_law(small_vocab, params, shape, request):
     small, head = small_vocab
     assert_drafted_sampling_is_exact(small, ParallelEagleDrafter(head, **LAW_SHAPES[shape]),
-                                     params, N_SAMPLES)
+                                     params, law_samples(request, N_SAMPLES))
 
 
 class ForgetsItDrewWithoutReplacement(ParallelEagleDrafter):

@@ -4,7 +4,13 @@ from collections import defaultdict
 
 import pytest
 import torch
-from helpers import assert_drafted_sampling_is_exact, fit_exits, random_exit, tiny_llama
+from helpers import (
+    assert_drafted_sampling_is_exact,
+    fit_exits,
+    law_samples,
+    random_exit,
+    tiny_llama,
+)
 
 from selfspec import SamplingParams, Transformer, Tree, generate
 from selfspec.decode import _resume_after_early_layers
@@ -156,10 +162,11 @@ T1, TOP_P = SamplingParams(1.0), SamplingParams(0.8, top_p=0.9)
       for kind, threshold in (("norm", None), ("adapter", None), ("adapter", 0.5))
       if (name, kind, threshold) != ("t1", "adapter", 0.5)),
 ])
-def test_sampling_through_an_early_exit_follows_the_target_law(params, kind, threshold):
+def test_sampling_through_an_early_exit_follows_the_target_law(params, kind, threshold,
+                                                                request):
     target = Transformer.from_hf(tiny_llama(3, vocab=8, layers=2, hidden=16, std=0.5))
     drafter = EarlyExitDrafter(random_exit(target, 1, kind, seed=4, std=0.1), 2, threshold)
-    assert_drafted_sampling_is_exact(target, drafter, params, N_SAMPLES)
+    assert_drafted_sampling_is_exact(target, drafter, params, law_samples(request, N_SAMPLES))
 
 
 # ---- errors before any generation ------------------------------------------------------------

@@ -9,7 +9,7 @@ from importlib import resources
 
 import pytest
 import torch
-from helpers import assert_drafted_sampling_is_exact, tiny_llama
+from helpers import assert_drafted_sampling_is_exact, law_samples, tiny_llama
 from hydra import compose, initialize_config_dir
 
 from selfspec import SamplingParams, Transformer, from_config, generate
@@ -143,8 +143,9 @@ def test_a_draft_left_in_the_cache_is_caught(target, plain):
 
 @pytest.mark.parametrize("params", [T1, pytest.param(TOP_P, marks=pytest.mark.slow)],
                          ids=["t1", "top_p"])
-def test_sampled_drafts_keep_the_targets_two_token_law(target, params):
-    assert_drafted_sampling_is_exact(target, LayerSkipDrafter((1,), 2), params)
+def test_sampled_drafts_keep_the_targets_two_token_law(target, params, request):
+    assert_drafted_sampling_is_exact(target, LayerSkipDrafter((1,), 2), params,
+                                     law_samples(request))
 
 
 class ArgmaxWithQ(LayerSkipDrafter):

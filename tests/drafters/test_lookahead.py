@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_drafted_sampling_is_exact, seeded_lookahead, tiny_llama
+from helpers import assert_drafted_sampling_is_exact, law_samples, seeded_lookahead, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec import decode as decode_module
@@ -56,9 +56,9 @@ def test_greedy_output_equals_plain_decoding(target, window, ngram, candidates):
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
     SamplingParams(1.0, top_p=0.8), marks=pytest.mark.slow)])
-def test_sampled_output_follows_the_targets_law(target, params):
+def test_sampled_output_follows_the_targets_law(target, params, request):
     drafter = seeded_lookahead(target, window=3, ngram=3, candidates=3)
-    assert_drafted_sampling_is_exact(target, drafter, params)
+    assert_drafted_sampling_is_exact(target, drafter, params, law_samples(request))
 
 
 def test_the_window_rows_leave_the_verified_logits_as_a_forward_without_them(target):

@@ -22,6 +22,7 @@ from helpers import (
     fit_medusa_heads,
     fit_pvalue,
     host_reads_per_step,
+    law_samples,
     random_eagle_head,
     random_exit,
     tiny_llama,
@@ -260,12 +261,13 @@ def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(
     SamplingParams(0.8, top_p=0.9), marks=pytest.mark.slow)], ids=["t1", "top_p"])
-def test_chosen_candidates_verified_by_draws_keep_the_target_law(params):
+def test_chosen_candidates_verified_by_draws_keep_the_target_law(params, request):
     """Static steps verify chosen candidates by one draw per row (`decode._verify_step`):
     the two-token law of speculative decoding is the target's."""
     target = Transformer.from_hf(tiny_llama(3, vocab=SMALL_VOCAB, layers=1, hidden=16, std=0.5))
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=4, std=0.1)
-    assert_drafted_sampling_is_exact(target, EagleDrafter(head, **CHOSEN), params, 1000,
+    assert_drafted_sampling_is_exact(target, EagleDrafter(head, **CHOSEN), params,
+                                     law_samples(request),
                                      cuda_graphs=True)
 
 

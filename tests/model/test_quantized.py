@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_drafted_sampling_is_exact, tiny_llama
+from helpers import assert_drafted_sampling_is_exact, law_samples, tiny_llama
 from torchao.utils import TorchAOBaseTensor
 
 from selfspec import SamplingParams, Transformer, generate
@@ -186,9 +186,10 @@ def test_greedy_drafting_is_lossless_at_every_draft_length(target, tiny, copies,
     pytest.param(SamplingParams(temperature=1.0), 4, id="4-T=1", marks=pytest.mark.slow),
     *(pytest.param(SamplingParams(temperature=0.8, top_p=0.9), bits, id=f"{bits}-top_p",
                    marks=pytest.mark.slow) for bits in BITS)])
-def test_sampling_with_the_copy_keeps_the_targets_two_token_law(target, copies, bits, params):
+def test_sampling_with_the_copy_keeps_the_targets_two_token_law(target, copies, bits, params,
+                                                                request):
     drafter = SmallModelDrafter(copies["random", bits], num_draft_tokens=2)
-    assert_drafted_sampling_is_exact(target, drafter, params)
+    assert_drafted_sampling_is_exact(target, drafter, params, law_samples(request))
 
 
 def test_bits_and_devices_it_cannot_build_are_refused(target):
