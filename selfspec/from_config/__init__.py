@@ -104,7 +104,6 @@ from selfspec.from_config.models import (  # noqa: F401
     DTYPES,
     TOKENIZER_FILES,
     ModelNotAvailable,
-    check_architecture,
     compile_steps,
     draft_model_config,
     load_hf_model,

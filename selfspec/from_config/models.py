@@ -1,5 +1,6 @@
-"""Models and weights from `conf/model/`: architecture facts, where the weights are, loading
-them checked against those facts, tokenizers, and the Hugging Face peers' copies.
+"""Models and weights from `conf/model/`: architecture facts, where the weights are, the
+target's settings read once into a `TargetSpec` that `selfspec.model.loading` loads, tokenizers,
+and the Hugging Face peers' copies.
 
 A model config names its weights four ways, tried in order: a local `path`, a shipped package
 `asset` (selfspec/assets/<asset>), a `gguf` file inside an installed pip package (converted
@@ -16,34 +17,68 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.from_config.common import device
-from selfspec.measure.peers import random_hf_model
-from selfspec.model import ModelConfig, Transformer
+from selfspec.devices import check_device
+from selfspec.model import loading
+from selfspec.model.config import ModelConfig
 from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
-from selfspec.model.placement import Placement
-from selfspec.model.plan import ModelPlan, check_present, place, plan_model, plan_placement
-from selfspec.model.quantized import check_quantizable, quantized_copy
+from selfspec.model.loading import DTYPES, TargetSpec
+from selfspec.model.placement import parse_device
+from selfspec.model.plan import ModelPlan, plan_model
+from selfspec.model.transformer import Transformer
 from selfspec.quiet import import_transformers_models
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-# Fields where the config's facts and the checkpoint's config.json must agree.
-_CHECKED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                   "num_kv_heads", "head_dim", "model_type", "sliding_window", "sliding_layers")
 
 
 class ModelNotAvailable(ValueError):
     """The weights of a configured model are not on this machine (the message says why)."""
 
 
+def load_target(cfg: DictConfig) -> Transformer:
+    """The target model of cfg.model (`selfspec.model.loading.load`: plan, quantize, place,
+    load), its settings read once (`target_spec`). With model.quantize, its weight-only
+    int8/int4 copy (`selfspec.model.quantized`), which is then the target every output is exact
+    against."""
+    spec = target_spec(cfg)
+    return loading.load(spec)
+
+
+def target_spec(cfg: DictConfig, weights: bool = True) -> TargetSpec:
+    """cfg.model (with cfg.device, cfg.compile and cfg.seed) read once, every setting checked.
+    weights=False: for a plan alone, the weights neither looked for nor the device checked
+    (the config's `arch` block then suffices)."""
+    cfg_model = cfg.model
+    bits = target_quantization(cfg_model)
+    compiled = _compile(cfg, bits)
+    random_weights = bool(cfg_model.get("random_weights"))
+    dtype = str(cfg_model.get("dtype", "fp32"))
+    torch_dtype(dtype)  # checked
+    placement = _placement_settings(cfg_model)
+    home = cfg.get("device", "cpu")
+    arch = _arch_config(cfg_model)
+    needs_folder = arch is None or (weights and not random_weights)
+    folder = _weights_folder(cfg_model, "model") if needs_folder else None
+    return TargetSpec(
+        name=str(cfg_model.name),
+        config=arch if arch is not None else ModelConfig.from_folder(folder),
+        checked=arch is not None, folder=folder, dtype=dtype,
+        device=check_device(home) if weights else parse_device(home),
+        random_weights=random_weights, seed=int(cfg.get("seed", 0)),
+        device_map=placement.get("device_map"), max_memory=placement.get("max_memory"),
+        quantize=bits, compile=compiled, chat=bool(cfg_model.get("chat", False)))
+
+
 def model_config(cfg_model: DictConfig) -> ModelConfig:
     """The architecture (no weights) from a model config's `arch` block, or from the model
     folder's config.json when `arch` is null (a local model: `model=local model.path=...`)."""
-    name = cfg_model.get("name")
+    arch = _arch_config(cfg_model)
+    return arch if arch is not None else ModelConfig.from_folder(resolve_model_path(cfg_model))
+
+
+def _arch_config(cfg_model: DictConfig) -> ModelConfig | None:
+    """The architecture of a model config's `arch` block (None: the block is null)."""
     if cfg_model.get("arch") is None:
-        return ModelConfig.from_folder(resolve_model_path(cfg_model))
+        return None
     arch = OmegaConf.to_container(cfg_model.arch, resolve=True)
     if "head_dim" not in arch and {"hidden_size", "num_heads"} <= arch.keys():
         arch["head_dim"] = arch["hidden_size"] // arch["num_heads"]  # unless it differs
@@ -51,32 +86,27 @@ def model_config(cfg_model: DictConfig) -> ModelConfig:
     try:
         return ModelConfig.of_family(**arch)
     except TypeError as exc:  # an unknown or missing field
-        raise ValueError(f"model config {name!r}: bad `arch` block ({exc})") from None
+        raise ValueError(f"model config {cfg_model.get('name')!r}: bad `arch` block "
+                         f"({exc})") from None
 
 
 def model_plan(cfg: DictConfig) -> ModelPlan:
     """The memory plan of cfg.model over cfg.num_gpus GPUs, built on the meta device, with
     the placement model.device_map asks for (no GPU needed)."""
-    dtype = "int8" if cfg.model.get("quantize") else cfg.model.dtype
-    return plan_model(model_config(cfg.model), cfg.model.name, int(cfg.num_gpus),
-                      target_placement(cfg), dtype)
+    spec = target_spec(cfg, weights=False)
+    return plan_model(spec.config, spec.name, int(cfg.num_gpus), loading.plan(spec),
+                      "int8" if spec.quantize is not None else spec.dtype)
 
 
-def target_placement(cfg: DictConfig) -> Placement | None:
-    """model.device_map and model.max_memory as a placement of the target's layers, its
-    embedding, norm and LM head on cfg.device (`selfspec.model.placement`); None without a map."""
-    cfg_model = cfg.model
+def _placement_settings(cfg_model: DictConfig) -> dict:
+    """model.device_map and model.max_memory as plain values (`selfspec.model.placement`);
+    empty without a map."""
     plain = {key: OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
              for key in ("device_map", "max_memory") if (value := cfg_model.get(key)) is not None}
-    if "device_map" not in plain:
-        if "max_memory" in plain:
-            raise ValueError("model.max_memory is read only with model.device_map; set "
-                             "model.device_map=auto (or a mapping) beside it")
-        return None
-    # A quantized target's layers are counted at a byte a weight (int4 too: a bound).
-    dtype = torch.int8 if cfg_model.get("quantize") else torch_dtype(cfg_model.dtype)
-    return plan_placement(model_config(cfg_model), plain["device_map"], plain.get("max_memory"),
-                          dtype, home=cfg.get("device", "cpu"))
+    if "device_map" not in plain and "max_memory" in plain:
+        raise ValueError("model.max_memory is read only with model.device_map; set "
+                         "model.device_map=auto (or a mapping) beside it")
+    return plain
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -92,6 +122,11 @@ def resolve_model_path(cfg_model: DictConfig, key: str = "model") -> Path:
     """
     if key == "model":
         target_quantization(cfg_model)  # a bad setting is refused with the folder's checks
+    return _weights_folder(cfg_model, key)
+
+
+def _weights_folder(cfg_model: DictConfig, key: str) -> Path:
+    """resolve_model_path, the settings already checked."""
     if cfg_model.get("random_weights"):
         raise ModelNotAvailable(
             f"model {cfg_model.name!r} has random weights and no files (no tokenizer, nothing "
@@ -171,36 +206,18 @@ def _unavailable_message(cfg_model: DictConfig, key: str, tried: list[str]) -> s
     return "\n".join(lines)
 
 
-def load_target(cfg: DictConfig) -> Transformer:
-    """The target model of cfg.model, checked against its config's architecture facts; with
-    model.quantize, its weight-only int8/int4 copy (`selfspec.model.quantized`), which is then the
-    target every output is exact against."""
-    bits = target_quantization(cfg.model)
-    compiled = compile_steps(cfg)
-    if bits is not None:  # refused before any weights load
-        check_quantizable(bits, device(cfg))
-    placement = target_placement(cfg)
-    if placement is not None:
-        check_present(placement)
-    if cfg.model.get("random_weights"):
-        target = place(random_models(cfg)[0], placement)
-    else:
-        target = load_model(cfg.model, "model", cfg.model.dtype, device(cfg),
-                            placement=placement)
-    if cfg.model.get("arch") is not None and not cfg.model.get("random_weights"):
-        check_architecture(model_config(cfg.model), target.config, cfg.model.name, target.source)
-    target = target if bits is None else quantized_copy(target, bits)
-    target.compile_steps = compiled
-    return target
-
-
 def compile_steps(cfg: DictConfig) -> bool:
     """cfg.compile (default false): whether the static decode steps run compiled over fused
     products (`Transformer.compile_steps`)."""
+    return _compile(cfg, target_quantization(cfg.model))
+
+
+def _compile(cfg: DictConfig, bits: int | None) -> bool:
+    """compile_steps, model.quantize read already (as bits)."""
     value = cfg.get("compile", False)
     if not isinstance(value, bool):
         raise ValueError(f"compile must be true or false, got {value!r}")
-    if value and target_quantization(cfg.model) is not None:
+    if value and bits is not None:
         raise ValueError("compile=true: a quantized target's products cannot be fused and "
                          "compiled; set compile=false (or model.quantize=null)")
     return value
@@ -227,39 +244,18 @@ def target_quantization(cfg_model: DictConfig) -> int | None:
 
 def random_models(cfg: DictConfig) -> tuple[Transformer, Any]:
     """A `random_weights: true` model config's target with random weights (seeded by cfg.seed)
-    and the transformers model it shares them with."""
-    hf_model = random_hf_model(model_config(cfg.model), torch_dtype(cfg.model.dtype), device(cfg),
-                               seed=int(cfg.get("seed", 0)))
-    target = Transformer.from_hf(hf_model)
-    target.compile_steps = compile_steps(cfg)
-    return target, hf_model
+    and the transformers model it shares them with (`selfspec.model.loading.random_models`)."""
+    return loading.random_models(target_spec(cfg))
 
 
-def load_model(
-    cfg_model: DictConfig, key: str, dtype: str, on: torch.device, compiled: bool = False,
-    placement: Placement | None = None,
-) -> Transformer:
-    """compiled: its `compile_steps` (cfg.compile); placement: its layers spread over
-    devices (`selfspec.model.placement`)."""
+def load_model(cfg_model: DictConfig, key: str, dtype: str, on: torch.device,
+               compiled: bool = False) -> Transformer:
+    """The model of a config beside the target's (model.draft: key names it for messages), in
+    dtype on `on`; compiled: its `compile_steps` (cfg.compile)."""
     folder = resolve_model_path(cfg_model, key)
-    model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on,
-                                        placement=placement)
+    model = Transformer.from_pretrained(folder, dtype=torch_dtype(dtype), device=on)
     model.compile_steps = compiled
     return model
-
-
-def check_architecture(
-    expected: ModelConfig, loaded: ModelConfig, name: str, source: str | None
-) -> None:
-    """Refuse weights whose config.json contradicts the config (the plan would be wrong)."""
-    wrong = {f: (getattr(expected, f), getattr(loaded, f)) for f in _CHECKED_FIELDS
-             if getattr(expected, f) != getattr(loaded, f)}
-    if wrong:
-        details = ", ".join(f"{f}: config {a} vs checkpoint {b}" for f, (a, b) in wrong.items())
-        raise ValueError(
-            f"the weights in {source} do not match model config {name!r} ({details}); point "
-            f"model.path at that model's weights or choose the model config that matches them"
-        )
 
 
 def load_tokenizer(folder: str | Path):

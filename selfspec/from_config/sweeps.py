@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import is_count
 from selfspec.drafters import Drafter
-from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, device, sampling_params
+from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
 from selfspec.from_config.methods.hf_peers import ONE_PROMPT
 from selfspec.from_config.models import (
@@ -20,8 +20,8 @@ from selfspec.from_config.models import (
     load_target,
     model_config,
     model_plan,
-    random_models,
     resolve_model_path,
+    target_spec,
 )
 from selfspec.from_config.prompts import sweep_prompt_texts
 from selfspec.measure.autosize import SizeChoice, choose_size
@@ -32,7 +32,7 @@ from selfspec.measure.oracle import eagle2_shape
 from selfspec.measure.passes import BenchSettings, Method
 from selfspec.measure.peers import OurDecoder
 from selfspec.measure.prompts import Prompt
-from selfspec.model import Transformer
+from selfspec.model import Transformer, loading
 from selfspec.model.plan import plan_model
 from selfspec.sampling import SamplingParams
 
@@ -339,7 +339,7 @@ def oracle_trees(names) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:
 
 def timing_models(cfg: DictConfig) -> tuple[Transformer, Any]:
     """The target and a transformers copy of the same weights (shared, for random weights)."""
-    if cfg.model.get("random_weights"):
-        return random_models(cfg)
-    folder = resolve_model_path(cfg.model)
-    return load_target(cfg), load_hf_model(folder, cfg.model.dtype, device(cfg))
+    spec = target_spec(cfg)
+    if spec.random_weights:
+        return loading.random_models(spec)
+    return loading.load(spec), load_hf_model(spec.folder, spec.dtype, spec.device)

@@ -18,8 +18,7 @@ from selfspec.decode import GenerationResult, generate
 from selfspec.devices import synchronize
 from selfspec.drafters.base import Drafter
 from selfspec.metrics import GenerationStats
-from selfspec.model import ModelConfig, Transformer
-from selfspec.quiet import import_transformers_models
+from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
 
 
@@ -203,21 +202,6 @@ def _hf_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     # top_k=0 is passed explicitly: HF's own default would be 50.
     return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p}
-
-
-def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                    seed: int = 0):
-    """A transformers causal LM of this architecture with random weights (transformers' own
-    initialisation), built directly on `device`: a target to time without any download.
-    `Transformer.from_hf` on it shares its weights, so both libraries run the same tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import_transformers_models()
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_hf()),
-                                                 dtype=dtype)
-    return model.eval()
 
 
 def _until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:

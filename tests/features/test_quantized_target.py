@@ -42,7 +42,7 @@ def test_bad_quantize_settings_are_refused_before_any_weights_load(cfg_of, monke
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the setting was checked")
 
-    monkeypatch.setattr(from_config.models, "load_model", no_loading)
+    monkeypatch.setattr(Transformer, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=message):
         from_config.generation_settings(cfg_of("generate", "model=tiny", *overrides))
     with pytest.raises(ValueError, match=message):

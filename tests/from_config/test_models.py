@@ -7,6 +7,7 @@ from helpers import SMALL_ARCH, SMALL_OVERRIDES, group_options
 
 from selfspec import from_config
 from selfspec.model import ModelConfig
+from selfspec.model.loading import check_architecture
 from selfspec.model.plan import count_parameters
 
 # Published parameter counts (model cards / papers); configs must land within 1%.
@@ -57,7 +58,7 @@ def test_tiny_config_agrees_with_the_shipped_target(cfg_of):
         pytest.skip("the tiny target is not built yet")
     expected = from_config.model_config(cfg_of("generate").model)
     shipped = ModelConfig.from_hf(json.loads(config_json.read_text()))
-    from_config.check_architecture(expected, shipped, "tiny", str(config_json.parent))
+    check_architecture(expected, shipped, "tiny", str(config_json.parent))
 
 
 def test_qwen2_configs_have_qkv_bias_and_llama31_its_rope_scaling(cfg_of):
