@@ -17,8 +17,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.from_config.common import set_threads
+from selfspec.from_config.sweeps import floor_settings, timing_models
 from selfspec.measure.divergence import describe_difference
 from selfspec.measure.floor import measure_floor
 from selfspec.measure.plots import plot_cost_profile
@@ -27,9 +28,9 @@ from selfspec.measure.results import machine_facts, split_percent
 
 @hydra_entry_point("bench_decode")
 def main(cfg: DictConfig) -> None:
-    from_config.set_threads(cfg)
-    settings = from_config.floor_settings(cfg)  # checked before any model loads
-    target, hf_model = from_config.timing_models(cfg)
+    set_threads(cfg)
+    settings = floor_settings(cfg)  # checked before any model loads
+    target, hf_model = timing_models(cfg)
     figures = measure_floor(target, hf_model, settings)
     figures |= {"model": cfg.model.name, "machine": machine_facts()}
     folder = Path(cfg.run_dir)

@@ -22,9 +22,11 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from selfspec import from_config
 from selfspec.cli import hydra_entry_point
 from selfspec.decode import GenerationResult, generate
+from selfspec.from_config.generation import drafter_and_target, generation_settings
+from selfspec.from_config.models import load_target, load_tokenizer, model_plan, resolve_model_path
+from selfspec.from_config.prompts import encode_prompt_texts, prompt_set, prompts
 from selfspec.measure.passes import repeated_ngram_share
 from selfspec.metrics import GenerationStats
 
@@ -32,14 +34,14 @@ from selfspec.metrics import GenerationStats
 @hydra_entry_point("generate")
 def main(cfg: DictConfig) -> None:
     if cfg.dry_run:
-        print(from_config.model_plan(cfg).format())
+        print(model_plan(cfg).format())
         return
-    settings, choice = from_config.generation_settings(cfg)  # checked before any model loads
-    data = from_config.prompt_set(cfg)
-    texts = from_config.prompts(data)
-    drafter, target = from_config.drafter_and_target(cfg, from_config.load_target(cfg), choice)
-    tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
-    prompts = from_config.encode_prompt_texts(data, texts, tokenizer)
+    settings, choice = generation_settings(cfg)  # checked before any model loads
+    data = prompt_set(cfg)
+    texts = prompts(data)
+    drafter, target = drafter_and_target(cfg, load_target(cfg), choice)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+    questions = encode_prompt_texts(data, texts, tokenizer)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 
     def run(ids: list[int], drafter, max_new_tokens: int) -> GenerationResult:
@@ -48,18 +50,18 @@ def main(cfg: DictConfig) -> None:
                         eos_token_id=eos, max_new_tokens=max_new_tokens, generator=generator)
 
     for d in (None, drafter):  # warm-up: one-off costs stay out of the timed runs
-        run(prompts[0].ids, d, 4)
+        run(questions[0].ids, d, 4)
     plains, specs = GenerationStats(), GenerationStats()
     answers = []
-    print(f"{len(prompts)} {data.name} prompts, {settings.max_new_tokens} new tokens each")
-    for encoded in prompts:
+    print(f"{len(questions)} {data.name} prompts, {settings.max_new_tokens} new tokens each")
+    for encoded in questions:
         plain, spec = (run(encoded.ids, d, settings.max_new_tokens) for d in (None, drafter))
         print(f"=== {encoded.prompt.id}\n{tokenizer.decode(spec.tokens)}\n--- "
               f"{summary(plain.stats, spec.stats, [spec.tokens])}")
         plains.merge(plain.stats)
         specs.merge(spec.stats)
         answers.append(spec.tokens)
-    print(f"=== all {len(prompts)} prompts: {summary(plains, specs, answers)}")
+    print(f"=== all {len(questions)} prompts: {summary(plains, specs, answers)}")
 
 
 def summary(plain: GenerationStats, spec: GenerationStats, answers: list[list[int]]) -> str:

@@ -18,8 +18,11 @@ import sys
 
 from omegaconf import DictConfig
 
-from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.from_config.common import positive_int, set_threads
+from selfspec.from_config.models import load_tokenizer
+from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
+from selfspec.from_config.sweeps import build_method, load_sweep_models, plan_sweep
 from selfspec.measure.lossless import greedy_outputs, lossless_mismatches
 from selfspec.measure.peers import quiet_transformers
 
@@ -32,18 +35,18 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> int:
     """Every method's greedy output against plain greedy; returns the number of mismatches."""
-    from_config.set_threads(cfg)
-    plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
-    n = from_config.positive_int(cfg, "max_new_tokens")
-    models = from_config.load_sweep_models(cfg, plan.grid.variants)
-    tokenizer = from_config.load_tokenizer(models.target.source)
+    set_threads(cfg)
+    plan = plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
+    n = positive_int(cfg, "max_new_tokens")
+    models = load_sweep_models(cfg, plan.grid.variants)
+    tokenizer = load_tokenizer(models.target.source)
     quiet_transformers()
-    encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
     prompts = [(p.prompt.id, p.ids) for p in encoded]
-    stops = from_config.stop_ids(cfg, models.target, tokenizer)
+    stops = stop_ids(cfg, models.target, tokenizer)
     references, failures, ties = {}, 0, 0
     for point in plan.grid.points():
-        method = from_config.build_method(models, point.variant, point.draft_length)
+        method = build_method(models, point.variant, point.draft_length)
         if method.baseline_name not in references:  # plain greedy, once per library
             references[method.baseline_name] = greedy_outputs(
                 method.baseline, [ids for _, ids in prompts], n, stops)

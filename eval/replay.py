@@ -21,8 +21,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.from_config.common import positive_int, set_threads
+from selfspec.from_config.methods import entry
+from selfspec.from_config.models import load_tokenizer
+from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
+from selfspec.from_config.sweeps import load_sweep_models, our_drafter, plan_sweep, verified_target
 from selfspec.measure.replay import GreedyRecord, record_greedy, replay
 from selfspec.metrics import GenerationStats
 
@@ -34,18 +38,18 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> list[dict]:
     """Every method x draft length replayed; returns (and writes) the rows."""
-    from_config.set_threads(cfg)
-    plan = from_config.plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
-    n = from_config.positive_int(cfg, "max_new_tokens")
-    if peers := [v.label() for v in plan.grid.variants if not from_config.entry(v.method).ours]:
+    set_threads(cfg)
+    plan = plan_sweep(cfg, int(cfg.num_prompts), greedy_only=True)
+    n = positive_int(cfg, "max_new_tokens")
+    if peers := [v.label() for v in plan.grid.variants if not entry(v.method).ours]:
         raise ValueError(f"eval/replay.py replays selfspec's drafters; drop {', '.join(peers)} "
                          f"(eval/sweep.py measures them)")
-    models = from_config.load_sweep_models(cfg, plan.grid.variants)
-    tokenizer = from_config.load_tokenizer(models.target.source)
-    encoded = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
-    stops = from_config.stop_ids(cfg, models.target, tokenizer)
+    models = load_sweep_models(cfg, plan.grid.variants)
+    tokenizer = load_tokenizer(models.target.source)
+    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    stops = stop_ids(cfg, models.target, tokenizer)
     records = recorded(cfg, models.target, {p.prompt.id: p.ids for p in encoded}, n, stops)
-    if any(from_config.verified_target(models, v)[0] is not models.target
+    if any(verified_target(models, v)[0] is not models.target
            for v in plan.grid.variants):
         raise ValueError("eval/replay.py replays drafts verified on the target itself; Medusa-2 "
                          "heads verify on their LoRA-adapted target: measure them with "
@@ -54,7 +58,7 @@ def run(cfg: DictConfig) -> list[dict]:
     for point in plan.grid.points():
         stats = GenerationStats()
         for record in records:
-            drafter = from_config.our_drafter(models, point.variant, point.draft_length)
+            drafter = our_drafter(models, point.variant, point.draft_length)
             stats.merge(replay(models.target, drafter, record))
         rows.append({"method": point.method, "draft_length": point.draft_length,
                      "tau": stats.tau, "mean_draft_nodes": stats.drafted / max(stats.steps, 1),

@@ -19,8 +19,23 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import from_config
 from selfspec.cli import hydra_entry_point
+from selfspec.from_config.common import set_threads
+from selfspec.from_config.models import load_tokenizer
+from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
+from selfspec.from_config.sweeps import (
+    bench_settings,
+    build_method,
+    cuda_graphs,
+    load_sweep_models,
+    longest_forward,
+    method_colors,
+    plan_sweep,
+    size_chooser,
+    split_time,
+    sweep_cost_profile,
+    sweep_dry_run,
+)
 from selfspec.measure.costs import PROFILE_MAX_TOKENS
 from selfspec.measure.peers import quiet_transformers
 from selfspec.measure.plots import plot_sweep
@@ -44,36 +59,35 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> None:
     """The whole sweep; bad settings are refused before any weights load."""
-    from_config.set_threads(cfg)
+    set_threads(cfg)
     if cfg.dry_run:
-        print(from_config.sweep_dry_run(cfg))
+        print(sweep_dry_run(cfg))
         return
-    plan = from_config.plan_sweep(cfg, int(cfg.bench.num_prompts))
-    from_config.bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
-    models = from_config.load_sweep_models(cfg, plan.grid.variants)
-    tokenizer = from_config.load_tokenizer(models.target.source)
+    plan = plan_sweep(cfg, int(cfg.bench.num_prompts))
+    bench_settings(cfg, ())  # checked now; the stop ids need the tokenizer
+    models = load_sweep_models(cfg, plan.grid.variants)
+    tokenizer = load_tokenizer(models.target.source)
     quiet_transformers()
-    prompts = from_config.encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
-    settings = from_config.bench_settings(cfg, from_config.stop_ids(cfg, models.target, tokenizer))
+    prompts = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    settings = bench_settings(cfg, stop_ids(cfg, models.target, tokenizer))
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
                       name=Path(cfg.run_dir).name, config=config)
-    split, ids = from_config.split_time(cfg), [p.ids for p in prompts]
+    split, ids = split_time(cfg), [p.ids for p in prompts]
     profile = chooser = None
     if plan.grid.auto:  # auto rows predict from c(N): measured first, over every length
-        profile = from_config.sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
-        calibration = from_config.encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
-        chooser = from_config.size_chooser(models, [p.ids for p in calibration], profile, settings)
+        profile = sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
+        calibration = encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
+        chooser = size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
         plan.grid.points(),
-        lambda variant, k: from_config.build_method(models, variant, k, split,
-                                                    from_config.cuda_graphs(cfg)),
+        lambda variant, k: build_method(models, variant, k, split, cuda_graphs(cfg)),
         ids, settings, shared_baseline=plan.shared_baseline, device=cfg.device,
         progress=bool(cfg.progress), choose_length=chooser,
     )
-    longest = from_config.longest_forward(rows)
+    longest = longest_forward(rows)
     profiles = {b: profile if b == 1 and profile is not None else
-                from_config.sweep_cost_profile(cfg, models.target, ids, longest, b)
+                sweep_cost_profile(cfg, models.target, ids, longest, b)
                 for b in plan.grid.batch_sizes}
     profiles = {b: cost for b, cost in profiles.items() if cost is not None}
     if profiles:
@@ -86,7 +100,7 @@ def run(cfg: DictConfig) -> None:
         "cost_profile": profiles[1].as_dict() if 1 in profiles else None,
         "cost_profiles": {b: p.as_dict() for b, p in profiles.items()},
     })
-    figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir, from_config.method_colors())
+    figures = plot_sweep([r.as_dict() for r in rows], cfg.run_dir, method_colors())
     log_sweep(tracker, rows, figures, {"machine": machine, "best": best_rows(rows)})
     tracker.finish()
     print(format_table(rows))

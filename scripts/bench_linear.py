@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec.cli import exit_on_user_error
-from selfspec.from_config import load_target
+from selfspec.from_config.models import load_target
 from selfspec.measure.costs import measure_cost_profile
 from selfspec.model import cpu_linear as model_module
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec.from_config import load_target
+from selfspec.from_config.models import load_target
 from selfspec.model import cpu_linear as model_module
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from selfspec.from_config import load_target
+from selfspec.from_config.models import load_target
 from selfspec.model import Transformer, quantized
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -23,8 +23,11 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec import SamplingParams, from_config
+from selfspec import SamplingParams
 from selfspec.cli import exit_on_user_error
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.models import load_target, load_tokenizer
+from selfspec.from_config.prompts import encode_prompt_texts, sweep_prompt_texts
 from selfspec.measure.passes import BenchSettings, run_passes
 from selfspec.measure.peers import OurDecoder
 from selfspec.measure.results import machine_facts
@@ -45,10 +48,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("overrides", nargs="*", help="conf/sweep.yaml overrides, e.g. "
                         "model.arch.num_layers=2")
     args = parser.parse_args(argv)
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("sweep", overrides=[f"model={args.model}", f"data={args.data}",
                                           f"device={args.device}", *args.overrides])
-    target = from_config.load_target(cfg)
+    target = load_target(cfg)
     prompts = _prompts(cfg, target, args)
     own = str(target.embed_tokens.weight.dtype).removeprefix("torch.").replace("bfloat", "bf")
     own = own.replace("float", "fp")
@@ -84,9 +87,9 @@ def _prompts(cfg, target, args) -> list[list[int]]:
         generator = torch.Generator().manual_seed(0)
         return torch.randint(target.config.vocab_size, (args.prompts, args.prompt_tokens),
                              generator=generator).tolist()
-    tokenizer = from_config.load_tokenizer(target.source)
-    texts = from_config.sweep_prompt_texts(cfg.data, args.prompts)
-    return [p.ids for p in from_config.encode_prompt_texts(cfg.data, texts, tokenizer)]
+    tokenizer = load_tokenizer(target.source)
+    texts = sweep_prompt_texts(cfg.data, args.prompts)
+    return [p.ids for p in encode_prompt_texts(cfg.data, texts, tokenizer)]
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec import from_config
+from selfspec.from_config.methods.eagle import eagle_config, eagle_head, eagle_objective
+from selfspec.from_config.methods.early_exit import early_exit_heads, early_exit_layers
+from selfspec.from_config.methods.medusa import medusa_heads, medusa_objective
+from selfspec.from_config.models import load_target
 from selfspec.heads.early_exit import ExitHead
 from selfspec.model import Transformer
 from selfspec.training import data
@@ -53,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     overrides = method_overrides(args.override)
     configs = {name: config(name, args, overrides.get(name, [])) for name in args.methods}
-    target = from_config.load_target(next(iter(configs.values())))
+    target = load_target(next(iter(configs.values())))
     rows = random_rows(target, args.rows, args.seq_len)
     layers = needed_layers(configs, target)
     with tempfile.TemporaryDirectory() as folder:
@@ -121,9 +124,9 @@ def needed_layers(configs: dict, target: Transformer) -> tuple[int, ...]:
     layers: set[int] = set()
     for name, cfg in configs.items():
         if name == "eagle3":
-            layers |= set(from_config.eagle_config(cfg, target.config).target_layers)
+            layers |= set(eagle_config(cfg, target.config).target_layers)
         if name == "early_exit":
-            layers |= set(from_config.early_exit_layers(cfg, target.config.num_layers))
+            layers |= set(early_exit_layers(cfg, target.config.num_layers))
     return tuple(sorted(layers))
 
 
@@ -176,12 +179,12 @@ def store_build(target, rows: TokenRows, args, layers, folder: Path) -> dict:
 def objective(method: str, cfg, target: Transformer, rows: TokenRows, features):
     """The method's training objective, composed as its trainer composes it."""
     if method == "medusa":
-        heads = from_config.medusa_heads(cfg, target, rows)
-        return from_config.medusa_objective(cfg, target, heads, features)
+        heads = medusa_heads(cfg, target, rows)
+        return medusa_objective(cfg, target, heads, features)
     if method.startswith("eagle"):
-        head = from_config.eagle_head(cfg, target, rows)
-        return from_config.eagle_objective(cfg, target, head, features)
-    heads: list[ExitHead] = from_config.early_exit_heads(cfg, target)
+        head = eagle_head(cfg, target, rows)
+        return eagle_objective(cfg, target, head, features)
+    heads: list[ExitHead] = early_exit_heads(cfg, target)
     return EarlyExitObjective(target, heads, features=features)
 
 

@@ -31,8 +31,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from invariance import MODES, diagnose
 
-from selfspec import from_config
 from selfspec.cli import exit_on_user_error
+from selfspec.from_config.common import CONF_DIR, set_threads
+from selfspec.from_config.models import random_models
 from selfspec.measure.results import machine_facts
 
 
@@ -46,11 +47,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/bucket_invariance.json"))
     parser.add_argument("overrides", nargs="*", help="conf/bench_decode.yaml overrides")
     args = parser.parse_args(argv)
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("bench_decode", overrides=["model=random-7b", "device=cuda",
                                                  *args.overrides])
-    from_config.set_threads(cfg)
-    target = from_config.random_models(cfg)[0]
+    set_threads(cfg)
+    target = random_models(cfg)[0]
     device = target.embed_tokens.weight.device
     generator = torch.Generator().manual_seed(int(cfg.seed))
     prompt = torch.randint(target.config.vocab_size, (1, max(args.cache_lengths)),

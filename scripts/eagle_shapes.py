@@ -18,10 +18,12 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 
-from selfspec import from_config
 from selfspec.cli import exit_on_user_error
 from selfspec.decode import generate
 from selfspec.drafters import EagleDrafter
+from selfspec.from_config.methods.eagle import load_eagle
+from selfspec.from_config.models import load_target
+from selfspec.from_config.training import final_eval_prompts
 from selfspec.metrics import GenerationStats
 from selfspec.tree import Tree
 
@@ -44,9 +46,9 @@ def drafter_for(head, shape: str) -> EagleDrafter:
 def measure(head_folder: str, shapes: list[str], num_prompts: int, new_tokens: int) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("train_eagle", overrides=[f"final_eval.num_prompts={num_prompts}"])
-    target = from_config.load_target(cfg)
-    head = from_config.load_eagle(head_folder, target)
-    prompts = from_config.final_eval_prompts(cfg, target)
+    target = load_target(cfg)
+    head = load_eagle(head_folder, target)
+    prompts = final_eval_prompts(cfg, target)
     rows = []
     for shape in tqdm(shapes, desc="shapes"):
         drafter, stats = drafter_for(head, shape), GenerationStats()

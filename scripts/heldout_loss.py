@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
 from selfspec.corpus import stdlib_files
-from selfspec.from_config import load_tokenizer
+from selfspec.from_config.models import load_tokenizer
 from selfspec.training.data import pack_token_stream, token_stream
 
 DEFAULT_MAX_TOKENS = 200_000

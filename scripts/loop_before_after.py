@@ -26,7 +26,7 @@ import torch
 
 from selfspec.cli import exit_on_user_error
 from selfspec.drafters import MedusaProductDrafter
-from selfspec.from_config import load_tokenizer
+from selfspec.from_config.models import load_tokenizer
 from selfspec.heads import load_head
 from selfspec.measure.passes import BenchSettings, run_passes
 from selfspec.measure.prompts import encode_prompts, humaneval_prompts

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from selfspec import from_config
 from selfspec.cli import exit_on_user_error
+from selfspec.from_config.models import load_target, load_tokenizer
+from selfspec.from_config.training import training_rows
 from selfspec.heads.draft_vocab import COUNTS_FILE, save_token_counts, token_counts
 from selfspec.training.checkpoints import RUN_CONFIG
 
@@ -33,8 +34,8 @@ def main(argv: list[str]) -> None:
         raise FileNotFoundError(f"{args.run}: no {RUN_CONFIG} and head exports there; give the "
                                 f"folder of a training run (hydra.run.dir)")
     cfg = OmegaConf.create(json.loads(recorded.read_text()))
-    target = from_config.load_target(cfg)
-    train, _ = from_config.training_rows(cfg, from_config.load_tokenizer(target.source), target)
+    target = load_target(cfg)
+    train, _ = training_rows(cfg, load_tokenizer(target.source), target)
     counts = token_counts(train.tokens, target.config.vocab_size, train.loss_mask)
     for export in exports:
         save_token_counts(export, counts)

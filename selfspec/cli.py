@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from selfspec.errors import SelfspecError
-from selfspec.from_config import CONF_DIR
+from selfspec.from_config.common import CONF_DIR
 
 USER_ERRORS = (SelfspecError, ValueError, FileNotFoundError, HydraException,
                OmegaConfBaseException)

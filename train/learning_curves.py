@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
-from selfspec.from_config import check_kept_run
+from selfspec.from_config.training import check_kept_run
 from selfspec.measure.curves import final_report, judge_share, rising, tau_curve
 from selfspec.measure.plots import learning_curves_figure
 
