@@ -2,6 +2,7 @@
 
     python scripts/export_heads.py runs/medusa/checkpoints/step_0000200/export --to vllm out/
     python scripts/export_heads.py HEAD_FOLDER --to vllm|sglang|medusa|eagle OUT
+    python scripts/export_heads.py HEAD_FOLDER --to speculators --target MODEL_FOLDER OUT
     python scripts/export_heads.py HEAD_FOLDER --to selfspec --dtype float16 OUT   # half the size
     python scripts/export_heads.py HEAD_FOLDER --to selfspec --dtype bfloat16 --draft-vocab 4096 OUT
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> None:
     exported = export_head(
         head, args.to, args.out, base_model=base,
         target_layers_count=target.num_layers if target else recorded.get("num_layers"),
-        target_lm_head=_target_lm_head(head, target_folder),
+        target_lm_head=_target_lm_head(head, target_folder, args.to),
         target_embedding=_target_embedding(head, args.to, target_folder),
         dtype=DTYPES[args.dtype] if args.dtype else None)
     print(f"wrote {exported.folder} for {args.to}; launch with:\n  {exported.command}")
@@ -102,17 +103,24 @@ def _read(folder: Path, target: ModelConfig | None):
 
 
 def _target_embedding(head, to: str, target_folder: Path | None) -> torch.Tensor | None:
-    """The target's embedding, read only for an EAGLE-3 head going to the reference code
-    (which reads it from the head's own weights)."""
+    """The target's embedding, read only for an EAGLE-3 head going to the reference code, or
+    an EAGLE-3 or DFlash head going to speculators (both read it from the head's weights)."""
     config = getattr(head, "config", None)
-    if to != "eagle" or getattr(config, "version", None) != 3 or target_folder is None:
+    fused = getattr(config, "version", 3) == 3 and hasattr(config, "target_layers")
+    if to not in ("eagle", "speculators") or not fused or target_folder is None:
+        return None
+    if to == "eagle" and getattr(config, "version", None) != 3:
         return None
     return checkpoint.read_tensor(Path(target_folder), "model.embed_tokens.weight")
 
 
-def _target_lm_head(head, target_folder: Path | None) -> torch.Tensor | None:
-    """The target's LM head, read only for heads that share it."""
-    if not getattr(getattr(head, "config", None), "shared_lm_head", False):
+def _target_lm_head(head, target_folder: Path | None, to: str = "") -> torch.Tensor | None:
+    """The target's LM head, read only for heads that share it (Medusa's shared LM head; a
+    full-vocabulary DFlash head going to speculators, which reads it from the folder)."""
+    config = getattr(head, "config", None)
+    dflash = to == "speculators" and hasattr(config, "block_size") and \
+        getattr(config, "draft_vocab_size", 0) is None
+    if not getattr(config, "shared_lm_head", False) and not dflash:
         return None
     if target_folder is None:
         raise FileNotFoundError("these heads share the target's LM head, which the export "

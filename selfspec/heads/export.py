@@ -1,12 +1,18 @@
 """Write a head in the folder layout a serving engine or the reference code loads, with the
 launch command (`scripts/export_heads.py`; the layouts are `selfspec.heads.published`).
 
-| head | vllm | sglang | medusa (reference) | eagle (reference) | dflash (reference) |
-|---|---|---|---|---|---|
-| Medusa | yes: top-1 chains | no | yes | no | no |
-| EAGLE-1 | fc without bias | yes | no | yes | no |
-| EAGLE-3 | yes | yes | no | default fused layers only | no |
-| DFlash | q/k norms; draft vocabulary too | q/k norms, the target's LM head | no | no | as SGLang |
+| head | vllm | sglang | medusa (reference) | eagle (reference) | dflash (reference) | speculators |
+|---|---|---|---|---|---|---|
+| Medusa | yes: top-1 chains | no | yes | no | no | no |
+| EAGLE-1 | fc without bias | yes | no | yes | no | no |
+| EAGLE-3 | yes | yes | no | default fused layers only | no | yes |
+| DFlash | q/k norms, draft vocab | q/k norms, target's LM head | no | no | as SGLang | q/k norms |
+
+speculators (its `SpeculatorModel.from_pretrained`) needs the target: its embedding is written
+into the folder (and, for a full-vocabulary DFlash head, its LM head).
+
+Every config.json written carries RoPE in both conventions: transformers v5's `rope_parameters`
+and v4's `rope_theta` / `rope_scaling` (a v4 reader without them silently takes theta 10000).
 
 What an engine cannot serve is refused with the reason and the fix, before anything is written.
 """
@@ -31,7 +37,8 @@ from selfspec.heads.published import (
     medusa_vllm_state,
 )
 
-ENGINES = ("vllm", "sglang", "medusa", "eagle", "dflash")
+ENGINES = ("vllm", "sglang", "medusa", "eagle", "dflash", "speculators")
+SPECULATORS_VERSION = "0.9.0"  # the release whose from_pretrained the layout is proven with
 SERVING_FILE = "SERVING.md"
 BASE_PLACEHOLDER = "<base-model>"
 
@@ -65,7 +72,10 @@ def export_head(
     """
     if to not in ENGINES:
         raise ExportRefused(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
-    if isinstance(head, MedusaHeads):
+    if to == "speculators" and isinstance(head, (EagleHead, DFlashHead)):
+        config, state, files, command, notes = _speculators(head, base_model, target_embedding,
+                                                            target_lm_head)
+    elif isinstance(head, MedusaHeads):
         config, state, files, command, notes = _medusa(head, to, base_model, target_lm_head)
     elif isinstance(head, EagleHead):
         config, state, files, command, notes = _eagle(head, to, base_model, target_layers_count,
@@ -104,9 +114,10 @@ def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
             target_lm_head: torch.Tensor | None):
     c = heads.config
     base = base_model or BASE_PLACEHOLDER
-    if to in ("sglang", "eagle", "dflash"):
+    if to in ("sglang", "eagle", "dflash", "speculators"):
         who = {"sglang": "SGLang serves EAGLE and DFlash", "eagle": "the EAGLE code serves EAGLE",
-               "dflash": "the DFlash code serves DFlash"}[to]
+               "dflash": "the DFlash code serves DFlash",
+               "speculators": "speculators loads EAGLE-3 and DFlash"}[to]
         raise ExportRefused(f"{who} heads, not Medusa heads: export with --to vllm or --to "
                             f"medusa")
     if to == "medusa":
@@ -166,9 +177,8 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
     _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
     llama = c.layer_config().to_hf()
-    rope = dict(c.rope_scaling or {})
-    config = llama | {"num_hidden_layers": 1, "rope_theta": c.rope_theta,
-                      "rope_scaling": rope or None, "attention_bias": c.attention_bias}
+    config = with_v4_rope(llama, c) | {"num_hidden_layers": 1,
+                                       "attention_bias": c.attention_bias}
     fc_bias = state.get("fc.bias")
     has_bias = fc_bias is not None and bool(fc_bias.any())
     notes = []
@@ -298,7 +308,7 @@ def _dflash(head: DFlashHead, to: str, base_model: str | None, target_layers_cou
                             f"dflash.draft_vocab_size=null")
     outputs = [i - 1 for i in c.target_layers]
     layer = c.layer_config().to_hf()
-    config = layer | {
+    config = with_v4_rope(layer, c) | {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "num_hidden_layers": c.num_layers, "attention_bias": c.attention_bias,
         "tie_word_embeddings": False, "layer_types": ["full_attention"] * c.num_layers,
@@ -327,6 +337,87 @@ def _dflash(head: DFlashHead, to: str, base_model: str | None, target_layers_cou
                    "DFlashDraftModel.from_pretrained('{OUT}')\"  # then its spec_generate(target, "
                    f"...); target: {base}")
     return config, state, "model.safetensors", command, notes
+
+
+# ---- speculators ----------------------------------------------------------------------------
+
+
+def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
+                 embedding: torch.Tensor | None, lm_head: torch.Tensor | None):
+    """speculators' own saved layout (`Eagle3DraftModel` / `DFlashDraftModel`, which its
+    `SpeculatorModel.from_pretrained` and vLLM load): the draft layers' config nested under
+    `transformer_layer_config`, `layers.{i}.*` names, the fused layers as HF's
+    `hidden_states[l]` (ours), and the target's embedding in the folder (without it speculators'
+    from_pretrained leaves the embedding uninitialised); a DFlash head over the full vocabulary
+    also gets the target's LM head."""
+    c = head.config
+    if embedding is None:
+        raise ExportRefused("speculators reads the target's embedding from the head folder: "
+                            "pass the target (--target MODEL_FOLDER)")
+    if tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        raise ExportRefused(f"the target's embedding is {list(embedding.shape)}, the head "
+                            f"expects {[c.vocab_size, c.hidden_size]}: pass the head's own target")
+    state = dict(head.state_dict()) | {"embed_tokens.weight": embedding}
+    layer = with_v4_rope(c.layer_config().to_hf(), c)
+    verifier = {"name_or_path": base_model, "architectures": []}
+    if isinstance(head, EagleHead):
+        if c.version != 3 or c.parallel > 1:
+            raise ExportRefused("speculators' layout here is EAGLE-3's (one token a forward): "
+                                "export EAGLE-1 heads with --to vllm, sglang or eagle")
+        if state.get("fc.bias") is not None:
+            raise ExportRefused("speculators' EAGLE-3 fc has no bias: train the head with "
+                                "eagle.fc_bias=null")
+        _check_llama_layer(c, "speculators")
+        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+        if c.draft_vocab_size == c.vocab_size:  # speculators keeps no maps for the identity
+            state.pop("d2t"), state.pop("t2d")
+        kind, steps = "eagle3", 3
+        config = {"architectures": ["Eagle3DraftModel"],
+                  "transformer_layer_config": layer | {"num_hidden_layers": 1},
+                  "draft_vocab_size": c.draft_vocab_size, "norm_before_residual": False,
+                  "target_hidden_size": c.target_hidden_size or c.hidden_size,
+                  "eagle_aux_hidden_state_layer_ids": list(c.target_layers)}
+    else:
+        if not c.qk_norm or c.attention_bias != c.attention_out_bias or c.mlp_bias:
+            raise ExportRefused("speculators builds DFlash layers as Qwen3's (q/k norms, one "
+                                "attention_bias, no MLP bias), which this head's differ from")
+        if c.draft_vocab_size is None:
+            if lm_head is None:
+                raise ExportRefused("speculators scores a full-vocabulary DFlash draft with the "
+                                    "target's LM head, read from the folder: pass the target")
+            state["lm_head.weight"] = lm_head
+        kind, steps = "dflash", c.block_size - 1
+        config = {"architectures": ["DFlashDraftModel"],
+                  "transformer_layer_config": layer | {
+                      "model_type": "qwen3", "num_hidden_layers": c.num_layers,
+                      "layer_types": ["full_attention"] * c.num_layers,
+                      "use_sliding_window": False},
+                  "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
+                  "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+                  "target_hidden_size": c.target_hidden_size or c.hidden_size,
+                  "aux_hidden_state_layer_ids": list(c.target_layers),
+                  "sample_from_anchor": False}
+    config = {"speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION} | config
+    config["speculators_config"] = {
+        "algorithm": kind, "default_proposal_method": "greedy", "verifier": verifier,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps}]}
+    notes = [f"fused target layers {list(c.target_layers)} (HF hidden_states[l], the input of "
+             f"layer l, as speculators and vLLM number them)",
+             "the folder holds the target's embedding (speculators' from_pretrained reads it "
+             "there)"]
+    command = ("python -c \"from speculators import SpeculatorModel; "
+               "SpeculatorModel.from_pretrained('{OUT}')\"  # or: "
+               + _vllm(base_model or BASE_PLACEHOLDER, {"model": "{OUT}",
+                                                        "num_speculative_tokens": steps}))
+    return config, state, "model.safetensors", command, notes
+
+
+def with_v4_rope(layer: dict, c) -> dict:
+    """A layer's config.json dict with RoPE in both conventions: v5's `rope_parameters` (from
+    `to_hf`) and v4's top-level `rope_theta` and `rope_scaling`, which a transformers 4 reader
+    needs (without them it takes theta 10000)."""
+    return layer | {"rope_theta": c.rope_theta,
+                    "rope_scaling": dict(c.rope_scaling or {}) or None}
 
 
 # ---- writing ---------------------------------------------------------------------------------

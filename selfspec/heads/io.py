@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -155,11 +156,28 @@ def _load_published(folder: Path, cls: type | None, target: Transformer,
     _check_target(folder, sizes, found.config, target)
     if not allow_other_base:
         _check_base_name(folder, found.base_model, target)
+    _check_embedding(folder, found.embedding, target)
     log.info(found.describe(folder))
     weight = target.embed_tokens.weight
     module = found.module.to(device=weight.device, dtype=weight.dtype)
     module.loaded_from = found.describe(folder)
     return module
+
+
+def _check_embedding(folder: Path, embedding, target: Transformer) -> None:
+    """A head folder's copy of the target's embedding (speculators' EAGLE-3 saves one and
+    embeds with it) must be this target's: selfspec's heads embed with the target's own, so
+    another embedding would change the head's outputs unseen."""
+    if embedding is None:
+        return
+    ours = target.embed_tokens.weight.detach()
+    theirs = embedding.to(ours.device)  # compared at the folder's precision (bf16: ~1e-2)
+    if tuple(theirs.shape) != tuple(ours.shape) or not torch.allclose(
+            theirs.float(), ours.to(theirs.dtype).float(), rtol=1e-2,
+            atol=1e-2 * float(ours.abs().max())):
+        raise ValueError(f"load_head: {folder} embeds tokens with an embedding of its own "
+                         f"(embed_tokens), not this target's, while selfspec's heads embed with "
+                         f"the target's: load it with the target it was trained for")
 
 
 def _head_class(head_type: str | None, cls: type | None, config_cls: type | None,

@@ -19,6 +19,12 @@
   draft's layers with `dflash_config` {block_size, mask_token_id, target_layer_ids (the output
   of that layer: ours - 1)}; `layers.{i}.*` with q/k norms, `norm`, `fc`, `hidden_norm`, and
   (vLLM) `lm_head` + `d2t` for a draft vocabulary.
+- speculators (vLLM's training library; `speculators_model_type` eagle3 or dflash): the draft
+  layers' config nested under `transformer_layer_config`; `layers.{i}.*` names, `embed_tokens`
+  (the target's; EAGLE-3 saves it, DFlash does not), `lm_head` (DFlash: only with a draft
+  vocabulary), `d2t`/`t2d` only with a draft vocabulary. The fused layers
+  (`eagle_aux_hidden_state_layer_ids`, DFlash's `aux_hidden_state_layer_ids`) are HF's
+  `hidden_states[l]`, the input of layer l: ours.
 """
 
 from __future__ import annotations
@@ -44,7 +50,12 @@ from selfspec.model import ModelConfig, aligned
 MEDUSA_FILES = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 LAYOUTS = {"medusa": "Medusa (reference layout)", "medusa-vllm": "Medusa (vLLM layout)",
-           "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+           "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash",
+           "speculators-eagle3": "EAGLE-3 (speculators layout)",
+           "speculators-dflash": "DFlash (speculators layout)"}
+# Weights a speculators folder may hold that are the target's, not the head's.
+SPECULATORS_TARGET_WEIGHTS = ("embed_tokens.weight", "verifier_lm_head.weight",
+                              "verifier_norm.weight")
 
 
 class TargetNeeded(ValueError):
@@ -68,6 +79,8 @@ class PublishedHead:
     base_model: str | None  # the recorded base model name, when the folder has one
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
+    embedding: torch.Tensor | None = None  # a token embedding the folder holds, the target's
+    # by its format's contract (speculators' EAGLE-3): checked against the target on loading
 
     def describe(self, folder: Path) -> str:
         extra = f" ({'; '.join(self.notes)})" if self.notes else ""
@@ -90,6 +103,8 @@ def read_published(folder: Path, target: ModelConfig | None = None,
     if config.get("model_type") == "medusa":
         return _read_vllm_medusa(folder, config, target_lm_head)
     state = _read_weights(folder, WEIGHT_FILES)
+    if "speculators_model_type" in config:
+        return _read_speculators(folder, config, state, target and target.num_layers)
     if "dflash_config" in config or "DFlashDraftModel" in config.get("architectures", ()):
         return _read_dflash(folder, config, state)
     if "fc.weight" in state:
@@ -368,6 +383,91 @@ def _dflash_layers(config: dict, d: dict, draft_layers: int, folder: Path) -> tu
         raise ValueError(f"load_head: {folder}/config.json names neither the fused layers "
                          f"(dflash_config.target_layer_ids) nor num_target_layers")
     return dflash_layers(int(config["num_target_layers"]), draft_layers)
+
+
+# ---- speculators ----------------------------------------------------------------------------
+
+
+def _read_speculators(folder: Path, config: dict, state: dict, target_num_layers: int | None
+                      ) -> PublishedHead:
+    """A head speculators saved: its nested layer config flattened into the engines' one-level
+    config, its target-owned weights dropped, then read as the EAGLE-3 or DFlash layout."""
+    kind = config["speculators_model_type"]
+    if kind not in ("eagle3", "dflash"):
+        raise ValueError(f"load_head: {folder} holds a speculators {kind!r} head; selfspec reads "
+                         f"speculators' eagle3 and dflash heads")
+    layer = _layer_config(folder, config.get("transformer_layer_config"))
+    if any(t != "full_attention" for t in layer.get("layer_types") or ()):
+        raise ValueError(f"load_head: {folder}: sliding-window draft layers "
+                         f"({layer['layer_types']}) have no selfspec head")
+    embedding = state.get("embed_tokens.weight")
+    state = {k: v for k, v in state.items() if k not in SPECULATORS_TARGET_WEIGHTS}
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    flat = layer | {"base_model_name_or_path": verifier.get("name_or_path")}
+    if kind == "eagle3":
+        found = _read_eagle(folder, _speculators_eagle3(folder, config, flat, state),
+                            _full_vocab_maps(state, config, layer), target_num_layers)
+        found.embedding = embedding
+    else:
+        _refuse_flags(folder, config, ("sample_from_anchor",),
+                      "slot 0 (the root) also scores a token, which selfspec's blocks do not")
+        found = _read_dflash(folder, flat | {
+            "dflash_config": {"block_size": config.get("block_size", 8),
+                              "mask_token_id": config.get("mask_token_id")},
+            "eagle_aux_hidden_state_layer_ids": config.get("aux_hidden_state_layer_ids")}, state)
+    found.layout = f"speculators-{kind}"
+    return found
+
+
+def _layer_config(folder: Path, saved: dict | None) -> dict:
+    """The draft layers' full config: speculators saves only what differs from the defaults
+    of the layer's transformers class (Qwen3's when it names no model_type), so they are
+    filled in from that class, as speculators itself does when it loads."""
+    if not saved:
+        raise ValueError(f"load_head: {folder}/config.json has no transformer_layer_config (the "
+                         f"draft layers' sizes)")
+    from transformers import AutoConfig
+
+    saved = dict(saved)
+    return AutoConfig.for_model(saved.pop("model_type", "qwen3"), **saved).to_dict()
+
+
+def _speculators_eagle3(folder: Path, config: dict, flat: dict, state: dict) -> dict:
+    _refuse_flags(folder, config, ("embed_requires_grad",),
+                  "a trained embedding of the head's own; selfspec's heads embed with the "
+                  "target's")
+    _refuse_flags(folder, config, ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                   "norm_output"),
+                  "selfspec's EAGLE-3 layer keeps the raw feature as its residual, with no norm "
+                  "before fc and no norm of its output")
+    if "layers.0.self_attn.q_norm.weight" in state or \
+            int(flat.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"load_head: {folder}: selfspec's EAGLE-3 head is one Llama layer "
+                         f"without q/k norms; this one has {flat.get('num_hidden_layers')} "
+                         f"{flat.get('model_type')} layer(s)")
+    return flat | {"eagle_aux_hidden_state_layer_ids":
+                   config.get("eagle_aux_hidden_state_layer_ids")}
+
+
+def _full_vocab_maps(state: dict, config: dict, layer: dict) -> dict:
+    """speculators saves no d2t/t2d when the draft vocabulary is the target's: ours are the
+    identity (d2t zeros, t2d all true)."""
+    if "d2t" in state:
+        return state
+    vocab = int(layer["vocab_size"])
+    draft = int(config.get("draft_vocab_size") or vocab)
+    if draft != vocab:
+        raise ValueError(f"speculators head: a draft vocabulary of {draft} of {vocab} tokens "
+                         f"without d2t/t2d")
+    return state | {"d2t": torch.zeros(vocab, dtype=torch.long),
+                    "t2d": torch.ones(vocab, dtype=torch.bool)}
+
+
+def _refuse_flags(folder: Path, config: dict, names: tuple[str, ...], why: str) -> None:
+    on = [name for name in names if config.get(name)]
+    if on:
+        raise ValueError(f"load_head: {folder}: a speculators head with {', '.join(on)} true has "
+                         f"no selfspec equivalent ({why})")
 
 
 # ---- shared ----------------------------------------------------------------------------------

@@ -230,3 +230,80 @@ def test_a_head_whose_head_dim_is_its_targets_serves_on_the_engines_only(tmp_pat
         same_state(again.state_dict(), head.state_dict())
     with pytest.raises(ExportRefused, match="computes head_dim as hidden / heads"):
         export_head(head, "eagle", tmp_path / "eagle", target_layers_count=LAYERS)
+
+
+# ---- RoPE in both conventions ----------------------------------------------------------------
+
+
+def _rope_head(target, kind: str):
+    """A fused-state head whose RoPE is not the v4 default (theta 10000) and is scaled."""
+    from dataclasses import replace
+
+    from helpers import random_eagle_head
+
+    from selfspec.heads import EagleConfig
+
+    rope = {"rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    if kind == "dflash":
+        head = dflash_head(target)
+        return type(head)(replace(head.config, **rope))
+    config = EagleConfig.for_target(target.config, 3, draft_vocab_size=24)
+    return random_eagle_head(replace(config, **rope), seed=2)
+
+
+@pytest.mark.parametrize("kind, engine", [("eagle3", "vllm"), ("eagle3", "sglang"),
+                                          ("dflash", "vllm"), ("dflash", "sglang"),
+                                          ("dflash", "dflash"), ("eagle3", "speculators"),
+                                          ("dflash", "speculators")])
+def test_exported_configs_carry_rope_in_the_v4_and_the_v5_keys(tmp_path, target, kind, engine):
+    """A transformers 4 reader takes rope_theta / rope_scaling at the top level (and theta
+    10000 when they are absent); v5 reads rope_parameters: both are written, and agree."""
+    head = _rope_head(target, kind)
+    export_head(head, engine, tmp_path, base_model="org/toy", target_layers_count=LAYERS,
+                target_embedding=target.embed_tokens.weight,
+                target_lm_head=target.lm_head.weight)
+    config = json.loads((tmp_path / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)  # speculators nests the layer's
+    assert layer["rope_theta"] == 500000.0
+    assert layer["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert layer["rope_parameters"] == {"rope_type": "linear", "factor": 2.0,
+                                        "rope_theta": 500000.0}
+
+
+# ---- speculators' layout (its own classes load it: tests/peers/test_speculators.py) --------
+
+
+def test_the_speculators_layout_nests_the_layer_and_carries_the_targets_embedding(tmp_path,
+                                                                                  target):
+    from helpers import random_eagle_head
+
+    from selfspec.heads import EagleConfig
+
+    head = random_eagle_head(EagleConfig.for_target(target.config, 3, draft_vocab_size=24,
+                                                    target_layers=(2, 4, 5)), seed=2)
+    with pytest.raises(ExportRefused, match="pass the target"):
+        export_head(head, "speculators", tmp_path / "bare")
+    export_head(head, "speculators", tmp_path / "out", target_embedding=target.embed_tokens.weight)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # HF hidden_states[l]: ours
+    assert config["norm_before_residual"] is False
+    assert config["transformer_layer_config"]["num_attention_heads"] == head.config.num_heads
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)
+    assert "layers.0.self_attn.q_proj.weight" in weights and not any("midlayer" in k
+                                                                     for k in weights)
+    loaded = load_head(tmp_path / "out", target=target)
+    assert loaded.loaded_from.endswith("found a EAGLE-3 (speculators layout) head "
+                                       "(fused target layers [2, 4, 5], a draft vocabulary of "
+                                       "24 tokens)")
+    same_state(loaded.state_dict(), head.state_dict())
+    with pytest.raises(ExportRefused, match="speculators loads EAGLE-3 and DFlash"):
+        export_head(small_medusa_heads(), "speculators", tmp_path / "medusa")
+
+
+def small_medusa_heads():
+    from helpers import random_medusa_heads
+
+    return random_medusa_heads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2), seed=1)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Build a peer's own venv under .peers/<name>/ (ignored by git): the peers pin transformers
+# versions other than the project's, so each gets a venv of its own. Usage:
+#   scripts/peers.sh speculators      # build (or rebuild) one peer
+#   scripts/peers.sh --list           # the peers this script knows
+# torch is held at the CPU build (torch==2.13.0) by a constraints file passed to every pip call,
+# so no requirement can pull another torch. On a CPU-only machine without a local CPU wheel, set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first. tests/peers/ use these venvs.
+# A new peer is one more build_<name> function and one more name in PEERS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="${PEERS_DIR:-$PWD/.peers}"
+PEERS=(speculators)
+TORCH_PIN="torch==2.13.0"
+
+usage() { echo "usage: $0 <peer> | --list   (peers: ${PEERS[*]})" >&2; exit 2; }
+
+# The constraints every pip call in a peer's venv gets: torch stays the CPU build.
+write_constraints() {
+    printf '%s\n' "$TORCH_PIN" >"$1/constraints.txt"
+}
+
+fresh_venv() {  # fresh_venv <dir>: an empty venv with the constraints file beside it
+    rm -rf "$1"
+    mkdir -p "$1"
+    python3 -m venv "$1/venv"
+    write_constraints "$1"
+    "$1/venv/bin/python" -m pip install --quiet --upgrade pip==25.3 -c "$1/constraints.txt"
+}
+
+pip_in() {  # pip_in <dir> <args...>: pip in that peer's venv, torch constrained
+    local dir="$1"; shift
+    "$dir/venv/bin/python" -m pip install --quiet -c "$dir/constraints.txt" "$@"
+}
+
+build_speculators() {
+    local dir="$ROOT/speculators"
+    fresh_venv "$dir"
+    pip_in "$dir" "$TORCH_PIN"
+    # speculators 0.9.0 lists torchvision, torchaudio and (as an extra) mooncake; its model code
+    # never imports them, and the registry's torchvision/torchaudio would want another torch.
+    # So it is installed --no-deps, with its other listed requirements pinned here.
+    # It pins transformers<=5.19 and datasets<=5.1, below the project's own.
+    pip_in "$dir" \
+        transformers==5.19.0 datasets==5.1.0 safetensors==0.8.0 \
+        pydantic==2.14.4 pydantic-settings==2.14.0 loguru==0.7.3 numpy==2.4.6 tqdm==4.70.1 \
+        aiohttp==3.14.5 click==8.5.1 httpx==0.28.1 huggingface-hub==2.4.0 openai==3.57.0 \
+        protobuf==7.36.2 psutil==7.2.2 rich==15.0.0 typer==0.29.2 hs-connectors==0.9.0 \
+        pytest==9.2.0
+    pip_in "$dir" --no-deps speculators==0.9.0
+    "$dir/venv/bin/python" -c "from importlib.metadata import version as v; \
+import speculators.models, torch; print('speculators', v('speculators'), 'torch', torch.__version__, \
+'transformers', v('transformers'))"
+    "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
+}
+
+[ $# -eq 1 ] || usage
+case "$1" in
+    --list) printf '%s\n' "${PEERS[@]}" ;;
+    speculators) time build_speculators ;;
+    *) usage ;;
+esac

@@ -1,0 +1,193 @@
+"""Interop with speculators 0.9.0, proven with its own classes in its own venv: selfspec's
+`--to speculators` EAGLE-3 and DFlash exports load in its `SpeculatorModel.from_pretrained`,
+and the heads its `save_pretrained` writes load in `selfspec.heads.load_head`; in both
+directions the two sides' logits agree on the same inputs (fp32, within 1e-4).
+
+speculators' side runs in a subprocess (tests/peers/speculators_side.py) with the python of
+the venv `scripts/peers.sh speculators` builds; without it these tests skip.
+"""
+
+import json
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_dflash_head, random_eagle_head, tiny_llama
+from safetensors.torch import load_file, save_file
+
+from selfspec import Transformer
+from selfspec.heads import DFlashConfig, DFlashHead, EagleConfig, EagleHead, load_head
+from selfspec.heads.dflash import PrefixKeys
+from selfspec.heads.export import export_head
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = ROOT / ".peers" / "speculators" / "venv" / "bin" / "python"
+SIDE = Path(__file__).with_name("speculators_side.py")
+V, H, LAYERS, T = 64, 32, 8, 12
+DRAFT_V, BLOCK, MASK = 24, 4, V - 1
+EAGLE3_LAYERS, DFLASH_LAYERS = (2, 4, 5), (2, 4, 6)  # HF hidden_states[l]: ours too
+ANCHORS = [3, 5, 7]  # DFlash block roots (speculators takes anchors below T - BLOCK)
+ROPE_THETA = 500000.0  # not transformers v4's default: a lost key shows
+TOLERANCE = 1e-4
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not PYTHON.is_file(), reason="speculators' venv is absent: build it "
+                                                     "with scripts/peers.sh speculators"),
+]
+
+
+@pytest.fixture(scope="module")
+def target_folder(tmp_path_factory) -> Path:
+    """The target as a transformers folder: speculators reads its verifier from one."""
+    folder = tmp_path_factory.mktemp("target")
+    tiny_llama(0, vocab=V, layers=LAYERS, hidden=H).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(target_folder) -> Transformer:
+    return Transformer.from_pretrained(target_folder).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    return {"input_ids": torch.randint(0, V - 1, (T,)), "positions": torch.arange(T),
+            "eagle3_hidden": torch.randn(T, 3 * H), "dflash_hidden": torch.randn(T, 3 * H),
+            "anchors": torch.tensor(ANCHORS)}
+
+
+def run_side(mode: str, folder: Path, inputs: dict, metadata: dict | None = None
+             ) -> dict[str, torch.Tensor]:
+    """speculators' side in its venv; its logits."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(inputs, str(folder / "inputs.safetensors"), metadata=metadata)
+    done = subprocess.run([str(PYTHON), str(SIDE), mode, str(folder / "inputs.safetensors"),
+                           str(folder)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return load_file(str(folder / "logits.safetensors"))
+
+
+# ---- selfspec's logits on the same inputs ------------------------------------------------
+
+
+def eagle3_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.Tensor:
+    """[T, draft V]: row t reads (token t, fused streams t), one pass (no fed-back draft)."""
+    streams = inputs["eagle3_hidden"][None].split(H, dim=-1)
+    embeds = target.embed_tokens(inputs["input_ids"][None])
+    with torch.no_grad():
+        out = head(embeds, head.target_feature(None, streams), inputs["positions"])
+        return head.logits(out)[0]
+
+
+def dflash_logits(head: DFlashHead, target: Transformer, inputs: dict) -> torch.Tensor:
+    """[A * BLOCK, V]: each anchor a's block [token a, mask x BLOCK - 1] at positions
+    a..a + BLOCK - 1, over the context of positions < a."""
+    streams = inputs["dflash_hidden"][None].split(H, dim=-1)
+    ids, positions = inputs["input_ids"], inputs["positions"]
+    out = []
+    with torch.no_grad():
+        context = head.context(streams)  # [1, T, h]
+        for a in ANCHORS:
+            keys = head.context_keys(context[:, :a], positions[:a])
+            block = torch.cat([ids[a:a + 1], torch.full((BLOCK - 1,), MASK)])
+            hidden = head(target.embed_tokens(block[None]), positions[a:a + BLOCK],
+                          PrefixKeys(keys))
+            out.append(head.logits(hidden, lm_head=target.lm_head)[0])
+    return torch.cat(out)
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape
+    assert torch.isfinite(theirs).all()
+    diff = (ours - theirs).abs().max().item()
+    assert diff < TOLERANCE, f"max |logit difference| {diff:.2e}"
+
+
+# ---- selfspec -> speculators -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, target, target_folder, inputs):
+    """A random EAGLE-3 and a random DFlash head, exported --to speculators and scored by
+    speculators' from_pretrained models; with selfspec's own logits."""
+    out = tmp_path_factory.mktemp("to_speculators")
+    eagle = random_eagle_head(replace(EagleConfig.for_target(
+        target.config, 3, draft_vocab_size=DRAFT_V, target_layers=EAGLE3_LAYERS),
+        rope_theta=ROPE_THETA), seed=4)
+    dflash = random_dflash_head(replace(DFlashConfig.for_target(
+        target.config, mask_token_id=MASK, num_layers=2, block_size=BLOCK,
+        target_layers=DFLASH_LAYERS), rope_theta=ROPE_THETA), seed=5)
+    for kind, head in (("eagle3", eagle), ("dflash", dflash)):
+        export_head(head, "speculators", out / kind, base_model=str(target_folder),
+                    target_embedding=target.embed_tokens.weight,
+                    target_lm_head=target.lm_head.weight)
+    theirs = run_side("load", out, inputs)
+    ours = {"eagle3": eagle3_logits(eagle, target, inputs),
+            "dflash": dflash_logits(dflash, target, inputs)}
+    return out, ours, theirs
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_speculators_export_loads_in_speculators_with_selfspecs_logits(exported, kind):
+    out, ours, theirs = exported
+    config = json.loads((out / kind / "config.json").read_text())
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or config["aux_hidden_state_layer_ids"]
+    assert ids == list(EAGLE3_LAYERS if kind == "eagle3" else DFLASH_LAYERS)
+    assert_close(ours[kind], theirs[kind])
+
+
+# ---- speculators -> selfspec -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, target, target_folder, inputs):
+    """A random EAGLE-3 and a random DFlash head made and saved by speculators' own classes,
+    with their logits there."""
+    out = tmp_path_factory.mktemp("from_speculators")
+    c = target.config
+    sizes = {"layer": {"vocab_size": V, "hidden_size": H, "intermediate_size": 48,
+                       "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+                       "head_dim": c.head_dim, "rms_norm_eps": 1e-6, "rope_theta": ROPE_THETA},
+             "draft_vocab_size": DRAFT_V, "eagle3_layers": list(EAGLE3_LAYERS),
+             "dflash_layers": list(DFLASH_LAYERS), "dflash_layers_count": 2,
+             "block_size": BLOCK, "mask_token_id": MASK, "verifier": str(target_folder)}
+    theirs = run_side("save", out, inputs, {"sizes": json.dumps(sizes)})
+    return out, theirs
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_head_speculators_saves_loads_in_selfspec_with_its_logits(saved, target, inputs,
+                                                                    kind):
+    out, theirs = saved
+    config = json.loads((out / kind / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    head = load_head(out / kind, target=target, allow_other_base=True)
+    assert head.config.rope_theta == ROPE_THETA
+    if kind == "eagle3":
+        assert isinstance(head, EagleHead) and head.config.target_layers == EAGLE3_LAYERS
+        assert head.config.draft_vocab_size == DRAFT_V
+        ours = eagle3_logits(head, target, inputs)
+    else:
+        assert isinstance(head, DFlashHead) and head.config.target_layers == DFLASH_LAYERS
+        assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
+        ours = dflash_logits(head, target, inputs)
+    assert_close(ours, theirs[kind])
+
+
+def test_a_speculators_eagle3_head_embedding_another_target_is_refused(saved, target,
+                                                                       tmp_path):
+    """speculators' EAGLE-3 embeds with the embed_tokens its folder holds; selfspec's with
+    the target's: a folder whose embedding is not this target's is refused, not misread."""
+    import shutil
+
+    out, _ = saved
+    shutil.copytree(out / "eagle3", tmp_path / "eagle3")
+    weights = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    weights["embed_tokens.weight"] = weights["embed_tokens.weight"] + 0.5
+    save_file(weights, str(tmp_path / "eagle3" / "model.safetensors"))
+    with pytest.raises(ValueError, match="an embedding of its own"):
+        load_head(tmp_path / "eagle3", target=target, allow_other_base=True)
