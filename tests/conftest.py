@@ -10,7 +10,8 @@ from helpers import SMALL_ARCH, suite_threads, tiny_llama
 from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 
-from selfspec import Transformer, from_config, generate
+from selfspec import Transformer, generate
+from selfspec.from_config.common import CONF_DIR
 from selfspec.heads import (
     DFlashConfig,
     DFlashHead,
@@ -144,7 +145,7 @@ def medusa2_dir(tmp_path_factory, quick_build) -> Path:
 @pytest.fixture(scope="module")
 def cfg_of():
     """cfg_of(config, *overrides): a conf/ config composed with Hydra's compose API."""
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 

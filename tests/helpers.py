@@ -425,7 +425,7 @@ def assert_the_loss_falls(run_dir: Path, train_share: float, heldout_share: floa
 
 def sweep_variant(cfg, label: str):
     """The sweep row of cfg named `label` (e.g. ngram/corpus/tree5), as its variant object."""
-    from selfspec.from_config import plan_sweep
+    from selfspec.from_config.sweeps import plan_sweep
 
     return plan_sweep(cfg, 1, greedy_only=True).grid.variant(label)
 
@@ -762,7 +762,7 @@ def family_target(quick_build: Path, folder: Path, family: str, layers: int = 4)
 
 def group_options(group: str) -> list[str]:
     """The option names of a conf/ config group."""
-    from selfspec.from_config import CONF_DIR
+    from selfspec.from_config.common import CONF_DIR
 
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 

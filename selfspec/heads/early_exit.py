@@ -11,7 +11,8 @@ through the target's own LM head (used, never owned):
   and learns the target's final law by soft cross-entropy (`selfspec.training.losses.exit_loss`).
 
 A head records its exit layer: a head for one E never drafts from another (the drafter and
-`from_config.load_early_exit` refuse it). Trainable modules only: no decoding logic here.
+`from_config.methods.early_exit.load_early_exit` refuse it). Trainable modules only: no
+decoding logic here.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def plot_sweep(rows: Sequence[Row], folder: str | Path, colors: Colors | None = 
     """Every sweep figure as a PNG in folder; returns {name: path}. speedup_vs_bound only when
     some row has a bound (the sweep measured a cost profile); with several batch sizes, the
     figures against draft length show the smallest batch and speedup_vs_batch_size all.
-    colors: each method's colour (the registry's, `from_config.method_colors()`); others get
+    colors: each method's colour (the registry's, `from_config.sweeps.method_colors()`); others get
     one of matplotlib's."""
     if not rows:
         raise ValueError("plot_sweep: no rows to plot (the sweep measured nothing)")

@@ -12,9 +12,12 @@ import torch
 from helpers import assert_drafted_sampling_is_exact, law_samples, tiny_llama
 from hydra import compose, initialize_config_dir
 
-from selfspec import SamplingParams, Transformer, from_config, generate
+from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import DecodeSetup, DraftContext
 from selfspec.drafters.layer_skip import LayerSkipDrafter, SkipSearch
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.generation import drafter_and_target, drafter_choice
+from selfspec.from_config.sweeps import plan_sweep
 
 LAYERS = 4
 PROMPTS = [[3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -238,12 +241,12 @@ def test_bad_settings_are_refused(target):
 
 @pytest.fixture(scope="module")
 def compose_cfg():
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 
 def sweep_labels(cfg) -> list[str]:
-    return [line.variant.label() for line in from_config.plan_sweep(cfg, 1).grid.lines]
+    return [line.variant.label() for line in plan_sweep(cfg, 1).grid.lines]
 
 
 def test_variants_and_labels_from_the_config(compose_cfg):
@@ -255,7 +258,7 @@ def test_variants_and_labels_from_the_config(compose_cfg):
                                  "layer_skip/skip{2,4,6}", "layer_skip/adaptive{3}"]
     cfg = compose_cfg("sweep", "methods=[layer_skip]", "layer_skip.skip_layers=[3,4]")
     assert sweep_labels(cfg) == ["layer_skip/skip{3,4}"]  # a flat list is one set
-    method, variant, k = from_config.drafter_choice(compose_cfg("generate", "drafter=layer_skip"))
+    method, variant, k = drafter_choice(compose_cfg("generate", "drafter=layer_skip"))
     assert (method.name, variant.skip_layers, variant.adaptive, k) == (
         "layer_skip", (2, 4, 6), False, 4)  # for_sweep=False: exactly one
 
@@ -263,7 +266,7 @@ def test_variants_and_labels_from_the_config(compose_cfg):
 def test_the_registry_builds_a_lossless_drafter(compose_cfg, tiny):
     cfg = compose_cfg("generate", "drafter=layer_skip", "num_draft_tokens=3",
                       "layer_skip.skip_layers=[4]", "layer_skip.adaptive=true")
-    drafter, verified_on = from_config.drafter_and_target(cfg, tiny)
+    drafter, verified_on = drafter_and_target(cfg, tiny)
     assert verified_on is tiny
     assert (drafter.start, drafter.adaptive, drafter.num_draft_tokens) == ((4,), True, 3)
     prompt = [0, 88, 88, 301, 12]
@@ -286,7 +289,7 @@ def test_bad_settings_are_refused_before_loading(compose_cfg, overrides, message
         cfg = compose_cfg(config, method, *overrides)
         with pytest.raises(ValueError, match=message) as info:
             if config == "sweep":
-                from_config.plan_sweep(cfg, 1)
+                plan_sweep(cfg, 1)
             else:
-                from_config.drafter_choice(cfg)
+                drafter_choice(cfg)
         assert "\n" not in str(info.value)

@@ -7,7 +7,10 @@ import sys
 
 from helpers import load_entry
 
-from selfspec import from_config, generate
+from selfspec import generate
+from selfspec.from_config.common import REPO_ROOT
+from selfspec.from_config.models import load_target, load_tokenizer, resolve_model_path
+from selfspec.from_config.prompts import encode_prompt_texts, prompt_set, prompts
 from selfspec.measure.passes import repeated_ngram_share
 
 
@@ -19,7 +22,7 @@ def test_dry_run_prints_the_plan_of_a_70b_model(cfg_of, capsys):
 
 
 def test_generate_without_weights_fails_cleanly(tmp_path):
-    script = from_config.REPO_ROOT / "eval/generate.py"
+    script = REPO_ROOT / "eval/generate.py"
     run = subprocess.run(
         [sys.executable, str(script), "model=llama2-7b", f"hydra.run.dir={tmp_path}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -37,10 +40,10 @@ def test_every_printed_speedup_carries_the_repetition_of_the_answers(cfg_of, cap
     shares = [float(s) for s in re.findall(r"over plain decoding\), repeated 4-grams ([\d.]+)",
                                            out)]
     assert len(shares) == 3  # each prompt, then all of them
-    target = from_config.load_target(cfg)
-    data = from_config.prompt_set(cfg)
-    tokenizer = from_config.load_tokenizer(from_config.resolve_model_path(cfg.model))
-    encoded = from_config.encode_prompt_texts(data, from_config.prompts(data), tokenizer)
+    target = load_target(cfg)
+    data = prompt_set(cfg)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+    encoded = encode_prompt_texts(data, prompts(data), tokenizer)
     answers = [generate(target, e.ids, max_new_tokens=24, eos_token_id=0).tokens
                for e in encoded]
     expected = [repeated_ngram_share([a]) for a in answers] + [repeated_ngram_share(answers)]

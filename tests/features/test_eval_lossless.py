@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers import load_entry, sweep_variant, toy
 
-from selfspec import from_config, generate
+from selfspec import generate
+from selfspec.from_config.sweeps import build_method, load_sweep_models, plan_sweep, verified_target
 from selfspec.heads.draft_vocab import save_token_counts
 from selfspec.measure.grid import GridPoint
 from selfspec.measure.lossless import greedy_outputs
@@ -43,8 +44,8 @@ def test_an_eagle1_draft_vocabulary_is_lossless_and_eagle3_heads_refuse_one(
         return
     assert load_entry("lossless").run(cfg) == 0
     assert "eagle k=3: 3/3 prompts equal plain" in capsys.readouterr().out
-    models = from_config.load_sweep_models(cfg, (sweep_variant(cfg, "eagle"),))
-    drafter = from_config.build_method(models, sweep_variant(cfg, "eagle"), 3).decoder.drafter
+    models = load_sweep_models(cfg, (sweep_variant(cfg, "eagle"),))
+    drafter = build_method(models, sweep_variant(cfg, "eagle"), 3).decoder.drafter
     assert drafter.draft_vocab.t2d.sum() == 64 and drafter.draft_vocab.t2d[:64].all()
 
 
@@ -56,8 +57,8 @@ def test_eagle_rows_are_lossless_and_measured(quick_build, cfg_of, eagle_dir, ca
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and "eagle k=3: 3/3 prompts equal plain" in out
     eagle = sweep_variant(cfg, "eagle")
-    models = from_config.load_sweep_models(cfg, (eagle,))
-    method = from_config.build_method(models, eagle, 3)
+    models = load_sweep_models(cfg, (eagle,))
+    method = build_method(models, eagle, 3)
     assert method.decoder.drafter.shape.depth == 3 and method.draft_nodes == 6
     point = GridPoint(eagle, 3, "t1", SamplingParams(1.0))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
@@ -79,9 +80,9 @@ def test_medusa2_rows_verify_against_the_adapted_target(quick_build, cfg_of, med
                  "tree.max_nodes=16", "num_draft_tokens=[1,2]",
                  "num_prompts=3", "max_new_tokens=16")
     medusa = sweep_variant(cfg, "medusa")
-    models = from_config.load_sweep_models(cfg, (medusa, sweep_variant(cfg, "ngram")))
-    method = from_config.build_method(models, medusa, 2)
-    medusa_target, _ = from_config.verified_target(models, medusa)
+    models = load_sweep_models(cfg, (medusa, sweep_variant(cfg, "ngram")))
+    method = build_method(models, medusa, 2)
+    medusa_target, _ = verified_target(models, medusa)
     assert method.decoder.target is medusa_target is method.baseline.target
     assert medusa_target is not models.target
     assert method.baseline_name == "plain_adapted"
@@ -113,13 +114,13 @@ def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
             return result
 
     entry = load_entry("lossless")
-    real = from_config.build_method
+    real = build_method
 
     def broken(models, variant, k):
         method = real(models, variant, k)
         return Method(method.name, k, Wrong(method.decoder), method.baseline)
 
-    monkeypatch.setattr(entry.from_config, "build_method", broken)
+    monkeypatch.setattr(entry, "build_method", broken)
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", "num_draft_tokens=[2]",
                  "num_prompts=2", "max_new_tokens=8", "stop_at_eos=false")
     assert entry.run(cfg) == 2  # both prompts differ
@@ -140,20 +141,20 @@ def test_ngram_rows_with_a_corpus_are_lossless(tmp_path, quick_build, cfg_of):
                  "num_draft_tokens=[1,3]", "num_prompts=3", "max_new_tokens=16")
     assert load_entry("lossless").run(cfg) == 0
     ngram, corpus = (sweep_variant(cfg, label) for label in ("ngram", "ngram/corpus"))
-    models = from_config.load_sweep_models(cfg, (ngram, corpus))
-    drafter = from_config.build_method(models, corpus, 3).decoder.drafter
+    models = load_sweep_models(cfg, (ngram, corpus))
+    drafter = build_method(models, corpus, 3).decoder.drafter
     assert drafter.corpus is not None and drafter.corpus.num_tokens > 20
     assert drafter.max_nodes == 3  # a chain: ngram.tree_nodes is null
-    assert from_config.build_method(models, ngram, 3).decoder.drafter.corpus is None
+    assert build_method(models, ngram, 3).decoder.drafter.corpus is None
     cfg = cfg_of("lossless", *toy(quick_build)[:3], "methods=[ngram]", f"ngram.corpus={answers}",
                  "ngram.tree_nodes=[null,5]", "num_draft_tokens=[1,3]", "num_prompts=3",
                  "max_new_tokens=16")
-    methods = from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods
+    methods = plan_sweep(cfg, 3, greedy_only=True).grid.methods
     assert methods == ("ngram", "ngram/corpus", "ngram/corpus/tree5")
     assert load_entry("lossless").run(cfg) == 0  # and trees of 5 nodes, 1 and 3 deep
     tree5 = sweep_variant(cfg, "ngram/corpus/tree5")
-    models = from_config.load_sweep_models(cfg, (tree5,))
-    assert from_config.build_method(models, tree5, 1).decoder.drafter.max_nodes == 5
+    models = load_sweep_models(cfg, (tree5,))
+    assert build_method(models, tree5, 1).decoder.drafter.max_nodes == 5
     answers.write_text("not json\n")
     with pytest.raises(ValueError, match="holds no answers"):
         load_entry("lossless").run(cfg)
@@ -169,12 +170,12 @@ def test_merged_ngram_and_medusa_rows_are_lossless(tmp_path, quick_build, cfg_of
               "num_prompts=3", "max_new_tokens=16"]
     cfg = cfg_of("lossless", *common, "methods=[ngram+medusa,ngram]", f"ngram.corpus={answers}",
                  "ngram.tree_nodes=[null,4]", "ngram.merged_nodes=5")
-    assert from_config.plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
+    assert plan_sweep(cfg, 3, greedy_only=True).grid.methods == (
         "ngram+medusa", "ngram+medusa/tree4", "ngram", "ngram/corpus", "ngram/corpus/tree4")
     assert load_entry("lossless").run(cfg) == 0
     tree4 = sweep_variant(cfg, "ngram+medusa/tree4")
-    models = from_config.load_sweep_models(cfg, (tree4,))
-    method = from_config.build_method(models, tree4, 3)
+    models = load_sweep_models(cfg, (tree4,))
+    method = build_method(models, tree4, 3)
     medusa, lookup = method.decoder.drafter.drafters
     assert medusa.tree.choices == ((0,), (1,)) and lookup.max_nodes == 4
     corpus = models.once("lookup_corpus", lambda: None)  # loaded once, shared by the rows

@@ -318,7 +318,7 @@ def test_bad_input_is_refused_before_any_model_loads(
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the configuration was checked")
 
-    monkeypatch.setattr(entry.from_config, "load_sweep_models", no_loading)
+    monkeypatch.setattr(entry, "load_sweep_models", no_loading)
     cfg = cfg_of("sweep", *toy(quick_build), *overrides, f"run_dir={tmp_path / 'run'}")
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         entry.run(cfg)

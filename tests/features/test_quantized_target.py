@@ -15,16 +15,20 @@ from helpers import (
     tiny_llama,
 )
 
-from selfspec import SamplingParams, Transformer, from_config, generate
+from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import SmallModelDrafter
+from selfspec.from_config.generation import generation_settings
+from selfspec.from_config.methods.medusa import check_medusa_settings
+from selfspec.from_config.models import load_target
+from selfspec.from_config.sweeps import plan_sweep
 from selfspec.model.quantized import QuantizedLinear, quantized_copy
 
 
 def test_model_quantize_loads_the_targets_quantized_copy(cfg_of):
-    fp32 = from_config.load_target(cfg_of("generate", "model=tiny"))
+    fp32 = load_target(cfg_of("generate", "model=tiny"))
     for setting, bits in (("int8", 8), ("int4", 4)):
-        target = from_config.load_target(cfg_of("generate", "model=tiny",
-                                                f"model.quantize={setting}"))
+        target = load_target(cfg_of("generate", "model=tiny",
+                                    f"model.quantize={setting}"))
         assert isinstance(target.lm_head, QuantizedLinear) and target.lm_head.bits == bits
         assert target.source == fp32.source  # its tokenizer is the target's
         prompt = [1, 5, 9, 40, 41]
@@ -44,18 +48,18 @@ def test_bad_quantize_settings_are_refused_before_any_weights_load(cfg_of, monke
 
     monkeypatch.setattr(Transformer, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=message):
-        from_config.generation_settings(cfg_of("generate", "model=tiny", *overrides))
+        generation_settings(cfg_of("generate", "model=tiny", *overrides))
     with pytest.raises(ValueError, match=message):
-        from_config.load_target(cfg_of("generate", "model=tiny", *overrides))
+        load_target(cfg_of("generate", "model=tiny", *overrides))
 
 
 def test_methods_that_need_the_full_precision_target_refuse_a_quantized_one(cfg_of):
     cfg = cfg_of("sweep", "model=tiny", "model.quantize=int8", "methods=[hf_assisted]")
     with pytest.raises(ValueError, match="hf_assisted runs transformers' full-precision copy"):
-        from_config.plan_sweep(cfg, 1)
+        plan_sweep(cfg, 1)
     medusa2 = cfg_of("train_medusa", "model=tiny", "model.quantize=int8", "medusa.version=2")
     with pytest.raises(ValueError, match="medusa.version=2 trains LoRA adapters"):
-        from_config.check_medusa_settings(medusa2)
+        check_medusa_settings(medusa2)
 
 
 @pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])

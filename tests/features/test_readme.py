@@ -2,7 +2,7 @@
 
 import re
 
-from selfspec.from_config import REPO_ROOT
+from selfspec.from_config.common import REPO_ROOT
 
 
 def test_the_readme_api_example_runs_as_written(capsys):

@@ -13,8 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import SamplingParams, from_config, generate
+from selfspec import SamplingParams, generate
 from selfspec.drafters import EagleDrafter
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.methods.eagle import load_eagle
+from selfspec.from_config.methods.entry import head_folder
+from selfspec.from_config.methods.medusa import load_medusa, medusa_drafter
+from selfspec.from_config.models import load_tokenizer, model_config, resolve_model_path
 from selfspec.heads.draft_vocab import load_draft_vocab
 from selfspec.measure.prompts import Prompt, encode_prompts
 from selfspec.model import ModelConfig, Transformer, converted
@@ -31,7 +36,7 @@ from selfspec.training.instructions import (
 
 pytestmark = pytest.mark.slow  # a 20 s conversion, then a 135M model on two cores
 
-MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
+MODEL_CFG = OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml")
 SOURCE = GGUFSource(**MODEL_CFG.gguf)
 QUESTION = "What is the capital of France? Answer in one sentence."
 WRITING = "Write a short blog post about a weekend trip to the mountains."
@@ -53,7 +58,7 @@ def smollm2(tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2):
-    return from_config.load_tokenizer(smollm2)
+    return load_tokenizer(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,7 @@ def test_converted_config_holds_the_models_facts(smollm2):
                            tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
     assert loaded == expected
     # the config's facts: plans need no weights
-    assert from_config.model_config(MODEL_CFG) == expected
+    assert model_config(MODEL_CFG) == expected
     assert (smollm2 / "model.safetensors").stat().st_size > 500e6  # fp32, one tied matrix
     assert {"generation_config.json", converted.RECORD} <= {p.name for p in smollm2.iterdir()}
 
@@ -140,7 +145,7 @@ def test_batched_chat_answers_are_each_prompts_own_greedy_answer(both_models, to
 
 def test_the_model_config_finds_the_cached_folder(smollm2, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(smollm2.parents[1]))
-    assert from_config.resolve_model_path(MODEL_CFG) == smollm2
+    assert resolve_model_path(MODEL_CFG) == smollm2
 
 
 def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(both_models,
@@ -160,12 +165,12 @@ def test_the_shipped_answers_are_these_weights_answers_to_the_training_prompts(b
 def test_the_shipped_medusa_heads_draft_for_these_weights_losslessly(both_models, tokenizer):
     ours, _ = both_models
     cfg = OmegaConf.create({"model": MODEL_CFG, "medusa_heads": "shipped"})
-    folder = from_config.head_folder(cfg, "medusa_heads")
-    heads, adapted = from_config.load_medusa(cfg, folder, ours)
+    folder = head_folder(cfg, "medusa_heads")
+    heads, adapted = load_medusa(cfg, folder, ours)
     assert adapted is None  # Medusa-1: they draft for the target itself
     assert next(heads.parameters()).dtype == torch.float32  # shipped in bfloat16
-    chain = OmegaConf.load(from_config.CONF_DIR / "tree" / "chain4.yaml")
-    drafter = from_config.medusa_drafter(chain, heads, max_depth=2)
+    chain = OmegaConf.load(CONF_DIR / "tree" / "chain4.yaml")
+    drafter = medusa_drafter(chain, heads, max_depth=2)
     assert_drafts_losslessly(ours, tokenizer, drafter)
 
 
@@ -174,8 +179,8 @@ def test_the_shipped_eagle_head_drafts_for_these_weights_losslessly(both_models,
                                                                    draft_vocab):
     ours, _ = both_models
     cfg = OmegaConf.create({"model": MODEL_CFG, "eagle_head": "shipped"})
-    folder = from_config.head_folder(cfg, "eagle_head")
-    head = from_config.load_eagle(folder, ours)
+    folder = head_folder(cfg, "eagle_head")
+    head = load_eagle(folder, ours)
     assert next(head.parameters()).dtype == torch.float32  # shipped in bfloat16
     vocab = None if draft_vocab is None else load_draft_vocab(folder, draft_vocab)
     drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=2, draft_vocab=vocab)

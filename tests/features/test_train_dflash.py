@@ -8,7 +8,9 @@ import pytest
 from helpers import run_trainer, sharegpt_file, toy
 from hydra import compose, initialize_config_dir
 
-from selfspec import from_config, generate
+from selfspec import generate
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.generation import drafter_and_target
 from selfspec.heads import DFlashConfig, DFlashHead, load_head
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
@@ -38,10 +40,10 @@ def test_train_dflash_runs_exports_a_head_a_sweep_loads_and_reports_tau(tmp_path
     head = load_head(export, DFlashHead, DFlashConfig, target=target)
     assert head.config.target_layers == (0, 1, 1) and head.config.block_size == 5
     # eval/sweep.py, eval/generate.py and the rest take it by name
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("generate", overrides=[*toy(quick_build)[:3], "drafter=dflash",
                                              f"dflash_head={export}", "num_draft_tokens=4"])
-    drafter, _ = from_config.drafter_and_target(cfg, target)
+    drafter, _ = drafter_and_target(cfg, target)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == \
         generate(target, prompt, max_new_tokens=12).tokens

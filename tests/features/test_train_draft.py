@@ -70,7 +70,10 @@ def test_train_draft_trains_a_parallel_draft_a_sweep_drafts_with(tmp_path, quick
     from helpers import toy
     from hydra import compose, initialize_config_dir
 
-    from selfspec import from_config, generate
+    from selfspec import generate
+    from selfspec.from_config.common import CONF_DIR
+    from selfspec.from_config.generation import drafter_and_target
+    from selfspec.from_config.models import load_target
 
     model = three_layer_target(quick_build, tmp_path / "model")
     done = run_entry(
@@ -85,12 +88,12 @@ def test_train_draft_trains_a_parallel_draft_a_sweep_drafts_with(tmp_path, quick
     assert "PARD, up to 3 tokens a forward" in done.stdout and "lossless=True" in done.stdout
     export = tmp_path / "run/checkpoints/step_0000004/export"
     assert json.loads((export / "pard.json").read_text())["parallel"] == 3
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("generate", overrides=[
             *toy(quick_build)[:2], f"model.path={model}", f"model.draft.path={export}",
             "drafter=small_model", "small_model.parallel=[true]", "num_draft_tokens=3"])
-    target = from_config.load_target(cfg)
-    drafter, _ = from_config.drafter_and_target(cfg, target)
+    target = load_target(cfg)
+    drafter, _ = drafter_and_target(cfg, target)
     assert drafter.mask_token_id is not None
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == \

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 from helpers import LEARNS, assert_the_loss_falls, run_trainer, sharegpt_file, three_layer_target
 
-from selfspec.from_config import load_early_exit
+from selfspec.from_config.methods.early_exit import load_early_exit
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import run_trainer, sharegpt_file, three_layer_target
 
-from selfspec.from_config import load_early_exit
+from selfspec.from_config.methods.early_exit import load_early_exit
 from selfspec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, load_head
 from selfspec.model import Transformer
 from selfspec.tracking import read_metrics

@@ -5,7 +5,14 @@ import json
 import pytest
 from helpers import SMALL_ARCH, SMALL_OVERRIDES, group_options
 
-from selfspec import from_config
+from selfspec.from_config.common import REPO_ROOT
+from selfspec.from_config.models import (
+    ModelNotAvailable,
+    load_target,
+    model_config,
+    resolve_model_path,
+)
+from selfspec.from_config.prompts import prompt_set
 from selfspec.model import ModelConfig
 from selfspec.model.loading import check_architecture
 from selfspec.model.plan import count_parameters
@@ -39,7 +46,7 @@ def test_model_config_matches_published_parameter_count(cfg_of, name):
     cfg = cfg_of("generate", f"model={name}")
     assert cfg.model.name == name and (cfg.model.hf_id or cfg.model.get("gguf"))
     assert cfg.model.dtype == ("fp32" if cfg.model.get("gguf") else "bf16")  # CPU-run: fp32
-    count = count_parameters(from_config.model_config(cfg.model))
+    count = count_parameters(model_config(cfg.model))
     assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.01, f"{name}: {count:,}"
 
 
@@ -47,31 +54,31 @@ def test_default_is_the_tiny_target(cfg_of):
     cfg = cfg_of("generate")
     assert cfg.model.name == "tiny" and cfg.model.asset == "tiny/target"
     assert cfg.model.draft.asset == "tiny/draft"
-    assert (cfg.sampling.name, from_config.prompt_set(cfg).name, cfg.drafter, cfg.dry_run) == (
+    assert (cfg.sampling.name, prompt_set(cfg).name, cfg.drafter, cfg.dry_run) == (
         "greedy", "humaneval", "small_model", False)
-    assert count_parameters(from_config.model_config(cfg.model)) > 0
+    assert count_parameters(model_config(cfg.model)) > 0
 
 
 def test_tiny_config_agrees_with_the_shipped_target(cfg_of):
-    config_json = from_config.REPO_ROOT / "selfspec/assets/tiny/target/config.json"
+    config_json = REPO_ROOT / "selfspec/assets/tiny/target/config.json"
     if not config_json.is_file():
         pytest.skip("the tiny target is not built yet")
-    expected = from_config.model_config(cfg_of("generate").model)
+    expected = model_config(cfg_of("generate").model)
     shipped = ModelConfig.from_hf(json.loads(config_json.read_text()))
     check_architecture(expected, shipped, "tiny", str(config_json.parent))
 
 
 def test_qwen2_configs_have_qkv_bias_and_llama31_its_rope_scaling(cfg_of):
-    qwen = from_config.model_config(cfg_of("generate", "model=qwen2.5-7b-instruct").model)
+    qwen = model_config(cfg_of("generate", "model=qwen2.5-7b-instruct").model)
     assert qwen.attention_bias and not qwen.attention_out_bias and qwen.model_type == "qwen2"
-    llama31 = from_config.model_config(cfg_of("generate", "model=llama3.1-70b-instruct").model)
+    llama31 = model_config(cfg_of("generate", "model=llama3.1-70b-instruct").model)
     assert llama31.rope_scaling["rope_type"] == "llama3" and llama31.rope_scaling["factor"] == 8.0
 
 
 def test_a_local_model_reads_its_architecture_from_the_folder(cfg_of, small_folder):
     cfg = cfg_of("generate", "model=local", f"model.path={small_folder}")
-    assert from_config.model_config(cfg.model).num_layers == SMALL_ARCH["num_layers"]
-    assert from_config.load_target(cfg).config.hidden_size == SMALL_ARCH["hidden_size"]
+    assert model_config(cfg.model).num_layers == SMALL_ARCH["num_layers"]
+    assert load_target(cfg).config.hidden_size == SMALL_ARCH["hidden_size"]
 
 
 # ---- finding weights -------------------------------------------------------------------------
@@ -81,8 +88,8 @@ def test_missing_real_model_names_its_id_and_the_fix(cfg_of, monkeypatch, tmp_pa
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
-    with pytest.raises(from_config.ModelNotAvailable) as info:
-        from_config.resolve_model_path(cfg_of("generate", "model=llama2-70b").model)
+    with pytest.raises(ModelNotAvailable) as info:
+        resolve_model_path(cfg_of("generate", "model=llama2-70b").model)
     message = str(info.value)
     assert "meta-llama/Llama-2-70b-hf" in message and "model.path=" in message
     assert str(tmp_path) in message and "Hub access" in message
@@ -90,9 +97,9 @@ def test_missing_real_model_names_its_id_and_the_fix(cfg_of, monkeypatch, tmp_pa
 
 def test_model_path_that_does_not_exist_is_named(cfg_of, tmp_path):
     missing = tmp_path / "nowhere"
-    with pytest.raises(from_config.ModelNotAvailable, match="nowhere"):
-        from_config.resolve_model_path(cfg_of("generate", "model=mistral-7b",
-                                              f"model.path={missing}").model)
+    with pytest.raises(ModelNotAvailable, match="nowhere"):
+        resolve_model_path(cfg_of("generate", "model=mistral-7b",
+                                  f"model.path={missing}").model)
 
 
 def test_hub_cache_snapshot_is_found_offline(cfg_of, monkeypatch, tmp_path):
@@ -107,11 +114,11 @@ def test_hub_cache_snapshot_is_found_offline(cfg_of, monkeypatch, tmp_path):
     (snapshot / "config.json").write_text("{}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     draft_cfg = cfg_of("generate", "model=llama2-7b").model.draft
-    assert from_config.resolve_model_path(draft_cfg, "model.draft") == snapshot
+    assert resolve_model_path(draft_cfg, "model.draft") == snapshot
 
 
 def test_weights_that_contradict_the_config_are_refused(cfg_of, small_folder):
     overrides = [o for o in SMALL_OVERRIDES if "num_layers" not in o]
     cfg = cfg_of("generate", f"model.path={small_folder}", *overrides)  # tiny's 8 layers vs 2 saved
     with pytest.raises(ValueError, match="num_layers: config 8 vs checkpoint 2"):
-        from_config.load_target(cfg)
+        load_target(cfg)

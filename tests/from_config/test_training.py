@@ -4,7 +4,18 @@ import pytest
 import torch
 from helpers import group_options, tiny_llama
 
-from selfspec import from_config
+from selfspec.from_config.methods.medusa import medusa_drafter, tree_depth
+from selfspec.from_config.models import resolve_model_path
+from selfspec.from_config.training import (
+    deepspeed_config,
+    distilled_corpus,
+    final_eval_prompts,
+    self_distill_enabled,
+    tau_judge,
+    tau_prompts,
+    train_settings,
+    training_rows,
+)
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
 from selfspec.training.rows import TokenRows
@@ -17,13 +28,13 @@ from selfspec.training.rows import TokenRows
 )
 def test_every_training_config_composes(cfg_of, override):
     cfg = cfg_of("train_medusa", override, "run_dir=/tmp/unused")
-    settings = from_config.train_settings(cfg)
+    settings = train_settings(cfg)
     assert settings.max_steps >= 1 and settings.lr > 0
     heads = MedusaHeads(MedusaConfig(8, 64, num_heads=int(cfg.medusa.num_heads)))
-    drafter = from_config.medusa_drafter(cfg.tree, heads)
-    depth = from_config.tree_depth(cfg.tree) or 1
+    drafter = medusa_drafter(cfg.tree, heads)
+    depth = tree_depth(cfg.tree) or 1
     assert 1 <= drafter.max_nodes and depth <= cfg.medusa.num_heads
-    config = from_config.deepspeed_config(cfg)
+    config = deepspeed_config(cfg)
     assert config is None or config["zero_optimization"]["stage"] in (2, 3)
 
 
@@ -33,7 +44,7 @@ def test_every_training_config_composes(cfg_of, override):
 def test_self_distillation_is_automatic_for_the_corpus_only(cfg_of, value, source, expected):
     cfg = cfg_of("train_medusa", f"train_data.self_distill={value}", f"train_data.source={source}",
                  "run_dir=/tmp/unused")
-    assert from_config.self_distill_enabled(cfg) is expected
+    assert self_distill_enabled(cfg) is expected
 
 
 def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_path):
@@ -44,11 +55,11 @@ def test_corpus_self_distillation_rewrites_the_rows_the_run_draws(cfg_of, tmp_pa
     target = Transformer.from_hf(tiny_llama(0))
     tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
     rows = TokenRows(tokens, torch.ones_like(tokens))
-    train, heldout = from_config.distilled_corpus(cfg, target, rows, rows)
+    train, heldout = distilled_corpus(cfg, target, rows, rows)
     assert len(train) == 2 * 3 * 2 and len(heldout) == 2  # steps x global batch; eval rows
     assert train.loss_mask[:, :4].sum() == 0 and train.loss_mask[:, 4:].all()
     with pytest.raises(ValueError, match="self_distill needs the target"):
-        from_config.distilled_corpus(cfg, None, rows, rows)
+        distilled_corpus(cfg, None, rows, rows)
 
 
 def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of, tmp_path):
@@ -60,11 +71,11 @@ def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of,
     target = Transformer.from_hf(tiny_llama(0))
     tokens = torch.randint(2, 64, (40, 12), generator=torch.Generator().manual_seed(0))
     rows = TokenRows(tokens, torch.ones_like(tokens))
-    train, _ = from_config.distilled_corpus(cfg, target, rows, rows)
+    train, _ = distilled_corpus(cfg, target, rows, rows)
     assert len(train) == 3  # not the 10 rows the run draws
     cfg.train_data.self_distill_rows = 0
     with pytest.raises(ValueError, match="self_distill_rows"):
-        from_config.training_rows(cfg, None, target)
+        training_rows(cfg, None, target)
 
 
 def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monkeypatch):
@@ -92,7 +103,7 @@ def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monk
 
 @pytest.fixture(scope="module")
 def tiny_target():
-    return Transformer.from_pretrained(from_config.resolve_model_path(
+    return Transformer.from_pretrained(resolve_model_path(
         __import__("omegaconf").OmegaConf.create({"name": "tiny", "asset": "tiny/target"})))
 
 
@@ -106,7 +117,7 @@ def tiny_drafters(target: Transformer, records=()) -> dict:
     answers = {tuple(r.prompt): r.tokens for r in records} or {(1, 2, 3): [4, 5, 6, 7]}
     medusa, _ = fit_medusa_heads(target, answers, num_heads=2)
     eagle, _ = fit_eagle_head(target, answers)
-    draft = Transformer.from_pretrained(from_config.resolve_model_path(
+    draft = Transformer.from_pretrained(resolve_model_path(
         __import__("omegaconf").OmegaConf.create({"name": "tiny-draft", "asset": "tiny/draft"})))
     return {"medusa": MedusaDrafter(medusa, [[0], [0, 0], [1]]),
             "eagle": EagleDrafter(eagle, total_tokens=4, depth=2, top_k=2),
@@ -121,7 +132,7 @@ def test_replayed_tau_equals_the_tau_generate_measures_on_the_same_answers(cfg_o
 
     cfg = cfg_of("train_medusa", "trainer.tau_prompts=3", "trainer.tau_new_tokens=32",
                  "run_dir=/tmp/unused")
-    prompts = from_config.tau_prompts(cfg, tiny_target)
+    prompts = tau_prompts(cfg, tiny_target)
     records = [record_greedy(tiny_target, p, 32, tuple(tiny_target.config.eos_token_ids))
                for p in prompts]
     for name, drafter in tiny_drafters(tiny_target, records).items():
@@ -135,20 +146,20 @@ def test_replayed_tau_equals_the_tau_generate_measures_on_the_same_answers(cfg_o
 def test_tau_is_judged_on_prompts_held_out_from_the_final_report(cfg_of, tiny_target):
     cfg = cfg_of("train_medusa", "trainer.tau_prompts=4", "final_eval.num_prompts=3",
                  "run_dir=/tmp/unused")
-    judged, reported = (from_config.tau_prompts(cfg, tiny_target),
-                        from_config.final_eval_prompts(cfg, tiny_target))
+    judged, reported = (tau_prompts(cfg, tiny_target),
+                        final_eval_prompts(cfg, tiny_target))
     assert len(judged) == 4 and len(reported) == 3
     assert not {tuple(p) for p in judged} & {tuple(p) for p in reported}
     with pytest.raises(ValueError, match="trainer.tau_prompts=999: humaneval has"):
-        from_config.tau_prompts(cfg_of("train_medusa", "trainer.tau_prompts=999",
-                                       "run_dir=/tmp/unused"), tiny_target)
+        tau_prompts(cfg_of("train_medusa", "trainer.tau_prompts=999",
+                           "run_dir=/tmp/unused"), tiny_target)
 
 
 def test_the_judge_names_each_drafter_and_averages_them(cfg_of, tiny_target, tmp_path):
     drafters = tiny_drafters(tiny_target)
     cfg = cfg_of("train_medusa", "trainer.tau_prompts=2", "trainer.tau_new_tokens=16",
                  "run_dir=/tmp/unused")
-    judge = from_config.tau_judge(cfg, tiny_target, lambda target, folder: {
+    judge = tau_judge(cfg, tiny_target, lambda target, folder: {
         name: (drafter, target) for name, drafter in drafters.items()})
     judged = judge(tmp_path)
     named = [judged[f"eval/tau/{name}"] for name in drafters]
@@ -156,4 +167,4 @@ def test_the_judge_names_each_drafter_and_averages_them(cfg_of, tiny_target, tmp
     assert all(judged[f"eval/tau_se/{name}"] >= 0 for name in drafters)
     assert "eval/tau_se" not in judged  # the mean of several drafters has none
     off = cfg_of("train_medusa", "trainer.tau_prompts=0", "run_dir=/tmp/unused")
-    assert from_config.tau_judge(off, tiny_target, lambda target, folder: {}) is None
+    assert tau_judge(off, tiny_target, lambda target, folder: {}) is None

@@ -156,7 +156,7 @@ def test_an_exit_checkpoint_round_trips(tmp_path, target4, kind):
 
 
 def test_an_exit_checkpoint_for_another_target_or_another_e_is_refused(tmp_path, target4):
-    from selfspec.from_config import load_early_exit
+    from selfspec.from_config.methods.early_exit import load_early_exit
 
     head = random_exit(target4, 2, "adapter")
     save_head(tmp_path / "exit", head, head.config, describe_target(target4))

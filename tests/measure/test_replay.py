@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import first_layers, fit_medusa_heads, tiny_llama
 
-from selfspec import Transformer, from_config, generate
+from selfspec import Transformer, generate
 from selfspec.drafters import (
     EarlyExitDrafter,
     LookupCorpus,
@@ -15,6 +15,7 @@ from selfspec.drafters import (
     SmallModelDrafter,
     UnionDrafter,
 )
+from selfspec.from_config.methods.early_exit import norm_exit
 from selfspec.measure.replay import record_greedy, replay
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 27, 17, 51, 25, 11], [40, 2, 33]]
@@ -82,7 +83,7 @@ def test_the_record_runs_past_the_answer(target):
 
 
 def test_a_draft_of_early_layers_is_refused(target):
-    drafter = EarlyExitDrafter(from_config.norm_exit(target, 1), 2)
+    drafter = EarlyExitDrafter(norm_exit(target, 1), 2)
     record = record_greedy(target, PROMPTS[0], 4)
     with pytest.raises(ValueError, match="only the decode loop .* passes"):
         replay(target, drafter, record)

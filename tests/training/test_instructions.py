@@ -9,7 +9,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec import from_config
+from selfspec.from_config import prompts
+from selfspec.from_config.common import CONF_DIR
 from selfspec.measure.prompts import humaneval_prompts, stdlib_heldout_prompts
 from selfspec.training import instructions
 from selfspec.training.instructions import (
@@ -31,13 +32,13 @@ def shingles(text: str) -> set[tuple[str, ...]]:
 
 
 def data_config(name: str):
-    return OmegaConf.load(from_config.CONF_DIR / "data" / f"{name}.yaml")
+    return OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml")
 
 
 def evaluation_texts() -> list[str]:
     texts = [p.text for p in humaneval_prompts()] + [p.text for p in stdlib_heldout_prompts(40, 60)]
     for name in ("mt_bench", "spec_bench"):
-        texts += [p.text for p in from_config.prompts(data_config(name))]
+        texts += [p.text for p in prompts.prompts(data_config(name))]
     return texts
 
 
@@ -52,7 +53,7 @@ def test_training_prompts_share_no_passage_with_any_evaluation_prompt():
 
 
 def test_the_check_finds_a_leaked_prompt():
-    question = from_config.prompts(data_config("mt_bench"))[7].text
+    question = prompts.prompts(data_config("mt_bench"))[7].text
     assert shingles(f"Explain this: {question}") & shingles(question)
 
 
@@ -162,7 +163,7 @@ def test_shipped_answers_are_read_first_and_the_cache_adds_to_them(tmp_path, mon
 
 def test_only_answers_that_ship_are_found():
     assert instructions.shipped_answers("chat-distill-0000000000000000.jsonl") is None
-    name = OmegaConf.load(from_config.CONF_DIR / "model" / "smollm2-135m.yaml").answers
+    name = OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml").answers
     assert instructions.shipped_answers(name).is_file()
 
 

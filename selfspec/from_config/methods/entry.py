@@ -190,7 +190,7 @@ class TrainerEntry:
         read from a feature store (None: the target runs at every step).
     exporter(run, objective): the function that writes an export folder from a training state.
     drafters(cfg, target, export): the drafters an export makes, each with the target it
-        verifies on (the judge's, `from_config.tau_judge`, and the report's).
+        verifies on (the judge's, `from_config.training.tau_judge`, and the report's).
     report(cfg, export, metrics, tracker): tau and speedup of the export on held-out prompts.
     replayable(cfg): whether the judge may replay its drafts over recorded answers (a drafter
         that drafts in the target's own cache, or a target the training changes, may not).

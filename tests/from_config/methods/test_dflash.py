@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import toy
 
-from selfspec import from_config
 from selfspec.from_config.methods import entry
+from selfspec.from_config.sweeps import plan_sweep
 from selfspec.heads.draft_vocab import rarest_token
 
 
@@ -16,7 +16,7 @@ def test_dflash_rows_and_lengths_fold_into_the_heads_block(quick_build, cfg_of, 
     variants = method.variants(cfg, True)
     assert [v.label() for v in variants] == ["dflash", "dflash/tree6"]
     assert method.lengths(cfg, variants[0], (2, 4, 8)) == (2, 4)  # blocks of 5: at most 4
-    plan = from_config.plan_sweep(cfg, 1, greedy_only=True)
+    plan = plan_sweep(cfg, 1, greedy_only=True)
     assert {p.method for p in plan.grid.points()} == {"dflash", "dflash/tree6"}
     with pytest.raises(ValueError, match="dflash.tree_nodes: give node counts >= 1"):
         method.variants(cfg_of("sweep", "dflash.tree_nodes=[0]"), True)

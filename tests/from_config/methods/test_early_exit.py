@@ -1,10 +1,10 @@
 """The early-exit entry (from_config/methods/early_exit.py): its sweep rows."""
 
-from selfspec import from_config
+from selfspec.from_config.methods import entry
 
 
 def early_exit_variants(cfg) -> tuple[str, ...]:
-    return tuple(v.label() for v in from_config.entry("early_exit").variants(cfg, True))
+    return tuple(v.label() for v in entry("early_exit").variants(cfg, True))
 
 
 def test_early_exit_rows_are_every_layer_exit_and_stop(cfg_of):

@@ -7,18 +7,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec import from_config
 from selfspec.from_config import methods
 from selfspec.from_config.methods import MethodEntry, registry, trainers
-from selfspec.from_config.methods.entry import when_set
+from selfspec.from_config.methods.entry import head_folder, when_set
 
 
 def test_heads_that_ship_are_found_by_the_models_name(tmp_path):
     cfg = OmegaConf.create({"model": {"name": "tiny"}, "medusa_heads": "shipped",
                             "eagle_head": str(tmp_path)})
-    assert from_config.head_folder(cfg, "eagle_head") == tmp_path  # a path is a path
+    assert head_folder(cfg, "eagle_head") == tmp_path  # a path is a path
     with pytest.raises(FileNotFoundError, match="medusa_heads=shipped: none ship for model=tiny"):
-        from_config.head_folder(cfg, "medusa_heads")
+        head_folder(cfg, "medusa_heads")
 
 
 def test_an_entry_takes_keyword_arguments_only():

@@ -4,33 +4,35 @@ import json
 
 import pytest
 
-from selfspec import from_config
+from selfspec.from_config.generation import build_drafter, generation_settings
+from selfspec.from_config.methods.ngram import corpus_path
+from selfspec.from_config.models import load_target, load_tokenizer
 
 
 def test_the_ngram_drafter_reads_a_corpus_of_answers(cfg_of, tmp_path):
     answers = tmp_path / "answers.jsonl"
     answers.write_text(json.dumps({"prompt": "p", "answer": "return self.name"}) + "\n")
     cfg = cfg_of("generate", "drafter=ngram", f"ngram.corpus={answers}", "ngram.max_ngram=2")
-    target = from_config.load_target(cfg)  # the shipped tiny target, with its tokenizer
-    drafter = from_config.build_drafter(cfg, target)
+    target = load_target(cfg)  # the shipped tiny target, with its tokenizer
+    drafter = build_drafter(cfg, target)
     end = target.config.eos_token_ids[:1]  # each answer ends as the target ends a turn
-    ids = from_config.load_tokenizer(target.source).encode("return self.name") + list(end)
+    ids = load_tokenizer(target.source).encode("return self.name") + list(end)
     assert drafter.max_ngram == 2 and drafter.corpus.sequences == [ids]
     assert drafter.corpus.get(ids[:1]) == tuple(ids[1:])
-    tree = from_config.build_drafter(cfg_of("generate", "drafter=ngram", f"ngram.corpus={answers}",
-                                      "ngram.tree_nodes=6", "num_draft_tokens=3"), target)
+    tree = build_drafter(cfg_of("generate", "drafter=ngram", f"ngram.corpus={answers}",
+                                "ngram.tree_nodes=6", "num_draft_tokens=3"), target)
     assert tree.max_nodes == 6 and tree.num_draft_tokens == 3
     with pytest.raises(ValueError, match="ngram.tree_nodes: give one node count"):
-        from_config.generation_settings(cfg_of("generate", "drafter=ngram",
-                                               "ngram.tree_nodes=[2,4]"))
+        generation_settings(cfg_of("generate", "drafter=ngram",
+                                   "ngram.tree_nodes=[2,4]"))
     with pytest.raises(FileNotFoundError, match="ngram.corpus: no file at"):
-        from_config.generation_settings(cfg_of("generate", "drafter=ngram",
-                                               "ngram.corpus=/no/file.jsonl"))
+        generation_settings(cfg_of("generate", "drafter=ngram",
+                                   "ngram.corpus=/no/file.jsonl"))
 
 
 def test_the_shipped_corpus_is_the_models_own_answers_file(cfg_of):
     cfg = cfg_of("generate", "drafter=ngram", "ngram.corpus=shipped", "model=smollm2-135m")
-    path = from_config.corpus_path(cfg.ngram, cfg.model)
+    path = corpus_path(cfg.ngram, cfg.model)
     assert path.name == f"{cfg.model.answers}.gz" and path.stat().st_size > 100_000
     with pytest.raises(FileNotFoundError, match="no answers ship for model=tiny"):
-        from_config.generation_settings(cfg_of("generate", "drafter=ngram", "ngram.corpus=shipped"))
+        generation_settings(cfg_of("generate", "drafter=ngram", "ngram.corpus=shipped"))

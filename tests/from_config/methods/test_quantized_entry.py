@@ -9,17 +9,21 @@ import pytest
 from helpers import sweep_variant  # tests/ is on the path: tests/conftest.py's folder
 from hydra import compose, initialize_config_dir
 
-from selfspec import from_config, generate
+from selfspec import generate
 from selfspec.drafters import SmallModelDrafter
+from selfspec.from_config.common import CONF_DIR
+from selfspec.from_config.generation import drafter_and_target
 from selfspec.from_config.methods import Loaded, entry
 from selfspec.from_config.methods.quantized import QuantizedVariant
+from selfspec.from_config.models import load_target
+from selfspec.from_config.sweeps import plan_sweep
 from selfspec.model import quantized as quantized_module
 from selfspec.model.quantized import QuantizedLinear
 
 
 @pytest.fixture(scope="module")
 def compose_cfg():
-    with initialize_config_dir(config_dir=str(from_config.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield lambda config, *overrides: compose(config, overrides=list(overrides))
 
 
@@ -51,7 +55,7 @@ def test_a_single_generation_takes_exactly_one_row(compose_cfg):
 def test_a_bad_bits_value_is_refused_in_one_line_naming_the_setting(compose_cfg, bits):
     cfg = compose_cfg("sweep", "methods=[quantized]", f"quantized.bits={bits}")
     with pytest.raises(ValueError) as refused:
-        from_config.plan_sweep(cfg, 1)
+        plan_sweep(cfg, 1)
     message = str(refused.value)
     assert "\n" not in message and message.startswith("quantized.bits: give 8 or 4"), message
 
@@ -60,7 +64,7 @@ def test_an_int4_this_machine_cannot_run_is_refused_before_loading(compose_cfg, 
     monkeypatch.setattr(quantized_module, "int4_failure", lambda *_: "RuntimeError: no kernel")
     cfg = compose_cfg("sweep", "methods=[quantized]", "quantized.bits=[8,4]")
     with pytest.raises(ValueError) as refused:
-        from_config.plan_sweep(cfg, 1)
+        plan_sweep(cfg, 1)
     message = str(refused.value)
     assert "\n" not in message, message
     assert message.startswith("quantized.bits=4: int4 does not run on this machine"), message
@@ -70,8 +74,8 @@ def test_an_int4_this_machine_cannot_run_is_refused_before_loading(compose_cfg, 
 def test_the_drafter_drafts_with_the_copy_built_once_and_is_lossless(compose_cfg):
     cfg = compose_cfg("generate", "model=tiny", "drafter=quantized", "quantized.bits=4",
                       "num_draft_tokens=3")
-    target = from_config.load_target(cfg)
-    drafter, verified_on = from_config.drafter_and_target(cfg, target)
+    target = load_target(cfg)
+    drafter, verified_on = drafter_and_target(cfg, target)
     assert isinstance(drafter, SmallModelDrafter) and verified_on is target
     assert isinstance(drafter.model.lm_head, QuantizedLinear) and drafter.num_draft_tokens == 3
     method, loaded = entry("quantized"), Loaded(cfg, target)
