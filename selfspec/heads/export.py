@@ -405,6 +405,10 @@ def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
              f"layer l, as speculators and vLLM number them)",
              "the folder holds the target's embedding (speculators' from_pretrained reads it "
              "there)"]
+    if base_model is None:
+        notes.append("no verifier named (speculators_config.verifier.name_or_path is null): "
+                     "speculators 0.9.0's EAGLE-3 from_pretrained looks its verifier up and "
+                     "fails without one; export with --base-model or --target")
     command = ("python -c \"from speculators import SpeculatorModel; "
                "SpeculatorModel.from_pretrained('{OUT}')\"  # or: "
                + _vllm(base_model or BASE_PLACEHOLDER, {"model": "{OUT}",
