@@ -1,6 +1,7 @@
 """Our one decoder for every family (`transformer`), its architecture as configuration
-(`config`), RoPE (`rope`), its Hugging Face checkpoint I/O (`checkpoint`) and the CPU's
-few-row products (`cpu_linear`)."""
+(`config`), RoPE (`rope`), its Hugging Face checkpoint I/O (`checkpoint`), the one path that
+loads a target from its parsed settings (`loading`) and the CPU's few-row products
+(`cpu_linear`)."""
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import Linear, aligned, dense_weight, linear, use_packed_products
