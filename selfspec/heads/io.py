@@ -156,7 +156,7 @@ def _load_published(folder: Path, cls: type | None, target: Transformer,
     _check_target(folder, sizes, found.config, target)
     if not allow_other_base:
         _check_base_name(folder, found.base_model, target)
-    _check_embedding(folder, found.embedding, target)
+    _check_target_copies(folder, found.target_copies, target)
     log.info(found.describe(folder))
     weight = target.embed_tokens.weight
     module = found.module.to(device=weight.device, dtype=weight.dtype)
@@ -164,20 +164,22 @@ def _load_published(folder: Path, cls: type | None, target: Transformer,
     return module
 
 
-def _check_embedding(folder: Path, embedding, target: Transformer) -> None:
-    """A head folder's copy of the target's embedding (speculators' EAGLE-3 saves one and
-    embeds with it) must be this target's: selfspec's heads embed with the target's own, so
-    another embedding would change the head's outputs unseen."""
-    if embedding is None:
-        return
-    ours = target.embed_tokens.weight.detach()
-    theirs = embedding.to(ours.device)  # compared at the folder's precision (bf16: ~1e-2)
-    if tuple(theirs.shape) != tuple(ours.shape) or not torch.allclose(
-            theirs.float(), ours.to(theirs.dtype).float(), rtol=1e-2,
-            atol=1e-2 * float(ours.abs().max())):
-        raise ValueError(f"load_head: {folder} embeds tokens with an embedding of its own "
-                         f"(embed_tokens), not this target's, while selfspec's heads embed with "
-                         f"the target's: load it with the target it was trained for")
+def _check_target_copies(folder: Path, copies: dict[str, torch.Tensor],
+                         target: Transformer) -> None:
+    """A head folder's copies of the target's embedding or LM head (speculators' heads embed,
+    and a full-vocabulary DFlash head scores, with the ones their folder holds) must be this
+    target's: selfspec's heads use the target's own, so others would change the outputs
+    unseen. Compared at the folder's precision (bf16: about 1e-2)."""
+    for name, theirs in copies.items():
+        module = target.embed_tokens if name == "embed_tokens" else target.lm_head
+        ours = dense_weight(module).detach()
+        theirs = theirs.to(ours.device)
+        if tuple(theirs.shape) != tuple(ours.shape) or not torch.allclose(
+                theirs.float(), ours.to(theirs.dtype).float(), rtol=1e-2,
+                atol=1e-2 * float(ours.abs().max())):
+            raise ValueError(f"load_head: {folder} holds its own {name}, not this "
+                             f"target's, and uses it where selfspec's heads use the target's: "
+                             f"load it with the target it was trained for")
 
 
 def _head_class(head_type: str | None, cls: type | None, config_cls: type | None,

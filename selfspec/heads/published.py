@@ -79,8 +79,9 @@ class PublishedHead:
     base_model: str | None  # the recorded base model name, when the folder has one
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
-    embedding: torch.Tensor | None = None  # a token embedding the folder holds, the target's
-    # by its format's contract (speculators' EAGLE-3): checked against the target on loading
+    # Copies of the target's weights the folder holds ("embed_tokens", "lm_head"), which the
+    # head uses in place of the target's (speculators'): checked against the target on loading
+    target_copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def describe(self, folder: Path) -> str:
         extra = f" ({'; '.join(self.notes)})" if self.notes else ""
@@ -407,15 +408,18 @@ def _read_speculators(folder: Path, config: dict, state: dict, target_num_layers
     if kind == "eagle3":
         found = _read_eagle(folder, _speculators_eagle3(folder, config, flat, state),
                             _full_vocab_maps(state, config, layer), target_num_layers)
-        found.embedding = embedding
+        copies = {"embed_tokens": embedding}
     else:
         _refuse_flags(folder, config, ("sample_from_anchor",),
                       "slot 0 (the root) also scores a token, which selfspec's blocks do not")
+        full = int(config.get("draft_vocab_size") or layer["vocab_size"]) == layer["vocab_size"]
+        copies = {"lm_head": state.pop("lm_head.weight", None) if full else None}
         found = _read_dflash(folder, flat | {
             "dflash_config": {"block_size": config.get("block_size", 8),
                               "mask_token_id": config.get("mask_token_id")},
             "eagle_aux_hidden_state_layer_ids": config.get("aux_hidden_state_layer_ids")}, state)
     found.layout = f"speculators-{kind}"
+    found.target_copies = {k: v for k, v in copies.items() if v is not None}
     return found
 
 

@@ -204,3 +204,33 @@ def test_the_script_exports_a_selfspec_dflash_export_to_every_engine(tmp_path, t
         assert config_json["num_target_layers"] == LAYERS
         again = load_head(tmp_path / engine, DFlashHead, target=target)
         same_state(again.state_dict(), head.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_the_script_exports_to_speculators_with_the_targets_embedding(tmp_path, target,
+                                                                      target_folder, kind,
+                                                                      capsys):
+    """--to speculators reads the target's embedding (and a full-vocabulary DFlash head's LM
+    head) from --target and writes them into the folder, which load_head reads back."""
+    from helpers import random_dflash_head, random_eagle_head
+
+    from selfspec.heads import DFlashConfig, EagleConfig, describe_target, save_head
+
+    if kind == "eagle3":
+        config = EagleConfig.for_target(target.config, 3, draft_vocab_size=24)
+        head = random_eagle_head(config, seed=1)
+    else:
+        config = DFlashConfig.for_target(target.config, mask_token_id=V - 1, num_layers=2)
+        head = random_dflash_head(config, seed=1)
+    save_head(tmp_path / "head", head, config, describe_target(target))
+    out = run_export([str(tmp_path / "head"), "--to", "speculators", str(tmp_path / "out"),
+                      "--target", str(target_folder)], capsys)
+    assert "SpeculatorModel.from_pretrained" in out
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["speculators_model_type"] == kind
+    assert saved["speculators_config"]["verifier"]["name_or_path"] == str(target_folder)
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)
+    if kind == "dflash":
+        assert torch.equal(weights["lm_head.weight"], target.lm_head.weight)
+    same_state(load_head(tmp_path / "out", target=target).state_dict(), head.state_dict())
