@@ -45,8 +45,7 @@ build_speculators() {
         transformers==5.19.0 datasets==5.1.0 safetensors==0.8.0 \
         pydantic==2.14.4 pydantic-settings==2.14.0 loguru==0.7.3 numpy==2.4.6 tqdm==4.70.1 \
         aiohttp==3.14.5 click==8.5.1 httpx==0.28.1 huggingface-hub==2.4.0 openai==3.57.0 \
-        protobuf==7.36.2 psutil==7.2.2 rich==15.0.0 typer==0.29.2 hs-connectors==0.9.0 \
-        pytest==9.2.0
+        protobuf==7.36.2 psutil==7.2.2 rich==15.0.0 typer==0.29.2 hs-connectors==0.9.0
     pip_in "$dir" --no-deps speculators==0.9.0
     "$dir/venv/bin/python" -c "from importlib.metadata import version as v; \
 import speculators.models, torch; print('speculators', v('speculators'), 'torch', torch.__version__, \
@@ -55,8 +54,10 @@ import speculators.models, torch; print('speculators', v('speculators'), 'torch'
 }
 
 [ $# -eq 1 ] || usage
-case "$1" in
-    --list) printf '%s\n' "${PEERS[@]}" ;;
-    speculators) time build_speculators ;;
-    *) usage ;;
-esac
+if [ "$1" = --list ]; then
+    printf '%s\n' "${PEERS[@]}"
+elif [[ " ${PEERS[*]} " == *" $1 "* ]]; then
+    time "build_$1"
+else
+    usage
+fi
