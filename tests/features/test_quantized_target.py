@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
+    law_samples,
     run_trainer,
     sharegpt_file,
     three_layer_target,
@@ -63,11 +64,11 @@ def test_methods_that_need_the_full_precision_target_refuse_a_quantized_one(cfg_
 
 
 @pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_drafter_keeps_the_quantized_targets_law(bits):
+def test_a_drafter_keeps_the_quantized_targets_law(bits, request):
     full = Transformer.from_hf(tiny_llama(0, vocab=64, layers=2, hidden=64)).eval()
     target = quantized_copy(full, bits)
     drafter = SmallModelDrafter(full, num_draft_tokens=2)  # the full model drafts for it
-    assert_drafted_sampling_is_exact(target, drafter, SamplingParams(1.0))
+    assert_drafted_sampling_is_exact(target, drafter, SamplingParams(1.0), law_samples(request))
 
 
 @pytest.mark.slow
