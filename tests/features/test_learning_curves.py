@@ -32,7 +32,7 @@ def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, q
         minutes = [p["minutes"] for p in result["curve"]]
         assert len(minutes) >= 2 and minutes == sorted(minutes), name
         assert minutes[-1] >= 0.05 > minutes[-2]  # the budget ended the run, evaluated
-        assert result["speedup"] > 0 and result["tau"] >= 1
+        assert f"{result['speedup']:>6.2f}x" in done.stdout  # the printed table is the file's
     assert (run_dir / "learning_curves.png").stat().st_size > 10_000
     assert "medusa" in done.stdout and "rising" in done.stdout
 

