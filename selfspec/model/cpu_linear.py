@@ -129,18 +129,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(rows, in_features).contiguous()
     if fastest and rows <= 2:
         out = FEW_ROW_FORMS[few_row_form(weight)](flat, weight)
-    elif not torch.compiler.is_compiling() and _packable() \
-            and invariant_form(weight) == "packed":  # inductor cannot lower oneDNN's op
-        packed = packed if packed is not None else _packed_copy(weight)
-        out = _packed_product(flat, packed.of(weight))
-    elif not torch.compiler.is_compiling() and not torch.is_grad_enabled() \
-            and invariant_form(weight) == "elementwise":
-        out = _elementwise(flat, weight)
     else:
-        out = _transposed(flat, weight)
+        out = _invariant_product(flat, weight, packed)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _invariant_product(rows: torch.Tensor, weight: torch.Tensor,
+                       packed: PackedWeight | None) -> torch.Tensor:
+    """The product in the form found for the weight's shape (`invariant_form`, looked up
+    once). A compiled step keeps W @ x.T (inductor cannot lower oneDNN's op), and so does a
+    forward that trains."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        return _transposed(rows, weight)
+    form = invariant_form(weight)
+    if form == "packed":  # probed only where oneDNN is there
+        packed = packed if packed is not None else _packed_copy(weight)
+        return _packed_product(rows, packed.of(weight))
+    if form == "elementwise":
+        return _elementwise(rows, weight)
+    return _transposed(rows, weight)
 
 
 def _transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
