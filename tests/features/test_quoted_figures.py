@@ -1137,7 +1137,8 @@ GPU_RANDOM7B = Quoted(
         "H200 | CUDA graphs": lambda: _gpu("h200_random7b_bf16_graphs"),
         "H200 | eager": lambda: _gpu("h200_random7b_bf16_eager"),
         "H100 | eager": lambda: _gpu("h100_random7b_bf16_eager"),
-        "H200, 2026-11-27 | CUDA graphs": lambda: _gpu("h200_bench"),
+        "H200, 2026-11-27 | CUDA graphs": lambda: _gpu("h200_2026-11-27_bench"),
+        "H200, 2026-11-28 | CUDA graphs": lambda: _gpu("h200_bench"),
     },
 )
 
