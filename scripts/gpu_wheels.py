@@ -112,13 +112,23 @@ def unmet(folder: Path) -> list[str]:
     problems += [f"{name}: {have.count(name)} wheels (keep one: two stop the install)"
                  for name in sorted(set(have)) if have.count(name) > 1]
     available = set(have) | {canonicalize_name(n) for n in GPU_IMAGE}
+    versions = {wheel_name(w): w.name.split("-")[1] for w in wheels}
     unused = {(canonicalize_name(a), canonicalize_name(b)) for a, b in UNUSED}
     for wheel in wheels:
         for requirement in requirements(wheel):
             name = canonicalize_name(requirement.name)
-            if name not in available and (wheel_name(wheel), name) not in unused:
+            if (wheel_name(wheel), name) in unused:
+                continue
+            if name not in available:
                 problems.append(f"{wheel.name} needs {requirement}: neither a wheel here nor "
                                 f"on the GPU machines")
+            elif name in versions and not requirement.specifier.contains(
+                    versions[name], prereleases=True):
+                # A Python whose own copy is another version named it (gpu_wheels.sh takes
+                # the versions installed where it runs): omegaconf then fails on import.
+                problems.append(f"{wheel.name} needs {requirement}, the wheel here is "
+                                f"{versions[name]}: run gpu_wheels.sh with the project's "
+                                f"venv active, or PYTHON=<its python>")
     return problems
 
 

@@ -59,6 +59,17 @@ def test_a_missing_wheel_and_two_versions_of_one_are_refused(complete):
     assert any(p.startswith("dill: 2 wheels") for p in problems), problems
 
 
+def test_a_wheel_of_a_version_another_wheel_excludes_is_refused(complete):
+    # a Python with antlr4 4.13 installed named it: omegaconf 2.3 failed on import on the GPU
+    (complete / "omegaconf-2.3.1-py3-none-any.whl").unlink()
+    fake_wheel(complete, "omegaconf", "2.3.1", "antlr4-python3-runtime==4.9.*")
+    assert gpu_wheels.unmet(complete) == []
+    (complete / "antlr4_python3_runtime-4.9.3-py3-none-any.whl").unlink()
+    fake_wheel(complete, "antlr4-python3-runtime", "4.13.2")
+    problems = gpu_wheels.unmet(complete)
+    assert len(problems) == 1 and "the wheel here is 4.13.2" in problems[0], problems
+
+
 def test_the_names_pin_the_versions_installed_here():
     for line in gpu_wheels.names():
         name, version = line.split("==")
