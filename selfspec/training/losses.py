@@ -1,4 +1,6 @@
-"""Training losses, one pure function per method; each returns a `LossOutput`."""
+"""Training losses, one pure function per method; each returns a `LossOutput`. Where a loss
+fits the draft's law to the target's, `divergence` says by which objective
+(`selfspec.training.divergences`: forward KL by default)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from selfspec.training.divergences import Divergence, forward_kl, target_log_probs
 
 
 @dataclass
@@ -22,17 +26,26 @@ def medusa_loss(
     tokens: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
+    teacher_logits: torch.Tensor | None = None,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
-    """Medusa-1 loss: sum over heads k of decay**k * cross-entropy of head k.
+    """Medusa-1 loss: sum over heads k of decay**k * cross-entropy of head k, or, given the
+    target's logits, of `divergence` between head k's law and the target's.
 
     head_logits: [B, T, K, V] head k at position t predicts tokens[t + k + 2] (the target's own
         LM head predicts t + 1), so head k is scored on positions t < T - k - 2.
     tokens: [B, T] the sequence the hidden states were computed on.
     loss_mask: [B, T] bool/0-1, whether a token counts as a *prediction target* (e.g. only
         assistant replies); None = every token.
+    teacher_logits: [B, T, V] the target's logits (position i: the law of token i + 1), or
+    None: against the tokens. Head k at t then meets the target's law at t + k + 1, and its
+    top-1 is agreement with that law's argmax.
     A head with no valid position contributes 0 to the loss and reports 0 for its metrics.
     """
     _check_medusa_inputs(head_logits, tokens, loss_mask, decay)
+    if teacher_logits is not None and teacher_logits.shape != head_logits[:, :, 0].shape:
+        raise ValueError(f"medusa_loss: teacher_logits must be [B, T, V] = "
+                         f"{list(head_logits[:, :, 0].shape)}, got {list(teacher_logits.shape)}")
     batch, length, num_heads, _ = head_logits.shape
     mask = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     total = head_logits.new_zeros((), dtype=torch.float32)
@@ -41,7 +54,12 @@ def medusa_loss(
         shift = k + 2
         logits = head_logits[:, : max(length - shift, 0), k]  # [B, T - k - 2, V]
         labels, valid = tokens[:, shift:], mask[:, shift:]  # [B, T - k - 2]
-        head_loss, top1 = _masked_cross_entropy(logits, labels, valid)
+        if teacher_logits is None:
+            head_loss, top1 = _masked_cross_entropy(logits, labels, valid)
+        else:
+            teacher = teacher_logits[:, shift - 1: length - 1]  # the laws of tokens t + k + 2
+            head_loss = _masked_mean(divergence(logits, target_log_probs(teacher)), valid)
+            top1 = _agreement(logits, teacher, valid)
         total = total + decay**k * head_loss
         metrics[f"medusa/head{k}_loss"] = float(head_loss.detach())
         metrics[f"medusa/head{k}_top1"] = top1
@@ -122,9 +140,10 @@ def eagle_loss(
     valid: torch.Tensor | None = None,
     feature_weight: float = 1.0,
     token_weight: float = 0.1,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
     """EAGLE-1/2 loss: feature_weight x smooth-L1 between the predicted and the target's next
-    features, plus token_weight x cross-entropy of the head's logits against the target's law.
+    features, plus token_weight x `divergence` between the head's law and the target's.
 
     Every input is aligned row by row (the caller shifts): predicted [B, T, H] the head's f_{t+1}
     from (f_t, token t+1); head_logits [B, T, V] its scores through the target's LM head;
@@ -138,7 +157,7 @@ def eagle_loss(
     rows = rows if valid is None else valid.bool()
     feature = F.smooth_l1_loss(predicted.float(), target_features.float(),
                                reduction="none").mean(-1)  # [B, T]
-    token = soft_cross_entropy(head_logits, target_logits)  # [B, T]
+    token = divergence(head_logits, target_log_probs(target_logits))  # [B, T]
     feature_loss, token_loss = _masked_mean(feature, rows), _masked_mean(token, rows)
     metrics = {"eagle/feature_loss": float(feature_loss.detach()),
                "eagle/token_loss": float(token_loss.detach()),
@@ -153,10 +172,10 @@ def eagle3_loss(
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
     scores: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
-    """EAGLE-3's training-time-test loss: sum over steps j of decay**j x the cross-entropy of
-    step j's draft-vocabulary logits against the target's law restricted to the draft
-    vocabulary.
+    """EAGLE-3's training-time-test loss: sum over steps j of decay**j x `divergence` between
+    step j's draft-vocabulary law and the target's law restricted to the draft vocabulary.
 
     step_outputs: per step j, [B, T-1, ...]: row t scores token t+2+j (`EagleHead.unroll`);
     scores turns the rows that count ([n, ...]) into draft-vocabulary logits [n, Vd] (the
@@ -178,7 +197,7 @@ def eagle3_loss(
         law = teacher.at(slice(1 + j, 1 + j + n))  # the laws of tokens t+2+j: [B, n, ...]
         rows = mask[:, 2 + j: 2 + j + n] & law.in_vocab  # [B, n]
         logits = scores(outputs[:, :n][rows])  # [m, Vd], the counted rows alone
-        step = cross_entropy_to(logits, law.probs[rows]).sum() / max(len(logits), 1)
+        step = divergence(logits, law.log_probs[rows]).sum() / max(len(logits), 1)
         total = total + decay**j * step
         metrics[f"eagle3/step{j}_loss"] = float(step.detach())
         metrics[f"eagle3/step{j}_top1"] = _hits(logits, law.top[rows])
@@ -190,22 +209,23 @@ class DraftTeacher:
     """The target's laws over a draft vocabulary, computed once for every step or copy of a
     loss to slice (per step, the argmax over the whole vocabulary and the restriction cost as
     much as the head's own step). in_vocab [B, T]: the target's argmax lies in the draft
-    vocabulary; probs [B, T, Vd]: its law restricted to the draft vocabulary (fp32); top
-    [B, T]: that law's argmax."""
+    vocabulary; log_probs [B, T, Vd]: its law restricted to the draft vocabulary (fp32, log);
+    top [B, T]: that law's argmax."""
 
     in_vocab: torch.Tensor
-    probs: torch.Tensor
+    log_probs: torch.Tensor
     top: torch.Tensor
 
     @classmethod
     def of(cls, target_logits: torch.Tensor, t2d: torch.Tensor) -> DraftTeacher:
         restricted = target_logits[..., t2d]
-        return cls(t2d[target_logits.argmax(-1)], torch.softmax(restricted.float(), dim=-1),
+        return cls(t2d[target_logits.argmax(-1)], target_log_probs(restricted),
                    restricted.argmax(-1))
 
     def at(self, index: slice | torch.Tensor) -> DraftTeacher:
         """The laws at positions `index` (of dimension 1)."""
-        return DraftTeacher(self.in_vocab[:, index], self.probs[:, index], self.top[:, index])
+        return DraftTeacher(self.in_vocab[:, index], self.log_probs[:, index],
+                            self.top[:, index])
 
 
 def parallel_eagle3_loss(
@@ -217,9 +237,10 @@ def parallel_eagle3_loss(
     count: int,
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
-    """P-EAGLE's loss: the sum over copies j of decay**j x the cross-entropy of copy j's
-    draft-vocabulary logits against the target's law restricted to the draft vocabulary.
+    """P-EAGLE's loss: the sum over copies j of decay**j x `divergence` between copy j's
+    draft-vocabulary law and the target's law restricted to the draft vocabulary.
 
     logits [B, N, Vd]: the head's rows, row n of copy copies[n] [N] at position positions[n]
     [N], which scores token positions[n] + 2 whatever its copy (copy 0 holds the real pairs,
@@ -241,7 +262,7 @@ def parallel_eagle3_loss(
         law = teacher.at(at + 1)  # the laws of tokens at + 2: [B, n, ...]
         rows = mask[:, at + 2] & law.in_vocab  # [B, n]
         scores = logits[:, picked]
-        part = _masked_mean(cross_entropy_to(scores, law.probs), rows)
+        part = _masked_mean(divergence(scores, law.log_probs), rows)
         total = total + decay**j * part
         metrics[f"peagle/copy{j}_loss"] = float(part.detach())
         metrics[f"peagle/copy{j}_top1"] = _hits(scores, law.top, rows)
@@ -254,25 +275,26 @@ def exit_loss(
     tokens: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     hard_weight: float = 0.0,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
-    """An early exit's loss: soft cross-entropy to the target's final law (Kangaroo), plus
-    hard_weight x cross-entropy to the tokens themselves.
+    """An early exit's loss: `divergence` from the target's final law (Kangaroo: forward KL,
+    the soft cross-entropy less the target's entropy), plus hard_weight x cross-entropy to the
+    tokens themselves.
 
     exit_logits, target_logits: [B, T, V]; position t predicts token t + 1, so it counts when
     loss_mask[:, t + 1] is set (None: every position but the last). tokens [B, T]: needed
-    when hard_weight > 0. Metrics: the soft term, the KL to the target (the soft term less the
-    target's entropy: 0 for a perfect exit) and top-1, the share of counted positions where
+    when hard_weight > 0. Metrics: the soft term (the divergence), the KL to the target (0 for
+    a perfect exit, whatever the objective) and top-1, the share of counted positions where
     both argmaxes agree (greedy drafting's acceptance, token by token).
     """
     _check_exit_inputs(exit_logits, target_logits, tokens, loss_mask, hard_weight)
     exit_rows, teacher = exit_logits[:, :-1], target_logits[:, :-1]  # [B, T-1, V]
     rows = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
     rows = rows if loss_mask is None else loss_mask[:, 1:].bool()
-    soft = soft_cross_entropy(exit_rows, teacher)  # [B, T-1]
-    entropy = soft_cross_entropy(teacher, teacher)
-    soft_loss = _masked_mean(soft, rows)
-    metrics = {"soft_loss": float(soft_loss.detach()),
-               "kl": float(_masked_mean(soft - entropy, rows).detach()),
+    law = target_log_probs(teacher)  # [B, T-1, V]
+    soft_loss = _masked_mean(divergence(exit_rows, law), rows)
+    kl = soft_loss if divergence is forward_kl else _masked_mean(forward_kl(exit_rows, law), rows)
+    metrics = {"soft_loss": float(soft_loss.detach()), "kl": float(kl.detach()),
                "top1": _agreement(exit_rows, teacher, rows)}
     if hard_weight == 0:
         return LossOutput(soft_loss, metrics)
@@ -361,11 +383,11 @@ def dflash_loss(
     valid: torch.Tensor,
     gamma: float,
     teacher_logits: torch.Tensor | None = None,
+    divergence: Divergence = forward_kl,
 ) -> LossOutput:
     """A block drafter's loss: over blocks and their slots k = 1..K, the weighted mean of
     exp(-(k - 1) / gamma) x the cross-entropy of slot k's scores against the data (labels) or,
-    given teacher_logits, against the target's law (soft cross-entropy: the KL to it plus the
-    teacher's entropy, the same gradient).
+    given teacher_logits, `divergence` between slot k's law and the target's.
 
     logits [B, A, K, V]: block a's slot k scores its token; labels [B, A, K] (ids among the V
     scored); valid [B, A, K] which slots count; teacher_logits [B, A, K, V] or None. Metrics:
@@ -383,7 +405,7 @@ def dflash_loss(
                                    reduction="none").view(labels.shape)  # [B, A, K]
         wanted = labels
     else:
-        per_slot = soft_cross_entropy(logits, teacher_logits)
+        per_slot = divergence(logits, target_log_probs(teacher_logits))
         wanted = teacher_logits.argmax(-1)
     weights = dflash_weights(slots, gamma, logits.device) * valid.float()  # [B, A, K]
     loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)

@@ -1,7 +1,9 @@
 """Training objectives: a target plus a trainable head, whose forward is the loss.
 
 `selfspec.training.loop.fit` trains any of these; each method adds one class here, a head in
-`selfspec.heads` and a loss in `selfspec.training.losses`. With a frozen target its features
+`selfspec.heads` and a loss in `selfspec.training.losses`. Each takes `objective`, the name of
+the divergence its draft's law is fitted to the target's by (`training.divergences`: kl, the
+published default, tv, reverse_kl, jsd, lk). With a frozen target its features
 are computed without gradients, or read from a feature source (`features.FeatureCache`, a
 feature store's `features.StoredFeatures`), and handed to the head explicitly; Medusa-2 also
 trains LoRA adapters on the target (`selfspec.model.lora`).
@@ -24,6 +26,7 @@ from selfspec.heads.eagle import EagleHead
 from selfspec.heads.early_exit import ExitHead
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.model import Transformer
+from selfspec.training.divergences import Divergence, divergence
 from selfspec.training.features import (
     FeatureCache,
     FeatureSource,
@@ -43,6 +46,14 @@ from selfspec.training.losses import (
 
 if TYPE_CHECKING:
     from peft import PeftModel
+
+
+def law_objective(name: str, owner: str) -> Divergence:
+    """The divergence called `name` (`divergences.DIVERGENCES`), refused naming `owner`."""
+    try:
+        return divergence(name)
+    except ValueError as exc:
+        raise ValueError(f"{owner}: {exc}") from None
 
 
 def freeze(target: Transformer) -> Transformer:
@@ -77,21 +88,37 @@ def frozen_states(target: Transformer, tokens: torch.Tensor, layers: tuple[int, 
 
 class MedusaObjective(nn.Module):
     """Medusa-1: heads read the frozen target's last hidden state and learn the tokens after
-    the next one (head k predicts t + k + 2), with per-head weights decay**k.
+    the next one (head k predicts t + k + 2), with per-head weights decay**k: the tokens'
+    cross-entropy (objective kl, the published loss), or another objective against the
+    target's own law of that token (its LM head over the same states, restricted to the
+    heads' draft vocabulary).
     cache_features: keep each row's features (`FeatureCache`) for runs of many epochs;
     features: read them from elsewhere (a feature store)."""
 
     def __init__(self, target: Transformer, heads: MedusaHeads, decay: float = 0.8,
-                 cache_features: bool = False, features: FeatureSource | None = None):
+                 cache_features: bool = False, features: FeatureSource | None = None,
+                 objective: str = "kl"):
         super().__init__()
         self.target, self.heads, self.decay = freeze(target), heads, decay
         self.features = feature_source((), cache_features, features, "MedusaObjective")
+        self.objective, self.divergence = objective, law_objective(objective, "MedusaObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
         labels, mask = self.heads.labels(tokens, loss_mask)
         logits = self.heads(hidden, self.target.lm_head)
-        return medusa_loss(logits, labels, mask, decay=self.decay)
+        teacher = None
+        if self.objective != "kl":
+            with torch.no_grad():
+                teacher = medusa_teacher(self.heads, self.target.logits_of(hidden))
+        return medusa_loss(logits, labels, mask, decay=self.decay, teacher_logits=teacher,
+                           divergence=self.divergence)
+
+
+def medusa_teacher(heads: MedusaHeads, target_logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V'] the target's logits over the heads' draft vocabulary (all V without one)."""
+    vocab = heads.draft_vocab
+    return target_logits if vocab is None else target_logits[..., vocab.t2d]
 
 
 class Medusa2Objective(nn.Module):
@@ -108,7 +135,7 @@ class Medusa2Objective(nn.Module):
 
     def __init__(
         self, target: PeftModel, heads: MedusaHeads, decay: float = 0.8, lm_weight: float = 1.0,
-        adapter_lr_scale: float = 0.25,
+        adapter_lr_scale: float = 0.25, objective: str = "kl",
     ):
         super().__init__()
         if not lm_weight >= 0:
@@ -118,6 +145,8 @@ class Medusa2Objective(nn.Module):
                 f"Medusa2Objective: adapter_lr_scale must be > 0, got {adapter_lr_scale}")
         self.target, self.heads, self.decay, self.lm_weight = target, heads, decay, lm_weight
         self.adapter_lr_scale = adapter_lr_scale
+        self.objective = objective
+        self.divergence = law_objective(objective, "Medusa2Objective")
 
     def param_groups(self, lr: float) -> list[dict]:
         """The heads at lr, the target's adapters at lr * adapter_lr_scale (for `fit`)."""
@@ -131,7 +160,11 @@ class Medusa2Objective(nn.Module):
             teacher = self.target(tokens, positions).logits  # [B, T, V] the unadapted target
         out = self.target(tokens, positions)
         logits = self.heads(out.last_hidden, self.target.get_base_model().lm_head)
-        heads = medusa_loss(logits, *self.heads.labels(tokens, loss_mask), decay=self.decay)
+        # objectives other than kl meet the adapted target's law, which verification uses
+        adapted = None if self.objective == "kl" else medusa_teacher(self.heads,
+                                                                     out.logits.detach())
+        heads = medusa_loss(logits, *self.heads.labels(tokens, loss_mask), decay=self.decay,
+                            teacher_logits=adapted, divergence=self.divergence)
         kl = kl_to_teacher(out.logits, teacher, loss_mask)
         metrics = heads.metrics | {"medusa/lm_kl": float(kl.detach())}
         return LossOutput(heads.loss + self.lm_weight * kl, metrics)
@@ -140,8 +173,8 @@ class Medusa2Objective(nn.Module):
 class EagleObjective(nn.Module):
     """EAGLE-1 (and EAGLE-2, which drafts with the same heads): row t of the head reads
     (token t+1, the frozen target's feature f_t) and learns f_{t+1} (smooth-L1, weight
-    feature_weight) and the target's law of token t+2 through the target's LM head (soft
-    cross-entropy, weight token_weight). Row t counts when token t+2 is a prediction target.
+    feature_weight) and the target's law of token t+2 through the target's LM head (by
+    `objective`, weight token_weight). Row t counts when token t+2 is a prediction target.
 
     feature_noise: during training the input features get uniform noise in
     [-feature_noise, feature_noise] (the head learns to read its own imperfect features), drawn
@@ -153,7 +186,7 @@ class EagleObjective(nn.Module):
     def __init__(self, target: Transformer, head: EagleHead, feature_weight: float = 1.0,
                  token_weight: float = 0.1, feature_noise: float = 0.0,
                  generator: torch.Generator | None = None, cache_features: bool = False,
-                 features: FeatureSource | None = None):
+                 features: FeatureSource | None = None, objective: str = "kl"):
         super().__init__()
         if head.config.version != 1:
             raise ValueError("EagleObjective trains EAGLE-1 heads; use Eagle3Objective for EAGLE-3")
@@ -163,6 +196,7 @@ class EagleObjective(nn.Module):
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.feature_noise, self.generator = feature_noise, generator
         self.features = feature_source((), cache_features, features, "EagleObjective")
+        self.objective, self.divergence = objective, law_objective(objective, "EagleObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         with torch.no_grad():
@@ -178,7 +212,8 @@ class EagleObjective(nn.Module):
         with torch.no_grad():
             target_logits = self.target.logits_of(next_feature)
         return eagle_loss(kept, self.head.logits(kept, self.target.lm_head), next_feature,
-                          target_logits, None, self.feature_weight, self.token_weight)
+                          target_logits, None, self.feature_weight, self.token_weight,
+                          divergence=self.divergence)
 
     def _noisy(self, feature: torch.Tensor) -> torch.Tensor:
         if not self.training or self.feature_noise == 0:
@@ -204,7 +239,8 @@ class Eagle3Objective(nn.Module):
 
     def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
                  cache_features: bool = False, features: FeatureSource | None = None,
-                 keep: float = 0.5, generator: torch.Generator | None = None):
+                 keep: float = 0.5, generator: torch.Generator | None = None,
+                 objective: str = "kl"):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
@@ -215,6 +251,7 @@ class Eagle3Objective(nn.Module):
         self.keep, self.generator = float(keep), generator
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "Eagle3Objective")
+        self.objective, self.divergence = objective, law_objective(objective, "Eagle3Objective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         last, streams, target_logits, embeds = _target_states(
@@ -225,7 +262,7 @@ class Eagle3Objective(nn.Module):
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
         # the head's LM head scores only the rows that count (a chat row's prompt does not)
         return eagle3_loss(hidden, target_logits, self.head.t2d, loss_mask, decay=self.decay,
-                           scores=self.head.logits)
+                           scores=self.head.logits, divergence=self.divergence)
 
     def _parallel(self, tokens: torch.Tensor, loss_mask: torch.Tensor, feature: torch.Tensor,
                   target_logits: torch.Tensor) -> LossOutput:
@@ -244,19 +281,19 @@ class Eagle3Objective(nn.Module):
         hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
         return parallel_eagle3_loss(self.head.logits(hidden), pairs.copies, pairs.positions,
                                     target_logits, self.head.t2d, config.parallel, loss_mask,
-                                    decay=self.decay)
+                                    decay=self.decay, divergence=self.divergence)
 
 
 class EarlyExitObjective(nn.Module):
     """Early exits at several layers E of the frozen target, trained together from one target
     forward (so that a sweep can pick E): each exit reads the residual stream after its layer
-    and learns the target's final law (`exit_loss`: soft cross-entropy, plus hard_weight x
+    and learns the target's final law (`exit_loss`: by `objective`, plus hard_weight x
     cross-entropy to the tokens). The loss is the mean over exits; metrics are per exit,
     `exit/E{E}_*`. features: the target's states read from elsewhere (a feature store holding
     the exit layers) instead of its forward."""
 
     def __init__(self, target: Transformer, heads: Sequence[ExitHead], hard_weight: float = 0.0,
-                 features: FeatureSource | None = None):
+                 features: FeatureSource | None = None, objective: str = "kl"):
         super().__init__()
         layers = [head.exit_layer for head in heads]
         if not layers or len(set(layers)) != len(layers):
@@ -267,6 +304,8 @@ class EarlyExitObjective(nn.Module):
         self.target, self.heads = freeze(target), nn.ModuleList(heads)
         self.hard_weight = hard_weight
         self.features = feature_source(tuple(layers), False, features, "EarlyExitObjective")
+        self.objective = objective
+        self.divergence = law_objective(objective, "EarlyExitObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         layers = tuple(head.exit_layer for head in self.heads)
@@ -275,15 +314,16 @@ class EarlyExitObjective(nn.Module):
         total, metrics = target_logits.new_zeros(()), {}
         for head, hidden in zip(self.heads, streams, strict=True):
             logits = head.logits(hidden, positions, self.target)  # [B, T, V]
-            part = exit_loss(logits, target_logits, tokens, loss_mask, self.hard_weight)
+            part = exit_loss(logits, target_logits, tokens, loss_mask, self.hard_weight,
+                             self.divergence)
             total = total + part.loss / len(self.heads)
             metrics |= {f"exit/E{head.exit_layer}_{k}": v for k, v in part.metrics.items()}
         return LossOutput(total, metrics)
 
 
 class DraftModelObjective(nn.Module):
-    """A separate draft model distilled on the frozen target's law (`exit_loss`: soft
-    cross-entropy, plus hard_weight x cross-entropy to the tokens). Only the draft's
+    """A separate draft model distilled on the frozen target's law (`exit_loss`: by
+    `objective`, plus hard_weight x cross-entropy to the tokens). Only the draft's
     parameters that require grad train (a draft cut from the target keeps its embedding and
     LM head frozen).
 
@@ -303,7 +343,7 @@ class DraftModelObjective(nn.Module):
     def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
                  cache_features: bool = False, draft_vocab: DraftVocab | None = None,
                  features: FeatureSource | None = None, parallel: int = 1,
-                 mask_token_id: int | None = None):
+                 mask_token_id: int | None = None, objective: str = "kl"):
         super().__init__()
         if not hard_weight >= 0:
             raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
@@ -316,6 +356,8 @@ class DraftModelObjective(nn.Module):
         self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
         self.parallel, self.mask_token_id = parallel, mask_token_id
         self.features = feature_source((), cache_features, features, "DraftModelObjective")
+        self.objective = objective
+        self.divergence = law_objective(objective, "DraftModelObjective")
         ids = None if draft_vocab is None else draft_vocab.target_ids
         self.register_buffer("vocab_ids", ids, persistent=False)
 
@@ -329,7 +371,7 @@ class DraftModelObjective(nn.Module):
         logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))  # [B, K T, V]
         copies = logits.view(*tokens.shape[:1], self.parallel, tokens.shape[1], -1)
         parts = [exit_loss(copies[:, j], teacher, tokens, rows.loss_mask[:, j],
-                           self.hard_weight) for j in range(self.parallel)]
+                           self.hard_weight, self.divergence) for j in range(self.parallel)]
         part = parts[0]
         metrics = {f"draft/{k}": v for k, v in part.metrics.items()}
         if self.parallel == 1:
@@ -366,7 +408,7 @@ class DFlashObjective(nn.Module):
     [token a, mask x (B - 1)] at positions a..a + B - 1; it attends to the context strictly
     before a (every draft layer's keys of the target's fused streams there) and to itself,
     bidirectionally, never to another block. Slot k predicts token a + k, scored against the
-    data or (teacher=True) against the target's law at a + k - 1, slot k weighing
+    data or (teacher=True) against the target's law at a + k - 1 by `objective`, slot k weighing
     exp(-(k - 1) / gamma) (`losses.dflash_loss`). With a draft vocabulary, slots whose token
     lies outside it do not count and the law is restricted to it.
     cache_features: keep each row's streams (`FeatureCache`) for runs of many epochs;
@@ -375,15 +417,20 @@ class DFlashObjective(nn.Module):
     def __init__(self, target: Transformer, head: DFlashHead, anchors: int = 16,
                  gamma: float = 4.0, teacher: bool = False,
                  generator: torch.Generator | None = None, cache_features: bool = False,
-                 features: FeatureSource | None = None):
+                 features: FeatureSource | None = None, objective: str = "kl"):
         super().__init__()
         check_count("anchors", anchors, owner="DFlashObjective")
+        if objective != "kl" and not teacher:
+            raise ValueError(f"DFlashObjective: objective {objective!r} fits the draft's law to "
+                             f"the target's: give teacher=True (against the data only kl, the "
+                             f"cross-entropy, applies)")
         if not gamma > 0:
             raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
         self.target, self.head, self.anchors = freeze(target), head, anchors
         self.gamma, self.teacher, self.generator = float(gamma), bool(teacher), generator
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "DFlashObjective")
+        self.objective, self.divergence = objective, law_objective(objective, "DFlashObjective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
         return self.loss(tokens, loss_mask, self.block_features(tokens))
@@ -419,7 +466,7 @@ class DFlashObjective(nn.Module):
             valid = valid & kept
             if teacher is not None:
                 teacher = teacher[..., vocab.t2d]
-        return dflash_loss(logits, labels, valid, self.gamma, teacher)
+        return dflash_loss(logits, labels, valid, self.gamma, teacher, self.divergence)
 
     def block_logits(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
         """[B, A, K, V'] each block's slot scores (K = block_size - 1) over its context."""

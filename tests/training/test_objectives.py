@@ -205,7 +205,7 @@ def test_the_training_time_test_equals_drafting_step_by_step(target):
         for j in range(steps):
             torch.testing.assert_close(unrolled[j], expected[j], atol=1e-5, rtol=1e-5)
         loss = Eagle3Objective(target, head, steps=steps)(tokens, mask)
-    # The loss, summed by hand: step j row t scores token t+2+j against the target's law at
+    # The loss, summed by hand: step j row t scores token t+2+j by the KL from the target's law at
     # t+1+j restricted to the draft vocabulary, when that token counts and the target's
     # argmax is a draft token.
     t2d, total = head.t2d, 0.0
@@ -215,8 +215,9 @@ def test_the_training_time_test_equals_drafting_step_by_step(target):
             for t in range(8 - 2 - j):
                 teacher = target_logits[b, t + 1 + j]
                 if mask[b, t + 2 + j] and t2d[teacher.argmax()]:
+                    law = teacher[t2d]  # the KL: cross-entropy less the law's entropy
                     terms.append(float(soft_cross_entropy(head.logits(expected[j, b, t]).detach(),
-                                                          teacher[t2d])))
+                                                          law) - soft_cross_entropy(law, law)))
         step = sum(terms) / max(len(terms), 1)
         assert loss.metrics[f"eagle3/step{j}_loss"] == pytest.approx(step, rel=1e-4)
         total += 0.8**j * step
