@@ -79,9 +79,15 @@ def bench_headline(f: dict) -> str:
     parts.append(f"oracle k={k} {oracle[k]['speedup']:.2f}x (bound {oracle[k]['bound']:.2f}x, "
                  f"tau {oracle[k]['tau']:.2f})")
     parts += [f"{t['tree']} {t['speedup']:.2f}x" for t in f.get("oracle_trees", [])]
+    batches = f.get("batches") or []
+    if batches:
+        parts.append("oracle k=4 by batch: " + ", ".join(
+            f"{b['batch_size']}: {b['speedup']:.2f}x" for b in batches))
     if f.get("compiled"):
         parts.append(f"compiled, {f['setup_seconds']:.0f} s setup")
-    return "; ".join(parts) + lossless_said(f["oracle"] + f.get("oracle_trees", []))
+    if f.get("invariant_rows"):
+        parts.append(f"batch-invariant products (blocks of {f['invariant_rows']})")
+    return "; ".join(parts) + lossless_said(f["oracle"] + f.get("oracle_trees", []) + batches)
 
 
 def lossless_said(rows: list[dict]) -> str:
@@ -168,15 +174,21 @@ CPU_COMPILED = ("cpu-compiled", "one_compiled_graph_per_bucket", "eager_forward[
 PARTS = [
     Part("preflight", 30, "{python} scripts/gpu_check.py facts {run}/facts.json", "facts.json",
          facts_headline, needs_cuda=False),
+    # the exact mode (batch_invariant=true): the oracle's chains, trees and batches against
+    # plain decoding in bf16 with no near-tie exemption, and what the mode costs plain decoding
+    # (set beside the `bench` part's figures of the default)
+    Part("exact", 130, BENCH_7B + " repeats=1 new_tokens=64 batch_invariant=true "
+         "'cost_lengths=[1,2,4,8,16,32,64,65,128]' 'oracle_trees=[eagle2,medusa_63]' "
+         "prompt_tokens=256 'batch_sizes=[1,4,8,32]'", "bench_decode.json", bench_headline),
     Part("cuda_tests", 130, pytest_command(
         "-k '" + " and ".join(f"not {t}" for t in CPU_COMPILED) + "' " + CUDA_TESTS, workers=8,
         per_test_s=110), "junit.xml", tests_headline),
-    Part("trainers", 100, pytest_command("tests/features/test_train_on_cuda.py", workers=6,
-                                         per_test_s=90), "junit.xml", tests_headline),
     # bucket 64: the one EAGLE-2's and Medusa's 60-63-node trees verify in, whose oracle
     # parted from plain decoding on the H200 in graphs as written (2026-11-27)
-    Part("diagnosis", 120, "{python} scripts/bucket_invariance.py --buckets 2 4 8 16 64 "
+    Part("diagnosis", 135, "{python} scripts/bucket_invariance.py --buckets 2 4 8 16 64 "
          "--out {run}/bucket_invariance.json", "bucket_invariance.json", diagnosis_headline),
+    Part("trainers", 100, pytest_command("tests/features/test_train_on_cuda.py", workers=6,
+                                         per_test_s=90), "junit.xml", tests_headline),
     Part("bench", 150, BENCH_7B + f" repeats=2 compile=false 'cost_lengths={EVERY_N}' "
          "'oracle_trees=[eagle2,medusa_63]' "
          "'methods=[eagle2,eagle3,eagle1,medusa,early_exit,dflash]'",

@@ -34,6 +34,7 @@ from selfspec.model import (
     attention_kernels,
     compiled_stages,
 )
+from selfspec.model.cpu_linear import INVARIANT_BLOCK_ROWS, use_invariant_products
 from selfspec.model.transformer import LayerStages
 from selfspec.step import StaticSteps, bucket_of, padded_slots
 
@@ -302,8 +303,9 @@ def _row_dependence(op: Op, inputs: tuple) -> list[tuple[int, float]]:
 
 # ---- the whole diagnosis -------------------------------------------------------------------
 
-# mode: (compiled steps, inductor's emulated precision casts)
-MODES = {"eager": (False, False), "compiled": (True, False), "compiled_emulated": (True, True)}
+# mode: (compiled steps, inductor's emulated precision casts, the exact mode's invariant products)
+MODES = {"eager": (False, False, False), "compiled": (True, False, False),
+         "compiled_emulated": (True, True, False), "invariant": (False, False, True)}
 
 
 def diagnose(target: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, *,
@@ -325,8 +327,8 @@ def diagnose(target: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, *,
     slots = padded_slots(max(max(cache_lengths), prompt.shape[1]) + new_tokens)
     report = {}
     for mode in modes:
-        compiled, emulate = MODES[mode]
-        _set_mode(target, compiled, emulate)
+        compiled, emulate, invariant = MODES[mode]
+        _set_mode(target, compiled, emulate, invariant)
         _compile_counts(reset=True)
         steps = StaticSteps(target, slots)
         stages = compiled_stages() if compiled else None
@@ -344,7 +346,7 @@ def diagnose(target: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, *,
                         "seconds": time.perf_counter() - start,
                         "compile_counts": _compile_counts() if compiled else None}
         report[mode]["verdict"] = verdict(report[mode])
-    _set_mode(target, False, False)
+    _set_mode(target, False, False, False)
     return report
 
 
@@ -409,9 +411,11 @@ def _compile_counts(reset: bool = False) -> dict:
             if group in ("frames", "stats", "graph_break", "recompiles", "unimplemented")}
 
 
-def _set_mode(target: Transformer, compiled: bool, emulate: bool) -> None:
+def _set_mode(target: Transformer, compiled: bool, emulate: bool, invariant: bool) -> None:
     """The target's static steps as written or compiled; inductor's emulated precision casts
-    (a new compilation: dynamo's caches are reset when they change)."""
+    (a new compilation: dynamo's caches are reset when they change); the exact mode's
+    products (`use_invariant_products`)."""
+    use_invariant_products(target, INVARIANT_BLOCK_ROWS if invariant else None)
     if compiled:
         from torch._inductor import config as inductor
 

@@ -21,6 +21,7 @@ from selfspec.devices import check_device
 from selfspec.model import loading
 from selfspec.model.config import ModelConfig
 from selfspec.model.converted import GGUFSource, SourceNotInstalled, gguf_model_folder
+from selfspec.model.cpu_linear import INVARIANT_BLOCK_ROWS
 from selfspec.model.loading import DTYPES, TargetSpec
 from selfspec.model.placement import parse_device
 from selfspec.model.plan import ModelPlan, plan_model
@@ -50,6 +51,7 @@ def target_spec(cfg: DictConfig, weights: bool = True) -> TargetSpec:
     cfg_model = cfg.model
     bits = target_quantization(cfg_model)
     compiled = _compile(cfg, bits)
+    invariant_rows = _invariant_rows(cfg, bits, compiled)
     random_weights = bool(cfg_model.get("random_weights"))
     dtype = str(cfg_model.get("dtype", "fp32"))
     torch_dtype(dtype)  # checked
@@ -65,7 +67,8 @@ def target_spec(cfg: DictConfig, weights: bool = True) -> TargetSpec:
         device=check_device(home) if weights else parse_device(home),
         random_weights=random_weights, seed=int(cfg.get("seed", 0)),
         device_map=placement.get("device_map"), max_memory=placement.get("max_memory"),
-        quantize=bits, compile=compiled, chat=bool(cfg_model.get("chat", False)))
+        quantize=bits, compile=compiled, invariant_rows=invariant_rows,
+        chat=bool(cfg_model.get("chat", False)))
 
 
 def model_config(cfg_model: DictConfig) -> ModelConfig:
@@ -221,6 +224,21 @@ def _compile(cfg: DictConfig, bits: int | None) -> bool:
         raise ValueError("compile=true: a quantized target's products cannot be fused and "
                          "compiled; set compile=false (or model.quantize=null)")
     return value
+
+
+def _invariant_rows(cfg: DictConfig, bits: int | None, compiled: bool) -> int | None:
+    """batch_invariant=true: the exact mode's block of rows (`use_invariant_products`), else
+    None; compile and model.quantize read already."""
+    value = cfg.get("batch_invariant", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"batch_invariant must be true or false, got {value!r}")
+    if value and compiled:
+        raise ValueError("batch_invariant=true runs uncompiled steps (a compiled stage sums a "
+                         "bucket of rows in its own order); set compile=false")
+    if value and bits is not None:
+        raise ValueError("batch_invariant=true covers full-precision products; set "
+                         "model.quantize=null")
+    return INVARIANT_BLOCK_ROWS if value else None
 
 
 QUANTIZE = {"int8": 8, "int4": 4}  # model.quantize: weight-only, by torchao

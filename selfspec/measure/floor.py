@@ -21,6 +21,7 @@ from selfspec.measure.oracle import OracleDrafter
 from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passes
 from selfspec.measure.peers import HFDecoder, OurDecoder
 from selfspec.model import Transformer
+from selfspec.model.cpu_linear import invariant_rows_of
 from selfspec.sampling import SamplingParams
 from selfspec.step import setup_seconds, use_cuda_graphs
 
@@ -111,6 +112,7 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
             "hf_plain_tokens_per_s": statistics.median(theirs.tokens_per_s),
             "cuda_graphs": use_cuda_graphs(graphs, target),
             "compiled": target.compile_steps,
+            "invariant_rows": invariant_rows_of(target),
             "setup_seconds": setup_seconds(target),
             "peak_memory_mb": memory.peak_mb, "peak_memory_kind": memory.kind,
             "cost_profile": profile.as_dict(), "oracle": oracle, "oracle_trees": trees,

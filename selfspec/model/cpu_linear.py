@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.checks import check_count
+
 # CPU products over at most this many rows run as W @ x.T, or on oneDNN's packed copy of the
 # weight from PACKED_FROM_ROWS rows on (see `Linear`).
 FEW_ROWS_ON_CPU = 128
@@ -26,6 +28,12 @@ ELEMENTWISE_MAX_WEIGHT = 16_384
 # CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
 # weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
 PACKED_FROM_MODEL_BYTES = 64 << 20
+# The exact mode (`use_invariant_products`): off the CPU's fp32 forms, a product runs in blocks
+# of exactly this many rows, the last padded with zeros, so that one kernel of one shape sums
+# every row whatever rows came with it. On an H200 cuBLAS summed a row of a 64-row product in
+# another order than the same row alone (docs/gpu.md, "A compiled step"); 64 holds a 60-node
+# tree in one block, at the cost of a one-token step computing 64 rows (c(64) was 1.15 there).
+INVARIANT_BLOCK_ROWS = 64
 log = logging.getLogger(__name__)
 
 
@@ -51,8 +59,12 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
         self.packed_products = False
+        self.invariant_rows: int | None = None  # the exact mode's block (`invariant_linear`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant_rows is not None:
+            packed = self.packed if self.packed_products else None
+            return invariant_linear(x, self.weight, self.bias, self.invariant_rows, packed)
         rows = x.numel() // self.in_features
         if self.packed_products and PACKED_FROM_ROWS <= rows and _few_rows_on_cpu(x, rows) \
                 and _packable():
@@ -89,6 +101,54 @@ def use_packed_products(module: nn.Module, enabled: bool) -> None:
     for layer in module.modules():
         if isinstance(layer, Linear):
             layer.packed_products = enabled
+
+
+def use_invariant_products(module: nn.Module, block_rows: int | None) -> None:
+    """The exact mode: every `Linear` in module computes each row of a product with the same
+    bits whatever rows come with it, at any row count, on any device (`invariant_linear`,
+    in blocks of block_rows off the CPU's fp32 forms); None: the fastest forms again."""
+    if block_rows is not None:
+        check_count("block_rows", block_rows, owner="use_invariant_products")
+    for layer in module.modules():
+        if isinstance(layer, Linear):
+            layer.invariant_rows = block_rows
+
+
+def invariant_rows_of(module: nn.Module) -> int | None:
+    """The exact mode's block of rows module's products run in (None: off)."""
+    return next((layer.invariant_rows for layer in module.modules()
+                 if isinstance(layer, Linear)), None)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     block_rows: int, packed: PackedWeight | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with each row's bits independent of the others, at any row
+    count: on the CPU in fp32 in the form `invariant_form` found (one or two rows too, which
+    `linear` may give a faster form), FEW_ROWS_ON_CPU rows at a time; elsewhere in blocks of
+    exactly block_rows rows, the last padded with zeros (`_fixed_shape_product`)."""
+    out_features, in_features = weight.shape
+    flat = x.reshape(-1, in_features)
+    if flat.device.type == "cpu" and flat.dtype == torch.float32 and len(flat):
+        out = torch.cat([_invariant_product(chunk.contiguous(), weight, packed)
+                         for chunk in flat.split(FEW_ROWS_ON_CPU)])
+    else:
+        out = _fixed_shape_product(flat, weight, block_rows)
+    if bias is not None:
+        out = out + bias  # elementwise: each row's own
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def _fixed_shape_product(rows: torch.Tensor, weight: torch.Tensor, block_rows: int
+                         ) -> torch.Tensor:
+    """rows @ weight.T as products of block_rows rows each: one shape, so one kernel whose
+    sums run in one order for each row, whatever its neighbours hold."""
+    count = rows.shape[0]
+    padded = -(-count // block_rows) * block_rows
+    if padded != count:
+        rows = torch.cat((rows, rows.new_zeros(padded - count, rows.shape[1])))
+    blocks = [F.linear(block.contiguous(), weight) for block in rows.split(block_rows)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return out[:count]
 
 
 def _version(tensor: torch.Tensor) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from selfspec.model.config import ModelConfig
+from selfspec.model.cpu_linear import use_invariant_products
 from selfspec.model.placement import Placement
 from selfspec.model.plan import check_present, place, plan_placement
 from selfspec.model.quantized import check_quantizable, quantized_copy
@@ -41,6 +42,8 @@ class TargetSpec:
     device_map, max_memory: the placement asked for, as plain values (None: one device).
     quantize: weight-only bits of its quantized copy (8, 4; None: full precision).
     compile: whether its static decode steps run compiled (`Transformer.compile_steps`).
+    invariant_rows: the exact mode's block of rows (`cpu_linear.use_invariant_products`: each
+        row of a product the same bits whatever rows come with it); None: off.
     chat: whether it is a chat model (its prompts come as chat turns).
     """
 
@@ -56,6 +59,7 @@ class TargetSpec:
     max_memory: Any = None
     quantize: int | None = None
     compile: bool = False
+    invariant_rows: int | None = None
     chat: bool = False
 
     @property
@@ -81,7 +85,13 @@ def load(spec: TargetSpec) -> Transformer:
         if spec.checked:
             check_architecture(spec.config, target.config, spec.name, target.source)
     target = target if spec.quantize is None else quantized_copy(target, spec.quantize)
+    return with_modes(target, spec)
+
+
+def with_modes(target: Transformer, spec: TargetSpec) -> Transformer:
+    """The target with the spec's ways of computing: compiled steps, invariant products."""
     target.compile_steps = spec.compile
+    use_invariant_products(target, spec.invariant_rows)
     return target
 
 
@@ -100,8 +110,7 @@ def random_models(spec: TargetSpec) -> tuple[Transformer, Any]:
     weights with."""
     hf_model = random_hf_model(spec.config, spec.torch_dtype, spec.device, seed=spec.seed)
     target = Transformer.from_hf(hf_model)
-    target.compile_steps = spec.compile
-    return target, hf_model
+    return with_modes(target, spec), hf_model
 
 
 def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,

@@ -13,6 +13,7 @@ from helpers import tiny_llama
 from torch import nn
 
 from selfspec.model import Transformer
+from selfspec.model.cpu_linear import invariant_rows_of
 from selfspec.step import StaticSteps
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "invariance.py"
@@ -122,15 +123,16 @@ def test_a_flip_is_a_near_tie_when_the_logits_moved_at_least_half_its_gap():
 def test_the_diagnosis_runs_every_view_and_says_what_it_found():
     target = model()
     prompt, tokens = inputs(target, length=40, rows=4)
-    report = diagnose(target, prompt, tokens, modes=["eager"], buckets=[2, 4],
+    report = diagnose(target, prompt, tokens, modes=["eager", "invariant"], buckets=[2, 4],
                       cache_lengths=[16, 40], new_tokens=12, draft_lengths=[1, 2])
-    eager = report["eager"]
-    cases = [(r["cache_length"], r["bucket"], r["rows"]) for r in eager["rows"]]
-    assert cases == [(16, 2, 2), (16, 4, 3), (16, 4, 4), (40, 2, 2), (40, 4, 3), (40, 4, 4)]
-    assert all(r["flips"] == 0 for r in eager["rows"])
-    assert [d["lossless"] for d in eager["decode"]] == [True, True]
-    assert "Decoding: k=1 lossless" in eager["verdict"]
-    assert target.compile_steps is False
+    for mode in ("eager", "invariant"):
+        found = report[mode]
+        cases = [(r["cache_length"], r["bucket"], r["rows"]) for r in found["rows"]]
+        assert cases == [(16, 2, 2), (16, 4, 3), (16, 4, 4), (40, 2, 2), (40, 4, 3), (40, 4, 4)]
+        assert all(r["flips"] == 0 for r in found["rows"])
+        assert [d["lossless"] for d in found["decode"]] == [True, True]
+        assert "Decoding: k=1 lossless" in found["verdict"]
+    assert target.compile_steps is False and invariant_rows_of(target) is None  # as it was
     with pytest.raises(ValueError, match="modes: unknown"):
         diagnose(target, prompt, tokens, modes=["fast"])
 

@@ -146,7 +146,7 @@ def test_the_plan_lists_every_part_with_its_timeout_and_refuses_unknown_ones():
 
 def test_the_parts_come_in_order_of_value_and_the_first_ones_fit_the_budget():
     names = [p.name for p in gpu_check.PARTS]
-    assert names[:5] == ["preflight", "cuda_tests", "trainers", "diagnosis", "bench"]
+    assert names[:6] == ["preflight", "exact", "cuda_tests", "diagnosis", "trainers", "bench"]
     assert sum(p.timeout_s for p in gpu_check.PARTS[:4]) <= gpu_check.BUDGET_S
     assert gpu_check.BUDGET_S <= 8 * 60
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[a-z_]+", n) for n in names)
