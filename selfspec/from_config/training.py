@@ -48,6 +48,7 @@ from selfspec.training.data import (
     self_distill,
     self_distill_rows,
 )
+from selfspec.training.divergences import DIVERGENCES
 from selfspec.training.features import StoreWriter
 from selfspec.training.instructions import (
     cache_name,
@@ -299,6 +300,17 @@ def head_exporter(head: torch.nn.Module, prefix: str, target: Transformer,
             save_token_counts(folder, counts)
 
     return export
+
+
+def training_objective(cfg: DictConfig) -> str:
+    """trainer.objective: the divergence a trainer fits its draft's law to the target's by
+    (`training.divergences`; unset: kl, the published default), checked."""
+    name = str(cfg.trainer.get("objective") or "kl")
+    if name not in DIVERGENCES:
+        raise ValueError(f"trainer.objective must be one of {', '.join(DIVERGENCES)} (the "
+                         f"divergence the draft's law is fitted to the target's by), got "
+                         f"{name!r}")
+    return name
 
 
 def train_settings(cfg: DictConfig) -> TrainSettings:

@@ -14,7 +14,8 @@ pass it detached, or computed under no_grad.
   tv          TV(p, q) = 1/2 sum_v |p_v - q_v| = 1 - alpha(p, q): the rejection rate itself.
               Its gradient in the draft's logits z goes through q = softmax(z):
               dTV/dz_j = q_j (g_j - sum_v q_v g_v) with g = 1/2 sign(q - p), so it vanishes
-              where q puts little mass: a draft far from the target learns slowly.
+              where q puts little mass: a draft far from the target learns slowly. It has a
+              kink where q_v = p_v (there autograd takes a subgradient, |g_v| <= 1/2).
   reverse_kl  KL(q || p) = sum_v q_v (log q_v - log p_v): mode-seeking.
   jsd         JSD(p, q) = 1/2 KL(p || m) + 1/2 KL(q || m), m = (p + q) / 2: symmetric,
               bounded by log 2.

@@ -144,6 +144,11 @@ def check_dflash_settings(cfg: DictConfig) -> None:
     if d.loss not in DFLASH_LOSSES:
         raise ValueError(f"dflash.loss must be ce (against the data) or kl (against the "
                          f"target's law), got {d.loss!r}")
+    objective = training.training_objective(cfg)
+    if objective != "kl" and d.loss != "kl":
+        raise ValueError(f"trainer.objective={objective} fits the draft's law to the target's: "
+                         f"set dflash.loss=kl (against the target's law) with it; "
+                         f"dflash.loss=ce trains on the data's tokens, by cross-entropy only")
 
 
 def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlashHead:
@@ -165,11 +170,11 @@ def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlas
 def dflash_objective(cfg: DictConfig, target: Transformer, head: DFlashHead,
                      features: FeatureSource | None = None) -> DFlashObjective:
     """Blocks at dflash.anchors anchors a row, slots weighted by dflash.gamma, against the data
-    (dflash.loss=ce) or the target's law (kl); features: the target's states from a feature
-    store."""
+    (dflash.loss=ce) or the target's law (kl) by trainer.objective; features: the target's
+    states from a feature store."""
     d = cfg.dflash
     return DFlashObjective(target, head, anchors=int(d.anchors), gamma=float(d.gamma),
-                           teacher=d.loss == "kl",
+                           teacher=d.loss == "kl", objective=training.training_objective(cfg),
                            cache_features=bool(d.get("cache_features", False)),
                            features=features)
 

@@ -194,6 +194,7 @@ def check_eagle_settings(cfg: DictConfig) -> int:
     if not 0 < float(e.parallel_keep) <= 1:
         raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
                          f"once the one before it is), got {e.parallel_keep}")
+    training.training_objective(cfg)
     return version
 
 
@@ -222,18 +223,19 @@ def eagle_objective(
 ) -> EagleObjective | Eagle3Objective:
     """The training objective of cfg.eagle.version: EAGLE-1 heads (versions 1, 2) learn the
     next feature and token law with uniform feature noise (drawn from torch's default
-    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test.
-    features: the target's states read from a feature store."""
+    generator, which `fit` seeds and checkpoints); EAGLE-3 heads the training-time test; both
+    meet the target's law by trainer.objective. features: the target's states read from a
+    feature store."""
     e = cfg.eagle
-    cache = bool(e.get("cache_features", False))
+    cache, name = bool(e.get("cache_features", False)), training.training_objective(cfg)
     if eagle_version(cfg) < 3:
         return EagleObjective(target, head, feature_weight=float(e.feature_weight),
                               token_weight=float(e.token_weight),
                               feature_noise=float(e.feature_noise), cache_features=cache,
-                              features=features)
+                              features=features, objective=name)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
                            cache_features=cache, features=features,
-                           keep=float(e.parallel_keep))
+                           keep=float(e.parallel_keep), objective=name)
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:

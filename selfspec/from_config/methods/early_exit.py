@@ -160,6 +160,7 @@ def check_early_exit_settings(cfg: DictConfig) -> tuple[int, ...]:
         raise ValueError(f"early_exit.num_draft_tokens must be an integer >= 1, got {k!r}")
     if not float(cfg.early_exit.hard_weight) >= 0:
         raise ValueError(f"early_exit.hard_weight must be >= 0, got {cfg.early_exit.hard_weight}")
+    training.training_objective(cfg)
     return layers
 
 
@@ -174,10 +175,10 @@ def early_exit_heads(cfg: DictConfig, target: Transformer) -> list[ExitHead]:
 def early_exit_objective(cfg: DictConfig, target: Transformer, heads: list[ExitHead],
                          features: FeatureSource | None = None) -> EarlyExitObjective:
     """The exits trained together from one target forward (or the states of a feature
-    store), each on the target's final law (plus early_exit.hard_weight x cross-entropy to
-    the tokens)."""
+    store), each on the target's final law by trainer.objective (plus early_exit.hard_weight
+    x cross-entropy to the tokens)."""
     return EarlyExitObjective(target, heads, hard_weight=float(cfg.early_exit.hard_weight),
-                              features=features)
+                              features=features, objective=training.training_objective(cfg))
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:

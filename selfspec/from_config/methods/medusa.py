@@ -196,6 +196,7 @@ def check_medusa_settings(cfg: DictConfig) -> int:
         lora_settings(cfg)
         if not float(cfg.medusa.lm_weight) >= 0:
             raise ValueError(f"medusa.lm_weight must be >= 0, got {cfg.medusa.lm_weight}")
+    training.training_objective(cfg)
     return version
 
 
@@ -228,19 +229,21 @@ def medusa_objective(
     features: FeatureSource | None = None,
 ) -> MedusaObjective | Medusa2Objective:
     """The training objective of cfg.medusa.version; Medusa-2 wraps the target with LoRA.
-    features: the target's states read from a feature store (Medusa-1)."""
-    decay = float(cfg.medusa.decay)
+    trainer.objective: kl trains on the tokens (the published loss), any other against the
+    target's law (Medusa-2: the adapted target's). features: the target's states read from a
+    feature store (Medusa-1)."""
+    decay, name = float(cfg.medusa.decay), training.training_objective(cfg)
     cache = bool(cfg.medusa.get("cache_features", False))
     if medusa_version(cfg) == 1:
         return MedusaObjective(target, heads, decay=decay, cache_features=cache,
-                               features=features)
+                               features=features, objective=name)
     if cache or features is not None:
         raise ValueError("medusa.cache_features=true and trainer.features need a frozen target "
                          "(Medusa-1): Medusa-2 trains the target, whose features change every "
                          "step")
     adapted = add_lora(target, lora_settings(cfg))
     return Medusa2Objective(adapted, heads, decay=decay, lm_weight=float(cfg.medusa.lm_weight),
-                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale))
+                            adapter_lr_scale=float(cfg.medusa.lora.lr_scale), objective=name)
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:

@@ -192,6 +192,7 @@ def check_draft_model_settings(cfg: DictConfig) -> int:
     if parallel > 1 and d.num_draft_tokens > parallel:
         raise ValueError(f"draft_model.num_draft_tokens={d.num_draft_tokens}: a draft trained "
                          f"to fill {parallel - 1} masks drafts at most {parallel} tokens at once")
+    training.training_objective(cfg)
     return int(d.num_layers)
 
 
@@ -224,7 +225,8 @@ def draft_model_mask(cfg: DictConfig, target: Transformer, train: TokenRows) -> 
 def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transformer,
                           counts: torch.Tensor, mask_token_id: int | None = None,
                           features: FeatureSource | None = None) -> DraftModelObjective:
-    """The draft distilled on the frozen target's law (plus draft_model.hard_weight x
+    """The draft distilled on the frozen target's law by trainer.objective (plus
+    draft_model.hard_weight x
     cross-entropy to the tokens), over draft_model.draft_vocab's most frequent tokens of the
     training rows' counts [V] when set; features: the target's states from a feature store.
     With a mask token (`draft_model_mask`), PARD's parallel draft of draft_model.parallel
@@ -232,7 +234,8 @@ def draft_model_objective(cfg: DictConfig, target: Transformer, draft: Transform
     d = cfg.draft_model
     vocab = None if d.draft_vocab is None else most_frequent(counts, int(d.draft_vocab))
     return DraftModelObjective(target, draft, float(d.hard_weight), bool(d.cache_features),
-                               vocab, features, parallel=pard(cfg), mask_token_id=mask_token_id)
+                               vocab, features, parallel=pard(cfg), mask_token_id=mask_token_id,
+                               objective=training.training_objective(cfg))
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
