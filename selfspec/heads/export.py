@@ -6,6 +6,7 @@ launch command (`scripts/export_heads.py`; the layouts are `selfspec.heads.publi
 | Medusa | yes: top-1 chains | no | yes | no | no | no |
 | EAGLE-1 | fc without bias | yes | no | yes | no | no |
 | EAGLE-3 | yes | yes | no | default fused layers only | no | yes |
+| P-EAGLE | no | no | no | no | no | yes (mask feature before fc) |
 | DFlash | q/k norms, draft vocab | q/k norms, target's LM head | no | no | as SGLang | q/k norms |
 
 speculators (its `SpeculatorModel.from_pretrained`) needs the target: its embedding is written
@@ -32,6 +33,7 @@ from selfspec.heads.dflash import DFlashHead
 from selfspec.heads.eagle import EagleHead, default_target_layers
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.heads.published import (
+    mask_hidden_before_fc,
     medusa_blocks_are_shared,
     medusa_reference_state,
     medusa_vllm_state,
@@ -172,7 +174,8 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
                             f"vllm, sglang or eagle")
     if c.parallel > 1:
         raise ExportRefused(f"a P-EAGLE head (parallel={c.parallel}) has no layout in the "
-                            f"engines' EAGLE-3 formats (its mask_hidden would be lost): serve "
+                            f"engines' EAGLE-3 formats (its mask_hidden would be lost): export it "
+                            f"with --to speculators (speculators' P-EAGLE layout), or serve "
                             f"its selfspec export folder with selfspec")
     _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
@@ -361,9 +364,9 @@ def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
     layer = with_v4_rope(c.layer_config().to_hf(), c)
     verifier = {"name_or_path": base_model, "architectures": []}
     if isinstance(head, EagleHead):
-        if c.version != 3 or c.parallel > 1:
-            raise ExportRefused("speculators' layout here is EAGLE-3's (one token a forward): "
-                                "export EAGLE-1 heads with --to vllm, sglang or eagle")
+        if c.version != 3:
+            raise ExportRefused("speculators' layouts here are EAGLE-3's and P-EAGLE's: export "
+                                "EAGLE-1 heads with --to vllm, sglang or eagle")
         if state.get("fc.bias") is not None:
             raise ExportRefused("speculators' EAGLE-3 fc has no bias: train the head with "
                                 "eagle.fc_bias=null")
@@ -377,6 +380,9 @@ def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
                   "draft_vocab_size": c.draft_vocab_size, "norm_before_residual": False,
                   "target_hidden_size": c.target_hidden_size or c.hidden_size,
                   "eagle_aux_hidden_state_layer_ids": list(c.target_layers)}
+        if c.parallel > 1:
+            kind, steps, more = _speculators_peagle(head, state)
+            config |= more
     else:
         if not c.qk_norm or c.attention_bias != c.attention_out_bias or c.mlp_bias:
             raise ExportRefused("speculators builds DFlash layers as Qwen3's (q/k norms, one "
@@ -414,6 +420,20 @@ def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
                + _vllm(base_model or BASE_PLACEHOLDER, {"model": "{OUT}",
                                                         "num_speculative_tokens": steps}))
     return config, state, "model.safetensors", command, notes
+
+
+def _speculators_peagle(head: EagleHead, state: dict) -> tuple[str, int, dict]:
+    """P-EAGLE in speculators' layout: its mask feature enters before fc ([1, 1, 3h]), ours
+    after it ([h]): written as the vector fc maps onto ours (refused where none does); the
+    embedding is the target's, frozen (speculators' P-EAGLE trains its own by default)."""
+    try:
+        before = mask_hidden_before_fc(head.fc.weight.detach(), head.mask_hidden.detach())
+    except ValueError as exc:
+        raise ExportRefused(str(exc)) from None
+    state["mask_hidden"] = before.view(1, 1, -1)
+    return "peagle", head.config.parallel, {
+        "architectures": ["PEagleSpeculator"], "mask_token_id": head.config.mask_token_id,
+        "embed_requires_grad": False}
 
 
 def with_v4_rope(layer: dict, c) -> dict:

@@ -19,12 +19,15 @@
   draft's layers with `dflash_config` {block_size, mask_token_id, target_layer_ids (the output
   of that layer: ours - 1)}; `layers.{i}.*` with q/k norms, `norm`, `fc`, `hidden_norm`, and
   (vLLM) `lm_head` + `d2t` for a draft vocabulary.
-- speculators (vLLM's training library; `speculators_model_type` eagle3 or dflash): the draft
-  layers' config nested under `transformer_layer_config`; `layers.{i}.*` names, `embed_tokens`
-  (the target's; EAGLE-3 saves it, DFlash does not), `lm_head` (DFlash: only with a draft
-  vocabulary), `d2t`/`t2d` only with a draft vocabulary. The fused layers
+- speculators (vLLM's training library; `speculators_model_type` eagle3, peagle or dflash):
+  the draft layers' config nested under `transformer_layer_config`; `layers.{i}.*` names,
+  `embed_tokens` (the target's; EAGLE-3 saves it, DFlash does not), `lm_head` (DFlash: only
+  with a draft vocabulary), `d2t`/`t2d` only with a draft vocabulary. The fused layers
   (`eagle_aux_hidden_state_layer_ids`, DFlash's `aux_hidden_state_layer_ids`) are HF's
-  `hidden_states[l]`, the input of layer l: ours.
+  `hidden_states[l]`, the input of layer l: ours. P-EAGLE is EAGLE-3's layout with
+  `mask_token_id`, the drafted tokens a forward as the greedy proposal's `speculative_tokens`,
+  and `mask_hidden` [1, 1, 3h]: the mask pairs' feature *before* `fc` (ours is [h], after it;
+  `mask_hidden_through_fc` / `mask_hidden_before_fc` convert).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 LAYOUTS = {"medusa": "Medusa (reference layout)", "medusa-vllm": "Medusa (vLLM layout)",
            "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash",
            "speculators-eagle3": "EAGLE-3 (speculators layout)",
-           "speculators-dflash": "DFlash (speculators layout)"}
+           "speculators-dflash": "DFlash (speculators layout)",
+           "speculators-peagle": "P-EAGLE (speculators layout)"}
 # Weights a speculators folder may hold that are the target's, not the head's.
 SPECULATORS_TARGET_WEIGHTS = ("embed_tokens.weight", "verifier_lm_head.weight",
                               "verifier_norm.weight")
@@ -264,8 +268,10 @@ def eagle_layer_config(config: dict, q_rows: int) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int | None
-                ) -> PublishedHead:
+def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int | None,
+                **eagle3: Any) -> PublishedHead:
+    """eagle3: further EagleConfig settings of an EAGLE-3 head (P-EAGLE's parallel and
+    mask_token_id)."""
     if not config:
         raise ValueError(f"load_head: {folder} holds EAGLE weights but no config.json (the "
                          f"head's one-layer Llama config)")
@@ -293,7 +299,7 @@ def _read_eagle(folder: Path, config: dict, state: dict, target_num_layers: int 
         layers = _fused_layers(config, target_num_layers, folder)
         eagle = EagleConfig(version=3, draft_vocab_size=int(state["lm_head.weight"].shape[0]),
                             target_layers=layers, fc_bias="fc.bias" in state,
-                            **(shared | {"target_hidden_size": in_features // 3}))
+                            **(shared | {"target_hidden_size": in_features // 3}), **eagle3)
         notes.append(f"fused target layers {list(layers)}, a draft vocabulary of "
                      f"{eagle.draft_vocab_size} tokens")
     if "t2d" in state:
@@ -394,9 +400,9 @@ def _read_speculators(folder: Path, config: dict, state: dict, target_num_layers
     """A head speculators saved: its nested layer config flattened into the engines' one-level
     config, its target-owned weights dropped, then read as the EAGLE-3 or DFlash layout."""
     kind = config["speculators_model_type"]
-    if kind not in ("eagle3", "dflash"):
+    if kind not in ("eagle3", "peagle", "dflash"):
         raise ValueError(f"load_head: {folder} holds a speculators {kind!r} head; selfspec reads "
-                         f"speculators' eagle3 and dflash heads")
+                         f"speculators' eagle3, peagle and dflash heads")
     layer = _layer_config(folder, config.get("transformer_layer_config"))
     if any(t != "full_attention" for t in layer.get("layer_types") or ()):
         raise ValueError(f"load_head: {folder}: sliding-window draft layers "
@@ -405,9 +411,10 @@ def _read_speculators(folder: Path, config: dict, state: dict, target_num_layers
     state = {k: v for k, v in state.items() if k not in SPECULATORS_TARGET_WEIGHTS}
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     flat = layer | {"base_model_name_or_path": verifier.get("name_or_path")}
-    if kind == "eagle3":
+    if kind in ("eagle3", "peagle"):
+        parallel = _speculators_peagle(folder, config, state) if kind == "peagle" else {}
         found = _read_eagle(folder, _speculators_eagle3(folder, config, flat, state),
-                            _full_vocab_maps(state, config, layer), target_num_layers)
+                            _full_vocab_maps(state, config, layer), target_num_layers, **parallel)
         copies = {"embed_tokens": embedding}
     else:
         _refuse_flags(folder, config, ("sample_from_anchor",),
@@ -437,9 +444,11 @@ def _layer_config(folder: Path, saved: dict | None) -> dict:
 
 
 def _speculators_eagle3(folder: Path, config: dict, flat: dict, state: dict) -> dict:
-    _refuse_flags(folder, config, ("embed_requires_grad",),
-                  "a trained embedding of the head's own; selfspec's heads embed with the "
-                  "target's")
+    if config["speculators_model_type"] == "eagle3":  # P-EAGLE's flag is on by default: there
+        # the folder's embedding decides (it must be the target's, `target_copies`)
+        _refuse_flags(folder, config, ("embed_requires_grad",),
+                      "a trained embedding of the head's own; selfspec's heads embed with the "
+                      "target's")
     _refuse_flags(folder, config, ("norm_before_residual", "norm_before_fc", "fc_norm",
                                    "norm_output"),
                   "selfspec's EAGLE-3 layer keeps the raw feature as its residual, with no norm "
@@ -451,6 +460,45 @@ def _speculators_eagle3(folder: Path, config: dict, flat: dict, state: dict) -> 
                          f"{flat.get('model_type')} layer(s)")
     return flat | {"eagle_aux_hidden_state_layer_ids":
                    config.get("eagle_aux_hidden_state_layer_ids")}
+
+
+def _speculators_peagle(folder: Path, config: dict, state: dict) -> dict[str, Any]:
+    """A speculators P-EAGLE head's parallel settings (its tokens a forward, from the greedy
+    proposal's speculative_tokens; its mask token), its [1, 1, 3h] mask_hidden in `state`
+    replaced by ours, the same vector through fc."""
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    parallel, mask = proposals[0].get("speculative_tokens"), config.get("mask_token_id")
+    if parallel is None or mask is None or "mask_hidden" not in state:
+        raise ValueError(f"load_head: {folder} holds a speculators P-EAGLE head without its "
+                         f"speculative_tokens, mask_token_id or mask_hidden: save it with "
+                         f"speculators' own save_pretrained")
+    state["mask_hidden"] = mask_hidden_through_fc(state["fc.weight"], state["mask_hidden"])
+    return {"parallel": int(parallel), "mask_token_id": int(mask)}
+
+
+def mask_hidden_through_fc(fc_weight: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """speculators' P-EAGLE mask feature (any shape ending in 3h, before fc) as ours [h]:
+    fc's product, computed in float64 and rounded once (fc has no bias in EAGLE-3)."""
+    return (fc_weight.double() @ before.reshape(-1).double()).to(fc_weight.dtype)
+
+
+def mask_hidden_before_fc(fc_weight: torch.Tensor, after: torch.Tensor,
+                          tolerance: float = 1e-5) -> torch.Tensor:
+    """Our P-EAGLE mask feature [h] (after fc) as speculators' [3h] (before it): the shortest
+    m with fc_weight m = after (the pseudo-inverse's solution), exact whenever fc_weight [h, 3h]
+    has full row rank, as a trained one has. Refused when fc, at the stored precision, misses
+    `after` by more than tolerance x its largest entry (a rank-deficient fc)."""
+    weight, target = fc_weight.double(), after.reshape(-1).double()
+    before = (torch.linalg.pinv(weight) @ target).to(fc_weight.dtype)  # [3h]
+    miss = (weight @ before.double() - target).abs().max().item()
+    scale = max(target.abs().max().item(), torch.finfo(torch.float32).tiny)
+    if miss > tolerance * scale:
+        raise ValueError(f"P-EAGLE's mask_hidden is read after fc here and before fc in "
+                         f"speculators, and no vector before this head's fc gives it (fc's "
+                         f"weight has rank {int(torch.linalg.matrix_rank(weight))} of "
+                         f"{weight.shape[0]}; the nearest misses by {miss:.1e}): retrain the "
+                         f"head, or serve its selfspec export folder with selfspec")
+    return before
 
 
 def _full_vocab_maps(state: dict, config: dict, layer: dict) -> dict:

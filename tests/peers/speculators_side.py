@@ -3,15 +3,17 @@ venv (scripts/peers.sh speculators), never imported by the suite (selfspec is no
 there). Every tensor travels in safetensors files; the draft models are speculators' own
 classes, loaded and saved with their own from_pretrained / save_pretrained.
 
-    python speculators_side.py save INPUTS OUT_DIR   # random eagle3 + dflash heads, saved
-    python speculators_side.py load INPUTS OUT_DIR   # OUT_DIR/{eagle3,dflash} loaded, scored
+    python speculators_side.py save INPUTS OUT_DIR   # random eagle3, peagle, dflash heads, saved
+    python speculators_side.py load INPUTS OUT_DIR   # OUT_DIR/{eagle3,peagle,dflash} loaded, scored
 
 INPUTS (safetensors): `input_ids` [T], `positions` [T], `eagle3_hidden` [T, 3h] (the fused
-streams), `dflash_hidden` [T, n h], `anchors` [A] (DFlash block roots); for `save` its metadata
+streams), `dflash_hidden` [T, n h], `anchors` [A] (DFlash block roots), `peagle_anchor` and
+`peagle_depth` [R] (P-EAGLE's sampled rows: every position at depth 0, then some anchors
+at depths 1..K-1, in speculators' order); for `save` its metadata
 holds the sizes (JSON) and `verifier`, the target's transformers folder, from which speculators
 takes the embedding, the LM head of a full-vocabulary draft and its checks. Each run writes
-OUT_DIR/logits.safetensors: `eagle3` [T, draft V] (one pass, no drafted token fed back) and
-`dflash` [A * block, V] (each block's slots).
+OUT_DIR/logits.safetensors: `eagle3` [T, draft V] (one pass, no drafted token fed back),
+`peagle` [R, draft V] (its sampled rows) and `dflash` [A * block, V] (each block's slots).
 """
 
 from __future__ import annotations
@@ -52,18 +54,24 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 param.normal_(1.0 if "norm" in name else 0.0, 0.2)
 
 
-def new_eagle3(sizes: dict):
+def new_eagle3(sizes: dict, parallel: int | None = None):
+    """A random EAGLE-3 head, or (parallel: its tokens a forward) a random P-EAGLE head."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from transformers import LlamaConfig
 
     layer = LlamaConfig(**sizes["layer"], num_hidden_layers=1)
     layer._attn_implementation = ATTN
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=sizes["draft_vocab_size"],
-        eagle_aux_hidden_state_layer_ids=sizes["eagle3_layers"],
-        speculators_config=speculators_config("eagle3", 3, sizes["verifier"]))
-    model = Eagle3DraftModel(config)
-    randomize(model, 1)
+    shared = {"transformer_layer_config": layer, "draft_vocab_size": sizes["draft_vocab_size"],
+              "eagle_aux_hidden_state_layer_ids": sizes["eagle3_layers"]}
+    if parallel is None:
+        model = Eagle3DraftModel(Eagle3SpeculatorConfig(
+            **shared, speculators_config=speculators_config("eagle3", 3, sizes["verifier"])))
+    else:
+        model = PEagleDraftModel(PEagleSpeculatorConfig(
+            **shared, mask_token_id=sizes["mask_token_id"],
+            speculators_config=speculators_config("peagle", parallel, sizes["verifier"])))
+    randomize(model, 1 if parallel is None else 3)
     vocab, draft = layer.vocab_size, sizes["draft_vocab_size"]
     if draft < vocab:  # every other id first, as selfspec's tests choose
         ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])[:draft]
@@ -116,6 +124,30 @@ def eagle3_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return seen[0][0]
 
 
+def peagle_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """speculators' own P-EAGLE training forward, its sampled (anchor, depth) rows fixed to
+    the inputs' `peagle_anchor` and `peagle_depth` in place of its random draw, the LM head's
+    output captured: [rows, draft V]."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.peagle import core
+
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    drawn, core.generate_cod_sample_indices = core.generate_cod_sample_indices, \
+        lambda **_: (t["peagle_anchor"], t["peagle_depth"])
+    ids = t["input_ids"][None]
+    try:
+        with torch.no_grad():
+            model(hidden_states=t["eagle3_hidden"][None], input_ids=ids,
+                  document_ids=torch.zeros_like(ids),
+                  verifier_last_hidden_states=torch.zeros(1, ids.shape[1], model.hidden_size),
+                  loss_config=resolve_loss_config("kl_div", "eager"))  # fused: Triton only
+    finally:
+        core.generate_cod_sample_indices = drawn
+        hook.remove()
+    return seen[0][0]
+
+
 def dflash_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """speculators' own training forward up to the logits, the anchors chosen by a loss mask
     that allows only them (all are taken, in order)."""
@@ -136,10 +168,12 @@ def main(mode: str, inputs: str, out: str) -> None:
     out_dir = Path(out)
     if mode == "save":
         sizes = json.loads(meta["sizes"])
-        for kind, new in (("eagle3", new_eagle3), ("dflash", new_dflash)):
-            new(sizes).save_pretrained(out_dir / kind)
+        new_eagle3(sizes).save_pretrained(out_dir / "eagle3")
+        new_eagle3(sizes, sizes["parallel"]).save_pretrained(out_dir / "peagle")
+        new_dflash(sizes).save_pretrained(out_dir / "dflash")
     results = {}
-    for kind, score in (("eagle3", eagle3_logits), ("dflash", dflash_logits)):
+    for kind, score in (("eagle3", eagle3_logits), ("peagle", peagle_logits),
+                        ("dflash", dflash_logits)):
         model = load(out_dir / kind)
         results[kind] = score(model, t).contiguous()
     save_file(results, str(out_dir / "logits.safetensors"))

@@ -1,5 +1,6 @@
 """Interop with speculators 0.9.0, proven with its own classes in its own venv: selfspec's
-`--to speculators` EAGLE-3 and DFlash exports load in its `SpeculatorModel.from_pretrained`,
+`--to speculators` EAGLE-3, P-EAGLE and DFlash exports load in its
+`SpeculatorModel.from_pretrained`,
 and the heads its `save_pretrained` writes load in `selfspec.heads.load_head`; in both
 directions the two sides' logits agree on the same inputs (fp32, within 1e-4).
 
@@ -29,6 +30,8 @@ V, H, LAYERS, T = 64, 32, 8, 12
 DRAFT_V, BLOCK, MASK = 24, 4, V - 1
 EAGLE3_LAYERS, DFLASH_LAYERS = (2, 4, 5), (2, 4, 6)  # HF hidden_states[l]: ours too
 ANCHORS = [3, 5, 7]  # DFlash block roots (speculators takes anchors below T - BLOCK)
+PARALLEL = 4  # P-EAGLE's tokens a forward; its mask pairs hang off ANCHORS
+KINDS = ["eagle3", "peagle", "dflash"]
 ROPE_THETA = 500000.0  # not transformers v4's default: a lost key shows
 TOLERANCE = 1e-4
 
@@ -57,7 +60,16 @@ def inputs() -> dict[str, torch.Tensor]:
     torch.manual_seed(7)
     return {"input_ids": torch.randint(0, V - 1, (T,)), "positions": torch.arange(T),
             "eagle3_hidden": torch.randn(T, 3 * H), "dflash_hidden": torch.randn(T, 3 * H),
-            "anchors": torch.tensor(ANCHORS)}
+            "anchors": torch.tensor(ANCHORS), **peagle_rows()}
+
+
+def peagle_rows() -> dict[str, torch.Tensor]:
+    """P-EAGLE rows in speculators' sampled order: every position at depth 0, then each
+    anchor of ANCHORS at depth 1, at depth 2, ... K - 1 (the row of anchor a at depth d stands
+    at position a + d)."""
+    anchors = [*range(T)] + ANCHORS * (PARALLEL - 1)
+    depths = [0] * T + [d for d in range(1, PARALLEL) for _ in ANCHORS]
+    return {"peagle_anchor": torch.tensor(anchors), "peagle_depth": torch.tensor(depths)}
 
 
 def run_side(mode: str, folder: Path, inputs: dict, metadata: dict | None = None
@@ -81,6 +93,25 @@ def eagle3_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.T
     with torch.no_grad():
         out = head(embeds, head.target_feature(None, streams), inputs["positions"])
         return head.logits(out)[0]
+
+
+def peagle_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.Tensor:
+    """[rows, draft V] in peagle_rows' order, as selfspec drafts: depth 0 is the head over the
+    real pairs; anchor a's depth d the (d)-th of K - 1 mask pairs riding after the real pairs
+    0..a, causally, at positions a + 1..a + K - 1 (ParallelEagleDrafter's forward)."""
+    streams = inputs["eagle3_hidden"][None].split(H, dim=-1)
+    feature = head.target_feature(None, streams)  # [1, T, h]
+    embeds = target.embed_tokens(inputs["input_ids"][None])  # [1, T, h]
+    mask_embed, mask_feature = head.mask_pairs(target.embed_tokens.weight[MASK], PARALLEL - 1)
+    rows = [eagle3_logits(head, target, inputs)]
+    with torch.no_grad():
+        for depth in range(1, PARALLEL):
+            for a in ANCHORS:
+                out = head(torch.cat([embeds[:, :a + 1], mask_embed[None]], dim=1),
+                           torch.cat([feature[:, :a + 1], mask_feature[None]], dim=1),
+                           torch.arange(a + PARALLEL))
+                rows.append(head.logits(out)[0, a + depth][None])
+    return torch.cat(rows)
 
 
 def dflash_logits(head: DFlashHead, target: Transformer, inputs: dict) -> torch.Tensor:
@@ -112,31 +143,40 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, target, target_folder, inputs):
-    """A random EAGLE-3 and a random DFlash head, exported --to speculators and scored by
+    """A random EAGLE-3, P-EAGLE and DFlash head, exported --to speculators and scored by
     speculators' from_pretrained models; with selfspec's own logits."""
     out = tmp_path_factory.mktemp("to_speculators")
     eagle = random_eagle_head(replace(EagleConfig.for_target(
         target.config, 3, draft_vocab_size=DRAFT_V, target_layers=EAGLE3_LAYERS),
         rope_theta=ROPE_THETA), seed=4)
+    peagle = random_eagle_head(replace(EagleConfig.for_target(
+        target.config, 3, draft_vocab_size=DRAFT_V, target_layers=EAGLE3_LAYERS,
+        parallel=PARALLEL, mask_token_id=MASK), rope_theta=ROPE_THETA), seed=6)
     dflash = random_dflash_head(replace(DFlashConfig.for_target(
         target.config, mask_token_id=MASK, num_layers=2, block_size=BLOCK,
         target_layers=DFLASH_LAYERS), rope_theta=ROPE_THETA), seed=5)
-    for kind, head in (("eagle3", eagle), ("dflash", dflash)):
+    for kind, head in (("eagle3", eagle), ("peagle", peagle), ("dflash", dflash)):
         export_head(head, "speculators", out / kind, base_model=str(target_folder),
                     target_embedding=target.embed_tokens.weight,
                     target_lm_head=target.lm_head.weight)
     theirs = run_side("load", out, inputs)
     ours = {"eagle3": eagle3_logits(eagle, target, inputs),
+            "peagle": peagle_logits(peagle, target, inputs),
             "dflash": dflash_logits(dflash, target, inputs)}
     return out, ours, theirs
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_speculators_export_loads_in_speculators_with_selfspecs_logits(exported, kind):
     out, ours, theirs = exported
     config = json.loads((out / kind / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
     ids = config.get("eagle_aux_hidden_state_layer_ids") or config["aux_hidden_state_layer_ids"]
-    assert ids == list(EAGLE3_LAYERS if kind == "eagle3" else DFLASH_LAYERS)
+    assert ids == list(DFLASH_LAYERS if kind == "dflash" else EAGLE3_LAYERS)
+    if kind == "peagle":  # the mask feature before fc: [1, 1, 3h]
+        assert load_file(str(out / kind / "model.safetensors"))["mask_hidden"].shape == \
+            (1, 1, 3 * H)
+        assert config["mask_token_id"] == MASK
     assert_close(ours[kind], theirs[kind])
 
 
@@ -145,7 +185,7 @@ def test_a_speculators_export_loads_in_speculators_with_selfspecs_logits(exporte
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, target, target_folder, inputs):
-    """A random EAGLE-3 and a random DFlash head made and saved by speculators' own classes,
+    """A random EAGLE-3, P-EAGLE and DFlash head made and saved by speculators' own classes,
     with their logits there."""
     out = tmp_path_factory.mktemp("from_speculators")
     c = target.config
@@ -154,12 +194,13 @@ def saved(tmp_path_factory, target, target_folder, inputs):
                        "head_dim": c.head_dim, "rms_norm_eps": 1e-6, "rope_theta": ROPE_THETA},
              "draft_vocab_size": DRAFT_V, "eagle3_layers": list(EAGLE3_LAYERS),
              "dflash_layers": list(DFLASH_LAYERS), "dflash_layers_count": 2,
-             "block_size": BLOCK, "mask_token_id": MASK, "verifier": str(target_folder)}
+             "block_size": BLOCK, "mask_token_id": MASK, "parallel": PARALLEL,
+             "verifier": str(target_folder)}
     theirs = run_side("save", out, inputs, {"sizes": json.dumps(sizes)})
     return out, theirs
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_head_speculators_saves_loads_in_selfspec_with_its_logits(saved, target, inputs,
                                                                     kind):
     out, theirs = saved
@@ -171,6 +212,10 @@ def test_a_head_speculators_saves_loads_in_selfspec_with_its_logits(saved, targe
         assert isinstance(head, EagleHead) and head.config.target_layers == EAGLE3_LAYERS
         assert head.config.draft_vocab_size == DRAFT_V
         ours = eagle3_logits(head, target, inputs)
+    elif kind == "peagle":
+        assert isinstance(head, EagleHead) and head.config.target_layers == EAGLE3_LAYERS
+        assert (head.config.parallel, head.config.mask_token_id) == (PARALLEL, MASK)
+        ours = peagle_logits(head, target, inputs)
     else:
         assert isinstance(head, DFlashHead) and head.config.target_layers == DFLASH_LAYERS
         assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
