@@ -8,7 +8,14 @@ Experts are stacked per layer (`selfspec.model.moe`: gate_up_proj [E, 2I, H], do
 `block_sparse_moe`, Qwen3-MoE's one gate/up/down_proj per expert: both are stacked on
 reading (transformers' in-memory models hold our stacks already) and split again on writing.
 gpt-oss's stacks are transposed ([E, H, 2I] and [E, I, H]) with gate and up interleaved,
-and its router is `mlp.router`: converted both ways."""
+and its router is `mlp.router`: converted both ways.
+
+MTP modules (ours `mtp.{i}.*`: embed_norm, hidden_norm, proj, block, norm, head) are read and
+written in their checkpoint's layout: DeepSeek-V3's NextN layers at `model.layers.{L + i}.*`
+(enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, the block's own names, and a copy
+of the embedding, dropped on reading and written back for servers that load it there), or
+Qwen3-Next's `mtp.*` (pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0.*, norm).
+transformers' classes drop these keys on loading; this reader keeps them."""
 
 from __future__ import annotations
 
@@ -57,8 +64,8 @@ def our_state(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
 
 
 # One expert's weight in a per-expert layout, under our part names.
-_EXPERT = re.compile(r"^(?P<prefix>layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\."
-                     r"(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>(?:layers\.\d+|mtp\.\d+\.block)\.mlp\.experts)"
+                     r"\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -77,6 +84,8 @@ def our_tensors(name: str, tensor: torch.Tensor, config: ModelConfig
     part names (`our_state` stacks them), gpt-oss's experts in our layout, else the tensor
     as it is."""
     key = our_key(name, config.tie_word_embeddings)
+    if key is not None and config.mtp_modules:
+        key = _our_mtp_key(key, config)
     if key is None:
         return
     if key.endswith(("_blocks", "_scales")):
@@ -137,16 +146,73 @@ def _interleaved(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict under HF names, fused projections fused and experts laid out as the
-    family's checkpoints store them (a tied LM head is left out)."""
+    family's checkpoints store them (a tied LM head is left out), MTP modules in their
+    layout."""
     hf = {hf_key(name): tensor for name, tensor in state.items()
           if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    mtp_blocks = [f"model.mtp.{i}.block." for i in range(config.mtp_modules)]
     for fused, parts in _fused_parts(config).items():
-        for layer in range(config.num_layers):
-            prefix = f"model.layers.{layer}."
+        for prefix in [f"model.layers.{layer}." for layer in range(config.num_layers)] \
+                + mtp_blocks:
             hf[prefix + fused] = torch.cat([hf.pop(prefix + part) for part in parts])
-    for layer in config.moe_layers:
-        hf |= _hf_experts(hf, f"model.layers.{layer}.mlp.", config)
-    return hf
+    mtp_moe = mtp_blocks if config.num_layers - 1 in config.moe_layers else []
+    for prefix in [f"model.layers.{layer}." for layer in config.moe_layers] + mtp_moe:
+        hf |= _hf_experts(hf, prefix + "mlp.", config)
+    if not config.mtp_modules:
+        return hf
+    out = {_hf_mtp_key(name, config): tensor for name, tensor in hf.items()}
+    if config.mtp_layout == "nextn":  # the copy of the embedding the first NextN layer holds
+        out[f"model.layers.{config.num_layers}.embed_tokens.weight"] = \
+            hf["model.embed_tokens.weight"].clone()
+    return out
+
+
+# Our MTP module's parts under each layout's names (the block's own names are the layer's).
+_MTP_PARTS = {"nextn": {"embed_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj",
+                        "norm": "shared_head.norm", "head": "shared_head.head"},
+              "mtp": {"embed_norm": "pre_fc_norm_embedding", "hidden_norm": "pre_fc_norm_hidden",
+                      "proj": "fc", "norm": "norm"}}
+_OUR_MTP = re.compile(r"^model\.mtp\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _hf_mtp_key(name: str, config: ModelConfig) -> str:
+    """The checkpoint name of one of our HF-prefixed names (`model.mtp.{i}.*` mapped)."""
+    match = _OUR_MTP.match(name)
+    if match is None:
+        return name
+    index, rest = int(match["index"]), match["rest"]
+    nextn = config.mtp_layout == "nextn"
+    prefix = f"model.layers.{config.num_layers + index}." if nextn else "mtp."
+    if rest.startswith("block."):
+        return prefix + rest.removeprefix("block.") if nextn \
+            else f"mtp.layers.{index}.{rest.removeprefix('block.')}"
+    part, _, param = rest.rpartition(".")
+    return f"{prefix}{_MTP_PARTS[config.mtp_layout][part]}.{param}"
+
+
+def _our_mtp_key(key: str, config: ModelConfig) -> str | None:
+    """Our name for a checkpoint name (`model.` stripped) of an MTP module's tensor; None for
+    NextN's copy of the embedding (the target's is used); other names as they are."""
+    if config.mtp_layout == "nextn":
+        match = re.match(r"^layers\.(\d+)\.(.+)$", key)
+        index = int(match[1]) - config.num_layers if match else -1
+        if not 0 <= index < config.mtp_modules:
+            return key
+        rest = match[2]
+        if rest == "embed_tokens.weight":
+            return None
+    elif key.startswith("mtp.layers."):  # mtp.layers.{i}.* is the block of module i
+        index, _, rest = key.removeprefix("mtp.layers.").partition(".")
+        return f"mtp.{index}.block.{rest}"
+    elif key.startswith("mtp."):
+        index, rest = 0, key.removeprefix("mtp.")
+    else:
+        return key
+    theirs = {name: ours for ours, name in _MTP_PARTS[config.mtp_layout].items()}
+    part, _, param = rest.rpartition(".")
+    if part in theirs:
+        return f"mtp.{index}.{theirs[part]}.{param}"
+    return f"mtp.{index}.block.{rest}"
 
 
 def _hf_experts(hf: dict[str, torch.Tensor], prefix: str, config: ModelConfig

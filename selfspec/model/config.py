@@ -23,6 +23,12 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - gpt_oss: attention sinks and biases, sliding layers alternating with full ones, YaRN,
   a router with a bias, experts with biases and the clamped gated activation.
 
+Multi-token prediction (MTP) modules after the last layer are configuration too
+(`mtp_modules`, `mtp_layout`): DeepSeek-V3's NextN layers (config.json's
+`num_nextn_predict_layers`; GLM-4.5 and MiMo ship the same layout) or Qwen3-Next's and
+Qwen3.5's `mtp.*` (`mtp_num_hidden_layers`); `selfspec.model.transformer.MtpModule` builds
+them and `selfspec.model.checkpoint` maps both layouts' names.
+
 The mixture of experts (`selfspec.model.moe`) replaces a layer's MLP in the layers of
 `moe_layers`: num_experts experts of expert_intermediate_size, num_experts_per_tok of them
 per token.
@@ -71,6 +77,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
 QK_NORMS = (None, "head", "projection")
+# DeepSeek-V3's NextN layers after the last decoder layer, or Qwen3-Next's `mtp.*` modules
+MTP_LAYOUTS = ("nextn", "mtp")
+_MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers"}
 EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
@@ -144,6 +153,12 @@ class ModelConfig:
         (gpt-oss).
     expert_act: "silu" (SwiGLU) or "clamped_swiglu" (gpt-oss: the gate clamped above by
         swiglu_limit, the up by +-swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    mtp_modules: multi-token-prediction modules after the last layer (0: none), each the
+        norms of an embedding and of a hidden state, a projection of their concatenation, one
+        decoder layer of the target's kind (`selfspec.model.transformer.MtpModule`).
+    mtp_layout: their checkpoint layout, one of MTP_LAYOUTS (None without modules): "nextn"
+        (DeepSeek-V3, GLM-4.5, MiMo: `model.layers.{L + i}.*`, an own final norm and LM head
+        each) or "mtp" (Qwen3-Next, Qwen3.5: `mtp.*`, the target's LM head).
     """
 
     vocab_size: int
@@ -192,6 +207,8 @@ class ModelConfig:
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mtp_modules: int = 0
+    mtp_layout: str | None = None
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -232,6 +249,19 @@ class ModelConfig:
             raise ValueError("a decoder layer needs norms before (pre_norms) or after "
                              "(post_norms) its attention and MLP")
         self._check_experts()
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        if not is_count(self.mtp_modules, 0):
+            raise ValueError(f"mtp_modules must be an integer >= 0, got {self.mtp_modules!r}")
+        if (self.mtp_modules > 0) != (self.mtp_layout is not None) or \
+                self.mtp_layout not in (None, *MTP_LAYOUTS):
+            raise ValueError(f"mtp_layout must be one of {', '.join(MTP_LAYOUTS)} with "
+                             f"mtp_modules >= 1, and null without them; got mtp_modules="
+                             f"{self.mtp_modules!r}, mtp_layout={self.mtp_layout!r}")
+        if self.mtp_layout == "mtp" and self.mtp_modules > 1:
+            raise ValueError(f"an mtp layout's modules share one fc and norms: mtp_modules "
+                             f"must be 1 there, got {self.mtp_modules}")
 
     def _check_experts(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -295,8 +325,10 @@ class ModelConfig:
         return self.local_rope_theta, self.local_rope_scaling
 
     def cut(self, num_layers: int) -> ModelConfig:
-        """This architecture with only its first num_layers layers."""
-        return replace(self, num_layers=num_layers, layer_types=self.layer_types[:num_layers])
+        """This architecture with only its first num_layers layers (and no MTP modules, which
+        read the last layer's output)."""
+        return replace(self, num_layers=num_layers, layer_types=self.layer_types[:num_layers],
+                       mtp_modules=0, mtp_layout=None)
 
     # ---- Hugging Face config.json -------------------------------------------------------------
 
@@ -351,6 +383,7 @@ class ModelConfig:
             **_read_attention(config, model_type, head_dim),
             **_read_multipliers(config, model_type),
             **_read_moe(config, model_type),
+            **_read_mtp(config),
             **FAMILIES[model_type],
         )
 
@@ -375,6 +408,8 @@ class ModelConfig:
             "pad_token_id": None,  # not a default of the family's class (Phi-3's is 32000)
             "hidden_act": self.hidden_act,
         }
+        if self.mtp_layout is not None:
+            hf[_MTP_KEYS[self.mtp_layout]] = self.mtp_modules
         return hf | self._family_keys()
 
     def _family_keys(self) -> dict[str, Any]:
@@ -488,7 +523,7 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "partial_rotary_factor", "attention_sinks", "num_experts",
                   "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
-                  "expert_act", "swiglu_alpha", "swiglu_limit")
+                  "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -561,6 +596,15 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     return {"num_experts": experts or 128, "num_experts_per_tok": top or 4,
             "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
             "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
+
+
+def _read_mtp(config: Mapping[str, Any]) -> dict:
+    """The MTP modules a config.json names (DeepSeek-V3's count of NextN layers, or
+    Qwen3-Next's count of `mtp.*` layers); none where it names neither."""
+    for layout, key in _MTP_KEYS.items():
+        if config.get(key):
+            return {"mtp_modules": int(config[key]), "mtp_layout": layout}
+    return {}
 
 
 def _refuse_quantized(config: Mapping[str, Any]) -> None:

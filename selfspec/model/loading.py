@@ -9,7 +9,7 @@ facts and returns the quantized copy where one is asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,15 @@ from selfspec.model.cpu_linear import use_invariant_products
 from selfspec.model.placement import Placement
 from selfspec.model.plan import check_present, place, plan_placement
 from selfspec.model.quantized import check_quantizable, quantized_copy
-from selfspec.model.transformer import Transformer
+from selfspec.model.transformer import Transformer, mtp_modules
 from selfspec.quiet import import_transformers_models
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Fields where the config's facts and the checkpoint's config.json must agree.
 CHECKED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "model_type", "sliding_window", "sliding_layers")
+                  "num_kv_heads", "head_dim", "model_type", "sliding_window", "sliding_layers",
+                  "mtp_modules", "mtp_layout")
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,30 @@ def plan(spec: TargetSpec) -> Placement | None:
 
 def random_models(spec: TargetSpec) -> tuple[Transformer, Any]:
     """A random-weights target (seeded by spec.seed) and the transformers model it shares its
-    weights with."""
-    hf_model = random_hf_model(spec.config, spec.torch_dtype, spec.device, seed=spec.seed)
-    target = Transformer.from_hf(hf_model)
+    weights with (its MTP modules, which transformers' classes lack, are the target's own)."""
+    base = replace(spec.config, mtp_modules=0, mtp_layout=None)
+    hf_model = random_hf_model(base, spec.torch_dtype, spec.device, seed=spec.seed)
+    target = with_random_mtp(Transformer.from_hf(hf_model), spec.config, spec.seed)
     return with_modes(target, spec), hf_model
+
+
+@torch.no_grad()
+def with_random_mtp(target: Transformer, config: ModelConfig, seed: int) -> Transformer:
+    """target with the MTP modules config names, random (seeded): every weight but the norms'
+    drawn as transformers initialises a linear layer (normal, std 0.02), the norms at their
+    identity. config: target's own with MTP modules."""
+    if not config.mtp_modules:
+        return target
+    weight = target.embed_tokens.weight
+    generator = torch.Generator(device=weight.device).manual_seed(seed + 1)
+    with torch.device(weight.device):
+        modules = mtp_modules(config)
+    for name, param in modules.named_parameters():
+        if not name.endswith("norm.weight"):
+            param.normal_(0.0, 0.02, generator=generator)
+    target.mtp = modules.to(weight.dtype)
+    target.config = config
+    return target
 
 
 def random_hf_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,

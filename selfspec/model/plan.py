@@ -162,7 +162,7 @@ def place(model: Transformer, placement: Placement | None) -> Transformer:
     if len(placement.layers) != model.config.num_layers:
         raise ValueError(f"a placement of {len(placement.layers)} layers for a model of "
                          f"{model.config.num_layers}")
-    for name in ("embed_tokens", "norm", "lm_head"):
+    for name in ("embed_tokens", "norm", "lm_head", "mtp"):  # MTP modules: a drafter's
         getattr(model, name).to(placement.home)
     for layer, device in zip(model.layers, placement.layers, strict=True):
         layer.to(device)

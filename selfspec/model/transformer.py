@@ -19,6 +19,10 @@ The forward takes RoPE positions apart from cache slots (see `selfspec.model.kv_
 [T, T] attention mask among the new tokens (tree verification), and can run a slice of the
 layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume,
 `skip_layers` to leave a set of layers out (layer-skip drafting: Draft & Verify, SWIFT).
+
+A target whose config names MTP modules (`ModelConfig.mtp_modules`) holds them in `mtp`
+(`MtpModule`); `mtp_forward` and `mtp_logits` run one of them (a drafter's work, never the
+target's own forward).
 """
 
 from __future__ import annotations
@@ -479,6 +483,55 @@ def _pinned_attention(device: torch.device, masked: bool) -> AbstractContextMana
     return nullcontext() if kernels is None else sdpa_kernel(kernels)
 
 
+# ---- multi-token prediction ----------------------------------------------------------------
+
+
+class MtpModule(nn.Module):
+    """One multi-token-prediction module (DeepSeek-V3's NextN, Qwen3-Next's `mtp`): position t
+    reads the embedding of token t+1 and a hidden state h_t (the target's normed last state,
+    or the module's own output one step deeper), as proj(concat(embed_norm(embedding),
+    hidden_norm(h_t))), runs one decoder layer of the target's kind over it (a mixture of
+    experts where the target's last layer has one) and predicts token t+2.
+
+    nextn (DeepSeek-V3's layout): the embedding at position 0 is zeroed, the output is handed
+    on as it is and scored through the module's own final norm and LM head (`shared_head`);
+    else (Qwen3-Next's) the output is normed by `norm` before it is handed on and scored by the
+    target's LM head."""
+
+    def __init__(self, config: ModelConfig, nextn: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.embed_norm, self.hidden_norm = rms_norm(config), rms_norm(config)
+        self.proj = Linear(2 * h, h, bias=False)
+        # Layer 0 of the drafter's own one-layer cache; its feed-forward is the last layer's kind.
+        self.block = DecoderLayer(config, 0)
+        self.block.mlp = feed_forward(config, config.num_layers - 1)
+        self.norm = rms_norm(config)
+        self.head = Linear(h, config.vocab_size, bias=False) if nextn else None
+        self.nextn = nextn
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                inputs: LayerInputs, cache: KVCache | None) -> torch.Tensor:
+        """[B, T, h] the state handed to the next step, for embeds and hidden [B, T, h] at
+        positions [T] or [B, T]."""
+        if self.nextn:  # DeepSeek's module ignores the token at position 0
+            embeds = embeds.masked_fill((positions == 0)[..., None], 0)
+        x = self.proj(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1))
+        x = self.block(x, inputs.cos, inputs.sin, inputs.mask, cache)
+        return x if self.nextn else self.norm(x)
+
+    def scored(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., h] what the LM head reads of an output: NextN norms it, Qwen3-Next's is
+        normed already."""
+        return self.norm(out) if self.nextn else out
+
+
+def mtp_modules(config: ModelConfig) -> nn.ModuleList:
+    """The MTP modules config names (an empty list without them)."""
+    return nn.ModuleList(MtpModule(config, config.mtp_layout == "nextn")
+                         for _ in range(config.mtp_modules))
+
+
 # ---- the model -----------------------------------------------------------------------------
 
 
@@ -508,6 +561,8 @@ class Transformer(nn.Module):
         self.ropes = {"full": Rope.of(config)}
         self.ropes["sliding"] = (Rope.of(config, local=True) if config.local_rope
                                  else self.ropes["full"])
+        # MTP modules after the last layer (empty without them): drafters run them
+        self.mtp = mtp_modules(config)
         self.source: str | None = None  # the folder it was loaded from, if any
         # Layers spread over several devices (`selfspec.model.placement`); None: all on one device.
         self.placement: Placement | None = None
@@ -612,6 +667,32 @@ class Transformer(nn.Module):
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
         return scores
+
+    def mtp_forward(self, index: int, embeds: torch.Tensor, hidden: torch.Tensor,
+                    positions: torch.Tensor, cache: KVCache | None = None,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, h] MTP module `index`'s outputs for embeds (the embedding table's rows of
+        tokens t+1, unscaled) and hidden states h_t [B, T, h] at positions [T] or [B, T];
+        with a one-layer cache the rows attend to its slots and, among themselves, to what
+        mask (default causal) allows, and it advances by T."""
+        if not is_int_in(index, range(len(self.mtp))):
+            raise ValueError(f"mtp_forward: index must be in 0..{len(self.mtp) - 1} (the "
+                             f"model's {len(self.mtp)} MTP modules), got {index!r}")
+        t = embeds.shape[1]
+        past = 0 if cache is None else cache.length
+        inputs = LayerInputs(*self._rope("full", positions, embeds.dtype),
+                             attention_mask(mask, t, past, embeds.device))
+        out = self.mtp[index](embeds, hidden, positions, inputs, cache)
+        if cache is not None:
+            cache.advance(t)
+        return out
+
+    def mtp_logits(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        """[..., V] fp32 scores of MTP module `index`'s outputs [..., h]: through its own LM head
+        (NextN) or the target's, then what the family does to logits (`final_logits`)."""
+        module = self.mtp[index]
+        head = self.lm_head if module.head is None else module.head
+        return self.final_logits(head(module.scored(out))).float()
 
     def _layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, cache,
                       mask: torch.Tensor | None, t: int, device: torch.device
@@ -738,7 +819,8 @@ class Transformer(nn.Module):
                              f"(the model's layers), got {num_layers}")
         config = self.config.cut(num_layers)
         state = {name: tensor for name, tensor in self.state_dict().items()
-                 if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers}
+                 if not name.startswith(("layers.", "mtp."))
+                 or (name.startswith("layers.") and int(name.split(".")[1]) < num_layers)}
         # under the family's checkpoint names and layouts, which _from_tensors reads
         tensors = iter(checkpoint.hf_state({k: v.clone() for k, v in state.items()},
                                            config).items())

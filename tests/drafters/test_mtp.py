@@ -1,0 +1,170 @@
+"""Drafting with the target's own MTP modules (drafters/mtp.py): greedy lossless in chains,
+static and dynamic trees, eager and static steps, in both checkpoint layouts; the two-token law
+at T = 1 (and a misstated law caught); its pairs as the module reads them; clear refusals."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    FAST_LAW_SAMPLES,
+    P_VALUE_FLOOR,
+    adam_fit,
+    assert_drafted_sampling_is_exact,
+    continuation_rows,
+    law_samples,
+    sampled_pvalue,
+)
+from mtp_reference import mtp_target
+
+from selfspec import SamplingParams, Tree, generate
+from selfspec.drafters.mtp import MtpDrafter
+from selfspec.training.losses import LossOutput
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9], [3]]
+NEW_TOKENS = 20
+SHAPES = {
+    "chain": {"tree": Tree.chain(4)},
+    "static_tree": {"tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+    "dynamic": {"total_tokens": 8, "depth": 4, "top_k": 2},
+}
+
+
+def fitted_target(layout: str):
+    """A target whose first MTP module is fit (AdamW, full batch) to the target's own greedy
+    continuations of PROMPTS, one and two steps deep (the second reading its own outputs)."""
+    target = mtp_target(layout, seed=5)
+    plain = {tuple(p): generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS}
+    tokens, mask = continuation_rows(plain)
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(tokens.shape[1])).last_hidden  # [B, T, h]
+
+    def loss() -> LossOutput:
+        total, feature = 0.0, hidden
+        for step in (1, 2):  # step s reads token t+s and predicts token t+s+1
+            rows = tokens.shape[1] - step
+            out = target.mtp_forward(0, target.embed_tokens(tokens[:, step:]),
+                                     feature[:, :rows], torch.arange(rows))
+            logits = target.mtp_logits(0, out[:, :-1])  # [B, rows - 1, V]
+            labels = tokens[:, step + 1:].masked_fill(~mask[:, step + 1:], -100)
+            total = total + F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            feature = out
+        return LossOutput(total, {})
+
+    target.requires_grad_(False)
+    target.mtp.requires_grad_(True)
+    adam_fit(loss, target.mtp.parameters(), steps=40)
+    return target.requires_grad_(False).eval(), plain
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """The fitted target of each layout, made when first asked for."""
+    return functools.cache(fitted_target)
+
+
+# The default run: every shape eagerly and the dynamic tree in static steps on NextN; the
+# Qwen3-Next layout (the same drafter over another module) a chain; the rest slow.
+GREEDY_CASES = [
+    *[pytest.param("nextn", shape, False, id=f"nextn-eager-{shape}") for shape in SHAPES],
+    pytest.param("nextn", "dynamic", True, id="nextn-static-dynamic"),
+    pytest.param("mtp", "chain", False, id="mtp-eager-chain"),
+    *[pytest.param("mtp", shape, static, id=f"mtp-{'static' if static else 'eager'}-{shape}",
+                   marks=pytest.mark.slow)
+      for shape in SHAPES for static in (False, True) if (shape, static) != ("chain", False)],
+    *[pytest.param("nextn", shape, True, id=f"nextn-static-{shape}", marks=pytest.mark.slow)
+      for shape in ("chain", "static_tree")],
+]
+
+
+@pytest.mark.parametrize("layout, shape, static", GREEDY_CASES)
+def test_greedy_is_lossless_and_the_drafts_are_accepted(fitted, layout, shape, static):
+    target, plain = fitted(layout)
+    taus = []
+    for prompt, expected in plain.items():
+        result = generate(target, list(prompt), drafter=MtpDrafter(target, **SHAPES[shape]),
+                          max_new_tokens=NEW_TOKENS, cuda_graphs=static)
+        assert result.tokens == expected, (prompt, shape)
+        taus.append(result.stats.tau)
+    assert sum(taus) / len(taus) > 3.0, taus  # measured: means 3.6 to 4.6
+
+
+def test_its_cache_holds_the_pairs_the_module_reads():
+    """After a generation, the drafter's cache holds module 0's keys over (h_t, token t+1) for
+    every committed position, as one fresh pass of the module over the history computes."""
+    target = mtp_target("nextn", seed=6)
+    drafter = MtpDrafter(target, Tree.chain(3))
+    out = generate(target, PROMPTS[0], drafter=drafter, max_new_tokens=9)
+    committed = drafter._cache.length
+    history = torch.tensor([(PROMPTS[0] + out.tokens)[: committed + 1]])
+    fresh = target.new_cache(max_slots=committed)
+    fresh = type(drafter._cache)(1, 1, target.config.num_kv_heads, committed,
+                                 target.config.head_dim)
+    with torch.no_grad():
+        hidden = target(history, torch.arange(committed + 1)).last_hidden
+        target.mtp_forward(0, target.embed_tokens(history[:, 1:]), hidden[:, :-1],
+                           torch.arange(committed), fresh)
+    assert committed > len(PROMPTS[0])
+    torch.testing.assert_close(drafter._cache.k[..., :committed, :], fresh.k, atol=1e-5,
+                               rtol=1e-4)
+
+
+# ---- the target's law ------------------------------------------------------------------------
+
+T1 = SamplingParams(1.0)
+SAMPLED = {"total_tokens": 3, "depth": 3, "top_k": 2, "sampled_children": True}
+
+
+def law_target(layout: str):
+    """A target of 8 tokens whose laws are peaky (std 0.5) and an MTP module whose laws are
+    too, so that a misstated draft law is seen."""
+    return mtp_target(layout, seed=3, vocab=8, hidden=16, layers=1, std=0.5)
+
+
+@pytest.mark.parametrize("layout, shape, params, samples", [
+    pytest.param("nextn", SAMPLED, T1, FAST_LAW_SAMPLES, id="nextn-sampled-t1"),
+    pytest.param("mtp", SAMPLED, T1, None, id="mtp-sampled-t1", marks=pytest.mark.slow),
+    pytest.param("nextn", {"tree": Tree.chain(2), "sampled_children": False}, T1, None,
+                 id="nextn-chosen-chain-t1", marks=pytest.mark.slow),
+    pytest.param("mtp", SAMPLED, SamplingParams(0.8, top_p=0.9), None, id="mtp-sampled-top_p",
+                 marks=pytest.mark.slow),
+])
+def test_sampling_through_mtp_follows_the_target_law(request, layout, shape, params, samples):
+    target = law_target(layout)
+    assert_drafted_sampling_is_exact(target, MtpDrafter(target, **shape), params,
+                                     samples or law_samples(request))
+
+
+class MisstatedLaw(MtpDrafter):
+    """Planted bug: children drawn from the module's law but reported as drawn from a flatter
+    one (its square root, renormalised)."""
+
+    def propose(self, context):
+        draft = super().propose(context)
+        if draft.q is None:
+            return draft
+        flat = draft.q.sqrt()
+        return dataclasses.replace(draft, q=flat / flat.sum(-1, keepdim=True))
+
+
+@pytest.mark.slow  # ~2.5 s
+def test_a_misstated_draft_law_is_caught():
+    target = law_target("nextn")
+    assert sampled_pvalue(target, MisstatedLaw(target, **SAMPLED), T1, 500) < P_VALUE_FLOOR
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+
+def test_a_target_without_modules_or_another_target_is_refused():
+    plain = mtp_target(None, seed=1, modules=0)
+    with pytest.raises(ValueError, match="the target has no MTP modules"):
+        MtpDrafter(plain, Tree.chain(2))
+    target = mtp_target("nextn", seed=1)
+    with pytest.raises(ValueError, match="build it from the target that verifies"):
+        generate(mtp_target("nextn", seed=2), [3, 4], drafter=MtpDrafter(target, Tree.chain(2)),
+                 max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"total_tokens \(2\) < depth \(3\)"):
+        MtpDrafter(target, total_tokens=2, depth=3, top_k=2)

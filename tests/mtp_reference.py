@@ -1,0 +1,114 @@
+"""MTP targets for the tests, and the MTP forwards re-expressed in plain torch from vLLM's
+`deepseek_mtp.py` (DeepSeek-V3's NextN layers) and `qwen3_next_mtp.py` (Qwen3-Next's `mtp.*`),
+reading the checkpoint's tensors under their own names: what selfspec's `MtpModule`,
+`mtp_forward` and `mtp_logits` are checked against.
+
+The decoder layer inside is written out for the families the tests use (Llama, and Qwen3's
+per-head q/k norms): pre-norms, default RoPE, causal grouped attention, SwiGLU; no cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Weights = dict[str, torch.Tensor]
+
+
+def mtp_target(layout: str, seed: int = 0, *, family: str | None = None, modules: int = 1,
+               vocab: int = 64, hidden: int = 32, layers: int = 2, std: float = 0.2, **arch):
+    """A small target with `modules` MTP modules of `layout` ("nextn": a Llama; "mtp": a
+    Qwen3; modules=0: none), every weight but the norms' normal of std `std` (peaky laws),
+    seeded."""
+    from selfspec.model import ModelConfig, Transformer
+
+    family = family or ("qwen3" if layout == "mtp" else "llama")
+    config = ModelConfig.of_family(
+        model_type=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+        mtp_modules=modules, mtp_layout=layout if modules else None, **arch)
+    generator = torch.Generator().manual_seed(seed)
+    target = Transformer(config)
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            else:  # norms near their identity, yet not it: a wrong norm is seen
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+    return target.eval()
+
+
+# ---- the reference --------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [T, heads, D] rotated by the default RoPE (halves rotated) at positions [T]."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = (positions[:, None].double() * inv[None]).float()  # [T, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+    first, second = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+def decoder_layer(w: Weights, prefix: str, x: torch.Tensor, positions: torch.Tensor, config
+                  ) -> torch.Tensor:
+    """One pre-norm decoder layer over x [T, h], causal, its weights at `prefix`."""
+    t, heads, kv, d = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
+    eps = config.rms_norm_eps
+    a = rms_norm(x, w[prefix + "input_layernorm.weight"], eps)
+    q = (a @ w[prefix + "self_attn.q_proj.weight"].T).view(t, heads, d)
+    k = (a @ w[prefix + "self_attn.k_proj.weight"].T).view(t, kv, d)
+    v = (a @ w[prefix + "self_attn.v_proj.weight"].T).view(t, kv, d)
+    if config.qk_norm == "head":
+        q = rms_norm(q, w[prefix + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, w[prefix + "self_attn.k_norm.weight"], eps)
+    q, k = rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    attended = torch.einsum("hts,shd->thd", weights, v).reshape(t, heads * d)
+    x = x + attended @ w[prefix + "self_attn.o_proj.weight"].T
+    m = rms_norm(x, w[prefix + "post_attention_layernorm.weight"], eps)
+    gate, up = m @ w[prefix + "mlp.gate_proj.weight"].T, m @ w[prefix + "mlp.up_proj.weight"].T
+    return x + (F.silu(gate) * up) @ w[prefix + "mlp.down_proj.weight"].T
+
+
+def nextn_forward(w: Weights, config, index: int, next_tokens: torch.Tensor,
+                  hidden: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's NextN layer `index` (checkpoint layer num_layers + index): tokens t+1 [T]
+    and hidden states [T, h] at positions [T] -> (the state handed to the next step, logits).
+    The embedding is the copy the first NextN layer holds; position 0's is zeroed; the output
+    is handed on un-normed and scored through shared_head's norm and head."""
+    eps, first = config.rms_norm_eps, config.num_layers
+    prefix = f"model.layers.{first + index}."
+    embeds = w[f"model.layers.{first}.embed_tokens.weight"][next_tokens].clone()
+    embeds[positions == 0] = 0
+    both = torch.cat([rms_norm(embeds, w[prefix + "enorm.weight"], eps),
+                      rms_norm(hidden, w[prefix + "hnorm.weight"], eps)], dim=-1)
+    out = decoder_layer(w, prefix, both @ w[prefix + "eh_proj.weight"].T, positions, config)
+    logits = rms_norm(out, w[prefix + "shared_head.norm.weight"], eps) \
+        @ w[prefix + "shared_head.head.weight"].T
+    return out, logits
+
+
+def qwen_mtp_forward(w: Weights, config, next_tokens: torch.Tensor, hidden: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's `mtp` module: the target's embedding, pre-fc norms of the embedding and the
+    hidden state (in that order in the concatenation), fc, layer 0, and `mtp.norm`, whose
+    output is both handed on and scored by the target's LM head."""
+    eps = config.rms_norm_eps
+    embeds = w["model.embed_tokens.weight"][next_tokens]
+    both = torch.cat([rms_norm(embeds, w["mtp.pre_fc_norm_embedding.weight"], eps),
+                      rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
+    x = decoder_layer(w, "mtp.layers.0.", both @ w["mtp.fc.weight"].T, positions, config)
+    out = rms_norm(x, w["mtp.norm.weight"], eps)
+    return out, out @ w["lm_head.weight"].T
