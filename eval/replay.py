@@ -28,7 +28,7 @@ from selfspec.from_config.models import load_tokenizer
 from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
 from selfspec.from_config.sweeps import load_sweep_models, our_drafter, plan_sweep, verified_target
 from selfspec.measure.replay import GreedyRecord, record_greedy, replay
-from selfspec.metrics import GenerationStats
+from selfspec.metrics import POSITION_SPAN, GenerationStats
 
 
 @hydra_entry_point("replay")
@@ -62,13 +62,14 @@ def run(cfg: DictConfig) -> list[dict]:
             stats.merge(replay(models.target, drafter, record))
         rows.append({"method": point.method, "draft_length": point.draft_length,
                      "tau": stats.tau, "mean_draft_nodes": stats.drafted / max(stats.steps, 1),
-                     "accepted_share_by_depth": stats.acceptance_by_position})
+                     "accepted_share_by_depth": stats.acceptance_by_position,
+                     "tau_by_position": stats.tau_by_position})
         print(f"{point.method:<28} k={point.draft_length}  tau {stats.tau:.3f}  "
               f"nodes {rows[-1]['mean_draft_nodes']:.2f}  accepted by depth "
               + " ".join(f"{a:.2f}" for a in stats.acceptance_by_position))
     out = Path(cfg.run_dir) / "replay.json"
-    out.write_text(json.dumps({"prompts": len(records), "max_new_tokens": n, "rows": rows},
-                              indent=2) + "\n")
+    out.write_text(json.dumps({"prompts": len(records), "max_new_tokens": n,
+                               "position_span": POSITION_SPAN, "rows": rows}, indent=2) + "\n")
     print(f"replayed over {len(records)} recorded answers: {out.resolve()}")
     return rows
 

@@ -249,7 +249,7 @@ def _commit(row: _Row, draft: Draft, outcome: _Outcome, stop_ids: set[int],
     budget."""
     kept = outcome.kept
     row.stats.record_step(kept.tree.num_nodes, kept.tree.max_depth, len(kept.path),
-                          rows=draft.rows)
+                          rows=draft.rows, position=len(row.new))
     emitted = _until_stop(kept.tokens, stop_ids, max_new_tokens - len(row.new))
     row.new += emitted
     row.history += emitted

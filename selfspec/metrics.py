@@ -15,6 +15,9 @@ PHASES = ("prefill", "draft", "forward", "probs", "verify", "commit")
 # What no phase covers: setup before the prefill (the cache, drafter.begin) and whatever a
 # caller's timer adds around generate.
 OTHER = "other"
+# tau against position in the answer: steps, and the tokens they yielded, counted by the span
+# of this many new tokens each step started in (long answers: does acceptance hold up?)
+POSITION_SPAN = 128
 
 
 @dataclass
@@ -23,7 +26,9 @@ class GenerationStats:
 
     tau counts the bonus/corrected token: plain decoding has tau = 1.
     position_drafted[d] / position_accepted[d]: steps whose draft reached depth d+1, and
-    those that accepted a token at that depth.
+    those that accepted a token at that depth. steps_by_span[s] / tokens_by_span[s]: steps
+    that started at new tokens [s * POSITION_SPAN, (s + 1) * POSITION_SPAN) of the answer, and
+    the tokens they yielded (accepted drafts plus the target's own).
     """
 
     new_tokens: int = 0
@@ -35,6 +40,8 @@ class GenerationStats:
     nodes_histogram: list[int] = field(default_factory=list)  # steps by rows drafts added
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    steps_by_span: list[int] = field(default_factory=list)
+    tokens_by_span: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
     draft_time_s: float = 0.0  # measured even when the other phases are not (see decode.py)
     prefill_time_s: float = 0.0
@@ -48,9 +55,13 @@ class GenerationStats:
     loop_steps: int = 0
 
     def record_step(self, draft_nodes: int, draft_depth: int, num_accepted: int,
-                    rows: int | None = None) -> None:
+                    rows: int | None = None, position: int | None = None) -> None:
         """rows: what the draft added to the verification forward (its nodes, and extra rows
-        such as Lookahead's window; default: the nodes), which sizes the forward's cost."""
+        such as Lookahead's window; default: the nodes), which sizes the forward's cost.
+        position: the new tokens of the answer before this step (None: not counted by span)."""
+        if position is not None:
+            _bump(self.steps_by_span, position // POSITION_SPAN)
+            _bump(self.tokens_by_span, position // POSITION_SPAN, by=num_accepted + 1)
         self.steps += 1
         self.target_forwards += 1
         self.drafted += draft_nodes
@@ -68,7 +79,7 @@ class GenerationStats:
                      *(f"{p}_time_s" for p in PHASES)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("accept_histogram", "nodes_histogram", "position_drafted",
-                     "position_accepted"):
+                     "position_accepted", "steps_by_span", "tokens_by_span"):
             counts, more = getattr(self, name), getattr(other, name)
             counts.extend([0] * (len(more) - len(counts)))
             for i, value in enumerate(more):
@@ -89,6 +100,13 @@ class GenerationStats:
     def acceptance_by_position(self) -> list[float]:
         pairs = zip(self.position_accepted, self.position_drafted, strict=True)
         return [accepted / drafted for accepted, drafted in pairs]
+
+    @property
+    def tau_by_position(self) -> list[float | None]:
+        """tau of the steps that started in each span of POSITION_SPAN new tokens (None: a
+        span no step started in)."""
+        pairs = zip(self.tokens_by_span, self.steps_by_span, strict=True)
+        return [tokens / steps if steps else None for tokens, steps in pairs]
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,6 +137,7 @@ class GenerationStats:
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
+            "tau_by_position": self.tau_by_position,
             "tokens_per_s": self.tokens_per_s,
             "time_split": self.time_split,
         }

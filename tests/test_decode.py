@@ -290,3 +290,13 @@ def test_a_step_reads_its_named_tensors_back_at_once():
         read = decode._read_once(**parts)
     assert reads.count == 1
     assert read == {"draws": [2, -1, 7], "tokens": [5], "valid": [1, 0]}
+
+
+def test_a_long_answer_counts_tau_by_the_span_each_step_started_in(target, draft_model):
+    plain = generate(target, PROMPTS[1], max_new_tokens=200).stats
+    assert plain.steps_by_span == [128, 72] and plain.tau_by_position == [1.0, 1.0]
+    drafted = generate(target, PROMPTS[1], drafter=SmallModelDrafter(draft_model, 3),
+                       max_new_tokens=200).stats
+    assert sum(drafted.steps_by_span) == drafted.steps
+    assert sum(drafted.tokens_by_span) == drafted.steps + drafted.accepted
+    assert len(drafted.steps_by_span) == 2 and drafted.steps_by_span[0] < 128

@@ -77,3 +77,20 @@ def test_tau_over_prompts_is_pooled_with_its_standard_error():
     assert uneven.tau == pytest.approx(1.25) and uneven.prompts == 2
     assert uneven.standard_error > 0
     assert math.isnan(TauEstimate.of([prompt(4, 2)]).standard_error)
+
+
+def test_tau_by_position_counts_each_step_in_the_span_it_started_in():
+    stats = GenerationStats()
+    stats.record_step(3, 3, num_accepted=3, position=0)  # 4 tokens from 0
+    stats.record_step(3, 3, num_accepted=1, position=126)  # starts in the first span too
+    stats.record_step(3, 3, num_accepted=0, position=128)
+    stats.record_step(3, 3, num_accepted=2, position=300)  # span 2; span 1 had one step
+    assert stats.steps_by_span == [2, 1, 1] and stats.tokens_by_span == [6, 1, 3]
+    assert stats.tau_by_position == [3.0, 1.0, 3.0]
+    stats.record_step(3, 3, num_accepted=2)  # no position: tau counts it, the spans do not
+    assert sum(stats.steps_by_span) == stats.steps - 1
+    other = GenerationStats()
+    other.record_step(1, 1, num_accepted=1, position=520)  # span 4, past an empty span 3
+    stats.merge(other)
+    assert stats.tau_by_position == [3.0, 1.0, 3.0, None, 2.0]
+    assert stats.as_dict()["tau_by_position"] == stats.tau_by_position

@@ -186,6 +186,8 @@ class SweepRow:
     latency_s_p90: float | None = None
     baseline_latency_s_mean: float | None = None
     baseline_latency_s_p90: float | None = None
+    # tau of the steps starting in each span of `metrics.POSITION_SPAN` new tokens
+    tau_by_position: list[float | None] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

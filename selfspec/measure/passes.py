@@ -210,7 +210,7 @@ def _row(method: Method, point: GridPoint, ours: Pass, base: Pass, memory: PeakM
         variant=point.variant.as_dict(), peer_of=point.variant.peer_of,
         batch_size=point.batch_size, latency_s_mean=_mean(ours.latencies),
         latency_s_p90=ours.latency(0.9), baseline_latency_s_mean=_mean(base.latencies),
-        baseline_latency_s_p90=base.latency(0.9),
+        baseline_latency_s_p90=base.latency(0.9), tau_by_position=stats.tau_by_position,
     )
 
 

@@ -261,5 +261,5 @@ class _ForwardLog:
         for i, (length, past) in enumerate(self.calls):
             drafted = length - (prompt_len if past == 0 else 1)
             accepted = max(0, min(drafted, committed[i + 1] - committed[i] - 1))
-            stats.record_step(drafted, drafted, accepted)
+            stats.record_step(drafted, drafted, accepted, position=committed[i] - prompt_len)
         return stats

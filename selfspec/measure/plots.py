@@ -19,6 +19,8 @@ from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import text_to_path
 from matplotlib.ticker import MaxNLocator
 
+from selfspec.metrics import POSITION_SPAN
+
 Row = Mapping[str, Any]
 Colors = Mapping[str, str]  # a method's colour by its name, the same in every figure
 PANEL_WIDTH = 4.6  # inches per sampling setting
@@ -48,6 +50,8 @@ def plot_sweep(rows: Sequence[Row], folder: str | Path, colors: Colors | None = 
     }
     if any(r.get("bound") is not None for r in rows):
         makers["speedup_vs_bound"] = speedup_vs_bound
+    if any(len(r.get("tau_by_position") or ()) > 1 for r in rows):  # answers past one span
+        makers["tau_by_position"] = tau_by_position
     paths = {}
     for name, make in makers.items():
         paths[name] = folder / f"{name}.png"
@@ -150,6 +154,22 @@ def acceptance_by_position(rows: Sequence[Row], colors: Colors | None = None) ->
                 ax.plot(range(1, len(rates) + 1), rates, marker="o", color=_color(method, colors),
                         label=f"{method} (k={line[-1]['draft_length']})")
         ax.set(xlabel="draft position", ylabel="accepted share", ylim=(0, 1.05))
+    return _finish(fig, panels)
+
+
+def tau_by_position(rows: Sequence[Row], colors: Colors | None = None) -> Figure:
+    """tau of the steps starting in each span of POSITION_SPAN new tokens, per method at its
+    longest draft: whether acceptance holds up deep into long answers."""
+    fig, panels = _panels(rows, "tau by position in the answer (each method at its longest "
+                                "draft)")
+    for sampling, ax in panels.items():
+        for method, line in _lines(rows, sampling).items():
+            spans = line[-1].get("tau_by_position") or []
+            points = [(POSITION_SPAN * i, tau) for i, tau in enumerate(spans) if tau is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", color=_color(method, colors),
+                        label=f"{method} (k={line[-1]['draft_length']})")
+        ax.set(xlabel=f"new tokens before the step (spans of {POSITION_SPAN})", ylabel="tau")
     return _finish(fig, panels)
 
 

@@ -102,7 +102,7 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
         expected = _expected_after_nodes(draft.token_paths(), tokens[done:])
         tree = host_tree(draft.tree)
         accepted = verify_greedy(tree, draft.tokens.tolist(), expected).num_accepted
-        stats.record_step(tree.num_nodes, tree.max_depth, accepted)
+        stats.record_step(tree.num_nodes, tree.max_depth, accepted, position=done)
         fed, done = length - 1, min(done + accepted + 1, record.answer_length)
     stats.new_tokens = done
     return stats

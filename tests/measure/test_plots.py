@@ -25,6 +25,7 @@ FIGURES = {
     plots.speedup_at_best_draft_length: True,
     plots.acceptance_by_position: True,
     plots.speedup_vs_bound: False,
+    plots.tau_by_position: True,
 }
 
 
@@ -45,7 +46,7 @@ def sweep_row(method: str, k: int, sampling: str) -> dict:
         target_forwards_per_token=1 / (1 + 0.6 * k), draft_time_share=0.2, peak_memory_mb=512.0,
         memory_measure="rss", repeated_4gram_share=0.12, baseline_repeated_4gram_share=0.1,
         lossless=True if sampling == "greedy" else None, draft_cost=0.1 * k,
-        bound=1.1 * speed / base,
+        bound=1.1 * speed / base, tau_by_position=[1 + 0.6 * k - 0.1 * i for i in range(3)],
     ).as_dict()
 
 
