@@ -1,0 +1,261 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5, written so that a
+verification forward keeps the layer's state after every row it feeds.
+
+A recurrent layer reads its whole history through a fixed-size state: the last K - 1 inputs
+of its causal depthwise convolution and a [H, Dk, Dv] matrix per value head updated by the
+gated delta rule. A rejected draft token must leave no trace in either, and neither can be
+truncated like a KV cache. So the layer computes the state after each of the T new rows
+(a *snapshot*, row 0 being the state the forward started from) and hands them all to the cache
+(`selfspec.model.recurrent_cache`), which keeps the one after the last accepted row.
+
+The new rows form paths: row i continues its *parent* (the last earlier row it sees; none: the
+committed history), so a tree forward gives each node its parent's state advanced by its own
+token, and a chain is the path 0, 1, ..., T - 1. `parents_of` reads the parents off the
+forward's mask and refuses a mask that is not a forest of paths (a recurrent layer cannot skip
+a row it saw).
+
+Every row runs the delta rule token by token (transformers' recurrent form, one step per row),
+so a row's arithmetic is the same in a one-token step and in a verification of many; the
+chunked scan, faster over long prompts, is not used.
+
+Names mirror transformers' `Qwen3NextGatedDeltaNet` (in_proj_qkvz, in_proj_ba, conv1d, dt_bias,
+A_log, norm, out_proj), so its checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.model.cpu_linear import Linear
+
+# transformers' l2norm of q and k inside the kernel (FLA's constant)
+_L2_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DeltaNetDims:
+    """The widths of a Gated DeltaNet layer (config.json's linear_* keys)."""
+
+    hidden_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a "
+                             f"multiple of linear_num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.num_value_heads // self.num_key_heads
+
+
+@dataclass
+class Snapshots:
+    """A recurrent layer's states over one forward, row 0 the state it started from and row
+    i + 1 the state after new row i: the convolution's last K - 1 inputs
+    windows [B, T + 1, C, K - 1] and the delta rule's matrices states [B, T + 1, H, Dk, Dv]
+    (fp32)."""
+
+    windows: torch.Tensor
+    states: torch.Tensor
+
+
+class LayerState(Protocol):
+    """What a recurrent layer reads and writes of its cache (`RecurrentState.layer`)."""
+
+    def committed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state before the forward: windows [B, C, K - 1] and states [B, H, Dk, Dv]."""
+        ...
+
+    def record(self, snapshots: Snapshots) -> None:
+        """The forward's snapshots, kept until the cache advances, truncates or commits."""
+        ...
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output (weight times the normalised input, cast back),
+    times SiLU of the output gate z, in fp32 (transformers' Qwen3NextRMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet token mixer: [B, T, hidden] -> [B, T, hidden]."""
+
+    def __init__(self, dims: DeltaNetDims) -> None:
+        super().__init__()
+        self.dims = dims
+        d = dims
+        self.in_proj_qkvz = Linear(d.hidden_size, 2 * d.key_dim + 2 * d.value_dim, bias=False)
+        self.in_proj_ba = Linear(d.hidden_size, 2 * d.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim,
+                                bias=False, padding=d.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(d.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(d.num_value_heads))
+        self.norm = GatedRMSNorm(d.value_head_dim, d.eps)
+        self.out_proj = Linear(d.value_dim, d.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, parents: torch.Tensor | None,
+                state: LayerState | None = None) -> torch.Tensor:
+        """x [B, T, hidden]; parents [B, T] (`parents_of`; None: each row continues the one
+        before); state: the layer's cache, whose committed state the rows continue (None:
+        they start from zeros and nothing is kept)."""
+        d = self.dims
+        batch, t, _ = x.shape
+        if parents is None:
+            parents = chain_parents(batch, t, x.device)
+        windows, states = (self._zero_state(batch, x) if state is None else state.committed())
+        mixed, z, beta, decay = self._inputs(x)  # mixed [B, T, C]
+        conv_out, all_windows = self._convolved(mixed, windows, parents)
+        q, k, v = conv_out.split((d.key_dim, d.key_dim, d.value_dim), dim=-1)
+        out, all_states = delta_rule(
+            q.reshape(batch, t, d.num_key_heads, d.key_head_dim),
+            k.reshape(batch, t, d.num_key_heads, d.key_head_dim),
+            v.reshape(batch, t, d.num_value_heads, d.value_head_dim),
+            decay, beta, states, parents)
+        if state is not None:
+            state.record(Snapshots(all_windows, all_states))
+        normed = self.norm(out.reshape(-1, d.value_head_dim), z.reshape(-1, d.value_head_dim))
+        return self.out_proj(normed.reshape(batch, t, d.value_dim))
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections of x [B, T, hidden], from their per-key-head layout: the
+        convolution's input [B, T, C] (q, k, v), the output gate z [B, T, Hv, Dv], beta and
+        the log decay [B, T, Hv] (fp32 decay)."""
+        d = self.dims
+        batch, t, _ = x.shape
+        qkvz = self.in_proj_qkvz(x).view(batch, t, d.num_key_heads, -1)
+        ba = self.in_proj_ba(x).view(batch, t, d.num_key_heads, 2 * d.group)
+        q, k, v, z = qkvz.split((d.key_head_dim, d.key_head_dim, d.group * d.value_head_dim,
+                                 d.group * d.value_head_dim), dim=3)
+        b, a = ba.split((d.group, d.group), dim=3)
+        mixed = torch.cat([q.reshape(batch, t, -1), k.reshape(batch, t, -1),
+                           v.reshape(batch, t, -1)], dim=-1)
+        beta = b.reshape(batch, t, d.num_value_heads).sigmoid()
+        a = a.reshape(batch, t, d.num_value_heads)
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return mixed, z.reshape(batch, t, d.num_value_heads, d.value_head_dim), beta, decay
+
+    def _convolved(self, mixed: torch.Tensor, windows: torch.Tensor, parents: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SiLU of the causal depthwise convolution of each row over its own path: [B, T, C],
+        and the windows after each row [B, T + 1, C, K - 1] (row 0: the committed one)."""
+        batch, t, channels = mixed.shape
+        kernel = self.dims.conv_kernel
+        weight = self.conv1d.weight[:, 0].to(mixed.dtype)  # [C, K]
+        all_windows = windows.new_empty(batch, t + 1, channels, kernel - 1)
+        all_windows[:, 0] = windows
+        out = mixed.new_empty(batch, t, channels)
+        rows = torch.arange(batch, device=mixed.device)
+        for i in range(t):
+            before = all_windows[rows, parents[:, i] + 1]  # [B, C, K - 1]
+            full = torch.cat([before, mixed[:, i, :, None]], dim=-1)  # [B, C, K]
+            out[:, i] = (full * weight).sum(-1)
+            all_windows[:, i + 1] = full[..., 1:]
+        return F.silu(out), all_windows
+
+    def _zero_state(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.dims
+        return (x.new_zeros(batch, d.conv_dim, d.conv_kernel - 1),
+                torch.zeros(batch, d.num_value_heads, d.key_head_dim, d.value_head_dim,
+                            device=x.device))
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+               beta: torch.Tensor, states: torch.Tensor, parents: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one row at a time, each row from its parent's state.
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; decay (log) and beta [B, T, Hv]; states
+    [B, Hv, Dk, Dv] before the forward; parents [B, T]. Returns the outputs [B, T, Hv, Dv]
+    in q's dtype and every state [B, T + 1, Hv, Dk, Dv] (fp32, row 0 the one given)."""
+    dtype, (batch, t, heads, dim_v) = q.dtype, v.shape
+    group = heads // q.shape[2]
+    q, k = (_l2_normed(x.float()).repeat_interleave(group, dim=2) for x in (q, k))
+    q = q / (q.shape[-1] ** 0.5)
+    v, beta, gate = v.float(), beta.float(), decay.float().exp()
+    all_states = states.new_empty(batch, t + 1, *states.shape[1:])
+    all_states[:, 0] = states.float()
+    out = v.new_empty(batch, t, heads, dim_v)
+    rows = torch.arange(batch, device=q.device)
+    for i in range(t):
+        state = all_states[rows, parents[:, i] + 1] * gate[:, i, :, None, None]
+        remembered = (state * k[:, i, :, :, None]).sum(dim=-2)  # [B, H, Dv]
+        delta = (v[:, i] - remembered) * beta[:, i, :, None]
+        state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+        out[:, i] = (state * q[:, i, :, :, None]).sum(dim=-2)
+        all_states[:, i + 1] = state
+    return out.to(dtype), all_states
+
+
+def _l2_normed(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+
+
+def chain_parents(batch: int, t: int, device: torch.device | str) -> torch.Tensor:
+    """[B, T] the parents of a chain: row i continues row i - 1 (row 0 the history)."""
+    return torch.arange(-1, t - 1, device=device).expand(batch, t)
+
+
+def parents_of(mask: torch.Tensor | None, t: int, device: torch.device | str) -> torch.Tensor:
+    """[B, T] each new row's parent, read off a forward's mask (`Transformer.forward`'s:
+    None = causal, [T, T] among the new rows, [T, past + T] or a batch's [B, T, past + T]):
+    the last earlier row it sees, -1 for none (it continues the committed history).
+
+    A recurrent layer reads a path, so a row must see exactly its parent's rows and itself,
+    and every committed slot: else a ValueError names the row."""
+    if mask is None:
+        return chain_parents(1, t, device)
+    rows = mask if mask.dim() == 3 else mask[None]
+    history, among = rows[..., :rows.shape[-1] - t], rows[..., -t:].cpu()
+    if history.numel() and not bool(history.all()):
+        raise ValueError("a recurrent layer reads every committed token: a mask that hides "
+                         "one from a new row (a batch's padded rows, a drafter's own tree "
+                         "over cached slots) is not supported for a recurrent target")
+    earlier = among & torch.ones(t, t, dtype=torch.bool).tril(-1)
+    index = torch.arange(t).expand_as(earlier)
+    parents = torch.where(earlier, index, -1).amax(dim=-1)  # [B, T]
+    expected = torch.eye(t, dtype=torch.bool).expand_as(among).clone()
+    for i in range(t):  # a row's rows: its parent's and itself
+        has = parents[:, i] >= 0
+        expected[has, i] |= expected[has, parents[has, i]]
+    if not bool((expected == among).all()):
+        bad = int((expected != among).any(dim=-1).nonzero()[0, -1])
+        raise ValueError(f"a recurrent layer reads a path: new row {bad} of the mask must see "
+                         f"exactly its parent's rows and itself (a tree's mask does)")
+    return parents.to(device)

@@ -1,0 +1,181 @@
+"""The Gated DeltaNet layer (model/recurrent.py) against transformers' own
+Qwen3NextGatedDeltaNet on random weights (fp32), and its state per row: a tree's node continues
+its parent, a cache commits the accepted row's state (model/recurrent_cache.py)."""
+
+import pytest
+import torch
+
+from selfspec.model.kv_cache import KVCache
+from selfspec.model.recurrent import DeltaNetDims, GatedDeltaNet, parents_of
+from selfspec.model.recurrent_cache import HybridCache, RecurrentState
+
+transformers = pytest.importorskip("transformers", reason="pip install transformers")
+modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
+                               reason="pip install 'transformers>=5'")
+
+DIMS = DeltaNetDims(hidden_size=32, num_key_heads=2, num_value_heads=4, key_head_dim=8,
+                    value_head_dim=6, conv_kernel=4, eps=1e-6)
+
+
+def hf_layer(seed: int = 0):
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=DIMS.hidden_size, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        linear_num_key_heads=DIMS.num_key_heads, linear_num_value_heads=DIMS.num_value_heads,
+        linear_key_head_dim=DIMS.key_head_dim, linear_value_head_dim=DIMS.value_head_dim,
+        linear_conv_kernel_dim=DIMS.conv_kernel, num_experts=0, rms_norm_eps=DIMS.eps,
+        layer_types=["linear_attention"])
+    torch.manual_seed(seed)
+    layer = modeling.Qwen3NextGatedDeltaNet(config, 0).float()
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0, 0.3)
+    return config, layer
+
+
+def our_layer(seed: int = 0) -> GatedDeltaNet:
+    _, hf = hf_layer(seed)
+    layer = GatedDeltaNet(DIMS)
+    layer.load_state_dict(hf.state_dict())
+    return layer
+
+
+class Recorder:
+    """A layer state that starts from zeros and keeps what a forward recorded."""
+
+    def __init__(self, batch: int = 1) -> None:
+        self.state = RecurrentState([0], batch, DIMS)
+
+    def committed(self):
+        return self.state.layer(0).committed()
+
+    def record(self, snapshots):
+        self.state.layer(0).record(snapshots)
+
+
+@torch.no_grad()
+def test_a_sequence_matches_transformers():
+    _, hf = hf_layer()
+    x = torch.randn(2, 9, DIMS.hidden_size)
+    ours = our_layer()(x, None)
+    torch.testing.assert_close(ours, hf(x), atol=1e-5, rtol=1e-5)
+    assert hf(x).abs().max() > 0.1  # not a vanishing output
+
+
+@torch.no_grad()
+def test_cached_steps_match_transformers_cache():
+    """A prefill, then one-token steps from the committed state, against transformers'
+    DynamicCache (its chunked prefill and its recurrent step)."""
+    config, hf = hf_layer()
+    layer = our_layer()
+    x = torch.randn(1, 10, DIMS.hidden_size)
+    cache = transformers.DynamicCache(config=config)
+    state = RecurrentState([0], 1, DIMS)
+    hf_out = [hf(x[:, :6], cache=cache)]
+    ours = [layer(x[:, :6], None, state.layer(0))]
+    state.adopt(6)
+    for i in range(6, 10):
+        hf_out.append(hf(x[:, i:i + 1], cache=cache))
+        ours.append(layer(x[:, i:i + 1], None, state.layer(0)))
+        state.adopt(1)
+    torch.testing.assert_close(torch.cat(ours, 1), torch.cat(hf_out, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.states[0], cache.layers[0].recurrent_states[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+# A tree over 6 new rows: 0 the root, 1 and 2 its children, 3 under 1, 4 and 5 under 3.
+PARENTS = [-1, 0, 0, 1, 3, 3]
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def path_to(node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = PARENTS[node]
+    return path
+
+
+def test_parents_are_read_off_a_tree_mask():
+    assert parents_of(tree_mask(PARENTS), 6, "cpu").tolist() == [PARENTS]
+    assert parents_of(None, 3, "cpu").tolist() == [[-1, 0, 1]]
+    history = torch.cat([torch.ones(6, 4, dtype=torch.bool), tree_mask(PARENTS)], dim=1)
+    assert parents_of(history, 6, "cpu").tolist() == [PARENTS]
+
+
+@pytest.mark.parametrize("why, new_rows, mask", [
+    ("a row that skips its parent's parent", 3, [[1, 0, 0], [1, 1, 0], [0, 1, 1]]),
+    ("a committed slot hidden", 2, [[0, 1, 0], [1, 1, 1]]),
+])
+def test_a_mask_that_is_not_a_forest_of_paths_is_refused(why, new_rows, mask):
+    with pytest.raises(ValueError, match="recurrent layer"):
+        parents_of(torch.tensor(mask, dtype=torch.bool), new_rows, "cpu")
+
+
+@torch.no_grad()
+def test_each_tree_node_continues_its_parent():
+    """A tree forward's row i equals a chain forward over the path to i, from the same
+    committed state (its output and its state after it)."""
+    layer = our_layer()
+    history, rows = torch.randn(1, 5, DIMS.hidden_size), torch.randn(1, 6, DIMS.hidden_size)
+    tree = Recorder()
+    layer(history, None, tree)
+    tree.state.adopt(5)
+    out = layer(rows, parents_of(tree_mask(PARENTS), 6, "cpu"), tree)
+    for node in range(6):
+        chain = Recorder()
+        layer(history, None, chain)
+        chain.state.adopt(5)
+        path = path_to(node)
+        chain_out = layer(rows[:, path], None, chain)
+        torch.testing.assert_close(out[:, node], chain_out[:, -1], atol=1e-6, rtol=1e-6)
+        for name in ("states", "windows"):
+            torch.testing.assert_close(getattr(tree.state.pending[0], name)[:, node + 1],
+                                       getattr(chain.state.pending[0], name)[:, -1])
+
+
+def hybrid_cache(layer: int = 0) -> HybridCache:
+    kv = KVCache(0, 1, 1, 32, 1)  # no attention layer: only the length counts
+    return HybridCache(kv, RecurrentState([layer], 1, DIMS), attention_layers=())
+
+
+@torch.no_grad()
+def test_a_commit_keeps_the_accepted_nodes_state_and_a_truncate_the_rows():
+    """After a tree forward, committing a path leaves the state of a forward over exactly the
+    committed tokens; truncating a chain leaves the state after its kept rows."""
+    layer = our_layer()
+    history, rows = torch.randn(1, 5, DIMS.hidden_size), torch.randn(1, 6, DIMS.hidden_size)
+    reference = hybrid_cache()
+    layer(torch.cat([history, rows[:, path_to(4)]], 1), None, reference.recurrent(0))
+    reference.advance(5 + 4)
+
+    cache = hybrid_cache()
+    layer(history, None, cache.recurrent(0))
+    cache.advance(5)
+    layer(rows, parents_of(tree_mask(PARENTS), 6, "cpu"), cache.recurrent(0))
+    cache.advance(6)
+    cache.commit([5 + i for i in path_to(4)])
+    assert cache.length == reference.length
+    torch.testing.assert_close(cache.state.states, reference.state.states)
+    torch.testing.assert_close(cache.state.windows, reference.state.windows)
+
+    chain = hybrid_cache()
+    layer(history, None, chain.recurrent(0))
+    chain.advance(5)
+    layer(rows[:, :4], None, chain.recurrent(0))
+    chain.advance(4)
+    chain.truncate(5)
+    assert chain.length == 5
+    start = hybrid_cache()
+    layer(history, None, start.recurrent(0))
+    start.advance(5)
+    torch.testing.assert_close(chain.state.states, start.state.states)
+    with pytest.raises(ValueError, match="rolls back only within the last forward"):
+        chain.truncate(2)
