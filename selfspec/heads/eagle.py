@@ -65,7 +65,7 @@ class EagleConfig(FeatureHeadConfig):
     target_hidden_size: the width of each fused target state (None: hidden_size).
     target_layers: EAGLE-3's fused residual streams of the target (empty for EAGLE-1).
     fc_bias: whether `fc` has a bias; None = the published default (EAGLE-1 yes, EAGLE-3 no).
-    vLLM builds EAGLE-1's fc without one: train with fc_bias=False to serve a head there.
+    vLLM builds EAGLE-1's fc without one: its export carries the bias in the attention biases.
     parallel: P-EAGLE's K (EAGLE-3 only): one forward drafts K tokens, the last K - 1 from
     mask pairs of token mask_token_id and the learned `mask_hidden`; 1: one token a forward."""
 

@@ -4,7 +4,7 @@ launch command (`scripts/export_heads.py`; the layouts are `selfspec.heads.publi
 | head | vllm | sglang | medusa (reference) | eagle (reference) | dflash (reference) | speculators |
 |---|---|---|---|---|---|---|
 | Medusa | yes: top-1 chains | no | yes | no | no | no |
-| EAGLE-1 | fc without bias | yes | no | yes | no | no |
+| EAGLE-1 | fc bias folded into attention biases | yes | no | yes | no | no |
 | EAGLE-3 | yes | yes | no | default fused layers only | no | yes |
 | P-EAGLE | no | no | no | no | no | yes (mask feature before fc) |
 | DFlash | q/k norms, draft vocab | q/k norms, target's LM head | no | no | as SGLang | q/k norms |
@@ -148,6 +148,8 @@ def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
         return config, medusa_reference_state(heads), files, command, notes
     state = medusa_vllm_state(heads, target_lm_head)
     vocab = heads.config.output_size
+    if heads.draft_vocab is not None and not c.shared_lm_head:
+        state, vocab = _medusa_full_rows(heads, state), c.vocab_size
     config = {"model_type": "medusa", "architectures": ["MedusaModel"],
               "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
               "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
@@ -156,10 +158,33 @@ def _medusa(heads: MedusaHeads, to: str, base_model: str | None,
     notes = ["vLLM proposes top-1 chains only: the heads are served as a chain of their top-1 "
              "tokens, not as a Medusa tree",
              f"num_speculative_tokens may not exceed the {c.num_heads} heads the folder holds"]
-    if heads.draft_vocab is not None:
+    if heads.draft_vocab is not None and c.shared_lm_head:
         notes.append(f"the heads score {vocab} of {c.vocab_size} tokens (token_map)")
+    elif heads.draft_vocab is not None:
+        notes.append(f"the heads' {c.output_size}-token draft vocabulary is written as rows "
+                     f"over all {c.vocab_size} tokens (vLLM builds each head's LM head over the "
+                     f"whole vocabulary): every other token's row is the mean of the draft rows, "
+                     f"so its logit never reaches the top one and the top-1 chain is the same")
     spec = {"method": "medusa", "model": "{OUT}", "num_speculative_tokens": c.num_heads}
     return config, state, "model.safetensors", _vllm(base, spec), notes
+
+
+def _medusa_full_rows(heads: MedusaHeads, state: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """Each head's draft-vocabulary LM head [K, h] as rows over the whole vocabulary [V, h],
+    without `token_map`: vLLM 0.32 builds each head's own LM head over `vocab_size` rows and
+    refuses a token map's K. A token outside the draft vocabulary gets the mean of the K draft
+    rows: its logit is the mean of the draft logits, below their maximum whatever the feature
+    (equal only when all K are equal), so the argmax, the one token vLLM's Medusa proposes per
+    head, is the draft vocabulary's. (A top-k with k > 1 could take such a token.)"""
+    ids = heads.draft_vocab.target_ids  # [K] target id of each draft row
+    state = {k: v for k, v in state.items() if k != "token_map"}
+    for i in range(heads.config.num_heads):
+        rows = state[f"lm_heads.{i}.weight"]  # [K, h]
+        full = rows.double().mean(0).to(rows.dtype).repeat(heads.config.vocab_size, 1)  # [V, h]
+        full[ids.to(rows.device)] = rows
+        state[f"lm_heads.{i}.weight"] = full
+    return state
 
 
 # ---- EAGLE -----------------------------------------------------------------------------------
@@ -194,10 +219,11 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
             config["bias"] = c.attention_bias
         if to == "vllm":
             if has_bias:
-                raise ExportRefused("vLLM builds EAGLE-1's fc without a bias and would drop this "
-                                    "head's (non-zero) fc.bias: train a head without it "
-                                    "(train/eagle.py eagle.fc_bias=false), or serve this one "
-                                    "with --to sglang")
+                state = fold_fc_bias(state)
+                config["bias"] = config["attention_bias"] = True
+                notes.append("vLLM builds EAGLE-1's fc without a bias: this head's fc.bias is "
+                             "carried by the layer's attention biases (q, k, v: W b; o: b), "
+                             "the same function")
             state.pop("fc.bias", None)
         if to == "sglang" and fc_bias is None:
             state["fc.bias"] = torch.zeros_like(state["fc.weight"][:, 0])
@@ -240,6 +266,26 @@ def _eagle(head: EagleHead, to: str, base_model: str | None, target_layers_count
         command = (f"python -c \"from eagle.model.ea_model import EaModel; EaModel.from_pretrained("
                    f"base_model_path='{base}', ea_model_path='{{OUT}}', total_token=-1)\"")
     return config, state, "model.safetensors", command, notes
+
+
+def fold_fc_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """EAGLE-1's layer with fc's bias b moved into its attention: the layer reads x + b, where
+    x = fc's product without b. Its only reads of the input are q, k, v (each W (x + b) =
+    W x + W b, before RoPE) and the residual (x + b + attention(...)), so q/k/v biases W b and
+    an o bias b give the same function for an engine whose fc has no bias. The biases are
+    computed and kept in float32 (rounded to a half-precision head's dtype they would move
+    the function)."""
+    state = dict(state)
+    bias = state.pop("fc.bias").double()  # [h]
+    prefix = "layers.0.self_attn."
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weight = state[f"{prefix}{name}.weight"].double()  # [out, h]
+        old = state.get(f"{prefix}{name}.bias")
+        folded = weight @ bias + (0 if old is None else old.double())  # [out]
+        state[f"{prefix}{name}.bias"] = folded.float()
+    old = state.get(f"{prefix}o_proj.bias")
+    state[f"{prefix}o_proj.bias"] = (bias + (0 if old is None else old.double())).float()
+    return state
 
 
 def _reference_embedding(config: dict, state: dict, embedding: torch.Tensor | None) -> str:

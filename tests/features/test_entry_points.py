@@ -131,8 +131,8 @@ BAD_INPUTS = [
     (HELDOUT, ["/nonexistent/model"], r"/nonexistent/model has no config.json"),
     (EXPORT, ["/nonexistent/head", "--to", "vllm", "{out}"],
      r"head checkpoint folder not found: /nonexistent/head"),
-    (EXPORT, ["{eagle_biased}", "--to", "vllm", "{out}"],
-     r"vLLM builds EAGLE-1's fc without a bias .*eagle.fc_bias=false.*--to sglang"),
+    (EXPORT, ["{eagle_biased}", "--to", "medusa", "{out}"],
+     r"an EAGLE head is not a Medusa head: export with --to vllm, sglang or eagle"),
     (EXPORT, ["{medusa_heads}", "--to", "sglang", "{out}"],
      r"SGLang serves EAGLE and DFlash heads, not Medusa heads: export with --to vllm"),
     (EXPORT, ["{medusa_shared}", "--to", "vllm", "{out}"],
@@ -189,8 +189,8 @@ def exit_exports(root: Path) -> dict[str, str]:
 
 
 def head_exports(root: Path) -> dict[str, str]:
-    """Heads an engine export must refuse: an EAGLE-1 head with a trained fc bias (for vLLM),
-    Medusa heads (for SGLang), heads sharing an LM head with no target recorded."""
+    """Heads an engine export must refuse: an EAGLE-1 head (for Medusa's code), Medusa heads
+    (for SGLang), heads sharing an LM head with no target recorded."""
     from selfspec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
     from selfspec.model import ModelConfig
 

@@ -24,6 +24,8 @@ from selfspec.heads import MedusaConfig, load_head
 from selfspec.heads.export import ExportRefused, export_head
 from selfspec.heads.io import read_head
 
+SHARED = torch.nn.functional.normalize(torch.ones(H), dim=0)  # [H]
+
 
 @pytest.fixture(scope="module")
 def target():
@@ -41,6 +43,9 @@ def plain(target):
 def test_medusa_to_vllm_writes_its_layout_and_reimports_bit_exactly(tmp_path, target, plain):
     heads = trained_like_medusa(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3,
                                              num_layers=2, draft_vocab_size=40))
+    with torch.no_grad():  # a direction every row shares: features against it score < 0
+        for head in heads.heads:
+            head.lm_head.weight += 3 * SHARED
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:40].sort().values
     heads.set_draft_vocab(type(heads.draft_vocab)(ids - torch.arange(40), torch.isin(
         torch.arange(V), ids)))
@@ -48,17 +53,32 @@ def test_medusa_to_vllm_writes_its_layout_and_reimports_bit_exactly(tmp_path, ta
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert config["model_type"] == "medusa" and config["num_heads"] == 3
     assert [k for k in config if "num" in k and "heads" in k] == ["num_heads"]  # vLLM's rule
-    assert config["medusa_fc_bias"] is True and config["truncated_vocab_size"] == 40
+    # vLLM 0.32 builds each head's LM head over vocab_size rows: no token map, all V rows
+    assert config["medusa_fc_bias"] is True and config["truncated_vocab_size"] == V
     weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
-    assert {"blocks.2.layers.1.weight", "blocks.2.layers.1.bias", "lm_heads.2.weight",
-            "token_map"} <= weights.keys()
-    assert torch.equal(weights["token_map"], ids)
+    assert {"blocks.2.layers.1.weight", "blocks.2.layers.1.bias"} <= weights.keys()
+    assert "token_map" not in weights and weights["lm_heads.2.weight"].shape == (V, H)
+    assert torch.equal(weights["lm_heads.2.weight"][ids], heads.heads[2].lm_head.weight)
     assert '"method": "medusa"' in exported.command and '"num_speculative_tokens": 3' in \
         exported.command
     assert any("top-1 chains" in note for note in exported.notes)
     loaded = load_head(tmp_path / "vllm", target=target)
-    same_state(loaded.state_dict(), heads.state_dict())
+    assert loaded.draft_vocab is None
+    assert_same_top1(heads, loaded)
     assert_lossless(target, plain, lambda: MedusaDrafter(loaded, CHAIN))
+
+
+def assert_same_top1(heads, full) -> None:
+    """The full-vocabulary heads propose each head's top-1 token of the draft-vocabulary ones
+    (in target ids), on features of every scale, some of them with every draft logit below 0
+    (where zero rows for the other tokens would win)."""
+    torch.manual_seed(0)
+    scale = torch.linspace(0.1, 30, 400)[:, None]  # [N, 1]
+    hidden = torch.cat([torch.randn(400, H) * scale, torch.randn(400, H) - scale * SHARED])
+    with torch.no_grad():
+        narrow, wide = heads(hidden), full(hidden)  # [N, K, 40], [N, K, V]
+    assert (narrow.amax(-1) < 0).sum() > 100
+    assert torch.equal(heads.draft_vocab.target_ids[narrow.argmax(-1)], wide.argmax(-1))
 
 
 def test_shared_lm_head_medusa_to_vllm_carries_the_targets_lm_head(tmp_path, target):

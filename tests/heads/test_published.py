@@ -109,8 +109,27 @@ def test_an_eagle1_folder_loads_drafts_losslessly_and_exports_bit_exactly(
         same_state(load_file(str(tmp_path / engine / "model.safetensors")), state)
     sglang = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert sglang["architectures"] == ["LlamaForCausalLMEagle"] and sglang["bias"] is False
-    with pytest.raises(ExportRefused, match="fc without a bias.*eagle.fc_bias=false"):
-        export_head(stored, "vllm", tmp_path / "vllm")
+    assert_vllm_carries_the_fc_bias(stored.float(), target, tmp_path / "vllm")
+
+
+def assert_vllm_carries_the_fc_bias(head: EagleHead, target, out) -> None:
+    """vLLM's EAGLE-1 fc has no bias: the export moves it into the attention biases, and the
+    folder read back (no fc bias, q/k/v/o biases) is the same function as the head."""
+    exported = export_head(head, "vllm", out)
+    assert any("fc.bias" in note for note in exported.notes)
+    weights = load_file(str(out / "model.safetensors"))
+    assert "fc.bias" not in weights and "layers.0.self_attn.o_proj.bias" in weights
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_bias"] is True and config["bias"] is True
+    served = load_head(out, EagleHead, target=target).float()
+    assert not served.config.has_fc_bias and served.config.attention_bias
+    torch.manual_seed(0)
+    embeds, feature = torch.randn(2, 1, 7, H).unbind(0)  # [1, T, h] each
+    with torch.no_grad():
+        ours, theirs = (h.logits(h(embeds, feature, torch.arange(7)), lm_head=target.lm_head)
+                        for h in (head, served))
+    assert (ours - theirs).abs().max() < 1e-4 and ours.abs().max() > 1e-2
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 # ---- EAGLE-3 ---------------------------------------------------------------------------------
