@@ -5,6 +5,7 @@ settings moved to conf/drafters.yaml still read under their old keys, with a war
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from selfspec.heads import (
     describe_target,
     save_head,
 )
+from selfspec.model.loading import with_random_mtp
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41, 42]]  # repeats: lookup drafts
 
@@ -47,7 +49,7 @@ def method_settings(quick_build, heads_dir, eagle_dir, dflash_dir) -> dict[str, 
                       "eagle.top_k=2"],
             "dflash": [*on_toy, f"dflash_head={dflash_dir}", "dflash.tree_nodes=4"],
             "early_exit": ["model=tiny"], "layer_skip": ["model=tiny"],
-            "lookahead": ["model=tiny"], "quantized": on_toy}
+            "lookahead": ["model=tiny"], "quantized": on_toy, "mtp": ["model=random-mtp"]}
 
 
 @pytest.mark.parametrize("quantize", ["null", pytest.param("int8", marks=pytest.mark.slow)])
@@ -92,13 +94,17 @@ def family_settings(request, tmp_path_factory, quick_build) -> dict[str, list[st
                                                target_layers=(1, 2)))
     save_head(root / "dflash", block, block.config, info)
     on = ["model=local", f"model.path={folder}", f"model.draft.path={root / 'draft'}"]
+    mtp = replace(target.config, mtp_modules=1, mtp_layout="nextn")  # a NextN layer of its own
+    with_random_mtp(target, mtp, seed=0).save_pretrained(root / "mtp")
+    shutil.copy(folder / "tokenizer.json", root / "mtp" / "tokenizer.json")
     return {"small_model": on, "ngram": on, "medusa": [*on, f"medusa_heads={root / 'medusa'}"],
             "ngram+medusa": [*on, f"medusa_heads={root / 'medusa'}"],
             "eagle": [*on, f"eagle_head={root / 'eagle'}", "eagle.total_tokens=6",
                       "eagle.top_k=2"],
             "dflash": [*on, f"dflash_head={root / 'dflash'}"],
             "early_exit": [*on, "early_exit.exit_layers=2"], "layer_skip": on,
-            "lookahead": on, "quantized": on}
+            "lookahead": on, "quantized": on,
+            "mtp": ["model=local", f"model.path={root / 'mtp'}"]}
 
 
 @pytest.mark.slow

@@ -125,7 +125,6 @@ def test_a_target_cut_for_a_draft_model_leaves_the_modules_out():
     assert first.config.mtp_modules == 0 and len(first.mtp) == 0
 
 
-@pytest.mark.slow  # transformers builds the decoder twice: ~2.5 s
 def test_the_random_preset_has_seeded_modules():
     from omegaconf import OmegaConf
 
