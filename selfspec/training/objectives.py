@@ -401,9 +401,12 @@ class BlockFeatures:
     last_hidden: torch.Tensor | None = None
 
 
+ANCHOR_RULES = ("next", "specforge")  # which positions may root a DFlash training block
+
+
 class DFlashObjective(nn.Module):
-    """DFlash: per row, `anchors` block starts are drawn among the positions whose next token
-    is supervised (from `generator`, or torch's default generator, which `fit` seeds and
+    """DFlash: per row, `anchors` block starts are drawn among the positions `anchor_rule`
+    allows (`anchor_blocks`; from `generator`, or torch's default generator, which `fit` seeds and
     checkpoints; held-out evaluation draws from a fixed seed). A block at anchor a is
     [token a, mask x (B - 1)] at positions a..a + B - 1; it attends to the context strictly
     before a (every draft layer's keys of the target's fused streams there) and to itself,
@@ -417,9 +420,13 @@ class DFlashObjective(nn.Module):
     def __init__(self, target: Transformer, head: DFlashHead, anchors: int = 16,
                  gamma: float = 4.0, teacher: bool = False,
                  generator: torch.Generator | None = None, cache_features: bool = False,
-                 features: FeatureSource | None = None, objective: str = "kl"):
+                 features: FeatureSource | None = None, objective: str = "kl",
+                 anchor_rule: str = "next"):
         super().__init__()
         check_count("anchors", anchors, owner="DFlashObjective")
+        if anchor_rule not in ANCHOR_RULES:
+            raise ValueError(f"DFlashObjective: anchor_rule must be one of "
+                             f"{', '.join(ANCHOR_RULES)}, got {anchor_rule!r}")
         if objective != "kl" and not teacher:
             raise ValueError(f"DFlashObjective: objective {objective!r} fits the draft's law to "
                              f"the target's: give teacher=True (against the data only kl, the "
@@ -428,6 +435,7 @@ class DFlashObjective(nn.Module):
             raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
         self.target, self.head, self.anchors = freeze(target), head, anchors
         self.gamma, self.teacher, self.generator = float(gamma), bool(teacher), generator
+        self.anchor_rule = anchor_rule
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "DFlashObjective")
         self.objective, self.divergence = objective, law_objective(objective, "DFlashObjective")
@@ -449,7 +457,7 @@ class DFlashObjective(nn.Module):
         targets) from their target features; no target layer runs here, only its embedding
         and LM head."""
         blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
-                               self._generator(tokens.device))
+                               self._generator(tokens.device), self.anchor_rule)
         logits = self.block_logits(features, blocks)  # [B, A, K, V']
         batch, length = tokens.shape
         labels, valid = blocks.labels, blocks.valid
@@ -503,15 +511,21 @@ class AnchorBlocks:
 
 
 def anchor_blocks(tokens: torch.Tensor, loss_mask: torch.Tensor, config, anchors: int,
-                  generator: torch.Generator | None) -> AnchorBlocks:
-    """Up to `anchors` distinct anchors per row, drawn uniformly among its positions a >= 1
-    whose next token is supervised (fixed shapes: a row with fewer has blocks that count
-    nothing), and the blocks at them."""
+                  generator: torch.Generator | None, rule: str = "next") -> AnchorBlocks:
+    """Up to `anchors` distinct anchors per row, drawn uniformly among the positions `rule`
+    allows (fixed shapes: a row with fewer has blocks that count nothing), and the blocks at
+    them. rule "next": a >= 1 whose next token a + 1 is supervised; "specforge" (SpecForge's
+    rule): a >= 0 with tokens a and a + 1 both supervised (a = 0 roots a block with no
+    context)."""
     batch, length = tokens.shape
     device, size = tokens.device, config.block_size
     count = max(1, min(anchors, length - 2))
     allowed = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    allowed[:, 1:-1] = loss_mask[:, 2:].bool()  # anchor a: token a + 1 is supervised
+    supervised = loss_mask.bool()
+    if rule == "specforge":
+        allowed[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
+    else:
+        allowed[:, 1:-1] = supervised[:, 2:]  # anchor a: token a + 1 is supervised
     keys = torch.rand(batch, length, generator=generator, device=device)
     keys = keys.masked_fill(~allowed, -1.0)
     chosen, order = torch.topk(keys, count, dim=-1)  # [B, A]

@@ -41,7 +41,7 @@ from selfspec.model import ModelConfig, Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
-from selfspec.training.objectives import DFlashObjective
+from selfspec.training.objectives import ANCHOR_RULES, DFlashObjective
 from selfspec.training.rows import TokenRows
 
 HEAD = "dflash_head"  # the setting naming the head's export folder
@@ -144,6 +144,10 @@ def check_dflash_settings(cfg: DictConfig) -> None:
     if d.loss not in DFLASH_LOSSES:
         raise ValueError(f"dflash.loss must be ce (against the data) or kl (against the "
                          f"target's law), got {d.loss!r}")
+    if d.get("anchor_rule", "next") not in ANCHOR_RULES:
+        raise ValueError(f"dflash.anchor_rule must be next (a >= 1, token a + 1 supervised) or "
+                         f"specforge (a >= 0, tokens a and a + 1 supervised), got "
+                         f"{d.anchor_rule!r}")
     objective = training.training_objective(cfg)
     if objective != "kl" and d.loss != "kl":
         raise ValueError(f"trainer.objective={objective} fits the draft's law to the target's: "
@@ -169,14 +173,14 @@ def dflash_head(cfg: DictConfig, target: Transformer, train: TokenRows) -> DFlas
 
 def dflash_objective(cfg: DictConfig, target: Transformer, head: DFlashHead,
                      features: FeatureSource | None = None) -> DFlashObjective:
-    """Blocks at dflash.anchors anchors a row, slots weighted by dflash.gamma, against the data
-    (dflash.loss=ce) or the target's law (kl) by trainer.objective; features: the target's
-    states from a feature store."""
+    """Blocks at dflash.anchors anchors a row (where dflash.anchor_rule allows them), slots
+    weighted by dflash.gamma, against the data (dflash.loss=ce) or the target's law (kl) by
+    trainer.objective; features: the target's states from a feature store."""
     d = cfg.dflash
     return DFlashObjective(target, head, anchors=int(d.anchors), gamma=float(d.gamma),
                            teacher=d.loss == "kl", objective=training.training_objective(cfg),
                            cache_features=bool(d.get("cache_features", False)),
-                           features=features)
+                           features=features, anchor_rule=d.get("anchor_rule", "next"))
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
