@@ -10,7 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.training.divergences import Divergence, forward_kl, target_log_probs
+from selfspec.training.divergences import (
+    Divergence,
+    forward_kl,
+    target_log_probs,
+    total_variation,
+)
 
 
 @dataclass
@@ -183,7 +188,9 @@ def eagle3_loss(
     target_logits: [B, T, V] the target's logits on the row (position i: the law of token i+1).
     t2d: [V] bool, the draft vocabulary. loss_mask: [B, T] whether a token is a prediction
     target (None: every token). Row t of step j counts when token t+2+j exists and counts, and
-    the target's argmax at t+1+j lies in the draft vocabulary.
+    the target's argmax at t+1+j lies in the draft vocabulary. Metrics per step: the loss,
+    top-1 and tv, the mean total variation to the target's law: the chance that verification
+    rejects a token drawn from the step's law (0 when no row counts).
     """
     if not decay > 0:
         raise ValueError(f"eagle3_loss: decay must be > 0 (step j weighs decay**j), got {decay}")
@@ -200,6 +207,9 @@ def eagle3_loss(
         step = divergence(logits, law.log_probs[rows]).sum() / max(len(logits), 1)
         total = total + decay**j * step
         metrics[f"eagle3/step{j}_loss"] = float(step.detach())
+        with torch.no_grad():  # what tau rewards, whatever the objective
+            tv = total_variation(logits, law.log_probs[rows]).sum() / max(len(logits), 1)
+        metrics[f"eagle3/step{j}_tv"] = float(tv)
         metrics[f"eagle3/step{j}_top1"] = _hits(logits, law.top[rows])
     return LossOutput(total, metrics)
 
