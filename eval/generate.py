@@ -41,7 +41,7 @@ def main(cfg: DictConfig) -> None:
     texts = prompts(data)
     drafter, target = drafter_and_target(cfg, load_target(cfg), choice)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model))
-    questions = encode_prompt_texts(data, texts, tokenizer)
+    questions = encode_prompt_texts(data, texts, tokenizer, target)
     eos = list(target.config.eos_token_ids) or tokenizer.eos_token_id
 
     def run(ids: list[int], drafter, max_new_tokens: int) -> GenerationResult:

@@ -41,7 +41,7 @@ def run(cfg: DictConfig) -> int:
     models = load_sweep_models(cfg, plan.grid.variants)
     tokenizer = load_tokenizer(models.target.source)
     quiet_transformers()
-    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer, models.target)
     prompts = [(p.prompt.id, p.ids) for p in encoded]
     stops = stop_ids(cfg, models.target, tokenizer)
     references, failures, ties = {}, 0, 0

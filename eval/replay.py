@@ -46,7 +46,7 @@ def run(cfg: DictConfig) -> list[dict]:
                          f"(eval/sweep.py measures them)")
     models = load_sweep_models(cfg, plan.grid.variants)
     tokenizer = load_tokenizer(models.target.source)
-    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    encoded = encode_prompt_texts(cfg.data, plan.prompts, tokenizer, models.target)
     stops = stop_ids(cfg, models.target, tokenizer)
     records = recorded(cfg, models.target, {p.prompt.id: p.ids for p in encoded}, n, stops)
     if any(verified_target(models, v)[0] is not models.target

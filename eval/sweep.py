@@ -68,7 +68,7 @@ def run(cfg: DictConfig) -> None:
     models = load_sweep_models(cfg, plan.grid.variants)
     tokenizer = load_tokenizer(models.target.source)
     quiet_transformers()
-    prompts = encode_prompt_texts(cfg.data, plan.prompts, tokenizer)
+    prompts = encode_prompt_texts(cfg.data, plan.prompts, tokenizer, models.target)
     settings = bench_settings(cfg, stop_ids(cfg, models.target, tokenizer))
     config = OmegaConf.to_container(cfg, resolve=True)
     tracker = Tracker(cfg.run_dir, project=cfg.wandb.project, use_wandb=cfg.wandb.enabled,
@@ -77,7 +77,8 @@ def run(cfg: DictConfig) -> None:
     profile = chooser = None
     if plan.grid.auto:  # auto rows predict from c(N): measured first, over every length
         profile = sweep_cost_profile(cfg, models.target, ids, PROFILE_MAX_TOKENS)
-        calibration = encode_prompt_texts(cfg.data, plan.calibration, tokenizer)
+        calibration = encode_prompt_texts(cfg.data, plan.calibration, tokenizer,
+                                          models.target)
         chooser = size_chooser(models, [p.ids for p in calibration], profile, settings)
     rows = run_sweep(
         plan.grid.points(),

@@ -1,4 +1,5 @@
-"""Evaluation prompts: HumanEval, held-out stdlib code, MT-bench / Spec-Bench question files.
+"""Evaluation prompts: HumanEval, held-out stdlib code, MT-bench / Spec-Bench question files,
+code edits of held-out stdlib files, and conversations of several turns.
 
 Loaders return `Prompt`s (text with its source's id kept); `encode_prompts` turns them into
 token ids with a `transformers` tokenizer. No file is read before a loader is called.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from selfspec.corpus import read_source, stdlib_files, stdlib_root
@@ -16,11 +17,13 @@ from selfspec.corpus import read_source, stdlib_files, stdlib_root
 
 @dataclass(frozen=True)
 class Prompt:
-    """id: the source's own id as text ("HumanEval/0", "81", "json/tool.py")."""
+    """id: the source's own id as text ("HumanEval/0", "81", "json/tool.py"); follow_ups: the
+    later user turns of a conversation (a question file's turns after the first)."""
 
     id: str
     text: str
     category: str
+    follow_ups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,30 @@ def stdlib_heldout_prompts(n: int, num_lines: int) -> list[Prompt]:
         if len(prompts) == n:
             break
     return prompts
+
+
+# The edits of `code_edit_prompts`, taken in turns.
+CODE_EDITS = (
+    "Add a docstring to every function and class that lacks one",
+    "Add type hints to every function signature",
+    "Replace every %-format and str.format call with an f-string",
+    "Rename the single-letter local variables to descriptive names",
+)
+
+
+def code_edit_prompts(n: int, num_lines: int) -> list[Prompt]:
+    """Code editing: the first num_lines lines of a held-out stdlib file and an edit to make
+    (`CODE_EDITS` in turns), the whole file to be written back, so that the answer repeats its
+    prompt with changes, as an agent's edits do."""
+    return [Prompt(p.id, f"Here is a Python file:\n\n```python\n{p.text}```\n\n"
+                         f"{CODE_EDITS[i % len(CODE_EDITS)]}. Reply with the whole updated "
+                         f"file in one code block.", "code_edit")
+            for i, p in enumerate(stdlib_heldout_prompts(n, num_lines))]
+
+
+def with_instruction(prompts: Sequence[Prompt], instruction: str) -> list[Prompt]:
+    """Each prompt with an instruction after its text (how to answer: at length, with tests)."""
+    return [replace(p, text=f"{p.text}\n\n{instruction}") for p in prompts]
 
 
 def mt_bench_prompts(path: str | Path) -> list[Prompt]:
@@ -108,9 +135,11 @@ def _question(line: str, path: Path, number: int) -> Prompt:
         raise ValueError(
             f"{path}, line {number}: expected a JSON object with question_id and turns ({exc})"
         ) from None
-    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+    if not isinstance(turns, list) or not turns:
         raise ValueError(f"{path}, line {number}: `turns` must be a non-empty list of strings")
-    return Prompt(str(question_id), turns[0], str(record.get("category", "")))
+    if not all(isinstance(turn, str) for turn in turns):
+        raise ValueError(f"{path}, line {number}: every turn must be a string")
+    return Prompt(str(question_id), turns[0], str(record.get("category", "")), tuple(turns[1:]))
 
 
 def encode_prompts(
@@ -127,14 +156,39 @@ def encode_prompts(
     return [EncodedPrompt(p, _encode(p.text, tokenizer, max_tokens, chat)) for p in prompts]
 
 
+def encode_conversation(prompt: Prompt, answers: Sequence[str], tokenizer, max_tokens: int
+                        ) -> list[int]:
+    """Token ids of a conversation, ready for its next answer: the prompt's first turn, then
+    each answer given and the follow-up after it (len(answers) follow-ups), in the tokenizer's
+    chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a conversation of several turns needs a chat model: its tokenizer "
+                         "has no chat template (choose a single-turn data set)")
+    if len(answers) > len(prompt.follow_ups):
+        raise ValueError(f"prompt {prompt.id}: {len(answers)} answers but only "
+                         f"{len(prompt.follow_ups)} follow-up turns")
+    messages = [{"role": "user", "content": prompt.text}]
+    for answer, follow_up in zip(answers, prompt.follow_ups, strict=False):
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": follow_up}]
+    return _within(_chat_ids(messages, tokenizer), tokenizer, max_tokens)
+
+
+def _chat_ids(messages: list[dict], tokenizer) -> list[int]:
+    return list(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
 def _encode(text: str, tokenizer, max_tokens: int, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        ids = list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        ))
+        ids = _chat_ids([{"role": "user", "content": text}], tokenizer)
     else:
         ids = list(tokenizer(text)["input_ids"])
+    return _within(ids, tokenizer, max_tokens)
+
+
+def _within(ids: list[int], tokenizer, max_tokens: int) -> list[int]:
+    """ids after BOS, cut to max_tokens keeping their last tokens."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and ids[:1] != [bos]:
         ids = [bos, *ids]  # the tiny model's tokenizer adds none, yet it was trained after one

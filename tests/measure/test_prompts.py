@@ -9,14 +9,18 @@ import pytest
 
 from selfspec.corpus import stdlib_files, stdlib_root
 from selfspec.measure.prompts import (
+    CODE_EDITS,
     Prompt,
     by_category_in_turns,
+    code_edit_prompts,
+    encode_conversation,
     encode_prompts,
     humaneval_prompts,
     mt_bench_prompts,
     question_file_prompts,
     spec_bench_prompts,
     stdlib_heldout_prompts,
+    with_instruction,
 )
 
 SHIPPED = Path(str(resources.files("selfspec") / "assets" / "prompts"))  # package data
@@ -103,8 +107,10 @@ class StubTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        """[1], then per message its role's mark (user 2, assistant 4), its text, and 3."""
         assert add_generation_prompt and tokenize and not return_dict
-        return [1, 2, *(ord(c) for c in messages[0]["content"]), 3]
+        return [1, *(i for m in messages for i in (2 if m["role"] == "user" else 4,
+                                                     *map(ord, m["content"]), 3))]
 
 
 def test_encode_adds_bos_and_keeps_the_end_of_long_prompts():
@@ -121,3 +127,38 @@ def test_encode_uses_the_chat_template_only_for_chat_data():
     assert encode_prompts([prompt], tokenizer, 100, chat=True)[0].ids == [1, 2, 104, 105, 3]
     assert encode_prompts([prompt], tokenizer, 100, chat=False)[0].ids == [1, 104, 105]
     assert encode_prompts([prompt], StubTokenizer(), 100, chat=True)[0].ids == [1, 104, 105]
+
+
+def test_question_files_keep_their_later_turns_as_follow_ups(tmp_path):
+    path = tmp_path / "two.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["hi", "again"]}\n'
+                    '{"question_id": 2, "turns": ["once"]}\n')
+    assert [p.follow_ups for p in question_file_prompts(path)] == [("again",), ()]
+    path.write_text('{"question_id": 1, "turns": ["hi", 2]}\n')
+    with pytest.raises(ValueError, match="line 1: every turn must be a string"):
+        question_file_prompts(path)
+    assert all(p.follow_ups for p in mt_bench_prompts(SHIPPED / "mt_bench_question.jsonl"))
+
+
+def test_a_conversation_carries_each_answer_before_the_follow_up_it_prompts():
+    prompt = Prompt("x", "hi", "test", follow_ups=("ok?", "and?"))
+    tokenizer = StubTokenizer(chat_template="{{ messages }}")
+    ids = encode_conversation(prompt, ["yo"], tokenizer, max_tokens=100)
+    assert ids == [1, 2, *map(ord, "hi"), 3, 4, *map(ord, "yo"), 3, 2, *map(ord, "ok?"), 3]
+    assert encode_conversation(prompt, [], tokenizer, 100) == [1, 2, 104, 105, 3]
+    assert encode_conversation(prompt, ["yo"], tokenizer, max_tokens=4) == [1, *map(ord, "k?"), 3]
+    with pytest.raises(ValueError, match="3 answers but only 2 follow-up turns"):
+        encode_conversation(prompt, ["a", "b", "c"], tokenizer, 100)
+    with pytest.raises(ValueError, match="needs a chat model"):
+        encode_conversation(prompt, ["yo"], StubTokenizer(), 100)
+
+
+def test_code_edits_ask_for_the_whole_file_back_with_one_edit_each_in_turns():
+    edits = code_edit_prompts(5, 12)
+    heads = stdlib_heldout_prompts(5, 12)
+    assert [p.id for p in edits] == [p.id for p in heads]
+    for i, (edit, head) in enumerate(zip(edits, heads, strict=True)):
+        assert f"```python\n{head.text}```" in edit.text
+        assert CODE_EDITS[i % len(CODE_EDITS)] in edit.text and edit.category == "code_edit"
+    (told,) = with_instruction(edits[:1], "Be brief.")
+    assert told.text == edits[0].text + "\n\nBe brief." and told.id == edits[0].id
