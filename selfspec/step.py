@@ -55,15 +55,23 @@ def padded_slots(max_length: int) -> int:
 def use_cuda_graphs(setting: bool | None, target: Transformer) -> bool:
     """cuda_graphs: None = auto (on for a CUDA target), True or False. A target placed over
     several devices (`selfspec.model.placement`) decodes eagerly: one graph cannot span devices,
-    and a graph per device segment is not built."""
+    and a graph per device segment is not built; so does a recurrent target (Qwen3-Next)."""
     if setting is not None and not isinstance(setting, bool):
         raise ValueError(f"cuda_graphs must be None (on for CUDA), True or False, got {setting!r}")
     placed = target.placement is not None and target.placement.spans_devices
     if placed and setting:
         raise ValueError("cuda_graphs=True: a target placed over several devices decodes "
                          "eagerly (model.device_map); leave cuda_graphs unset or False")
+    # A recurrent target's state is kept per forward row by the eager forward only
+    # (`selfspec.model.recurrent_cache`): it has no static step yet.
+    recurrent = bool(target.config.linear_layers)
+    if recurrent and setting:
+        raise ValueError("cuda_graphs=True: a recurrent target (Gated DeltaNet layers) decodes "
+                         "eagerly, its static steps are not built yet; leave cuda_graphs unset "
+                         "or False")
     device = target.embed_tokens.weight.device
-    return device.type == "cuda" and not placed if setting is None else setting
+    eager = placed or recurrent
+    return device.type == "cuda" and not eager if setting is None else setting
 
 
 class SlotView:

@@ -49,12 +49,14 @@ def device_of(target: Transformer) -> torch.device:
     return target.embed_tokens.weight.device
 
 
-def on(*devices: str) -> SimpleNamespace:
-    """A stand-in target: its home device, and its layers over `devices` (placed if several)."""
+def on(*devices: str, linear_layers: frozenset[int] = frozenset()) -> SimpleNamespace:
+    """A stand-in target: its home device, and its layers over `devices` (placed if several);
+    linear_layers: its recurrent layers."""
     home = torch.device(devices[0])
     placement = Placement(home, tuple(map(torch.device, devices))) if len(devices) > 1 else None
     return SimpleNamespace(placement=placement,
-                           embed_tokens=SimpleNamespace(weight=SimpleNamespace(device=home)))
+                           embed_tokens=SimpleNamespace(weight=SimpleNamespace(device=home)),
+                           config=SimpleNamespace(linear_layers=linear_layers))
 
 
 def test_buckets_and_the_auto_setting():
@@ -66,6 +68,10 @@ def test_buckets_and_the_auto_setting():
     assert use_cuda_graphs(None, on("cuda:0", "cuda:1")) is False
     with pytest.raises(ValueError, match="placed over several devices decodes eagerly"):
         use_cuda_graphs(True, on("cuda:0", "cuda:1"))
+    # A recurrent target: eager, and graphs asked for are refused.
+    assert use_cuda_graphs(None, on("cuda:0", linear_layers=frozenset({0}))) is False
+    with pytest.raises(ValueError, match="recurrent target .* decodes eagerly"):
+        use_cuda_graphs(True, on("cuda:0", linear_layers=frozenset({0})))
     with pytest.raises(ValueError, match="cuda_graphs must be None .*, True or False, got 'no'"):
         generate(Transformer.from_hf(tiny_llama(0)), [3, 4], max_new_tokens=2, cuda_graphs="no")
     model = Transformer.from_hf(tiny_llama(0))

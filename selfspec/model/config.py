@@ -22,12 +22,18 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
   `mlp_only_layers`), one window for every layer when `use_sliding_window`.
 - gpt_oss: attention sinks and biases, sliding layers alternating with full ones, YaRN,
   a router with a bias, experts with biases and the clamped gated activation.
+- qwen3_next: a hybrid: Gated DeltaNet linear-attention layers (`layer_types`'
+  "linear_attention", `selfspec.model.recurrent`, their widths the `linear_*` fields) among
+  full-attention layers whose output is gated (`attention_output_gate`), `(1 + w)` norms,
+  per-head q/k norms, partial RoPE; dense MLPs only (its mixture of experts with a shared
+  expert is refused).
 
 Multi-token prediction (MTP) modules after the last layer are configuration too
 (`mtp_modules`, `mtp_layout`): DeepSeek-V3's NextN layers (config.json's
-`num_nextn_predict_layers`; GLM-4.5 and MiMo ship the same layout) or Qwen3-Next's and
-Qwen3.5's `mtp.*` (`mtp_num_hidden_layers`); `selfspec.model.transformer.MtpModule` builds
-them and `selfspec.model.checkpoint` maps both layouts' names.
+`num_nextn_predict_layers`; GLM-4.5 ships the same layout, MiMo its own under the same key,
+told apart by the checkpoint's names) or Qwen3-Next's and Qwen3.5's `mtp.*`
+(`mtp_num_hidden_layers`); `selfspec.model.transformer.MtpModule` builds them and
+`selfspec.model.checkpoint` maps each layout's names.
 
 The mixture of experts (`selfspec.model.moe`) replaces a layer's MLP in the layers of
 `moe_layers`: num_experts experts of expert_intermediate_size, num_experts_per_tok of them
@@ -65,6 +71,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"qk_norm": "head"},
     "gpt_oss": {"norm_scale": "weight_fp32", "router_bias": True, "expert_bias": True,
                 "expert_act": "clamped_swiglu", "attention_sinks": True},
+    "qwen3_next": {"norm_scale": "one_plus_weight", "qk_norm": "head",
+                   "attention_output_gate": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -72,16 +80,23 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
 QK_NORMS = (None, "head", "projection")
-# DeepSeek-V3's NextN layers after the last decoder layer, or Qwen3-Next's `mtp.*` modules
-MTP_LAYOUTS = ("nextn", "mtp")
-_MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers"}
+# DeepSeek-V3's NextN layers after the last decoder layer, Qwen3-Next's `mtp.*` modules, or
+# MiMo's `model.mtp_layers.*`
+MTP_LAYOUTS = ("nextn", "mtp", "mimo")
+# config.json's count of each layout's modules (MiMo's is NextN's key: the names tell them apart)
+_MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers",
+             "mimo": "num_nextn_predict_layers"}
 EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_conv_kernel_dim")
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
 WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
@@ -136,7 +151,9 @@ class ModelConfig:
     sliding_window: the window W of the sliding layers: a query at position p sees keys at
         positions > p - W (and its tree ancestors among them).
     layer_types: one of LAYER_TYPES per layer (empty: every layer full, or every layer sliding
-        when sliding_window is set, as Mistral's).
+        when sliding_window is set, as Mistral's); "linear_attention" is a Gated DeltaNet
+        layer (Qwen3-Next), whose state the cache keeps beside the K/V
+        (`selfspec.model.recurrent_cache`).
     local_rope_theta, local_rope_scaling: the RoPE of the sliding layers where it differs from
         the full ones' (Gemma 3: base 10k locally, 1M globally).
     partial_rotary_factor: the share of each head's dimensions RoPE rotates (the first ones).
@@ -157,8 +174,13 @@ class ModelConfig:
         norms of an embedding and of a hidden state, a projection of their concatenation, one
         decoder layer of the target's kind (`selfspec.model.transformer.MtpModule`).
     mtp_layout: their checkpoint layout, one of MTP_LAYOUTS (None without modules): "nextn"
-        (DeepSeek-V3, GLM-4.5, MiMo: `model.layers.{L + i}.*`, an own final norm and LM head
-        each) or "mtp" (Qwen3-Next, Qwen3.5: `mtp.*`, the target's LM head).
+        (DeepSeek-V3, GLM-4.5: `model.layers.{L + i}.*`, an own final norm and LM head each),
+        "mtp" (Qwen3-Next, Qwen3.5: `mtp.*`, the target's LM head) or "mimo" (MiMo:
+        `model.mtp_layers.{i}.*`, the target's LM head).
+    attention_output_gate: q_proj also gives a gate per head and dimension; the attention's
+        output is multiplied by its sigmoid before o_proj (Qwen3-Next).
+    linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+        linear_conv_kernel_dim: the widths of the linear-attention layers (0 without them).
     """
 
     vocab_size: int
@@ -209,6 +231,12 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     mtp_modules: int = 0
     mtp_layout: str | None = None
+    attention_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -250,6 +278,13 @@ class ModelConfig:
                              "(post_norms) its attention and MLP")
         self._check_experts()
         self._check_mtp()
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        widths = [getattr(self, key) for key in LINEAR_KEYS]
+        if self.linear_layers and not all(is_count(w) for w in widths):
+            raise ValueError(f"linear-attention layers need {', '.join(LINEAR_KEYS)} as "
+                             f"integers >= 1, got {widths}")
 
     def _check_mtp(self) -> None:
         if not is_count(self.mtp_modules, 0):
@@ -298,6 +333,12 @@ class ModelConfig:
             return frozenset(range(self.num_layers)) if self.sliding_window else frozenset()
         return frozenset(i for i, kind in enumerate(self.layer_types)
                          if kind == "sliding_attention")
+
+    @property
+    def linear_layers(self) -> frozenset[int]:
+        """The Gated DeltaNet layers (Qwen3-Next's linear attention)."""
+        return frozenset(i for i, kind in enumerate(self.layer_types)
+                         if kind == "linear_attention")
 
     @property
     def moe_layers(self) -> frozenset[int]:
@@ -380,7 +421,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else _opt_tuple(eos),
             hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
             **_read_rope(config, model_type),
-            **_read_attention(config, model_type, head_dim),
+            **(_read_attention(config, model_type, head_dim) | _read_linear(config, model_type)),
             **_read_multipliers(config, model_type),
             **_read_moe(config, model_type),
             **_read_mtp(config),
@@ -440,6 +481,11 @@ class ModelConfig:
             hf["original_max_position_embeddings"] = \
                 self.rope_scaling["original_max_position_embeddings"]
         hf |= self._moe_keys()
+        if self.model_type == "qwen3_next":
+            hf |= {key: getattr(self, key) for key in LINEAR_KEYS}
+            hf |= {"layer_types": ["linear_attention" if i in self.linear_layers
+                                   else "full_attention" for i in range(self.num_layers)],
+                   "num_experts": 0}
         if self.model_type == "gemma3_text":
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
@@ -472,7 +518,7 @@ class ModelConfig:
         implied["embedding_multiplier"] = embedding
         checked = {name: implied[name] for name in
                    ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
-                    "router_bias", "expert_bias", "expert_act")}
+                    "router_bias", "expert_bias", "expert_act", "attention_output_gate")}
         if self.model_type != "qwen3_moe":
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
@@ -500,6 +546,8 @@ class ModelConfig:
             raise ValueError(f"a {self.model_type} config.json "
                              f"{'needs' if self.model_type in MOE else 'has no'} experts "
                              f"(num_experts={self.num_experts})")
+        if self.model_type != "qwen3_next" and self.linear_layers:
+            raise ValueError(f"a {self.model_type} config.json has no linear-attention layers")
         if self.model_type not in WINDOWED and self.sliding_layers:
             raise ValueError(f"a {self.model_type} config.json has no sliding window")
         if self.model_type in WHOLE_WINDOW and self.sliding_layers not in (
@@ -523,7 +571,8 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "partial_rotary_factor", "attention_sinks", "num_experts",
                   "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
-                  "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout")
+                  "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout",
+                  "attention_output_gate", *LINEAR_KEYS)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -598,12 +647,32 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
             "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
 
 
+def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:
+    """Qwen3-Next's layer kinds and linear-attention widths (transformers' defaults where a
+    key is absent: a full-attention layer every fourth); its experts are refused."""
+    if model_type != "qwen3_next":
+        return {}
+    if config.get("num_experts", 512):
+        raise ValueError(f"qwen3_next's mixture of experts (num_experts="
+                         f"{config.get('num_experts', 512)}, with a shared expert) is not "
+                         f"supported yet; a config with num_experts: 0 (dense MLPs) loads")
+    interval = config.get("full_attention_interval", 4)
+    types = config.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention"
+        for i in range(config["num_hidden_layers"])]
+    defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4}
+    return {"layer_types": tuple(types)} | {key: int(config.get(key, defaults[key]))
+                                             for key in LINEAR_KEYS}
+
+
 def _read_mtp(config: Mapping[str, Any]) -> dict:
     """The MTP modules a config.json names (DeepSeek-V3's count of NextN layers, or
     Qwen3-Next's count of `mtp.*` layers); none where it names neither."""
-    for layout, key in _MTP_KEYS.items():
-        if config.get(key):
-            return {"mtp_modules": int(config[key]), "mtp_layout": layout}
+    for layout in ("nextn", "mtp"):  # a MiMo checkpoint's names make its NextN count MiMo's
+        if config.get(_MTP_KEYS[layout]):
+            return {"mtp_modules": int(config[_MTP_KEYS[layout]]), "mtp_layout": layout}
     return {}
 
 

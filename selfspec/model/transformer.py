@@ -20,6 +20,11 @@ The forward takes RoPE positions apart from cache slots (see `selfspec.model.kv_
 layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume,
 `skip_layers` to leave a set of layers out (layer-skip drafting: Draft & Verify, SWIFT).
 
+A hybrid target (Qwen3-Next) has Gated DeltaNet layers among its attention layers
+(`ModelConfig.linear_layers`, `selfspec.model.recurrent`): they read each new row's parent off
+the forward's mask and keep their state in the cache (`selfspec.model.recurrent_cache`), so
+verification restores it exactly after a rejection, for chains and trees alike.
+
 A target whose config names MTP modules (`ModelConfig.mtp_modules`) holds them in `mtp`
 (`MtpModule`); `mtp_forward` and `mtp_logits` run one of them (a drafter's work, never the
 target's own forward).
@@ -46,6 +51,8 @@ from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, 
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model.moe import MoE
 from selfspec.model.placement import Placement
+from selfspec.model.recurrent import DeltaNetDims, GatedDeltaNet, parents_of
+from selfspec.model.recurrent_cache import HybridCache, RecurrentState
 from selfspec.model.rope import Rope, apply_rope
 
 
@@ -109,7 +116,9 @@ class Attention(nn.Module):
         self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         bias, width = config.attention_bias, input_size or config.hidden_size
-        self.q_proj = Linear(width, q_dim, bias=bias)
+        # Qwen3-Next: q_proj also gives each head's output gate (q and gate side by side)
+        self.output_gate = config.attention_output_gate
+        self.q_proj = Linear(width, 2 * q_dim if self.output_gate else q_dim, bias=bias)
         self.k_proj = Linear(width, kv_dim, bias=bias)
         self.v_proj = Linear(width, kv_dim, bias=bias)
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
@@ -130,15 +139,15 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None,  # [T, S] bool, None = causal without past
         cache: KVCache | None,
     ) -> torch.Tensor:
-        q, k, v = self.projections(x)
+        q, k, v, *gate = self.projections(x)
         attended = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attn_mask,
                                cache)
-        return self.o_proj(attended)
+        return self.o_proj(self.gated(attended, gate))
 
     def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
         """q [B, H, T, D], k and v [B, H_kv, T, D] of x [B, T, input_size], q and k normed if
-        the family norms them; fused: as one product over the weight that
-        `fuse_projections` made q/k/v views of."""
+        the family norms them, then the output gate [B, T, H * D] where the attention has one;
+        fused: as one product over the weight that `fuse_projections` made q/k/v views of."""
         batch, t, _ = x.shape
         if fused:
             q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
@@ -146,6 +155,10 @@ class Attention(nn.Module):
                 (q_dim, kv_dim, kv_dim), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = ()
+        if self.output_gate:  # per head: its D query dims, then its D gate dims
+            q, g = q.view(batch, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(batch, t, -1), (g.reshape(batch, t, -1),)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, t, self.num_heads, self.head_dim)
@@ -153,7 +166,13 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         return (q.transpose(1, 2), k.transpose(1, 2),
-                v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2))
+                v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2), *gate)
+
+    @staticmethod
+    def gated(attended: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
+        """attended [B, T, H * D] times the sigmoid of its output gate, if given ([] or
+        [gate]: what `projections` returned after v)."""
+        return attended * torch.sigmoid(gate[0]) if gate else attended
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
@@ -255,9 +274,17 @@ class DecoderLayer(nn.Module):
     """input_norm=False drops the input RMSNorm (EAGLE-1's head layer reads its fc output as is;
     it then has no `input_layernorm` weight)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: bool = True) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: bool = True,
+                 linear: bool | None = None) -> None:
+        """linear: a Gated DeltaNet layer instead of attention (default: as config's
+        layer_types say of layer_idx)."""
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.layer_idx = layer_idx
+        self.linear = layer_idx in config.linear_layers if linear is None else linear
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(delta_net_dims(config))
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.mlp = feed_forward(config, layer_idx)
         self.norm_names = NormNames.of(config, input_norm)
         for name in self.norm_names:
@@ -278,10 +305,16 @@ class DecoderLayer(nn.Module):
         static: bool = False,
     ) -> torch.Tensor:
         """stages: how the pointwise-heavy work around attention runs (default eagerly).
-        static: a fixed-shape forward that reads nothing back to the host (`feed_forward`)."""
+        static: a fixed-shape forward that reads nothing back to the host (`feed_forward`).
+        A linear-attention layer reads attn_mask as the new rows' parents [B, T]
+        (`recurrent.parents_of`) and its state from the cache."""
+        if self.linear:
+            state = None if cache is None else cache.recurrent(self.layer_idx)
+            mixed = self.linear_attn(self.normed(0, x), attn_mask, state)
+            return mlp_output(self, self.residual(x, self.normed(1, mixed)), static=static)
         stages = stages or EAGER_STAGES
-        q, k, v = stages.attention_inputs(self, x, cos, sin)
-        attended = self.self_attn.attend(q, k, v, attn_mask, cache)
+        q, k, v, *gate = stages.attention_inputs(self, x, cos, sin)
+        attended = self.self_attn.gated(self.self_attn.attend(q, k, v, attn_mask, cache), gate)
         return stages.layer_output(self, x, attended, static=static)
 
     def normed(self, role: int, x: torch.Tensor) -> torch.Tensor:
@@ -299,8 +332,8 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, si
                      fused: bool = False) -> tuple[torch.Tensor, ...]:
     """A layer's work before attention: the input norm, the q/k/v products (q/k norms) and
     RoPE."""
-    q, k, v = layer.self_attn.projections(layer.normed(0, x), fused)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q, k, v, *gate = layer.self_attn.projections(layer.normed(0, x), fused)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, *gate
 
 
 def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
@@ -308,7 +341,21 @@ def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor,
     """A layer's work after attention: the output product, the norms around the MLP and
     after each block, both residual adds (static: the feed-forward's fixed-shape dispatch)."""
     x = layer.residual(x, layer.normed(1, layer.self_attn.o_proj(attended)))
+    return mlp_output(layer, x, fused, static)
+
+
+def mlp_output(layer: DecoderLayer, x: torch.Tensor, fused: bool = False, static: bool = False
+               ) -> torch.Tensor:
+    """x plus the layer's feed-forward block of x, with the norms around it."""
     return layer.residual(x, layer.normed(3, layer.mlp(layer.normed(2, x), fused, static)))
+
+
+def delta_net_dims(config: ModelConfig) -> DeltaNetDims:
+    """The widths of config's Gated DeltaNet layers."""
+    return DeltaNetDims(config.hidden_size, config.linear_num_key_heads,
+                        config.linear_num_value_heads, config.linear_key_head_dim,
+                        config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                        config.rms_norm_eps)
 
 
 class LayerStages(NamedTuple):
@@ -487,36 +534,40 @@ def _pinned_attention(device: torch.device, masked: bool) -> AbstractContextMana
 
 
 class MtpModule(nn.Module):
-    """One multi-token-prediction module (DeepSeek-V3's NextN, Qwen3-Next's `mtp`): position t
-    reads the embedding of token t+1 and a hidden state h_t (the target's normed last state,
-    or the module's own output one step deeper), as proj(concat(embed_norm(embedding),
-    hidden_norm(h_t))), runs one decoder layer of the target's kind over it (a mixture of
-    experts where the target's last layer has one) and predicts token t+2.
+    """One multi-token-prediction module (DeepSeek-V3's NextN, Qwen3-Next's `mtp`, MiMo's):
+    position t reads the embedding of token t+1 and a hidden state h_t (the target's normed
+    last state, or the module's own output one step deeper), as proj(concat(embed_norm(
+    embedding), hidden_norm(h_t))), runs one decoder layer of the target's kind over it (a
+    mixture of experts where the target's last layer has one) and predicts token t+2.
 
-    nextn (DeepSeek-V3's layout): the embedding at position 0 is zeroed, the output is handed
-    on as it is and scored through the module's own final norm and LM head (`shared_head`);
-    else (Qwen3-Next's) the output is normed by `norm` before it is handed on and scored by the
-    target's LM head."""
+    By layout: "nextn" (DeepSeek-V3) zeroes the embedding at position 0, hands its output on as
+    it is and scores it through its own final norm and LM head (`shared_head`); "mtp"
+    (Qwen3-Next) norms its output by `norm` before handing it on and scores it by the target's
+    LM head; "mimo" does as "mtp" but zeroes position 0's embedding, as NextN does, and
+    concatenates the hidden state first."""
 
-    def __init__(self, config: ModelConfig, nextn: bool) -> None:
+    def __init__(self, config: ModelConfig, layout: str) -> None:
         super().__init__()
         h = config.hidden_size
         self.embed_norm, self.hidden_norm = rms_norm(config), rms_norm(config)
         self.proj = Linear(2 * h, h, bias=False)
         # Layer 0 of the drafter's own one-layer cache; its feed-forward is the last layer's kind.
-        self.block = DecoderLayer(config, 0)
+        self.block = DecoderLayer(config, 0, linear=False)
         self.block.mlp = feed_forward(config, config.num_layers - 1)
         self.norm = rms_norm(config)
+        nextn = layout == "nextn"
         self.head = Linear(h, config.vocab_size, bias=False) if nextn else None
-        self.nextn = nextn
+        self.nextn, self.zeroes_first = nextn, layout in ("nextn", "mimo")
+        self.hidden_first = layout == "mimo"
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 inputs: LayerInputs, cache: KVCache | None) -> torch.Tensor:
         """[B, T, h] the state handed to the next step, for embeds and hidden [B, T, h] at
         positions [T] or [B, T]."""
-        if self.nextn:  # DeepSeek's module ignores the token at position 0
+        if self.zeroes_first:  # DeepSeek's and MiMo's modules ignore the token at position 0
             embeds = embeds.masked_fill((positions == 0)[..., None], 0)
-        x = self.proj(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1))
+        pair = [self.embed_norm(embeds), self.hidden_norm(hidden)]
+        x = self.proj(torch.cat(pair[::-1] if self.hidden_first else pair, dim=-1))
         x = self.block(x, inputs.cos, inputs.sin, inputs.mask, cache)
         return x if self.nextn else self.norm(x)
 
@@ -528,7 +579,7 @@ class MtpModule(nn.Module):
 
 def mtp_modules(config: ModelConfig) -> nn.ModuleList:
     """The MTP modules config names (an empty list without them)."""
-    return nn.ModuleList(MtpModule(config, config.mtp_layout == "nextn")
+    return nn.ModuleList(MtpModule(config, config.mtp_layout)
                          for _ in range(config.mtp_modules))
 
 
@@ -554,9 +605,9 @@ class Transformer(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        sliding = config.sliding_layers
-        self.layer_kinds = tuple("sliding" if i in sliding else "full"
-                                 for i in range(config.num_layers))
+        sliding, linear = config.sliding_layers, config.linear_layers
+        self.layer_kinds = tuple("sliding" if i in sliding else "linear" if i in linear
+                                 else "full" for i in range(config.num_layers))
         # Each kind's RoPE (fp32, not buffers: model.to(bf16) must not round the frequencies).
         self.ropes = {"full": Rope.of(config)}
         self.ropes["sliding"] = (Rope.of(config, local=True) if config.local_rope
@@ -698,7 +749,8 @@ class Transformer(nn.Module):
                       mask: torch.Tensor | None, t: int, device: torch.device
                       ) -> dict[str, LayerInputs]:
         """Each kind of layer's RoPE and mask: the full layers' mask from `mask`
-        (`attention_mask`), the sliding layers' that mask within the window."""
+        (`attention_mask`), the sliding layers' that mask within the window, the linear
+        layers' the parents of the new rows (`recurrent.parents_of`)."""
         past = 0 if cache is None else cache.length
         full = attention_mask(mask, t, past, device)
         inputs = {"full": LayerInputs(*self._rope("full", positions, dtype), full)}
@@ -706,6 +758,8 @@ class Transformer(nn.Module):
             keys = positions if cache is None else cache.key_positions(positions)
             window = window_mask(full, positions, keys, self.config.sliding_window, t)
             inputs["sliding"] = LayerInputs(*self._rope("sliding", positions, dtype), window)
+        if "linear" in self.layer_kinds:  # no RoPE; each new row's parent in place of a mask
+            inputs["linear"] = LayerInputs(None, None, parents_of(mask, t, device))
         return inputs
 
     def _checked_skip_layers(self, skip_layers: frozenset[int] | tuple[int, ...]
@@ -767,18 +821,34 @@ class Transformer(nn.Module):
 
     def new_cache(
         self, batch_size: int = 1, max_slots: int | None = None, dtype: torch.dtype | None = None
-    ) -> KVCache:
+    ) -> KVCache | SegmentedKVCache | HybridCache:
         """A KVCache for this model; max_slots defaults to max_position_embeddings, which for
         long-context models is a lot of memory: pass what the generation actually needs."""
         weight = self.embed_tokens.weight
         sizes = (batch_size, self.config.num_kv_heads,
                  max_slots or self.config.max_position_embeddings, self.config.head_dim)
+        if self.config.linear_layers:
+            return self._hybrid_cache(sizes, dtype or weight.dtype)
         if self.placement is not None and self.placement.spans_devices:
             return SegmentedKVCache([
                 (first, KVCache(end - first, *sizes, dtype=dtype or weight.dtype, device=device))
                 for first, end, device in self.placement.segments()])
         return KVCache(self.config.num_layers, *sizes, dtype=dtype or weight.dtype,
                        device=weight.device)
+
+    def _hybrid_cache(self, sizes: tuple[int, ...], dtype: torch.dtype) -> HybridCache:
+        """A hybrid target's cache: K/V for its attention layers, the state of its linear
+        ones."""
+        if self.placement is not None and self.placement.spans_devices:
+            raise ValueError("a recurrent target placed over several devices is not supported "
+                             "yet; place it on one device")
+        device = self.embed_tokens.weight.device
+        linear = sorted(self.config.linear_layers)
+        attention = [i for i in range(self.config.num_layers) if i not in linear]
+        kv = KVCache(len(attention), *sizes, dtype=dtype, device=device)
+        state = RecurrentState(linear, sizes[0], delta_net_dims(self.config), dtype=dtype,
+                               device=device)
+        return HybridCache(kv, state, attention)
 
     @classmethod
     def from_pretrained(
@@ -795,7 +865,7 @@ class Transformer(nn.Module):
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder not found: {folder}")
-        config = ModelConfig.from_folder(folder)
+        config = checkpoint.with_mtp_layout(ModelConfig.from_folder(folder), folder)
         read_to = "cpu" if placement is not None else device
         model = cls._from_tensors(config, checkpoint.read_tensors(folder, read_to), dtype,
                                   device, placement)

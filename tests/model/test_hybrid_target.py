@@ -1,0 +1,101 @@
+"""A hybrid target (Qwen3-Next: Gated DeltaNet layers among gated full-attention layers, 3:1)
+as configuration of the one decoder: loaded from a folder transformers' Qwen3NextForCausalLM
+saved, in parity with it (logits, cached steps, greedy), written back, its cache's state."""
+
+import json
+
+import pytest
+import torch
+
+from selfspec import generate
+from selfspec.model import ModelConfig, Transformer
+from selfspec.model.recurrent_cache import HybridCache
+
+transformers = pytest.importorskip("transformers", reason="pip install transformers")
+pytest.importorskip("transformers.models.qwen3_next", reason="pip install 'transformers>=5'")
+
+TOKENS = torch.tensor([[3, 17, 42, 8, 8, 21, 5, 60, 33, 9, 12]])
+
+
+def hf_qwen3_next(seed: int = 0, **extra):
+    """A tiny random Qwen3NextForCausalLM (fp32): layers 0-2 linear attention, 3 full."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        num_experts=0, max_position_embeddings=256, **extra)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):  # the decay keeps its own init
+                parameter.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(ours loaded from the folder transformers saved, transformers' model)."""
+    hf = hf_qwen3_next()
+    folder = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(folder)
+    return Transformer.from_pretrained(folder), hf
+
+
+@torch.no_grad()
+def test_a_saved_folder_loads_with_transformers_logits(hybrid):
+    ours, hf = hybrid
+    config = ours.config
+    assert config.linear_layers == {0, 1, 2} and config.attention_output_gate
+    assert config.partial_rotary_factor == 0.25 and config.norm_scale == "one_plus_weight"
+    expected = hf(TOKENS).logits
+    got = ours(TOKENS, torch.arange(TOKENS.shape[1])).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert expected.std() > 0.5  # a wrong weight would be far off
+
+
+@torch.no_grad()
+def test_cached_steps_give_the_full_forwards_logits(hybrid):
+    """A prefill, then one-token steps and a four-token step through the hybrid cache,
+    against transformers' forward over the whole sequence."""
+    ours, hf = hybrid
+    expected = hf(TOKENS).logits[0]
+    cache = ours.new_cache(max_slots=32)
+    assert isinstance(cache, HybridCache)
+    steps = [ours(TOKENS[:, :4], torch.arange(4), cache).logits[0]]
+    for i in range(4, 7):
+        steps.append(ours(TOKENS[:, i:i + 1], torch.tensor([i]), cache).logits[0])
+    steps.append(ours(TOKENS[:, 7:], torch.arange(7, 11), cache).logits[0])
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+    assert cache.length == 11
+
+
+@torch.no_grad()
+def test_greedy_decoding_matches_transformers_generate(hybrid):
+    ours, hf = hybrid
+    prompt = TOKENS[0, :5].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           pad_token_id=0)[0, 5:].tolist()
+    assert generate(ours, prompt, max_new_tokens=12).tokens == expected
+
+
+def test_the_config_round_trips_and_transformers_reads_our_folder(hybrid, tmp_path):
+    ours, hf = hybrid
+    written = ours.config.to_hf()
+    assert written["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert ModelConfig.from_hf(written) == ours.config
+    folder = ours.save_pretrained(tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits)
+
+
+def test_experts_and_impossible_widths_are_refused(tmp_path):
+    config = hf_qwen3_next().config.to_dict()
+    with pytest.raises(ValueError, match="mixture of experts .* not supported yet"):
+        ModelConfig.from_hf(config | {"num_experts": 8})
+    with pytest.raises(ValueError, match="linear-attention layers need"):
+        ModelConfig.from_hf(config | {"linear_num_key_heads": 0})
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_experts": 8}))
+    with pytest.raises(ValueError, match="config.json: qwen3_next's mixture"):
+        ModelConfig.from_folder(tmp_path)
