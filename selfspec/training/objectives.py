@@ -233,22 +233,25 @@ class Eagle3Objective(nn.Module):
     A P-EAGLE head (`parallel=K`) trains instead on its rows and K - 1 copies of mask pairs in
     one forward (`parallel_pairs`), copy j weighing decay**j (`parallel_eagle3_loss`); keep:
     PARD's conditional drop, each anchor's copy j kept with probability keep once its copy
-    j - 1 is (1: every copy of every anchor), drawn from `generator` (None: torch's default
-    generator, which `fit` seeds and checkpoints; held-out evaluation draws from a fixed
-    seed)."""
+    j - 1 is (1: every copy of every anchor), so with probability keep**j, or max(keep**j,
+    keep_floor) (`copy_keep_chances`; speculators' P-EAGLE keeps max(0.7**j, 0.2) of its rows),
+    drawn from `generator` (None: torch's default generator, which `fit` seeds and
+    checkpoints; held-out evaluation draws from a fixed seed)."""
 
     def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
                  cache_features: bool = False, features: FeatureSource | None = None,
                  keep: float = 0.5, generator: torch.Generator | None = None,
-                 objective: str = "kl"):
+                 objective: str = "kl", keep_floor: float = 0.0):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
         check_count("steps", steps, owner="Eagle3Objective")
         if not 0 < keep <= 1:
             raise ValueError(f"Eagle3Objective: keep must be in (0, 1], got {keep}")
+        if not 0 <= keep_floor <= 1:
+            raise ValueError(f"Eagle3Objective: keep_floor must be in [0, 1], got {keep_floor}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
-        self.keep, self.generator = float(keep), generator
+        self.keep, self.keep_floor, self.generator = float(keep), float(keep_floor), generator
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "Eagle3Objective")
         self.objective, self.divergence = objective, law_objective(objective, "Eagle3Objective")
@@ -273,7 +276,7 @@ class Eagle3Objective(nn.Module):
         generator = self.generator if self.training else torch.Generator(
             device=tokens.device).manual_seed(0)  # the same held-out copies
         pairs = parallel_pairs(tokens[:, 1:], config.parallel, config.mask_token_id, self.keep,
-                               generator)
+                               generator, self.keep_floor)
         embeds = self.target.embed_tokens(pairs.tokens).detach()  # [B, N, h]
         masks = pairs.tokens.shape[1] - feature.shape[1]
         features = torch.cat([feature, self.head.mask_hidden.expand(
@@ -596,17 +599,36 @@ class ParallelPairs:
     mask: torch.Tensor
 
 
+def copy_keep_chances(copies: int, keep: float, floor: float = 0.0) -> list[float]:
+    """Copy j's chance (j = 1..copies - 1) to be kept once copy j - 1 is, such that copy j is
+    kept with probability max(keep**j, floor): keep while keep**j >= floor (PARD's
+    conditional drop), then what holds the kept share at the floor."""
+    return [keep if keep**j >= floor else floor / max(keep ** (j - 1), floor)
+            for j in range(1, copies)]
+
+
+def kept_copies(length: int, copies: int, keep: float, floor: float,
+                generator: torch.Generator | None, device: torch.device | str = "cpu"
+                ) -> torch.Tensor:
+    """[length] how many mask copies each anchor keeps (copy j only when copies 1..j - 1
+    are), by `copy_keep_chances`."""
+    draws = torch.rand(length, copies - 1, generator=generator, device=device)
+    chances = torch.tensor(copy_keep_chances(copies, keep, floor), dtype=draws.dtype,
+                           device=device)
+    return (draws < chances).long().cumprod(dim=1).sum(dim=1)
+
+
 def parallel_pairs(tokens: torch.Tensor, copies: int, mask_token_id: int, keep: float,
-                   generator: torch.Generator | None) -> ParallelPairs:
+                   generator: torch.Generator | None, keep_floor: float = 0.0
+                   ) -> ParallelPairs:
     """The replicated rows of PARD (`parallel_rows`, whose attention a mask pair shares),
     thinned by its conditional drop: anchor a's copy j (at position a + j) is kept with
-    probability keep once its copy j - 1 is, the same anchors for every row of the batch, so
-    every kept row's keys are kept too."""
+    probability keep once its copy j - 1 is (`kept_copies`: max(keep**j, keep_floor) in all),
+    the same anchors for every row of the batch, so every kept row's keys are kept too."""
     length = tokens.shape[1]
     rows = parallel_rows(tokens, torch.ones_like(tokens), copies, mask_token_id)
     copy = torch.arange(copies, device=tokens.device).repeat_interleave(length)  # [K T]
-    draws = torch.rand(length, copies - 1, generator=generator, device=tokens.device)
-    depth = (draws < keep).long().cumprod(dim=1).sum(dim=1)  # [T] copies kept per anchor
+    depth = kept_copies(length, copies, keep, keep_floor, generator, tokens.device)  # [T]
     anchor = rows.positions - copy  # [K T]
     kept = (copy == 0) | ((anchor >= 0) & (copy <= depth[anchor.clamp(min=0)]))
     picked = kept.nonzero().flatten()

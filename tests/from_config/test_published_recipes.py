@@ -69,7 +69,8 @@ def test_peagle_published_drafts_eight_tokens_a_forward(cfg_of):
     drafter = eagle_trainer_drafter(cfg, head)
     assert isinstance(drafter, ParallelEagleDrafter) and drafter.k == 8
     assert drafter.shape.nodes is None  # a chain
-    assert (cfg.eagle.ttt_decay, cfg.eagle.parallel_keep) == (1.0, 0.7)
+    assert (cfg.eagle.ttt_decay, cfg.eagle.parallel_keep, cfg.eagle.parallel_keep_floor) == \
+        (1.0, 0.7, 0.2)
     assert (settings.lr, settings.clip_grad, cfg.trainer.seq_len) == (6e-4, 0.5, 2048)
 
 

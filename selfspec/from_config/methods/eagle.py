@@ -194,6 +194,9 @@ def check_eagle_settings(cfg: DictConfig) -> int:
     if not 0 < float(e.parallel_keep) <= 1:
         raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
                          f"once the one before it is), got {e.parallel_keep}")
+    if not 0 <= float(e.get("parallel_keep_floor", 0.0)) <= 1:
+        raise ValueError(f"eagle.parallel_keep_floor must be in [0, 1] (the least share of "
+                         f"anchors whose copy j is kept), got {e.parallel_keep_floor}")
     training.training_objective(cfg)
     return version
 
@@ -235,7 +238,8 @@ def eagle_objective(
                               features=features, objective=name)
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
                            cache_features=cache, features=features,
-                           keep=float(e.parallel_keep), objective=name)
+                           keep=float(e.parallel_keep), objective=name,
+                           keep_floor=float(e.get("parallel_keep_floor", 0.0)))
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
