@@ -49,7 +49,8 @@ def method_settings(quick_build, heads_dir, eagle_dir, dflash_dir) -> dict[str, 
                       "eagle.top_k=2"],
             "dflash": [*on_toy, f"dflash_head={dflash_dir}", "dflash.tree_nodes=4"],
             "early_exit": ["model=tiny"], "layer_skip": ["model=tiny"],
-            "lookahead": ["model=tiny"], "quantized": on_toy, "mtp": ["model=random-mtp"]}
+            "lookahead": ["model=tiny"], "quantized": on_toy, "mtp": ["model=random-mtp"],
+            "suffix": on_toy}
 
 
 @pytest.mark.parametrize("quantize", ["null", pytest.param("int8", marks=pytest.mark.slow)])
@@ -103,7 +104,7 @@ def family_settings(request, tmp_path_factory, quick_build) -> dict[str, list[st
                       "eagle.top_k=2"],
             "dflash": [*on, f"dflash_head={root / 'dflash'}"],
             "early_exit": [*on, "early_exit.exit_layers=2"], "layer_skip": on,
-            "lookahead": on, "quantized": on,
+            "lookahead": on, "quantized": on, "suffix": on,
             "mtp": ["model=local", f"model.path={root / 'mtp'}"]}
 
 
