@@ -1,10 +1,11 @@
 """MTP targets for the tests, and the MTP forwards re-expressed in plain torch from vLLM's
-`deepseek_mtp.py` (DeepSeek-V3's NextN layers) and `qwen3_next_mtp.py` (Qwen3-Next's `mtp.*`),
-reading the checkpoint's tensors under their own names: what selfspec's `MtpModule`,
-`mtp_forward` and `mtp_logits` are checked against.
+`deepseek_mtp.py` (DeepSeek-V3's NextN layers), `qwen3_next_mtp.py` (Qwen3-Next's `mtp.*`) and
+`mimo_mtp.py` (MiMo's `model.mtp_layers.*`), reading the checkpoint's tensors under their own
+names: what selfspec's `MtpModule`, `mtp_forward` and `mtp_logits` are checked against.
 
-The decoder layer inside is written out for the families the tests use (Llama, and Qwen3's
-per-head q/k norms): pre-norms, default RoPE, causal grouped attention, SwiGLU; no cache.
+The decoder layer inside is written out for the families the tests use (Llama, Qwen2's q/k/v
+biases, Qwen3's per-head q/k norms): pre-norms, default RoPE, causal grouped attention,
+SwiGLU; no cache.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ Weights = dict[str, torch.Tensor]
 def mtp_target(layout: str, seed: int = 0, *, family: str | None = None, modules: int = 1,
                vocab: int = 64, hidden: int = 32, layers: int = 2, std: float = 0.2, **arch):
     """A small target with `modules` MTP modules of `layout` ("nextn": a Llama; "mtp": a
-    Qwen3; modules=0: none), every weight but the norms' normal of std `std` (peaky laws),
-    seeded."""
+    Qwen3; "mimo": a Qwen2; modules=0: none), every weight but the norms' normal of std
+    `std` (peaky laws), seeded."""
     from selfspec.model import ModelConfig, Transformer
 
-    family = family or ("qwen3" if layout == "mtp" else "llama")
+    family = family or {"mtp": "qwen3", "mimo": "qwen2"}.get(layout, "llama")
     config = ModelConfig.of_family(
         model_type=family, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
@@ -57,15 +58,21 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-second, first], -1) * sin
 
 
+def project(a: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    """a times the weight `name`.weight, plus its bias where the checkpoint has one."""
+    out = a @ w[name + ".weight"].T
+    return out + w[name + ".bias"] if name + ".bias" in w else out
+
+
 def decoder_layer(w: Weights, prefix: str, x: torch.Tensor, positions: torch.Tensor, config
                   ) -> torch.Tensor:
     """One pre-norm decoder layer over x [T, h], causal, its weights at `prefix`."""
     t, heads, kv, d = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
     eps = config.rms_norm_eps
     a = rms_norm(x, w[prefix + "input_layernorm.weight"], eps)
-    q = (a @ w[prefix + "self_attn.q_proj.weight"].T).view(t, heads, d)
-    k = (a @ w[prefix + "self_attn.k_proj.weight"].T).view(t, kv, d)
-    v = (a @ w[prefix + "self_attn.v_proj.weight"].T).view(t, kv, d)
+    q = project(a, w, prefix + "self_attn.q_proj").view(t, heads, d)
+    k = project(a, w, prefix + "self_attn.k_proj").view(t, kv, d)
+    v = project(a, w, prefix + "self_attn.v_proj").view(t, kv, d)
     if config.qk_norm == "head":
         q = rms_norm(q, w[prefix + "self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w[prefix + "self_attn.k_norm.weight"], eps)
@@ -111,4 +118,21 @@ def qwen_mtp_forward(w: Weights, config, next_tokens: torch.Tensor, hidden: torc
                       rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
     x = decoder_layer(w, "mtp.layers.0.", both @ w["mtp.fc.weight"].T, positions, config)
     out = rms_norm(x, w["mtp.norm.weight"], eps)
+    return out, out @ w["lm_head.weight"].T
+
+
+def mimo_forward(w: Weights, config, index: int, next_tokens: torch.Tensor,
+                 hidden: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiMo's module `index` (`model.mtp_layers.{index}.*`): the target's embedding, position
+    0's zeroed, the normed hidden state first in the concatenation (token_layernorm,
+    hidden_layernorm, input_proj), the block, and final_layernorm, whose output is both
+    handed on and scored by the target's LM head."""
+    eps, prefix = config.rms_norm_eps, f"model.mtp_layers.{index}."
+    embeds = w["model.embed_tokens.weight"][next_tokens].clone()
+    embeds[positions == 0] = 0
+    both = torch.cat([rms_norm(hidden, w[prefix + "hidden_layernorm.weight"], eps),
+                      rms_norm(embeds, w[prefix + "token_layernorm.weight"], eps)], dim=-1)
+    x = decoder_layer(w, prefix, both @ w[prefix + "input_proj.weight"].T, positions, config)
+    out = rms_norm(x, w[prefix + "final_layernorm.weight"], eps)
     return out, out @ w["lm_head.weight"].T

@@ -14,7 +14,10 @@ MTP modules (ours `mtp.{i}.*`: embed_norm, hidden_norm, proj, block, norm, head)
 written in their checkpoint's layout: DeepSeek-V3's NextN layers at `model.layers.{L + i}.*`
 (enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, the block's own names, and a copy
 of the embedding, dropped on reading and written back for servers that load it there), or
-Qwen3-Next's `mtp.*` (pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0.*, norm).
+Qwen3-Next's `mtp.*` (pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0.*, norm), or
+MiMo's `model.mtp_layers.{i}.*` (token_layernorm, hidden_layernorm, input_proj,
+final_layernorm, the block's own names), which config.json counts under NextN's key: the
+checkpoint's names tell the two apart (`with_mtp_layout`).
 transformers' classes drop these keys on loading; this reader keeps them."""
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -171,7 +175,10 @@ def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
 _MTP_PARTS = {"nextn": {"embed_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj",
                         "norm": "shared_head.norm", "head": "shared_head.head"},
               "mtp": {"embed_norm": "pre_fc_norm_embedding", "hidden_norm": "pre_fc_norm_hidden",
-                      "proj": "fc", "norm": "norm"}}
+                      "proj": "fc", "norm": "norm"},
+              "mimo": {"embed_norm": "token_layernorm", "hidden_norm": "hidden_layernorm",
+                       "proj": "input_proj", "norm": "final_layernorm"}}
+_MIMO_PREFIX = "model.mtp_layers."
 _OUR_MTP = re.compile(r"^model\.mtp\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
@@ -181,11 +188,12 @@ def _hf_mtp_key(name: str, config: ModelConfig) -> str:
     if match is None:
         return name
     index, rest = int(match["index"]), match["rest"]
-    nextn = config.mtp_layout == "nextn"
-    prefix = f"model.layers.{config.num_layers + index}." if nextn else "mtp."
+    layout = config.mtp_layout
+    prefix = {"nextn": f"model.layers.{config.num_layers + index}.", "mtp": "mtp.",
+              "mimo": f"{_MIMO_PREFIX}{index}."}[layout]
     if rest.startswith("block."):
-        return prefix + rest.removeprefix("block.") if nextn \
-            else f"mtp.layers.{index}.{rest.removeprefix('block.')}"
+        return (f"mtp.layers.{index}." if layout == "mtp" else prefix) \
+            + rest.removeprefix("block.")
     part, _, param = rest.rpartition(".")
     return f"{prefix}{_MTP_PARTS[config.mtp_layout][part]}.{param}"
 
@@ -201,6 +209,10 @@ def _our_mtp_key(key: str, config: ModelConfig) -> str | None:
         rest = match[2]
         if rest == "embed_tokens.weight":
             return None
+    elif config.mtp_layout == "mimo":
+        if not key.startswith("mtp_layers."):
+            return key
+        index, _, rest = key.removeprefix("mtp_layers.").partition(".")
     elif key.startswith("mtp.layers."):  # mtp.layers.{i}.* is the block of module i
         index, _, rest = key.removeprefix("mtp.layers.").partition(".")
         return f"mtp.{index}.block.{rest}"
@@ -238,6 +250,18 @@ def _hf_experts(hf: dict[str, torch.Tensor], prefix: str, config: ModelConfig
         for part, tensor in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
             out[f"{prefix}experts.{e}.{names[part]}.weight"] = tensor
     return out
+
+
+def with_mtp_layout(config: ModelConfig, folder: Path) -> ModelConfig:
+    """config with MiMo's layout where its config.json counts NextN layers and its weights are
+    named as MiMo's (`model.mtp_layers.*`)."""
+    if config.mtp_layout != "nextn":
+        return config
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            if any(name.startswith(_MIMO_PREFIX) for name in handle.keys()):
+                return replace(config, mtp_layout="mimo")
+    return config
 
 
 def read_tensors(folder: Path, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,5 +1,5 @@
 """Drafting with the target's own MTP modules (drafters/mtp.py): greedy lossless in chains,
-static and dynamic trees, eager and static steps, in both checkpoint layouts; the two-token law
+static and dynamic trees, eager and static steps, in each checkpoint layout; the two-token law
 at T = 1 (and a misstated law caught); its pairs as the module reads them; clear refusals."""
 
 import dataclasses
@@ -76,6 +76,8 @@ GREEDY_CASES = [
       for shape in SHAPES for static in (False, True) if (shape, static) != ("chain", False)],
     *[pytest.param("nextn", shape, True, id=f"nextn-static-{shape}", marks=pytest.mark.slow)
       for shape in ("chain", "static_tree")],
+    *[pytest.param("mimo", shape, False, id=f"mimo-eager-{shape}", marks=pytest.mark.slow)
+      for shape in SHAPES],
 ]
 
 

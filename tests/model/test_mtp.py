@@ -1,13 +1,13 @@
 """MTP modules as configuration of the target (model/config.py, transformer.py's MtpModule,
-checkpoint.py's layouts): the forward against the reference re-expressed from vLLM, both
-checkpoint layouts written and read back, config.json's keys, the random-weights preset."""
+checkpoint.py's layouts): the forward against the reference re-expressed from vLLM, each
+checkpoint layout written and read back, config.json's keys, the random-weights preset."""
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from mtp_reference import mtp_target, nextn_forward, qwen_mtp_forward
+from mtp_reference import mimo_forward, mtp_target, nextn_forward, qwen_mtp_forward
 from safetensors.torch import load_file
 
 from selfspec.model import ModelConfig, Transformer
@@ -42,7 +42,7 @@ def reference_outputs(forward, hidden: torch.Tensor, steps: int = 2):
     return outs
 
 
-@pytest.mark.parametrize("layout, modules", [("nextn", 2), ("mtp", 1)])
+@pytest.mark.parametrize("layout, modules", [("nextn", 2), ("mtp", 1), ("mimo", 2)])
 def test_the_forward_matches_the_reference_from_vllm(tmp_path, layout, modules):
     target = mtp_target(layout, seed=1, modules=modules)
     folder = target.save_pretrained(tmp_path / layout)
@@ -51,9 +51,10 @@ def test_the_forward_matches_the_reference_from_vllm(tmp_path, layout, modules):
         hidden = target(TOKENS, torch.arange(TOKENS.shape[1])).last_hidden  # [1, T, h]
         for index in range(modules):
             ours = chained_outputs(target, index, hidden)
-            if layout == "nextn":
-                def forward(*args, index=index):
-                    return nextn_forward(weights, target.config, index, *args)
+            if layout in ("nextn", "mimo"):
+                def forward(*args, index=index, layout=layout):
+                    reference = nextn_forward if layout == "nextn" else mimo_forward
+                    return reference(weights, target.config, index, *args)
             else:
                 def forward(*args):
                     return qwen_mtp_forward(weights, target.config, *args)
@@ -74,20 +75,26 @@ def test_the_forward_matches_the_reference_from_vllm(tmp_path, layout, modules):
     ("mtp", "qwen3", ["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                       "mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_norm.weight",
                       "mtp.layers.0.mlp.up_proj.weight"]),
+    ("mimo", "qwen2", ["model.mtp_layers.1.token_layernorm.weight",
+                       "model.mtp_layers.0.hidden_layernorm.weight",
+                       "model.mtp_layers.0.input_proj.weight",
+                       "model.mtp_layers.1.final_layernorm.weight",
+                       "model.mtp_layers.0.self_attn.q_proj.bias",
+                       "model.mtp_layers.1.mlp.gate_proj.weight"]),
     ("nextn", "qwen3_moe", ["model.layers.2.mlp.experts.3.gate_proj.weight",
                             "model.layers.2.mlp.gate.weight", "model.layers.2.eh_proj.weight"]),
 ])
 def test_a_folder_in_each_layout_round_trips(tmp_path, layout, family, names):
     extra = {"num_experts": 4, "num_experts_per_tok": 2, "expert_intermediate_size": 16} \
         if family == "qwen3_moe" else {}
-    modules = 2 if layout == "nextn" and family == "llama" else 1
+    modules = 2 if family in ("llama", "qwen2") else 1
     target = mtp_target(layout, seed=2, family=family, modules=modules, **extra)
     folder = target.save_pretrained(tmp_path / "saved")
     stored = load_file(str(folder / "model.safetensors"))
     assert set(names) <= set(stored)
     assert not [name for name in stored if ".mtp." in name or "block." in name]
     hf_config = json.loads((folder / "config.json").read_text())
-    key = "num_nextn_predict_layers" if layout == "nextn" else "mtp_num_hidden_layers"
+    key = "mtp_num_hidden_layers" if layout == "mtp" else "num_nextn_predict_layers"
     assert hf_config[key] == modules
     loaded = Transformer.from_pretrained(folder)
     assert loaded.config == target.config
