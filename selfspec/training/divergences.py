@@ -23,12 +23,14 @@ pass it detached, or computed under no_grad.
               lambda KL(p || q) + (1 - lambda) TV(p, q) with lambda = exp(-eta alpha),
               alpha = 1 - TV(p, q) held constant (no gradient) and eta = 3. Where the draft
               is poor (alpha near 0) it is mostly KL, whose gradient does not vanish; as
-              acceptance rises it turns to TV, the quantity tau rewards. Its weight is
-              computed per row, as in SpecForge's DFlash loss and speculators' `lk_hybrid`;
-              SpecForge's EAGLE-3 loss and NVIDIA ModelOpt instead take one lambda per batch
-              from the mean acceptance (and scale KL's weight by a `kl_scale`, 1 here). The
-              per-row form keeps every objective a mean of per-row values, which masks and
-              the trainers' per-step weights compose with.
+              acceptance rises it turns to TV, the quantity tau rewards. The sources agree
+              on the form and on eta = 3 (speculators' `lk_hybrid`: lambda = exp(-3 alpha),
+              detached) but not on where alpha is taken: SpecForge's DFlash loss weighs each
+              position by its own alpha, as here; SpecForge's EAGLE-3 loss and NVIDIA
+              ModelOpt take one lambda per batch from the mean acceptance (SpecForge also
+              scales KL's weight by a `kl_scale`, 1 here). The per-row form keeps every
+              objective a mean of per-row values, which masks and the trainers' per-step
+              weights compose with.
 """
 
 from __future__ import annotations
