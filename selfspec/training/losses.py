@@ -248,9 +248,12 @@ def parallel_eagle3_loss(
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
     divergence: Divergence = forward_kl,
+    pooled: bool = False,
 ) -> LossOutput:
     """P-EAGLE's loss: the sum over copies j of decay**j x `divergence` between copy j's
-    draft-vocabulary law and the target's law restricted to the draft vocabulary.
+    draft-vocabulary law and the target's law restricted to the draft vocabulary, each
+    copy's the mean over its counted rows; pooled: one mean over every counted row of every
+    copy, row weights decay**j (speculators' P-EAGLE, undecayed: a copy weighs by its rows).
 
     logits [B, N, Vd]: the head's rows, row n of copy copies[n] [N] at position positions[n]
     [N], which scores token positions[n] + 2 whatever its copy (copy 0 holds the real pairs,
@@ -266,17 +269,23 @@ def parallel_eagle3_loss(
     mask = mask if loss_mask is None else loss_mask.bool()
     teacher = DraftTeacher.of(target_logits, t2d)
     total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
+    counted = 0
     for j in range(count):
         picked = ((copies == j) & (positions + 2 < length)).nonzero().flatten()  # [n]
         at = positions[picked]  # copy j's rows whose token exists
         law = teacher.at(at + 1)  # the laws of tokens at + 2: [B, n, ...]
         rows = mask[:, at + 2] & law.in_vocab  # [B, n]
         scores = logits[:, picked]
-        part = _masked_mean(divergence(scores, law.log_probs), rows)
-        total = total + decay**j * part
+        values = divergence(scores, law.log_probs)  # [B, n]
+        part = _masked_mean(values, rows)
+        if pooled:
+            total = total + decay**j * (values * rows.float()).sum()
+            counted += int(rows.sum())
+        else:
+            total = total + decay**j * part
         metrics[f"peagle/copy{j}_loss"] = float(part.detach())
         metrics[f"peagle/copy{j}_top1"] = _hits(scores, law.top, rows)
-    return LossOutput(total, metrics)
+    return LossOutput(total / max(counted, 1) if pooled else total, metrics)
 
 
 def exit_loss(

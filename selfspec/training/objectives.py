@@ -236,12 +236,13 @@ class Eagle3Objective(nn.Module):
     j - 1 is (1: every copy of every anchor), so with probability keep**j, or max(keep**j,
     keep_floor) (`copy_keep_chances`; speculators' P-EAGLE keeps max(0.7**j, 0.2) of its rows),
     drawn from `generator` (None: torch's default generator, which `fit` seeds and
-    checkpoints; held-out evaluation draws from a fixed seed)."""
+    checkpoints; held-out evaluation draws from a fixed seed); pooled: one mean over every
+    kept row in place of one a copy (speculators')."""
 
     def __init__(self, target: Transformer, head: EagleHead, steps: int = 7, decay: float = 0.8,
                  cache_features: bool = False, features: FeatureSource | None = None,
                  keep: float = 0.5, generator: torch.Generator | None = None,
-                 objective: str = "kl", keep_floor: float = 0.0):
+                 objective: str = "kl", keep_floor: float = 0.0, pooled: bool = False):
         super().__init__()
         if head.config.version != 3:
             raise ValueError("Eagle3Objective trains EAGLE-3 heads; use EagleObjective for EAGLE-1")
@@ -252,6 +253,7 @@ class Eagle3Objective(nn.Module):
             raise ValueError(f"Eagle3Objective: keep_floor must be in [0, 1], got {keep_floor}")
         self.target, self.head, self.steps, self.decay = freeze(target), head, steps, decay
         self.keep, self.keep_floor, self.generator = float(keep), float(keep_floor), generator
+        self.pooled = bool(pooled)
         self.features = feature_source(head.config.target_layers, cache_features, features,
                                        "Eagle3Objective")
         self.objective, self.divergence = objective, law_objective(objective, "Eagle3Objective")
@@ -284,7 +286,8 @@ class Eagle3Objective(nn.Module):
         hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
         return parallel_eagle3_loss(self.head.logits(hidden), pairs.copies, pairs.positions,
                                     target_logits, self.head.t2d, config.parallel, loss_mask,
-                                    decay=self.decay, divergence=self.divergence)
+                                    decay=self.decay, divergence=self.divergence,
+                                    pooled=self.pooled)
 
 
 class EarlyExitObjective(nn.Module):

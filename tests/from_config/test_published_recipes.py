@@ -12,11 +12,13 @@ from selfspec.from_config.methods.dflash import check_dflash_settings, dflash_co
 from selfspec.from_config.methods.eagle import (
     check_eagle_settings,
     eagle_config,
+    eagle_objective,
     eagle_trainer_drafter,
 )
 from selfspec.from_config.models import model_config
 from selfspec.from_config.training import train_settings
 from selfspec.heads import DFlashHead, EagleHead
+from selfspec.model import Transformer
 
 H = 32
 # A small 8-layer target whose vocabulary holds the published draft vocabulary of 32,000.
@@ -69,8 +71,11 @@ def test_peagle_published_drafts_eight_tokens_a_forward(cfg_of):
     drafter = eagle_trainer_drafter(cfg, head)
     assert isinstance(drafter, ParallelEagleDrafter) and drafter.k == 8
     assert drafter.shape.nodes is None  # a chain
-    assert (cfg.eagle.ttt_decay, cfg.eagle.parallel_keep, cfg.eagle.parallel_keep_floor) == \
-        (1.0, 0.7, 0.2)
+    e = cfg.eagle
+    assert (e.ttt_decay, e.parallel_loss, e.parallel_keep, e.parallel_keep_floor) == \
+        (1.0, "pooled", 0.7, 0.2)
+    objective = eagle_objective(cfg, Transformer(model_config(cfg.model)), head)
+    assert (objective.pooled, objective.keep, objective.keep_floor) == (True, 0.7, 0.2)
     assert (settings.lr, settings.clip_grad, cfg.trainer.seq_len) == (6e-4, 0.5, 2048)
 
 

@@ -174,6 +174,9 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
         raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
 
 
+PARALLEL_LOSSES = ("per_copy", "pooled")  # P-EAGLE: one mean a copy, or one over all rows
+
+
 def check_eagle_settings(cfg: DictConfig) -> int:
     """Every cfg.eagle setting checked from the config alone (a head on the meta device, no
     weights): the head's config, loss weights, and the drafter the report will use (tree
@@ -194,6 +197,9 @@ def check_eagle_settings(cfg: DictConfig) -> int:
     if not 0 < float(e.parallel_keep) <= 1:
         raise ValueError(f"eagle.parallel_keep must be in (0, 1] (a copy's chance to be kept "
                          f"once the one before it is), got {e.parallel_keep}")
+    if e.get("parallel_loss", "per_copy") not in PARALLEL_LOSSES:
+        raise ValueError(f"eagle.parallel_loss must be per_copy (one mean a copy, summed) or "
+                         f"pooled (one mean over every kept row), got {e.parallel_loss!r}")
     if not 0 <= float(e.get("parallel_keep_floor", 0.0)) <= 1:
         raise ValueError(f"eagle.parallel_keep_floor must be in [0, 1] (the least share of "
                          f"anchors whose copy j is kept), got {e.parallel_keep_floor}")
@@ -239,7 +245,8 @@ def eagle_objective(
     return Eagle3Objective(target, head, steps=int(e.ttt_steps), decay=float(e.ttt_decay),
                            cache_features=cache, features=features,
                            keep=float(e.parallel_keep), objective=name,
-                           keep_floor=float(e.get("parallel_keep_floor", 0.0)))
+                           keep_floor=float(e.get("parallel_keep_floor", 0.0)),
+                           pooled=e.get("parallel_loss", "per_copy") == "pooled")
 
 
 def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
