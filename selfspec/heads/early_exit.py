@@ -8,7 +8,8 @@ through the target's own LM head (used, never owned):
 - `adapter` (Kangaroo): RMSNorm, one attention layer with its own K/V cache over the
   committed context, a residual, RMSNorm, then the target's LM head; no MLP. It starts as the
   `norm` exit (zero attention output, the target's final norm weights: `init_from_target`)
-  and learns the target's final law by soft cross-entropy (`selfspec.training.losses.exit_loss`).
+  and learns the target's final law (`selfspec.training.losses.exit_loss`: forward KL, or
+  another `training.divergences` objective).
 
 A head records its exit layer: a head for one E never drafts from another (the drafter and
 `from_config.methods.early_exit.load_early_exit` refuse it). Trainable modules only: no
