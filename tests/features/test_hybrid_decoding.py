@@ -1,0 +1,116 @@
+"""Speculative decoding of a hybrid target (a tiny random Qwen3-Next: three Gated DeltaNet
+layers, then a gated full-attention layer) whose recurrent state verification must restore
+after every rejection: greedy through chains (n-gram lookup) and trees (random Medusa heads,
+the oracle's tree) equals plain greedy, sampling at T = 1 keeps the target's law, and a cache
+that leaves a rejected token in the state is caught."""
+
+import pytest
+import torch
+from helpers import (
+    FAMILY_PROMPTS,
+    FAST_LAW_SAMPLES,
+    assert_drafted_sampling_is_exact,
+    lookup_of_its_answer,
+    random_medusa_heads,
+)
+
+from selfspec import SamplingParams, Transformer, generate
+from selfspec.drafters import MedusaDrafter, NgramDrafter
+from selfspec.heads import MedusaConfig
+from selfspec.measure.oracle import OracleDrafter
+from selfspec.model.recurrent_cache import HybridCache
+
+transformers = pytest.importorskip("transformers", reason="pip install transformers")
+pytest.importorskip("transformers.models.qwen3_next", reason="pip install 'transformers>=5'")
+
+NEW_TOKENS = 12
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """Our decoder with the weights of a tiny random Qwen3NextForCausalLM (fp32)."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        num_experts=0, max_position_embeddings=256)
+    torch.manual_seed(1)
+    model = transformers.Qwen3NextForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                parameter.normal_(0, 0.2)
+    return Transformer.from_hf(model)
+
+
+def drafter_of(name: str, target: Transformer):
+    c = target.config
+    makers = {
+        "ngram_chain": lambda: NgramDrafter(3),
+        "medusa_tree": lambda: MedusaDrafter(random_medusa_heads(
+            MedusaConfig(c.hidden_size, c.vocab_size, num_heads=3), seed=3), MEDUSA_TREE),
+        "oracle_tree": lambda: OracleDrafter().with_tree([[0], [1], [1, 0], [0, 0], [0, 1]]),
+    }
+    return makers[name]()
+
+
+@pytest.fixture(scope="module")
+def plain(hybrid) -> dict:
+    """Plain greedy decoding's tokens per prompt."""
+    return {tuple(p): generate(hybrid, p, max_new_tokens=NEW_TOKENS).tokens
+            for p in FAMILY_PROMPTS}
+
+
+def rejected_and_lossless(target: Transformer, plain: dict, make) -> tuple[bool, int]:
+    """Whether greedy decoding through make() equals plain greedy on every prompt, and how
+    many drafted tokens were rejected."""
+    rejected, same = 0, True
+    for prompt, expected in plain.items():
+        result = generate(target, list(prompt), drafter=make(), max_new_tokens=NEW_TOKENS)
+        same &= result.tokens == expected
+        rejected += result.stats.drafted - result.stats.accepted
+    return same, rejected
+
+
+@pytest.mark.parametrize("name", [
+    "ngram_chain", "medusa_tree",
+    pytest.param("oracle_tree", marks=pytest.mark.slow),
+])
+@torch.no_grad()
+def test_greedy_speculation_equals_plain_greedy(hybrid, plain, name):
+    same, rejected = rejected_and_lossless(hybrid, plain, lambda: drafter_of(name, hybrid))
+    assert same
+    assert rejected > 0  # rejections happened: the state had to be restored
+
+
+@torch.no_grad()
+def test_a_state_left_after_a_rejection_is_caught(hybrid, plain, monkeypatch):
+    """A planted bug: commit rolls the K/V back but keeps the recurrent state after the
+    forward's last row (the rejected tokens read)."""
+
+    def commit_without_restoring(self, accepted_slots):
+        self.kv.commit(accepted_slots)
+        self._base = None
+
+    monkeypatch.setattr(HybridCache, "commit", commit_without_restoring)
+    same, rejected = rejected_and_lossless(hybrid, plain,
+                                           lambda: drafter_of("ngram_chain", hybrid))
+    assert rejected > 0 and not same
+
+
+@pytest.mark.slow  # 500 two-token generations: ~8 s
+def test_sampling_at_temperature_one_keeps_the_targets_law(hybrid):
+    """Lookup drafts a tree of the target's answer (its chains are the tree's paths): the
+    two-token law of the output is the target's (chi-square)."""
+    drafter = lookup_of_its_answer(hybrid, num_draft_tokens=2, max_nodes=4)
+    assert_drafted_sampling_is_exact(hybrid, drafter, SamplingParams(temperature=1.0),
+                                     samples=FAST_LAW_SAMPLES)
+
+
+def test_a_batch_and_early_layers_are_refused(hybrid):
+    with pytest.raises(ValueError, match="batch decoding of a recurrent target"):
+        generate(hybrid, FAMILY_PROMPTS, max_new_tokens=2)
+    cache = hybrid.new_cache(max_slots=16)
+    with torch.no_grad(), pytest.raises(ValueError, match="part of a recurrent target's layers"):
+        hybrid(torch.tensor([[3, 4]]), torch.arange(2), cache, exit_layer=2)
