@@ -253,14 +253,28 @@ def _hf_experts(hf: dict[str, torch.Tensor], prefix: str, config: ModelConfig
 
 
 def with_mtp_layout(config: ModelConfig, folder: Path) -> ModelConfig:
-    """config with MiMo's layout where its config.json counts NextN layers and its weights are
-    named as MiMo's (`model.mtp_layers.*`)."""
-    if config.mtp_layout != "nextn":
-        return config
+    """config as the folder's weights hold its MTP modules (`mtp_as_stored`)."""
+    names = []
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
-            if any(name.startswith(_MIMO_PREFIX) for name in handle.keys()):
-                return replace(config, mtp_layout="mimo")
+            names += handle.keys()
+    return mtp_as_stored(config, names)
+
+
+def mtp_as_stored(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """config with MiMo's layout where config.json counts NextN layers and the weights' names
+    are MiMo's (`model.mtp_layers.*`), and with no MTP modules where the weights hold none (a
+    folder transformers saved: its classes drop them, while DeepSeek-V3's config.json still
+    counts one)."""
+    if not config.mtp_modules:
+        return config
+    names = list(names)
+    if config.mtp_layout == "nextn" and any(n.startswith(_MIMO_PREFIX) for n in names):
+        config = replace(config, mtp_layout="mimo")
+    first = {"nextn": f"model.layers.{config.num_layers}.", "mtp": "mtp.",
+             "mimo": _MIMO_PREFIX}[config.mtp_layout]
+    if not any(name.startswith(first) for name in names):
+        return replace(config, mtp_modules=0, mtp_layout=None)
     return config
 
 

@@ -907,8 +907,8 @@ class Transformer(nn.Module):
     ) -> Transformer:
         """Convert an in-memory `transformers` model. Without a dtype/device change the
         weights share storage with hf_model (no copy)."""
-        config = ModelConfig.from_hf(hf_model.config.to_dict())
         state = hf_model.state_dict()
+        config = checkpoint.mtp_as_stored(ModelConfig.from_hf(hf_model.config.to_dict()), state)
         first = next(iter(state.values()))
         return cls._from_tensors(
             config, iter(state.items()), dtype or first.dtype, device or first.device

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from mtp_reference import mimo_forward, mtp_target, nextn_forward, qwen_mtp_forward
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from selfspec.model import ModelConfig, Transformer
 from selfspec.model.moe import MoE
@@ -145,3 +145,19 @@ def test_the_random_preset_has_seeded_modules():
     assert one.config.mtp_modules == 1 and one.config.mtp_layout == "nextn"
     torch.testing.assert_close(one.mtp[0].proj.weight, two.mtp[0].proj.weight, atol=0, rtol=0)
     assert 0.015 < one.mtp[0].proj.weight.std() < 0.025  # transformers' std, not a default
+
+
+def test_a_config_that_counts_modules_the_weights_lack_loads_without_them(tmp_path):
+    """DeepSeek-V3's config.json counts a NextN layer even where transformers saved the folder
+    (its classes drop the layer): the target loads without modules, and drafts none."""
+    target = mtp_target("nextn", seed=4)
+    folder = target.save_pretrained(tmp_path / "saved")
+    stored = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in stored.items() if not k.startswith("model.layers.2.")},
+              str(folder / "model.safetensors"))
+    loaded = Transformer.from_pretrained(folder)
+    assert (loaded.config.mtp_modules, loaded.config.mtp_layout, len(loaded.mtp)) == (0, None, 0)
+    with torch.no_grad():
+        positions = torch.arange(TOKENS.shape[1])
+        torch.testing.assert_close(loaded(TOKENS, positions).logits,
+                                   target(TOKENS, positions).logits, atol=0, rtol=0)
