@@ -14,6 +14,13 @@ static step alike (`Drafted`, turned into a `Draft` by `block_draft`).
 `BlockDrafter` holds what a drafter over a head's fused target states keeps besides (DFlash,
 P-EAGLE): the draft's length and shape, its head cache's committed positions, and the law its
 tokens are drawn under.
+
+Confidence-sized chains (DSpark's confidence head, `confidence_threshold`): the head gives
+each position k the predicted chance c_k that its token is accepted once every position before
+it was; the chain proposed is the positions whose cumulative chance c_1 x ... x c_k is at least
+the threshold (at least one). The cut depends on the head's states alone, never on a drafted
+token or a draw, and the verifier checks whatever prefix is proposed: the output stays exact.
+It reads the length back to the host (one read more a step in static shapes).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 
 import torch
 
-from selfspec.checks import is_count
+from selfspec.checks import is_count, is_number
 from selfspec.drafters.base import DecodeSetup, Draft
 from selfspec.heads.io import check_fused_target
 from selfspec.model.kv_cache import KVCache
@@ -38,11 +45,13 @@ class BlockDrafter:
     fused target layers, its cache of committed positions (eager) or its static drafting
     (`_static`), and the `law` its tokens are drawn under."""
 
-    def __init__(self, head: Any, k: int, tree_nodes: int | None, sampled_children: bool
-                 ) -> None:
+    def __init__(self, head: Any, k: int, tree_nodes: int | None, sampled_children: bool,
+                 confidence_threshold: float | None = None) -> None:
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
         self.shape = BlockShape.checked(type(self).__name__, k, tree_nodes,
                                         head.config.output_vocab_size)
+        self.confidence_threshold = checked_confidence(type(self).__name__, head, self.shape,
+                                                       confidence_threshold)
         self.max_nodes = self.shape.max_nodes
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
         self._cache: KVCache | None = None
@@ -64,6 +73,52 @@ class BlockDrafter:
         """The warping tokens are drawn under (None: chosen, the top tokens)."""
         sampling = self._sampling
         return None if sampling.greedy or not self.sampled_children else sampling
+
+    def _with_confidence(self, drafted: Drafted, states: torch.Tensor) -> Drafted:
+        """The draft with its positions' cumulative confidence, of the k states [k, h] its
+        laws were scored from, when the drafter sizes its chains by it (tensor work only)."""
+        if self.confidence_threshold is not None:
+            drafted.confidence = cumulative_acceptance(self.head.acceptance_logits(states))
+        return drafted
+
+    def _proposal(self, drafted: Drafted, on_device: bool) -> Draft:
+        """The draft proposed: the chain cut where its cumulative confidence falls below the
+        threshold (`confident_length`), or the whole draft."""
+        if self.confidence_threshold is not None:
+            drafted = drafted.cut(confident_length(drafted.confidence,
+                                                   self.confidence_threshold))
+        return block_draft(drafted, self.shape, on_device)
+
+
+def checked_confidence(drafter: str, head: Any, shape: BlockShape,
+                       threshold: float | None) -> float | None:
+    """The confidence threshold: None (the whole block) or a number in (0, 1), for a chain of a
+    head with a confidence head."""
+    if threshold is None:
+        return None
+    if not is_number(threshold) or not 0.0 < float(threshold) < 1.0:
+        raise ValueError(f"{drafter}: confidence_threshold must lie in (0, 1) (the least "
+                         f"cumulative predicted acceptance of a proposed position) or be None, "
+                         f"got {threshold!r}")
+    if not head.config.confidence_head:
+        raise ValueError(f"{drafter}: confidence_threshold needs a head trained with a confidence "
+                         f"head (confidence_head=true); this head has none: set it to null")
+    if shape.nodes is not None:
+        raise ValueError(f"{drafter}: confidence_threshold sizes chains; DDTree's trees "
+                         f"(tree_nodes={shape.nodes}) keep their size: set one of them to null")
+    return float(threshold)
+
+
+def cumulative_acceptance(logits: torch.Tensor) -> torch.Tensor:
+    """[k] the predicted chance that positions 1..k are all accepted, of the confidence head's
+    logits [k] (each position's chance given every one before it was)."""
+    return torch.sigmoid(logits.float()).cumprod(dim=0)
+
+
+def confident_length(cumulative: torch.Tensor, threshold: float) -> int:
+    """How many positions to propose: those whose cumulative chance [k] (non-increasing) is at
+    least the threshold, and at least one. One host read."""
+    return max(1, int((cumulative >= threshold).sum()))
 
 
 def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
@@ -87,17 +142,26 @@ def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
 @dataclass
 class Drafted:
     """One draft as tensors: tokens [N]; parents [N] and valid [N] (None: a chain); q [N, V]
-    the law each token was drawn from (None: chosen)."""
+    the law each token was drawn from (None: chosen); confidence [k] the cumulative predicted
+    acceptance of its positions (None: not asked)."""
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def cloned(self) -> Drafted:
         """A copy of each tensor: a captured step rewrites its outputs at its next replay."""
-        return Drafted(*(None if t is None else t.clone()
-                         for t in (self.tokens, self.q, self.parents, self.valid)))
+        return Drafted(*(None if t is None else t.clone() for t in
+                         (self.tokens, self.q, self.parents, self.valid, self.confidence)))
+
+    def cut(self, n: int) -> Drafted:
+        """A chain's first n positions."""
+        if self.parents is not None:
+            raise ValueError("Drafted.cut: a tree keeps its size; only chains are cut")
+        return Drafted(self.tokens[:n], None if self.q is None else self.q[:n],
+                       confidence=None if self.confidence is None else self.confidence[:n])
 
 
 @dataclass(frozen=True)

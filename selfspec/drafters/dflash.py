@@ -34,7 +34,7 @@ import torch
 
 from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.block import BlockDrafter, Drafted, block_draft
+from selfspec.drafters.block import BlockDrafter, Drafted
 from selfspec.heads.dflash import DFlashHead
 from selfspec.model import Transformer
 from selfspec.model.kv_cache import KVCache
@@ -43,19 +43,22 @@ from selfspec.step import CapturedSteps, SlotView, padded_slots, weights_of
 
 class DFlashDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the block's B - 1) from one forward of a
-    DFlash head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k deep."""
+    DFlash head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k deep;
+    with `confidence_threshold` (a head with a confidence head) the chain's positions whose
+    cumulative predicted acceptance is at least it (`drafters.block`)."""
 
     head: DFlashHead
     _static: StaticDFlashDraft | None
 
     def __init__(self, head: DFlashHead, num_draft_tokens: int | None = None, *,
-                 tree_nodes: int | None = None, sampled_children: bool = True) -> None:
+                 tree_nodes: int | None = None, sampled_children: bool = True,
+                 confidence_threshold: float | None = None) -> None:
         block = head.config.block_size
         k = block - 1 if num_draft_tokens is None else num_draft_tokens
         if not is_int_in(k, range(1, block)):
             raise ValueError(f"DFlashDrafter: num_draft_tokens must be in 1..{block - 1} (the "
                              f"head's block of {block} slots drafts up to {block - 1}), got {k!r}")
-        super().__init__(head, k, tree_nodes, sampled_children)
+        super().__init__(head, k, tree_nodes, sampled_children, confidence_threshold)
 
     def begin(self, setup: DecodeSetup) -> None:
         self._begin(setup)
@@ -80,7 +83,7 @@ class DFlashDrafter(BlockDrafter):
             drafted = self._static.draft(streams, start, root, self._generator)
         else:
             drafted = self._draft_eagerly(streams, start, root)
-        return block_draft(drafted, self.shape, on_device=self._use_static)
+        return self._proposal(drafted, on_device=self._use_static)
 
     def _committed_rows(self, context: DraftContext) -> tuple[int, tuple[torch.Tensor, ...]]:
         """The first position of the rows the target just committed, and their streams."""
@@ -105,8 +108,9 @@ class DFlashDrafter(BlockDrafter):
         hidden = self.head(self._target.embed_tokens(block)[None].to(weight),
                            start + count + torch.arange(len(block), device=weight.device), cache)
         cache.truncate(self._committed)  # the block's own keys: dropped again
-        logits = self.head.target_logits(hidden[0, 1:self.k + 1], self._target.lm_head)
-        return self.shape.draft(logits, self.law, self._generator)
+        states = hidden[0, 1:self.k + 1]  # [k, h]
+        logits = self.head.target_logits(states, self._target.lm_head)
+        return self._with_confidence(self.shape.draft(logits, self.law, self._generator), states)
 
 def block_tokens(root: int | torch.Tensor, config, device: torch.device) -> torch.Tensor:
     """[B] the block's token ids: the root, then the mask token."""
@@ -150,6 +154,7 @@ class StaticDFlashDraft:
     def fits(self, drafter: DFlashDrafter, target: Transformer, max_slots: int) -> bool:
         return (drafter.head is self.drafter.head and drafter.shape == self.drafter.shape
                 and target is self.target and drafter.law == self.law
+                and drafter.confidence_threshold == self.drafter.confidence_threshold
                 and self.cache.max_slots >= max_slots
                 and weights_of(drafter.head, target) == self.weights)
 
@@ -184,5 +189,7 @@ class StaticDFlashDraft:
         mask.scatter_(1, block[None].expand(len(block), -1), True)  # and the whole block
         embeds = self.target.embed_tokens(self._tokens)[None].to(context)
         hidden = head(embeds, block, SlotView(self.cache, block), mask=mask)
-        logits = head.target_logits(hidden[0, 1:drafter.k + 1], self.target.lm_head)
-        return drafter.shape.draft(logits, self.law, self._steps.generator)
+        states = hidden[0, 1:drafter.k + 1]  # [k, h]
+        logits = head.target_logits(states, self.target.lm_head)
+        return drafter._with_confidence(
+            drafter.shape.draft(logits, self.law, self._steps.generator), states)

@@ -26,7 +26,7 @@ import torch
 
 from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.drafters.block import BlockDrafter, Drafted, block_draft
+from selfspec.drafters.block import BlockDrafter, Drafted
 from selfspec.drafters.eagle import committed_pairs
 from selfspec.drafters.eagle_static import StaticEagleDraft
 from selfspec.heads.eagle import EagleHead
@@ -38,13 +38,15 @@ from selfspec.step import CapturedSteps, SlotView, padded_slots
 class ParallelEagleDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the head's K) from one forward of a
     P-EAGLE head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k
-    deep."""
+    deep; with `confidence_threshold` (a head with a confidence head) the chain's positions
+    whose cumulative predicted acceptance is at least it (`drafters.block`)."""
 
     head: EagleHead
     _static: StaticParallelDraft | None
 
     def __init__(self, head: EagleHead, num_draft_tokens: int | None = None, *,
-                 tree_nodes: int | None = None, sampled_children: bool = True) -> None:
+                 tree_nodes: int | None = None, sampled_children: bool = True,
+                 confidence_threshold: float | None = None) -> None:
         most = head.config.parallel
         if most < 2:
             raise ValueError("ParallelEagleDrafter: the head drafts one token a forward "
@@ -54,7 +56,7 @@ class ParallelEagleDrafter(BlockDrafter):
         if not is_int_in(k, range(1, most + 1)):
             raise ValueError(f"ParallelEagleDrafter: num_draft_tokens must be in 1..{most} (the "
                              f"head drafts up to {most} tokens a forward), got {k!r}")
-        super().__init__(head, k, tree_nodes, sampled_children)
+        super().__init__(head, k, tree_nodes, sampled_children, confidence_threshold)
 
     def begin(self, setup: DecodeSetup) -> None:
         self._begin(setup)
@@ -77,7 +79,7 @@ class ParallelEagleDrafter(BlockDrafter):
         if self._use_static:
             self._committed = start + len(tokens)
             drafted = self._static.draft(tokens, feature, start, self._generator)
-            return block_draft(drafted, self.shape, on_device=True)
+            return self._proposal(drafted, on_device=True)
         weight, count = self.head.fc.weight, len(tokens)
         mask_embed = self._target.embed_tokens(
             torch.tensor(self.head.config.mask_token_id, device=weight.device))
@@ -88,9 +90,10 @@ class ParallelEagleDrafter(BlockDrafter):
         out = self.head(embeds[None], features[None], positions, self._cache)[0]
         self._committed = start + count
         self._cache.truncate(self._committed)  # the mask pairs' keys: dropped again
-        logits = self.head.target_logits(out[count - 1:], self._target.lm_head)  # [k, V]
-        return block_draft(self.shape.draft(logits, self.law, self._generator), self.shape,
-                           on_device=False)
+        states = out[count - 1:]  # [k, h]
+        logits = self.head.target_logits(states, self._target.lm_head)  # [k, V]
+        drafted = self.shape.draft(logits, self.law, self._generator)
+        return self._proposal(self._with_confidence(drafted, states), on_device=False)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class StaticParallelDraft:
 
     def fits(self, drafter: ParallelEagleDrafter, target: Transformer, max_slots: int) -> bool:
         return (drafter.shape == self.drafter.shape and drafter.law == self.law
+                and drafter.confidence_threshold == self.drafter.confidence_threshold
                 and self.pairs.fits(drafter.head, target, _PairsOnly(drafter.k), max_slots,
                                     None))
 
@@ -153,4 +157,5 @@ class StaticParallelDraft:
                        SlotView(self.pairs.cache, slots), mask=mask)[0]  # [k - 1, h]
             states = torch.cat([states, out])
         logits = head.target_logits(states, self.target.lm_head)  # [k, V]
-        return drafter.shape.draft(logits, self.law, self._steps.generator)
+        return drafter._with_confidence(
+            drafter.shape.draft(logits, self.law, self._steps.generator), states)

@@ -62,13 +62,15 @@ class FeatureHeadConfig(AttentionShape):
     layers' MLP width (intermediate_size, mlp_bias), the fused residual streams of the target
     (target_layers; hidden l = after l layers) and their width (target_hidden_size, None:
     hidden_size), and a reduced vocabulary scored by the head's own LM head (draft_vocab_size;
-    None: the target's LM head scores the whole vocabulary)."""
+    None: the target's LM head scores the whole vocabulary), and a block drafter's confidence
+    (confidence_head: `FeatureHead.acceptance_logits`)."""
 
     intermediate_size: int
     target_layers: tuple[int, ...] = ()
     target_hidden_size: int | None = None
     draft_vocab_size: int | None = None
     mlp_bias: bool = False
+    confidence_head: bool = False
 
     @property
     def owns_lm_head(self) -> bool:
@@ -134,6 +136,25 @@ class FeatureHead(Head):
         vocab = default_vocab(config.draft_vocab_size, config.vocab_size)  # until set
         self.register_buffer("d2t", vocab.d2t)
         self.register_buffer("t2d", vocab.t2d)
+
+    def _add_confidence(self) -> None:
+        """With `confidence_head`, a block drafter's confidence (DSpark's): one logit per drafted
+        position from the states its LM head scores (`acceptance_logits`)."""
+        if self.config.confidence_head:
+            self.confidence = Linear(self.config.hidden_size, 1, bias=True)
+
+    def acceptance_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[...] fp32 logits of hidden states [..., h] (what `logits` takes): the sigmoid of
+        position k's is the predicted chance that its drafted token is accepted once every
+        position before it was (the drafter multiplies them: `drafters.block`)."""
+        if not self.config.confidence_head:
+            raise ValueError(f"{type(self).__name__}: the head has no confidence head: train one "
+                             f"with confidence_head=true")
+        return self.confidence(self._scored_states(hidden)).squeeze(-1).float()
+
+    def _scored_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The states the LM head reads of what the head's forward returns (here: the same)."""
+        return hidden
 
     @property
     def draft_vocab(self) -> DraftVocab | None:

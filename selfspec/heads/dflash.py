@@ -70,7 +70,8 @@ class DFlashConfig(FeatureHeadConfig):
     (hidden l = after l layers). target_hidden_size: their width (None: hidden_size).
     draft_vocab_size: a reduced vocabulary scored by the head's own LM head (None: the
     target's LM head scores the whole vocabulary). qk_norm: per-head q/k RMSNorm (Qwen3's
-    layers, which the engines build)."""
+    layers, which the engines build). confidence_head: a per-position confidence
+    (`FeatureHead.acceptance_logits`) that sizes the block the drafter proposes."""
 
     num_layers: int = 1
     block_size: int = 8
@@ -98,6 +99,7 @@ class DFlashConfig(FeatureHeadConfig):
         cls, target: ModelConfig, *, mask_token_id: int, num_layers: int = 1,
         block_size: int = 8, target_layers: tuple[int, ...] | None = None,
         num_features: int = 3, draft_vocab_size: int | None = None, qk_norm: bool = True,
+        confidence_head: bool = False,
     ) -> DFlashConfig:
         """A head whose layers are sized like the target's; target_layers default to
         `num_features` streams spaced as `default_target_layers` spaces them."""
@@ -106,7 +108,7 @@ class DFlashConfig(FeatureHeadConfig):
                    mlp_bias=target.mlp_bias, num_layers=num_layers, block_size=block_size,
                    mask_token_id=mask_token_id, target_layers=tuple(layers),
                    target_hidden_size=target.hidden_size, draft_vocab_size=draft_vocab_size,
-                   qk_norm=qk_norm)
+                   qk_norm=qk_norm, confidence_head=bool(confidence_head))
 
 
 
@@ -128,6 +130,7 @@ class DFlashHead(FeatureHead):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         if config.owns_lm_head:
             self._add_lm_head()
+        self._add_confidence()
         self.rope = Rope.of(layer)  # fp32, not a buffer: head.to(bf16) keeps the frequencies
 
     # ---- the context ---------------------------------------------------------------------

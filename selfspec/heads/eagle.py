@@ -67,7 +67,9 @@ class EagleConfig(FeatureHeadConfig):
     fc_bias: whether `fc` has a bias; None = the published default (EAGLE-1 yes, EAGLE-3 no).
     vLLM builds EAGLE-1's fc without one: its export carries the bias in the attention biases.
     parallel: P-EAGLE's K (EAGLE-3 only): one forward drafts K tokens, the last K - 1 from
-    mask pairs of token mask_token_id and the learned `mask_hidden`; 1: one token a forward."""
+    mask pairs of token mask_token_id and the learned `mask_hidden`; 1: one token a forward.
+    confidence_head (P-EAGLE only): a per-position confidence (`FeatureHead.acceptance_logits`)
+    that sizes the block the drafter proposes."""
 
     version: int
     fc_bias: bool | None = None
@@ -89,6 +91,9 @@ class EagleConfig(FeatureHeadConfig):
 
     def _check_parallel(self) -> None:
         self._check_counts("parallel")
+        if self.confidence_head and self.parallel == 1:
+            raise ValueError("EagleConfig: confidence_head sizes a P-EAGLE block (parallel > 1); "
+                             "leave it false for a head that drafts one token a forward")
         if self.parallel == 1:
             if self.mask_token_id is not None:
                 raise ValueError("EagleConfig: mask_token_id is P-EAGLE's (parallel > 1): leave "
@@ -114,7 +119,7 @@ class EagleConfig(FeatureHeadConfig):
     def for_target(
         cls, target: ModelConfig, version: int = 1, *, draft_vocab_size: int | None = None,
         target_layers: tuple[int, ...] | None = None, fc_bias: bool | None = None,
-        parallel: int = 1, mask_token_id: int | None = None,
+        parallel: int = 1, mask_token_id: int | None = None, confidence_head: bool = False,
     ) -> EagleConfig:
         """A head sized like one decoder layer of `target`; EAGLE-3 fuses target_layers
         (default: the inputs of layers 2, L//2 and L-3) over draft_vocab_size tokens, and with
@@ -128,7 +133,8 @@ class EagleConfig(FeatureHeadConfig):
                    draft_vocab_size=draft_vocab_size if version == 3 else None,
                    target_hidden_size=target.hidden_size if version == 3 else None,
                    target_layers=tuple(target_layers or ()), fc_bias=fc_bias,
-                   parallel=parallel, mask_token_id=mask_token_id)
+                   parallel=parallel, mask_token_id=mask_token_id,
+                   confidence_head=bool(confidence_head))
 
     @property
     def has_fc_bias(self) -> bool:
@@ -186,6 +192,7 @@ class EagleHead(FeatureHead):
             self._add_lm_head()
         if config.parallel > 1:  # P-EAGLE: what a mask pair reads in place of a feature
             self.mask_hidden = nn.Parameter(torch.randn(h) * 0.02)
+        self._add_confidence()
         # Plain fp32 frequencies, as in Transformer: head.to(bf16) keeps them.
         self.rope = Rope.of(layer)
 
@@ -238,6 +245,10 @@ class EagleHead(FeatureHead):
                                  "pass lm_head=target.lm_head")
             return lm_head(hidden).float()
         return self.lm_head(self.norm(hidden)).float()
+
+    def _scored_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's LM head reads its outputs through the final norm."""
+        return self.norm(hidden) if self.config.version == 3 else hidden
 
     # ---- EAGLE-3 training-time test ---------------------------------------------------------
 
