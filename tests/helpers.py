@@ -924,3 +924,24 @@ def host_reads_per_step(target, make, prompt, sampling=None) -> float:
     (reads_short, steps_short), (reads_long, steps_long) = counts
     assert steps_long > steps_short
     return (reads_long - reads_short) / (steps_long - steps_short)
+
+
+def train_and_heldout_store(target, folder: Path, layers, train_rows: int = 6,
+                            heldout_rows: int = 2, length: int = 12):
+    """A finished fp32 feature store of `target` with shards of random training rows and
+    held-out rows (`train-*`, `heldout-*`, as train/store.py writes them); the first three
+    tokens of each row are unsupervised."""
+    from selfspec.training.features import FeatureStore, StoreWriter, build_store, store_spec
+    from selfspec.training.rows import TokenRows
+
+    n = train_rows + heldout_rows
+    tokens = torch.randint(2, target.config.vocab_size, (n, length),
+                           generator=torch.Generator().manual_seed(5))
+    rows = TokenRows(tokens, (torch.arange(length) >= 3).long().expand(n, length).clone())
+    writer = StoreWriter(folder, store_spec(target, layers, "fp32", "rows"))
+    names = [*build_store(target, rows.select(torch.arange(train_rows)), writer, prefix="train",
+                          rows_per_shard=4, progress=False),
+             *build_store(target, rows.select(torch.arange(train_rows, n)), writer,
+                          prefix="heldout", progress=False)]
+    assert writer.finish(names) is not None
+    return FeatureStore(folder), rows
