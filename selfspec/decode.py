@@ -24,6 +24,7 @@ from selfspec.drafters.base import (
     DecodeSetup,
     Draft,
     DraftContext,
+    LearningDrafter,
     TargetFeatures,
     fork,
 )
@@ -202,6 +203,8 @@ def _decode(
             for row in active:  # a row's wall time ends with the step that finished it
                 if row.done:
                     row.stats.wall_time_s = clock.last - start
+                    if isinstance(row.drafter, LearningDrafter):
+                        row.drafter.finish(row.history)
             active = [row for row in active if not row.done]
             caches.pack([row.index for row in active])
     return [GenerationResult(row.new, _finished(row, timing)) for row in rows]

@@ -200,6 +200,16 @@ class BatchDrafter(Drafter, Protocol):
         in order), each the draft of its context."""
 
 
+@runtime_checkable
+class LearningDrafter(Drafter, Protocol):
+    """A drafter that learns from the answers it drafted (suffix decoding's store): the loop
+    hands it each row's tokens when the row stops, so that it learns the whole answer, the last
+    step's tokens included (no proposal follows them)."""
+
+    def finish(self, tokens: Sequence[int]) -> None:
+        """The row's prompt and answer, as host ints, once it has stopped."""
+
+
 def fork(drafter: Drafter) -> Drafter:
     """Another instance of `drafter` for another row of a batch, with the same weights and
     read-only data and its own per-generation state (`begin` then resets it for its row).

@@ -215,8 +215,8 @@ class SuffixDrafter:
     `store`, the target's answers learnt so far (this one's included, as it grows). Drafts are
     chosen (q=None), so verification stays exact at any temperature.
 
-    The drafter writes to the store the tokens each step committed, on its next proposal (so an
-    answer's last step, which is never followed by one, is not learnt); the store is the
+    The drafter writes to the store the tokens each step committed, on its next proposal, and
+    the last step's when the loop says the generation stopped (`finish`); the store is the
     caller's (`SuffixStore`): share one across the generations that should learn from each
     other. `last` is the last speculation, with its scores."""
 
@@ -247,6 +247,12 @@ class SuffixDrafter:
         theirs = speculate(self.store, tokens, self.settings)
         self.last = ours if ours.at_least(theirs) else theirs
         return _as_draft(self.last, context.tokens.device)
+
+    def finish(self, tokens: Sequence[int]) -> None:
+        """The generation stopped with `tokens`: learn what its last step committed."""
+        if self._local is not None:
+            self._learn(tokens[self._seen:])
+            self._seen = len(tokens)
 
     def _learn(self, committed: Sequence[int]) -> None:
         self._local.extend(0, committed)
