@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mtp_reference import mimo_forward, mtp_target, nextn_forward, qwen_mtp_forward
+from mtp_reference import QWEN3_NEXT, mimo_forward, mtp_target, nextn_forward, qwen_mtp_forward
 from safetensors.torch import load_file, save_file
 
 from selfspec.model import ModelConfig, Transformer
@@ -42,9 +42,11 @@ def reference_outputs(forward, hidden: torch.Tensor, steps: int = 2):
     return outs
 
 
-@pytest.mark.parametrize("layout, modules", [("nextn", 2), ("mtp", 1), ("mimo", 2)])
-def test_the_forward_matches_the_reference_from_vllm(tmp_path, layout, modules):
-    target = mtp_target(layout, seed=1, modules=modules)
+@pytest.mark.parametrize("layout, modules, arch", [
+    ("nextn", 2, {}), ("mtp", 1, {}), ("mimo", 2, {}),
+    pytest.param("mtp", 1, QWEN3_NEXT, id="qwen3_next")])  # its gated layer, (1 + w) norms
+def test_the_forward_matches_the_reference_from_vllm(tmp_path, layout, modules, arch):
+    target = mtp_target(layout, seed=1, modules=modules, **arch)
     folder = target.save_pretrained(tmp_path / layout)
     weights = load_file(str(folder / "model.safetensors"))  # the checkpoint's own names
     with torch.no_grad():
