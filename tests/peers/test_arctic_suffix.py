@@ -57,7 +57,8 @@ def token_streams(seed: int, requests: int = 6) -> list[tuple[list[int], list[in
 
 def script(pairs, rows: int, seed: int) -> list[list]:
     """Requests `rows` at a time, each learning its answer in steps of 1-4 tokens (what a
-    verification commits) and speculating after each; the rows' steps interleave."""
+    verification commits) and speculating after each but the last (learnt when the request
+    stops: the loop's `finish`); the rows' steps interleave."""
     rng = random.Random(seed)
     ops = []
     for first in range(0, len(pairs), rows):
@@ -73,8 +74,10 @@ def script(pairs, rows: int, seed: int) -> list[list]:
                     step = answer[done[r]:done[r] + rng.randint(1, 4)]
                     done[r] += len(step)
                     ops.append(["add", r, step])
-                    ops.append(["speculate", r, prompt + answer[:done[r]]])
-        ops += [["stop", r] for r in batch]
+                    if done[r] < len(answer):
+                        ops.append(["speculate", r, prompt + answer[:done[r]]])
+                    else:  # the row stops: its last step is learnt now (the loop's `finish`)
+                        ops.append(["stop", r, prompt + answer])
     return ops
 
 
@@ -89,7 +92,8 @@ def arctic_drafts(tmp_path: Path, ops, depth: int, settings: dict) -> list[dict]
 
 def selfspec_drafts(ops, depth: int, settings: SuffixSettings) -> list[dict]:
     """The same script through SuffixDrafter: a drafter per request over one store; each
-    proposal learns what its context added (arctic's add_active_response)."""
+    proposal learns what its context added (arctic's add_active_response), and `finish` the
+    last step's tokens."""
     store, drafters, drafts = SuffixStore(depth), {}, []
     for op, req, *args in ops:
         if op == "start":
@@ -102,6 +106,8 @@ def selfspec_drafts(ops, depth: int, settings: SuffixSettings) -> list[dict]:
             assert draft.token_paths() == paths_of(last.tokens, last.parents)
             drafts.append({"tokens": last.tokens, "parents": last.parents, "probs": last.probs,
                            "score": last.score, "match_len": last.match})
+        elif op == "stop":
+            drafters[req].finish(args[0])
     return drafts
 
 
