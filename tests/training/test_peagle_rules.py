@@ -10,7 +10,7 @@ from selfspec.training.divergences import forward_kl
 from selfspec.training.losses import parallel_eagle3_loss
 from selfspec.training.objectives import copy_keep_chances, kept_copies
 
-ANCHORS = 200_000  # the share's standard error is below 1e-3
+ANCHORS = 50_000  # the share's standard error is below 2.3e-3
 
 
 @pytest.mark.parametrize("keep, floor", [(0.7, 0.2), (0.5, 0.0), (0.3, 0.5)])
@@ -18,7 +18,7 @@ def test_copy_j_is_kept_with_probability_max_of_keep_to_the_j_and_the_floor(keep
     depth = kept_copies(ANCHORS, 8, keep, floor, torch.Generator().manual_seed(0))
     for j in range(1, 8):
         share = (depth >= j).double().mean().item()
-        assert abs(share - max(keep**j, floor)) < 5e-3, (j, share)
+        assert abs(share - max(keep**j, floor)) < 1e-2, (j, share)
 
 
 def test_without_a_floor_the_draws_are_pards_as_before():
