@@ -403,10 +403,13 @@ def dflash_loss(
     gamma: float,
     teacher_logits: torch.Tensor | None = None,
     divergence: Divergence = forward_kl,
+    confidence: torch.Tensor | None = None,
 ) -> LossOutput:
     """A block drafter's loss: over blocks and their slots k = 1..K, the weighted mean of
     exp(-(k - 1) / gamma) x the cross-entropy of slot k's scores against the data (labels) or,
-    given teacher_logits, `divergence` between slot k's law and the target's.
+    given teacher_logits, `divergence` between slot k's law and the target's; plus, given the
+    confidence head's logits [B, A, K], `confidence_loss` of them against each slot's top-1
+    hit (the label, or the teacher's argmax).
 
     logits [B, A, K, V]: block a's slot k scores its token; labels [B, A, K] (ids among the V
     scored); valid [B, A, K] which slots count; teacher_logits [B, A, K, V] or None. Metrics:
@@ -434,4 +437,74 @@ def dflash_loss(
     for k in range(slots):
         count = float(valid[..., k].sum())
         metrics[f"dflash/slot{k + 1}_top1"] = float(hits[..., k].sum()) / max(count, 1.0)
-    return LossOutput(loss, metrics)
+    if confidence is None:
+        return LossOutput(loss, metrics)
+    confident = confidence_loss(confidence, hits, valid, "dflash/")
+    return LossOutput(loss + confident.loss, metrics | confident.metrics)
+
+
+def confidence_loss(logits: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+                    prefix: str = "") -> LossOutput:
+    """A block drafter's confidence (`FeatureHead.acceptance_logits`) fitted by binary
+    cross-entropy to whether each position's drafted token is accepted, counted where the
+    position counts and every position before it in its block was accepted: position k learns
+    its chance given positions 1..k-1 accepted, which the drafter multiplies into the chance of
+    the prefix (`drafters.block.cumulative_acceptance`).
+
+    The label is the 0/1 event "the position's top token is the target's" (the data's token
+    where the target's law is not at hand, which a self-distilled row makes the target's
+    greedy token): greedy verification's exact acceptance, where block drafters are used most,
+    at hand with or without the target's law, and a rate BCE calibrates; a sampled draft's is
+    the softer 1 - TV, which the event's chance follows where the laws are peaked.
+
+    logits, accepted, valid [..., K], positions last. Metrics (`prefix`): the loss and the mean
+    |sigmoid - accepted| over the counted positions (0 when none counts)."""
+    if not logits.shape == accepted.shape == valid.shape:
+        raise ValueError(f"confidence_loss: logits, accepted and valid must share one shape "
+                         f"[..., K], got {list(logits.shape)}, {list(accepted.shape)}, "
+                         f"{list(valid.shape)}")
+    kept = (accepted.bool() & valid.bool()).long().cumprod(dim=-1).bool()  # [..., K]
+    before = torch.ones_like(kept)
+    before[..., 1:] = kept[..., :-1]  # every earlier position counted and accepted
+    rows = valid.bool() & before
+    target = accepted.float()
+    bce = F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
+    loss = _masked_mean(bce, rows)
+    error = _masked_mean((torch.sigmoid(logits.detach().float()) - target).abs(), rows)
+    return LossOutput(loss, {f"{prefix}confidence_loss": float(loss.detach()),
+                             f"{prefix}confidence_error": float(error)})
+
+
+def parallel_confidence_loss(
+    confidence: torch.Tensor,
+    logits: torch.Tensor,
+    copies: torch.Tensor,
+    positions: torch.Tensor,
+    target_logits: torch.Tensor,
+    t2d: torch.Tensor,
+    count: int,
+    loss_mask: torch.Tensor | None = None,
+) -> LossOutput:
+    """P-EAGLE's confidence: `confidence_loss` over each anchor's copies, copy j the block's
+    position j + 1. confidence [B, N]: the head's acceptance logits of its rows; logits,
+    copies, positions, target_logits, t2d, count and loss_mask as `parallel_eagle3_loss`'s (a
+    row counts where its token exists and counts and the target's argmax lies in the draft
+    vocabulary; it is accepted where its top token is that argmax). A copy that was not kept
+    counts nothing, nor do the copies after it."""
+    batch, length, _ = target_logits.shape
+    teacher = DraftTeacher.of(target_logits, t2d)
+    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    mask = mask if loss_mask is None else loss_mask.bool()
+    exists = positions + 2 < length  # [N]
+    law = teacher.at((positions + 1).clamp(max=length - 1))  # the laws of tokens p + 2
+    counted = mask[:, (positions + 2).clamp(max=length - 1)] & law.in_vocab & exists  # [B, N]
+    hits = logits.detach().argmax(-1) == law.top  # [B, N]
+    anchor = positions - copies  # [N] the real pair each row drafts after
+    shape = (batch, length, count)  # [B, anchors, K]
+    accepted = torch.zeros(shape, dtype=torch.bool, device=logits.device)
+    valid = torch.zeros_like(accepted)
+    by_anchor = confidence.new_zeros(shape, dtype=torch.float32)
+    accepted[:, anchor, copies] = hits
+    valid[:, anchor, copies] = counted
+    by_anchor[:, anchor, copies] = confidence.float()
+    return confidence_loss(by_anchor, accepted, valid, "peagle/")

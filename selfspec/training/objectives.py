@@ -41,6 +41,7 @@ from selfspec.training.losses import (
     exit_loss,
     kl_to_teacher,
     medusa_loss,
+    parallel_confidence_loss,
     parallel_eagle3_loss,
 )
 
@@ -284,10 +285,17 @@ class Eagle3Objective(nn.Module):
         features = torch.cat([feature, self.head.mask_hidden.expand(
             feature.shape[0], masks, -1).to(feature)], dim=1)  # [B, N, h]
         hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
-        return parallel_eagle3_loss(self.head.logits(hidden), pairs.copies, pairs.positions,
-                                    target_logits, self.head.t2d, config.parallel, loss_mask,
-                                    decay=self.decay, divergence=self.divergence,
-                                    pooled=self.pooled)
+        logits = self.head.logits(hidden)
+        out = parallel_eagle3_loss(logits, pairs.copies, pairs.positions, target_logits,
+                                   self.head.t2d, config.parallel, loss_mask, decay=self.decay,
+                                   divergence=self.divergence, pooled=self.pooled)
+        confidence = detached_confidence(self.head, hidden)
+        if confidence is None:
+            return out
+        confident = parallel_confidence_loss(confidence, logits, pairs.copies, pairs.positions,
+                                             target_logits, self.head.t2d, config.parallel,
+                                             loss_mask)
+        return LossOutput(out.loss + confident.loss, out.metrics | confident.metrics)
 
 
 class EarlyExitObjective(nn.Module):
@@ -395,6 +403,16 @@ class DraftModelObjective(nn.Module):
         return model.final_logits(F.linear(normed, weight)).float()
 
 
+def detached_confidence(head: DFlashHead | EagleHead, states: torch.Tensor
+                        ) -> torch.Tensor | None:
+    """A block drafter's confidence logits of its states [..., h] (None: the head has no
+    confidence head), from the states detached: the confidence learns from the block, and its
+    gradient never reaches the layers that make the block's laws."""
+    if not head.config.confidence_head:
+        return None
+    return head.acceptance_logits(states.detach())
+
+
 @dataclass(frozen=True)
 class BlockFeatures:
     """What a block drafter learns from, of training rows [B, T]: the frozen target's residual
@@ -464,7 +482,8 @@ class DFlashObjective(nn.Module):
         and LM head."""
         blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
                                self._generator(tokens.device), self.anchor_rule)
-        logits = self.block_logits(features, blocks)  # [B, A, K, V']
+        states = self.block_states(features, blocks)  # [B, A, K, h]
+        logits = self.head.logits(states, self.target.lm_head)  # [B, A, K, V']
         batch, length = tokens.shape
         labels, valid = blocks.labels, blocks.valid
         teacher = None
@@ -480,10 +499,15 @@ class DFlashObjective(nn.Module):
             valid = valid & kept
             if teacher is not None:
                 teacher = teacher[..., vocab.t2d]
-        return dflash_loss(logits, labels, valid, self.gamma, teacher, self.divergence)
+        return dflash_loss(logits, labels, valid, self.gamma, teacher, self.divergence,
+                           detached_confidence(self.head, states))
 
     def block_logits(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
         """[B, A, K, V'] each block's slot scores (K = block_size - 1) over its context."""
+        return self.head.logits(self.block_states(features, blocks), self.target.lm_head)
+
+    def block_states(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
+        """[B, A, K, h] each block's slot states (K = block_size - 1) over its context."""
         batch, length, _ = features.streams[0].shape
         context = self.head.context(features.streams)  # [B, T, h]
         positions = torch.arange(length, device=context.device)
@@ -491,8 +515,7 @@ class DFlashObjective(nn.Module):
         embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
         hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
         size = self.head.config.block_size
-        hidden = hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
-        return self.head.logits(hidden, self.target.lm_head)
+        return hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.training:
