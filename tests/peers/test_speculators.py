@@ -223,16 +223,17 @@ def test_a_head_speculators_saves_loads_in_selfspec_with_its_logits(saved, targe
     assert_close(ours, theirs[kind])
 
 
-def test_a_speculators_eagle3_head_embedding_another_target_is_refused(saved, target,
-                                                                       tmp_path):
-    """speculators' EAGLE-3 embeds with the embed_tokens its folder holds; selfspec's with
-    the target's: a folder whose embedding is not this target's is refused, not misread."""
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_a_speculators_head_embedding_another_target_is_refused(saved, target, tmp_path, kind):
+    """speculators' EAGLE-3 and P-EAGLE embed with the embed_tokens their folder holds (P-EAGLE
+    trains it by default); selfspec's with the target's: a folder whose embedding is not this
+    target's is refused, not misread."""
     import shutil
 
     out, _ = saved
-    shutil.copytree(out / "eagle3", tmp_path / "eagle3")
-    weights = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    shutil.copytree(out / kind, tmp_path / kind)
+    weights = load_file(str(tmp_path / kind / "model.safetensors"))
     weights["embed_tokens.weight"] = weights["embed_tokens.weight"] + 0.5
-    save_file(weights, str(tmp_path / "eagle3" / "model.safetensors"))
+    save_file(weights, str(tmp_path / kind / "model.safetensors"))
     with pytest.raises(ValueError, match="holds its own embed_tokens"):
-        load_head(tmp_path / "eagle3", target=target, allow_other_base=True)
+        load_head(tmp_path / kind, target=target, allow_other_base=True)
