@@ -219,6 +219,16 @@ class RowSlots:
         their slots (columns past a row's own rows are masked out)."""
         return slot_positions(self._end, self._slots, positions)
 
+    @property
+    def new_slots(self) -> torch.Tensor:
+        """[B, T] the columns of each row's new rows in the forward's mask."""
+        return self._slots
+
+    def recurrent(self, layer: int):
+        """A hybrid target's recurrent layer state over these rows
+        (`selfspec.model.recurrent_cache.HybridCache.recurrent`)."""
+        return self.cache.recurrent(layer)
+
 
 def slot_positions(width: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[width] or [B, width] the position of every slot: the slot itself, except at `slots`

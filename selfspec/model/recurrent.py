@@ -232,21 +232,29 @@ def chain_parents(batch: int, t: int, device: torch.device | str) -> torch.Tenso
     return torch.arange(-1, t - 1, device=device).expand(batch, t)
 
 
-def parents_of(mask: torch.Tensor | None, t: int, device: torch.device | str) -> torch.Tensor:
+def parents_of(mask: torch.Tensor | None, t: int, device: torch.device | str,
+               columns: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] each new row's parent, read off a forward's mask (`Transformer.forward`'s:
-    None = causal, [T, T] among the new rows, [T, past + T] or a batch's [B, T, past + T]):
-    the last earlier row it sees, -1 for none (it continues the committed history).
+    None = causal, [T, T] among the new rows, [T, past + T] or a batch's [B, T, S]): the last
+    earlier row it sees, -1 for none (it continues the committed history). columns [B, T]:
+    where each batch row's new rows sit among the mask's columns (a batch's rows at their own
+    lengths: `kv_cache.RowSlots.new_slots`); default the last T, the committed slots before.
 
     A recurrent layer reads a path, so a row must see exactly its parent's rows and itself,
     and every committed slot: else a ValueError names the row."""
     if mask is None:
         return chain_parents(1, t, device)
-    rows = mask if mask.dim() == 3 else mask[None]
-    history, among = rows[..., :rows.shape[-1] - t], rows[..., -t:].cpu()
-    if history.numel() and not bool(history.all()):
+    rows = (mask if mask.dim() == 3 else mask[None]).cpu()
+    width = rows.shape[-1]
+    if columns is None:
+        columns = torch.arange(width - t, width).expand(rows.shape[0], t)
+    columns = columns.cpu()
+    among = rows.gather(-1, columns[:, None, :].expand(-1, t, -1))  # [B, T, T]
+    committed = torch.arange(width) < columns[:, :1]  # [B, S]
+    if not bool((rows | ~committed[:, None, :]).all()):
         raise ValueError("a recurrent layer reads every committed token: a mask that hides "
-                         "one from a new row (a batch's padded rows, a drafter's own tree "
-                         "over cached slots) is not supported for a recurrent target")
+                         "one from a new row (a drafter's own tree over cached slots) is not "
+                         "supported for a recurrent target")
     earlier = among & torch.ones(t, t, dtype=torch.bool).tril(-1)
     index = torch.arange(t).expand_as(earlier)
     parents = torch.where(earlier, index, -1).amax(dim=-1)  # [B, T]

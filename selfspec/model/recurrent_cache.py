@@ -27,8 +27,11 @@ from selfspec.model.recurrent import DeltaNetDims, Snapshots
 
 
 class RecurrentState:
-    """Every recurrent layer's committed state, windows [L_r, B, C, K - 1] (the model's dtype)
-    and states [L_r, B, Hv, Dk, Dv] (fp32), and the snapshots the last forward recorded."""
+    """Every recurrent layer's committed state over some batch rows, windows
+    [L_r, B, C, K - 1] (the model's dtype) and states [L_r, B, Hv, Dk, Dv] (fp32), and the
+    snapshots the last forward recorded. `rows` gives views of a batch's rows, which share the
+    tensors and the recorded snapshots (a batch's forward records every row's at once, and
+    each row's own view commits its row from them)."""
 
     def __init__(self, layers: Sequence[int], batch_size: int, dims: DeltaNetDims, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
@@ -40,30 +43,56 @@ class RecurrentState:
                                    dtype=dtype, device=device)
         self.states = torch.zeros(n, batch_size, dims.num_value_heads, dims.key_head_dim,
                                   dims.value_head_dim, device=device)
-        self.pending: dict[int, Snapshots] = {}
+        self.first = 0  # the batch row these views start at
+        # layer index -> (the batch row its snapshots start at, the snapshots): shared by views
+        self.pending: dict[int, tuple[int, Snapshots]] = {}
+        self._whole = (self.windows, self.states)
 
     def layer(self, layer: int) -> _LayerView:
         """Model layer `layer`'s view (what `GatedDeltaNet.forward` reads and writes)."""
         return _LayerView(self, self._index[layer])
 
+    def rows(self, start: int, stop: int) -> RecurrentState:
+        """Batch rows [start, stop) of this state (views; they share its snapshots)."""
+        view = RecurrentState.__new__(RecurrentState)
+        view.__dict__ |= self.__dict__
+        view.first = self.first + start
+        view.windows, view.states = self.windows[:, start:stop], self.states[:, start:stop]
+        return view
+
+    def move_row(self, view: RecurrentState, to: int) -> None:
+        """Copy the state of `view` (one row) into batch row `to` and point it there."""
+        windows, states = self._whole
+        windows[:, to] = view.windows[:, 0]
+        states[:, to] = view.states[:, 0]
+        view.windows, view.states = windows[:, to:to + 1], states[:, to:to + 1]
+        view.first = to
+
     def recorded_rows(self) -> int | None:
-        """T + 1 for the last forward over T rows, if every recurrent layer recorded it
-        (None otherwise)."""
-        counts = {s.states.shape[1] for s in self.pending.values()}
+        """T + 1 for the last forward over T rows, if every recurrent layer recorded it for
+        these batch rows (None otherwise)."""
+        counts = {snapshots.states.shape[1] for first, snapshots in self.pending.values()
+                  if self._covered(first, snapshots)}
         if len(self.pending) != len(self.layers) or len(counts) != 1:
             return None
         return counts.pop()
 
     def adopt(self, row: int) -> None:
         """Commit snapshot `row` of the last forward (0: the state it started from)."""
-        for i, snapshots in self.pending.items():
-            self.windows[i] = snapshots.windows[:, row]
-            self.states[i] = snapshots.states[:, row]
+        for i, (first, snapshots) in self.pending.items():
+            batch = slice(self.first - first, self.first - first + self.states.shape[1])
+            self.windows[i] = snapshots.windows[batch, row]
+            self.states[i] = snapshots.states[batch, row]
 
     def reset(self) -> None:
         self.windows.zero_()
         self.states.zero_()
         self.pending.clear()
+
+    def _covered(self, first: int, snapshots: Snapshots) -> bool:
+        """Whether snapshots recorded from batch row `first` hold these rows."""
+        return first <= self.first and \
+            self.first + self.states.shape[1] <= first + snapshots.states.shape[0]
 
 
 class _LayerView:
@@ -76,7 +105,7 @@ class _LayerView:
         return self._state.windows[self._index], self._state.states[self._index]
 
     def record(self, snapshots: Snapshots) -> None:
-        self._state.pending[self._index] = snapshots
+        self._state.pending[self._index] = (self._state.first, snapshots)
 
 
 class HybridCache:
@@ -87,7 +116,8 @@ class HybridCache:
     def __init__(self, kv: KVCache, state: RecurrentState, attention_layers: Sequence[int]
                  ) -> None:
         self.kv, self.state = kv, state
-        self._kv_index = {layer: i for i, layer in enumerate(attention_layers)}
+        self._attention = tuple(attention_layers)
+        self._kv_index = {layer: i for i, layer in enumerate(self._attention)}
         self._base: int | None = None  # the length the pending snapshots started from
 
     @property
@@ -102,9 +132,18 @@ class HybridCache:
         return (f"HybridCache({self.kv!r}, recurrent layers {list(self.state.layers)}, "
                 f"{self.state.states.shape[1]} rows)")
 
+    @property
+    def k(self) -> torch.Tensor:
+        """The attention layers' keys (a batch's forward reads their device and rows)."""
+        return self.kv.k
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.write(self._kv_index[layer], k, v)
+
+    def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.write_at(self._kv_index[layer], slots, k, v)
 
     def recurrent(self, layer: int) -> _LayerView:
         return self.state.layer(layer)
@@ -144,12 +183,22 @@ class HybridCache:
         self._base = None
 
     def rows(self, start: int, stop: int) -> HybridCache:
-        """Refused: a batch's rows of a recurrent target are not kept apart yet."""
-        raise ValueError("batch decoding of a recurrent target is not supported yet: decode "
-                         "its prompts one at a time")
+        """Batch rows [start, stop) as a cache of their own, with their own length (views:
+        what they write, record and commit lands here)."""
+        return HybridCache(self.kv.rows(start, stop), self.state.rows(start, stop),
+                           self._attention)
 
     def row(self, b: int) -> HybridCache:
         return self.rows(b, b + 1)
+
+    def move_row(self, view: HybridCache, source: int, to: int) -> None:
+        """Copy row `source`'s history and state into row `to` and point `view` (row
+        source's own cache) at row `to` (`kv_cache.BatchRows.pack`)."""
+        self.kv.move_row(view.kv, source, to)
+        self.state.move_row(view.state, to)
+
+    def _end_after(self, t: int) -> int:
+        return self.kv._end_after(t)
 
     def _row_after(self, slot: int, what: str) -> int:
         """The snapshot holding the state after `slot` (row 0: before the last forward)."""

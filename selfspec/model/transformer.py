@@ -759,7 +759,8 @@ class Transformer(nn.Module):
             window = window_mask(full, positions, keys, self.config.sliding_window, t)
             inputs["sliding"] = LayerInputs(*self._rope("sliding", positions, dtype), window)
         if "linear" in self.layer_kinds:  # no RoPE; each new row's parent in place of a mask
-            inputs["linear"] = LayerInputs(None, None, parents_of(mask, t, device))
+            columns = getattr(cache, "new_slots", None)  # a batch's rows at their lengths
+            inputs["linear"] = LayerInputs(None, None, parents_of(mask, t, device, columns))
         return inputs
 
     def _checked_skip_layers(self, skip_layers: frozenset[int] | tuple[int, ...]

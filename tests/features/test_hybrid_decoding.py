@@ -2,7 +2,7 @@
 layers, then a gated full-attention layer) whose recurrent state verification must restore
 after every rejection: greedy through chains (n-gram lookup) and trees (random Medusa heads,
 the oracle's tree) equals plain greedy, sampling at T = 1 keeps the target's law, and a cache
-that leaves a rejected token in the state is caught."""
+that leaves a rejected token in the state is caught; a batch decodes each row as alone."""
 
 import pytest
 import torch
@@ -108,9 +108,29 @@ def test_sampling_at_temperature_one_keeps_the_targets_law(hybrid):
                                      samples=FAST_LAW_SAMPLES)
 
 
-def test_a_batch_and_early_layers_are_refused(hybrid):
-    with pytest.raises(ValueError, match="batch decoding of a recurrent target"):
-        generate(hybrid, FAMILY_PROMPTS, max_new_tokens=2)
+@pytest.mark.parametrize("name", ["plain", "ngram_chain", "medusa_tree"])
+@torch.no_grad()
+def test_a_batch_decodes_each_row_as_alone(hybrid, plain, name):
+    """One forward verifies every row's draft; each row's state is its own (its row of the
+    batch's snapshots, committed by its own view), and rows that finish are packed away."""
+    make = None if name == "plain" else lambda: drafter_of(name, hybrid)
+    first = [9, 1, 30]  # it stops first: the other rows move up
+    alone = [generate(hybrid, first, max_new_tokens=NEW_TOKENS).tokens, *plain.values()]
+    stop = next(token for i, token in enumerate(alone[0]) if alone[0].index(token) == i >= 2
+                and all(len(_until(a, token)) > i + 1 for a in alone[1:]))
+    results = generate(hybrid, [first, *FAMILY_PROMPTS], drafter=None if make is None
+                       else make(), max_new_tokens=NEW_TOKENS, eos_token_id=stop)
+    assert [r.tokens for r in results] == [_until(a, stop) for a in alone]
+    assert len(results[0].tokens) < min(len(r.tokens) for r in results[1:])
+    if make is not None:
+        assert sum(r.stats.drafted - r.stats.accepted for r in results) > 0
+
+
+def _until(tokens: list[int], stop: int) -> list[int]:
+    return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+def test_a_forward_over_part_of_the_layers_is_refused(hybrid):
     cache = hybrid.new_cache(max_slots=16)
     with torch.no_grad(), pytest.raises(ValueError, match="part of a recurrent target's layers"):
         hybrid(torch.tensor([[3, 4]]), torch.arange(2), cache, exit_layer=2)

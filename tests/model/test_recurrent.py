@@ -137,8 +137,10 @@ def test_each_tree_node_continues_its_parent():
         chain_out = layer(rows[:, path], None, chain)
         torch.testing.assert_close(out[:, node], chain_out[:, -1], atol=1e-6, rtol=1e-6)
         for name in ("states", "windows"):
-            torch.testing.assert_close(getattr(tree.state.pending[0], name)[:, node + 1],
-                                       getattr(chain.state.pending[0], name)[:, -1])
+            _, tree_snapshots = tree.state.pending[0]
+            _, chain_snapshots = chain.state.pending[0]
+            torch.testing.assert_close(getattr(tree_snapshots, name)[:, node + 1],
+                                       getattr(chain_snapshots, name)[:, -1])
 
 
 def hybrid_cache(layer: int = 0) -> HybridCache:
