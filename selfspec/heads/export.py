@@ -457,6 +457,11 @@ def _speculators(head: EagleHead | DFlashHead, base_model: str | None,
              f"layer l, as speculators and vLLM number them)",
              "the folder holds the target's embedding (speculators' from_pretrained reads it "
              "there)"]
+    if kind == "peagle":
+        width = state["mask_hidden"].shape[-1]
+        notes.append(f"P-EAGLE: {steps} tokens a forward (speculative_tokens), mask token "
+                     f"{c.mask_token_id}; mask_hidden written [1, 1, {width}], before fc, which "
+                     f"maps it onto selfspec's (the export checks it)")
     if base_model is None:
         notes.append("no verifier named (speculators_config.verifier.name_or_path is null): "
                      "speculators 0.9.0's EAGLE-3 from_pretrained looks its verifier up and "
