@@ -50,14 +50,18 @@ def record_run_config(
 
 def config_changes(run_dir: str | Path, config: dict, may_change: tuple[str, ...] = ()) -> str:
     """How `config` differs from the one run_dir's run was started with, outside may_change:
-    "key: <the run's value> in the run, <config's> now; ..." ("" when it does not)."""
+    "key: <the run's value> in the run, <config's> now; ..." ("" when it does not). A setting
+    only one of them has came or went with the code between the two (a run started before a
+    setting existed ran as its default does): logged, not counted."""
     saved, now = (_flatten(json.loads(t)) for t in ((Path(run_dir) / RUN_CONFIG).read_text(),
                                                     _config_text(config)))
-    differ = sorted(k for k in saved.keys() | now.keys()
-                    if saved.get(k, "<unset>") != now.get(k, "<unset>")
+    differ = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k]
                     and not any(k == m or k.startswith(m + ".") for m in may_change))
-    return "; ".join(f"{k}: {saved.get(k, '<unset>')!r} in the run, {now.get(k, '<unset>')!r} "
-                     f"now" for k in differ)
+    if one_side := sorted(saved.keys() ^ now.keys()):
+        log.warning("%s: settings the run's config and this one do not share (added or "
+                    "removed since it started), taken as they are now: %s", run_dir,
+                    ", ".join(f"{k}={now.get(k, '<removed>')!r}" for k in one_side))
+    return "; ".join(f"{k}: {saved[k]!r} in the run, {now[k]!r} now" for k in differ)
 
 
 def _config_text(config: dict) -> str:
