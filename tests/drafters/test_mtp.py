@@ -13,6 +13,7 @@ from helpers import (
     P_VALUE_FLOOR,
     adam_fit,
     assert_drafted_sampling_is_exact,
+    committed_context,
     continuation_rows,
     law_samples,
     sampled_pvalue,
@@ -21,6 +22,7 @@ from mtp_reference import QWEN3_NEXT, mtp_target
 
 from selfspec import SamplingParams, Tree, generate
 from selfspec.drafters.mtp import MtpDrafter
+from selfspec.sampling import logits_to_probs
 from selfspec.training.losses import LossOutput
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9], [3]]
@@ -142,7 +144,10 @@ def law_target(layout: str):
 
 
 @pytest.mark.parametrize("layout, shape, params, samples", [
-    pytest.param("nextn", SAMPLED, T1, FAST_LAW_SAMPLES, id="nextn-sampled-t1"),
+    # slow (~2 s alone): the sampled path is EAGLE's, whose default-run law test runs; the
+    # default run checks that the module's laws are what the draft reports (below)
+    pytest.param("nextn", SAMPLED, T1, FAST_LAW_SAMPLES, id="nextn-sampled-t1",
+                 marks=pytest.mark.slow),
     pytest.param("mtp", SAMPLED, T1, None, id="mtp-sampled-t1", marks=pytest.mark.slow),
     pytest.param("nextn", {"tree": Tree.chain(2), "sampled_children": False}, T1, None,
                  id="nextn-chosen-chain-t1", marks=pytest.mark.slow),
@@ -153,6 +158,29 @@ def test_sampling_through_mtp_follows_the_target_law(request, layout, shape, par
     target = law_target(layout)
     assert_drafted_sampling_is_exact(target, MtpDrafter(target, **shape), params,
                                      samples or law_samples(request))
+
+
+def test_sampled_drafts_report_the_modules_laws():
+    """Children drawn from the module's warped law, and the draft's q says so: row d is that
+    law after the root and the draft's first d tokens, recomputed from scratch (no cache), as
+    the verifier's exactness needs."""
+    target, params = mtp_target("nextn", seed=7), SamplingParams(0.8, top_p=0.9)
+    drafter = MtpDrafter(target, Tree.chain(2))
+    generate(target, PROMPTS[1], drafter=drafter, max_new_tokens=1, sampling=params,
+             generator=torch.Generator().manual_seed(0))  # begin: the sampling mode
+    drafter._cache.reset()
+    drafter._committed = 0
+    draft = drafter.propose(committed_context(target, drafter.head, PROMPTS[1]))
+    assert draft.without_replacement and draft.q.shape == (2, 64)
+    history, n = torch.tensor(PROMPTS[1]), len(PROMPTS[1]) - 1
+    with torch.inference_mode():
+        hidden = target(history[None, :-1], torch.arange(n)).last_hidden  # [1, n, h]
+        embeds = target.embed_tokens(torch.cat([history[1:], draft.tokens[:1]]))[None]
+        root = target.mtp_forward(0, embeds[:, :n], hidden, torch.arange(n))[:, -1:]
+        out = target.mtp_forward(0, embeds, torch.cat([hidden, root], 1), torch.arange(n + 1))
+        laws = logits_to_probs(target.mtp_logits(0, out[0, -2:]), params)  # [2, V]
+    torch.testing.assert_close(draft.q, laws, atol=1e-6, rtol=1e-5)
+    assert (laws[torch.arange(2), draft.tokens] > 0).all() and (laws == 0).any()  # top-p cut
 
 
 class MisstatedLaw(MtpDrafter):
