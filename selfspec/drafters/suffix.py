@@ -14,81 +14,141 @@ suffix's count (the matched suffix's occurrences at the end of a sequence count 
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 
-Place = tuple[int, int]  # (sequence, index of the token just after a match)
+SMALL = 48  # occurrences up to which children are grouped in plain Python
 
 
 class SuffixIndex:
-    """Token sequences (each growing at its end) and where each token occurs, with a clock
-    that orders every appended token; what suffix trees of depth `max_depth` over them count."""
+    """Token sequences, each growing at its end, held as one array of slots in the order the
+    tokens were appended (a slot's index is its time), each linked to the previous and next
+    slot of its sequence: what suffix trees of depth `max_depth` over them count, with every
+    lookup a vectorised pass over the occurrences."""
 
     def __init__(self, max_depth: int = 24):
         if max_depth < 2:
             raise ValueError(f"SuffixIndex: max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
-        self.sequences: list[list[int]] = []
-        self.times: list[list[int]] = []  # the clock at each token's append
-        self.places: dict[int, list[Place]] = defaultdict(list)  # token -> (seq, index + 1)
-        self.clock = 0
+        self._tokens = np.empty(256, dtype=np.int64)  # [capacity]
+        self._prev = np.empty(256, dtype=np.int64)  # the sequence's slot before; -1 at its start
+        self._next = np.empty(256, dtype=np.int64)  # the sequence's slot after; -1 at its end
+        self.num_tokens = 0
+        self._firsts: list[int] = []  # each sequence's first slot (-1: empty)
+        self._lasts: list[int] = []  # each sequence's last slot (-1: empty)
 
     def start(self, tokens: Sequence[int] = ()) -> int:
         """A new sequence (its id), holding `tokens`."""
-        self.sequences.append([])
-        self.times.append([])
-        self.extend(len(self.sequences) - 1, tokens)
-        return len(self.sequences) - 1
+        self._firsts.append(-1)
+        self._lasts.append(-1)
+        self.extend(len(self._lasts) - 1, tokens)
+        return len(self._lasts) - 1
 
     def extend(self, seq: int, tokens: Sequence[int]) -> None:
         """Append `tokens` to sequence `seq`."""
-        sequence, times = self.sequences[seq], self.times[seq]
         for token in tokens:
-            sequence.append(int(token))
-            times.append(self.clock)
-            self.clock += 1
-            self.places[int(token)].append((seq, len(sequence)))
+            slot = self._slot()
+            last = self._lasts[seq]
+            self._tokens[slot], self._prev[slot], self._next[slot] = int(token), last, -1
+            if last >= 0:
+                self._next[last] = slot
+            else:
+                self._firsts[seq] = slot
+            self._lasts[seq] = slot
+
+    def _slot(self) -> int:
+        if self.num_tokens == len(self._tokens):  # full: double every array
+            for name in ("_tokens", "_prev", "_next"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.empty_like(old)]))
+        self.num_tokens += 1
+        return self.num_tokens - 1
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
+    def sequences(self) -> list[list[int]]:
+        """Every sequence's tokens, in the order they were started (a read for inspection)."""
+        out = []
+        for slot in self._firsts:
+            tokens = []
+            while slot >= 0:
+                tokens.append(int(self._tokens[slot]))
+                slot = int(self._next[slot])
+            out.append(tokens)
+        return out
 
-    def matches(self, context: Sequence[int]) -> list[tuple[int, list[Place]]]:
+    def matches(self, context: Sequence[int]) -> list[tuple[int, np.ndarray]]:
         """For each match length m = 1, 2, ... while the last m tokens of `context` occur
-        (m < len(context), m < max_depth): (m, the places just after each occurrence)."""
-        found, places = [], self.places.get(int(context[-1]), [])
+        (m < len(context), m < max_depth): (m, the slots where those occurrences end)."""
+        tokens = self._tokens[:self.num_tokens]
+        ends = np.flatnonzero(tokens == int(context[-1]))  # [occurrences]
+        firsts = ends  # where each occurrence starts
+        found = []
         for m in range(1, min(len(context), self.max_depth)):
             if m > 1:
-                token = int(context[-m])
-                places = [(s, i) for s, i in places if i > m - 1
-                          and self.sequences[s][i - m] == token]
-            if not places:
+                before = self._prev[firsts]
+                keep = before >= 0
+                keep[keep] = tokens[before[keep]] == int(context[-m])
+                ends, firsts = ends[keep], before[keep]
+            if len(ends) == 0:
                 break
-            found.append((m, places))
+            found.append((m, ends))
         return found
 
-    def children(self, places: list[Place], room: int) -> list[tuple[int, list[Place]]]:
-        """The tokens that followed `places` (a node's occurrences), in sibling order, each with
-        its own occurrences' next places; none when the node is `room` = 0 tokens from the
-        tree's depth."""
-        if room <= 0:
-            return []
-        grouped: dict[int, list[Place]] = {}
-        for s, i in places:
-            if i < len(self.sequences[s]):
-                grouped.setdefault(self.sequences[s][i], []).append((s, i + 1))
-        return sorted(grouped.items(), key=lambda item: self._sibling_key(item[1]))
+    def children(self, ends: np.ndarray, room: int) -> Children:
+        """The tokens that followed the occurrences ending at `ends`, in sibling order (none
+        when the node is `room` = 0 tokens from the tree's depth)."""
+        after = self._next[ends] if room > 0 else ends[:0]
+        after = after[after >= 0]  # [followed occurrences]
+        if len(after) <= SMALL:
+            return self._few_children(after)
+        tokens, group, counts = np.unique(self._tokens[after], return_inverse=True,
+                                          return_counts=True)
+        latest = np.full(len(tokens), -1, dtype=np.int64)
+        np.maximum.at(latest, group, after)  # when each child reached its count
+        # More occurrences first; at equal counts, the one that reached its count last first;
+        # among single occurrences, the earliest first.
+        order = np.lexsort((np.where(counts > 1, -latest, latest), -counts))
+        return Children(tokens[order].tolist(), counts[order].tolist(), order, group, after)
 
-    def _sibling_key(self, places: list[Place]) -> tuple[int, int]:
-        """More occurrences first; at equal counts, the one that reached its count last first;
-        among single occurrences, the earliest first."""
-        last = max(self.times[s][i - 1] for s, i in places)
-        return (-len(places), -last if len(places) > 1 else last)
+    def _few_children(self, after: np.ndarray) -> Children:
+        """`children` of a few occurrences, in plain Python (numpy's per-call cost dominates
+        there); the same order."""
+        first: dict[int, int] = {}  # token -> its group
+        group, counts, latest = [], [], []
+        for slot, token in zip(after.tolist(), self._tokens[after].tolist(), strict=True):
+            g = first.setdefault(token, len(first))
+            if g == len(counts):
+                counts.append(0)
+                latest.append(slot)
+            counts[g] += 1
+            latest[g] = max(latest[g], slot)
+            group.append(g)
+        order = sorted(range(len(counts)), key=lambda g: (
+            -counts[g], -latest[g] if counts[g] > 1 else latest[g]))
+        tokens = list(first)
+        return Children([tokens[g] for g in order], [counts[g] for g in order],
+                        np.array(order, dtype=np.int64), np.array(group, dtype=np.int64), after)
+
+
+@dataclass(frozen=True)
+class Children:
+    """A node's children in sibling order: tokens, counts, and where each child's own
+    occurrences end (`places(i)`, computed when asked)."""
+
+    tokens: list[int]
+    counts: list[int]
+    order: np.ndarray  # sibling i is group order[i]
+    group: np.ndarray  # each followed occurrence's group
+    after: np.ndarray  # each followed occurrence's next slot
+
+    def places(self, i: int) -> np.ndarray:
+        return self.after[self.group == self.order[i]]
 
 
 class SuffixStore(SuffixIndex):
@@ -157,55 +217,55 @@ def speculate(index: SuffixIndex, context: Sequence[int], settings: SuffixSettin
               ) -> SuffixDraft:
     """The best-scored draft over every match length (a longer match wins a tie)."""
     context = context[-index.max_depth:]
-    best = SuffixDraft()
-    for match, places in index.matches(context):
-        room = index.max_depth - match
-        draw = _tree if settings.tree else _chain
-        draft = draw(index, places, settings.budget(match), room, settings.min_token_prob)
-        if draft.at_least(best):
+    draw = _tree if settings.tree else _chain
+    best: SuffixDraft | None = None
+    for match, ends in reversed(index.matches(context)):  # longest first: it wins ties
+        budget = settings.budget(match)
+        if best is not None and best.at_least(SuffixDraft(counts=[1] * budget)):
+            break  # a draft of `budget` tokens scores at most `budget`; shorter matches no more
+        draft = draw(index, ends, budget, index.max_depth - match, settings.min_token_prob)
+        if best is None or not best.at_least(draft):
             best, best.match = draft, match
-    return best
+    return best if best is not None else SuffixDraft()
 
 
-def _chain(index: SuffixIndex, places: list[Place], budget: int, room: int,
+def _chain(index: SuffixIndex, ends: np.ndarray, budget: int, room: int,
            min_prob: float) -> SuffixDraft:
     """The likeliest child, then its likeliest child, ... while probable enough."""
-    draft, total = SuffixDraft(total=len(places)), len(places)
+    draft, total = SuffixDraft(total=len(ends)), len(ends)
     while len(draft.tokens) < budget:
-        children = index.children(places, room - len(draft.tokens))
-        if not children or len(children[0][1]) / total < min_prob:
+        children = index.children(ends, room - len(draft.tokens))
+        if not children.tokens or children.counts[0] / total < min_prob:
             break
-        token, places = children[0]
+        ends = children.places(0)
         draft.parents.append(len(draft.tokens) - 1)
-        draft.tokens.append(token)
-        draft.counts.append(len(places))
+        draft.tokens.append(children.tokens[0])
+        draft.counts.append(children.counts[0])
     return draft
 
 
-def _tree(index: SuffixIndex, places: list[Place], budget: int, room: int,
+def _tree(index: SuffixIndex, ends: np.ndarray, budget: int, room: int,
           min_prob: float) -> SuffixDraft:
     """The likeliest tokens best first (ties: first pushed first), each after its parent."""
-    draft, total = SuffixDraft(total=len(places)), len(places)
-    heap: list[tuple[int, int, int, int, list[Place]]] = []  # (-count, order, token, parent,
-    pushed = 0                                                #  places), a max-heap by count
+    draft, total = SuffixDraft(total=len(ends)), len(ends)
+    # (-count, push order, parent node, its depth, the siblings, which one): a max-heap by count
+    heap: list[tuple[int, int, int, int, Children, int]] = []
+    order = itertools.count()
 
-    def push_children(parent: int, places: list[Place], depth: int) -> None:
-        nonlocal pushed
-        for token, after in index.children(places, room - depth):
-            if len(after) / total < min_prob:
+    def push_children(parent: int, ends: np.ndarray, depth: int) -> None:
+        children = index.children(ends, room - depth)
+        for i, count in enumerate(children.counts):
+            if count / total < min_prob:
                 break  # siblings come most frequent first
-            heapq.heappush(heap, (-len(after), pushed, token, parent, after))
-            pushed += 1
+            heapq.heappush(heap, (-count, next(order), parent, depth + 1, children, i))
 
-    push_children(-1, places, 0)
-    depth = [0]  # of each node, the root's first
+    push_children(-1, ends, 0)
     while heap and len(draft.tokens) < budget:
-        negative, _, token, parent, after = heapq.heappop(heap)
+        negative, _, parent, depth, children, i = heapq.heappop(heap)
         draft.parents.append(parent)
-        draft.tokens.append(token)
+        draft.tokens.append(children.tokens[i])
         draft.counts.append(-negative)
-        depth.append(depth[parent + 1] + 1)
-        push_children(len(draft.tokens) - 1, after, depth[-1])
+        push_children(len(draft.tokens) - 1, children.places(i), depth)
     return draft
 
 

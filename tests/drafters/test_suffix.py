@@ -53,8 +53,8 @@ def test_improbable_tokens_are_not_drafted():
 def test_siblings_at_equal_counts_take_the_latest_to_reach_it_first():
     # After 1: 2 and 3 twice each; 3 reached two last. Seen once each: 4 before 5.
     index = index_of([1, 2, 1, 3, 1, 2, 1, 3, 1, 4, 1, 5, 1])
-    places = index.matches([9, 1])[0][1]
-    assert [token for token, _ in index.children(places, room=1)] == [3, 2, 4, 5]
+    ends = index.matches([9, 1])[0][1]
+    assert index.children(ends, room=1).tokens == [3, 2, 4, 5]
     settings = SuffixSettings(5, max_spec_offset=4.0, min_token_prob=0.0, tree=True)
     draft = speculate(index_of([1, 2, 1, 3, 1, 2, 1, 3, 1, 4, 1, 5], depth=2), [9, 1], settings)
     assert draft.tokens == [3, 2, 4, 5] and draft.parents == [-1, -1, -1, -1]
@@ -144,3 +144,24 @@ def test_sampling_through_suffix_drafts_follows_the_target_law():
     drafter = SuffixDrafter(store, SuffixSettings(3, max_spec_offset=2.0, tree=True,
                                                   min_token_prob=0.0))
     assert sampled_pvalue(target, drafter, SamplingParams(1.0), FAST_LAW_SAMPLES) > P_VALUE_FLOOR
+
+
+def test_few_and_many_occurrences_are_grouped_alike(monkeypatch):
+    """Children of few occurrences are grouped in plain Python, of many with numpy: the same
+    tokens, counts, order and occurrences."""
+    import random
+
+    import selfspec.drafters.suffix as suffix
+
+    rng = random.Random(0)
+    index = index_of(*[[rng.randrange(5) for _ in range(60)] for _ in range(4)], depth=6)
+    ends = [e for _, e in index.matches([3, 1, 4, 1])]
+
+    def grouped():
+        return [(c.tokens, c.counts, [c.places(i).tolist() for i in range(len(c.tokens))])
+                for c in (index.children(e, room=2) for e in ends)]
+
+    monkeypatch.setattr(suffix, "SMALL", 10**9)  # every grouping in Python
+    in_python = grouped()
+    monkeypatch.setattr(suffix, "SMALL", -1)  # every grouping with numpy
+    assert grouped() == in_python and len(ends[0]) > 40 and len(ends) > 2
