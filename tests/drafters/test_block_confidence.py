@@ -98,7 +98,7 @@ def drafted_lengths(drafter) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("method", ["dflash", "peagle"])
 def test_greedy_stays_lossless_with_the_confidence_cut(target, method, static):
     make = dflash_head if method == "dflash" else peagle_head

@@ -3,7 +3,10 @@ over the target's fused features, drafting k tokens in one forward.
 
 Rows: dflash (a chain of the k per-position tokens) and dflash/tree{N} for each N in
 dflash.tree_nodes (DDTree's best-first tree of N nodes, at most k deep), at each draft length
-k up to the head's block size - 1 (longer lengths fold into that one).
+k up to the head's block size - 1 (longer lengths fold into that one); a chain's row per
+dflash.confidence_threshold t besides null, dflash/conf{t}: the chain cut where the head's
+confidence says its cumulative acceptance falls below t (a head trained with
+dflash.confidence_head=true).
 
 Trainer (train/dflash.py, conf/train_dflash.yaml): a fresh head (its mask token and draft
 vocabulary from the training rows) trained on the frozen target, against the data or the
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.checks import is_count
+from selfspec.checks import is_count, is_number
 from selfspec.drafters import DFlashDrafter
 from selfspec.from_config import training
 from selfspec.from_config.common import as_list
@@ -51,17 +54,28 @@ HEAD = "dflash_head"  # the setting naming the head's export folder
 class DFlashVariant(Variant):
     method: str = "dflash"
     tree_nodes: int | None = None  # None: a chain
+    confidence_threshold: float | None = None  # a chain cut by the head's confidence
 
     def label(self) -> str:
+        if self.confidence_threshold is not None:
+            return f"{self.method}/conf{self.confidence_threshold:g}"
         return self.method + ("" if self.tree_nodes is None else f"/tree{self.tree_nodes}")
 
 
 def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[DFlashVariant, ...]:
-    nodes = as_list(cfg.get("dflash", {}).get("tree_nodes")) or [None]
+    """A row per dflash.tree_nodes value, and a chain's per dflash.confidence_threshold."""
+    settings = cfg.get("dflash", {})
+    nodes = as_list(settings.get("tree_nodes")) or [None]
     if not all(n is None or is_count(n) for n in nodes):
         raise ValueError(f"dflash.tree_nodes: give node counts >= 1 (null: a chain), got "
                          f"{nodes}")
-    return tuple(DFlashVariant(tree_nodes=n) for n in nodes)
+    cuts = [t for t in as_list(settings.get("confidence_threshold")) if t is not None]
+    if not all(is_number(t) and 0 < float(t) < 1 for t in cuts):
+        raise ValueError(f"dflash.confidence_threshold: give numbers in (0, 1) (the least "
+                         f"cumulative predicted acceptance of a proposed position; null: the "
+                         f"whole chain), got {cuts}")
+    return (tuple(DFlashVariant(tree_nodes=n) for n in nodes)
+            + tuple(DFlashVariant(confidence_threshold=float(t)) for t in cuts))
 
 
 def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
@@ -85,17 +99,21 @@ def load(loaded: Loaded, chosen: tuple[DFlashVariant, ...]) -> None:
 
 
 def drafter(loaded: Loaded, variant: DFlashVariant, k: int) -> DFlashDrafter:
-    return dflash_drafter(head(loaded), loaded.cfg.dflash, k, variant.tree_nodes)
+    return dflash_drafter(head(loaded), loaded.cfg.dflash, k, variant.tree_nodes,
+                          variant.confidence_threshold)
 
 
 def dflash_drafter(head: DFlashHead, settings: DictConfig, k: int | None,
-                   tree_nodes: int | None) -> DFlashDrafter:
+                   tree_nodes: int | None, confidence_threshold: float | None = None
+                   ) -> DFlashDrafter:
     """The DFlash drafter, of generation's rows and of the trainer's judge and report alike:
     k tokens (None: the block's B - 1) from one forward, as a chain (tree_nodes None) or
     DDTree's best-first tree of tree_nodes nodes; children drawn from each position's law when
-    sampling unless the `dflash` section's sampled_children is false."""
+    sampling unless the `dflash` section's sampled_children is false; a chain cut by the
+    head's confidence at confidence_threshold (None: the whole chain)."""
     return DFlashDrafter(head, k, tree_nodes=tree_nodes,
-                         sampled_children=bool(settings.sampled_children))
+                         sampled_children=bool(settings.sampled_children),
+                         confidence_threshold=confidence_threshold)
 
 
 def load_dflash(folder: str | Path, target: Transformer) -> DFlashHead:
@@ -118,7 +136,8 @@ def dflash_config(cfg: DictConfig, target: ModelConfig, mask_token_id: int) -> D
             target, mask_token_id=mask_token_id, num_layers=d.num_layers,
             block_size=d.block_size, num_features=d.num_features,
             target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
-            draft_vocab_size=d.get("draft_vocab_size"), qk_norm=bool(d.qk_norm))
+            draft_vocab_size=d.get("draft_vocab_size"), qk_norm=bool(d.qk_norm),
+            confidence_head=bool(d.get("confidence_head", False)))
     except ValueError as exc:
         raise ValueError(str(exc).replace("DFlashConfig: ", "dflash.", 1)) from None
 
@@ -194,9 +213,11 @@ def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Ex
 
 def dflash_trainer_drafter(cfg: DictConfig, trained: DFlashHead) -> DFlashDrafter:
     """train/dflash.py's drafter (`dflash_drafter` on its settings): dflash.num_draft_tokens
-    (null: the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes."""
+    (null: the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes; a chain
+    cut at dflash.confidence_threshold (a head trained with dflash.confidence_head)."""
     d = cfg.dflash
-    return dflash_drafter(trained, d, d.get("num_draft_tokens"), d.get("tree_nodes"))
+    return dflash_drafter(trained, d, d.get("num_draft_tokens"), d.get("tree_nodes"),
+                          d.get("confidence_threshold"))
 
 
 def dflash_drafters(cfg: DictConfig, target: Transformer, export: Path) -> training.ExportDrafters:

@@ -83,17 +83,22 @@ def eagle_drafter(eagle: EagleHead, settings: DictConfig, depth: int | None = No
                   ) -> EagleDrafter | ParallelEagleDrafter:
     """The EAGLE drafter, of generation's rows and of the trainer's judge and report alike, from
     an `eagle` settings section (sampled_children; an EAGLE-2 tree's total_tokens and top_k; a
-    P-EAGLE head's tree_nodes): a P-EAGLE head drafts `depth` tokens (None: its K) from one
-    forward; another head the static `tree` when given, else an EAGLE-2 dynamic tree `depth`
-    deep (over the K most frequent tokens of `draft_vocab`, when given)."""
+    P-EAGLE head's tree_nodes and confidence_threshold): a P-EAGLE head drafts `depth` tokens
+    (None: its K) from one forward, a chain cut by its confidence at confidence_threshold when
+    set; another head the static `tree` when given, else an EAGLE-2 dynamic tree `depth` deep
+    (over the K most frequent tokens of `draft_vocab`, when given)."""
     sampled = bool(settings.sampled_children)
-    most = eagle.config.parallel
+    most, threshold = eagle.config.parallel, settings.get("confidence_threshold")
     if most > 1:
         if depth is not None and depth > most:
             raise ValueError(f"eagle: the P-EAGLE head drafts at most {most} tokens a forward; "
                              f"use num_draft_tokens <= {most}")
         return ParallelEagleDrafter(eagle, depth, tree_nodes=settings.get("tree_nodes"),
-                                    sampled_children=sampled)
+                                    sampled_children=sampled, confidence_threshold=threshold)
+    if threshold is not None:
+        raise ValueError(f"eagle.confidence_threshold={threshold} cuts a P-EAGLE head's chain "
+                         f"(one trained with eagle.parallel=K and eagle.confidence_head=true); "
+                         f"this head drafts one token a forward: set it to null")
     if tree is not None:
         return EagleDrafter(eagle, tree, sampled_children=sampled)
     return EagleDrafter(eagle, total_tokens=settings.total_tokens, depth=depth,
@@ -155,6 +160,9 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
     if parallel != 1 and version != 3:
         raise ValueError(f"eagle.parallel={parallel} (P-EAGLE) drafts with EAGLE-3 heads: set "
                          f"eagle.version=3, or eagle.parallel=1")
+    if e.get("confidence_head", False) and parallel == 1:
+        raise ValueError("eagle.confidence_head=true sizes a P-EAGLE block: set eagle.version=3 "
+                         "and eagle.parallel=K > 1, or leave it false")
     if version < 3:
         if e.get("draft_vocab_size") is not None or layers is not None:
             raise ValueError(f"eagle.draft_vocab_size and eagle.target_layers are EAGLE-3's: an "
@@ -169,7 +177,8 @@ def eagle_config(cfg: DictConfig, target_config: ModelConfig, mask_token_id: int
             target_config, 3, fc_bias=fc_bias,
             draft_vocab_size=EAGLE3_DRAFT_VOCAB if draft_vocab is None else draft_vocab,
             target_layers=None if layers is None else tuple(OmegaConf.to_container(layers)),
-            parallel=parallel, mask_token_id=None if parallel == 1 else mask_token_id)
+            parallel=parallel, mask_token_id=None if parallel == 1 else mask_token_id,
+            confidence_head=bool(e.get("confidence_head", False)))
     except ValueError as exc:
         raise ValueError(str(exc).replace("EagleConfig: ", "eagle.", 1)) from None
 
