@@ -78,16 +78,11 @@ def objective_of(trainer: str, cfg, target: Transformer, rows: TokenRows) -> tor
     return draft_model_objective(cfg, target, draft_from_target(cfg, target), counts)
 
 
-# each trainer with an objective other than kl (the others run the same function); EAGLE-3's
-# in the default run, the rest in the complete one
+# each trainer with an objective other than kl (the others run the same function)
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer, name", [
-    pytest.param("medusa", "tv", marks=pytest.mark.slow),
-    pytest.param("medusa2", "lk", marks=pytest.mark.slow),
-    pytest.param("eagle1", "jsd", marks=pytest.mark.slow), ("eagle3", "tv"),
-    pytest.param("peagle", "reverse_kl", marks=pytest.mark.slow),
-    pytest.param("dflash", "lk", marks=pytest.mark.slow),
-    pytest.param("early_exit", "tv", marks=pytest.mark.slow),
-    pytest.param("draft", "jsd", marks=pytest.mark.slow)])
+    ("medusa", "tv"), ("medusa2", "lk"), ("eagle1", "jsd"), ("eagle3", "tv"),
+    ("peagle", "reverse_kl"), ("dflash", "lk"), ("early_exit", "tv"), ("draft", "jsd")])
 def test_each_trainers_objective_fits_its_draft_by_the_name_given(cfg_of, trainer, name):
     config, overrides, _ = TRAINERS[trainer]
     cfg = cfg_of(config, *overrides, f"trainer.objective={name}", "run_dir=/tmp/unused")

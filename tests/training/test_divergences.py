@@ -15,6 +15,7 @@ from selfspec.training.divergences import (
     divergence_loss,
     target_log_probs,
 )
+from selfspec.training.losses import medusa_loss
 from selfspec.verify import verify_linear
 
 NAMES = list(DIVERGENCES)
@@ -80,7 +81,7 @@ def test_one_step_lowers_the_objective_with_finite_gradients(name):
         logits -= 0.5 * logits.grad
         after = divergence_loss(name, logits, target)
         tv_after = divergence_loss("tv", logits, target)
-    assert float(after) < float(before)
+    assert float(after) < float(before.detach())
     assert float(tv_after) < float(divergence_loss("tv", torch.zeros(1, 4), target))
     # at the optimum: the smooth objectives' gradient is zero; TV's |p - q| has a kink there,
     # its subgradient q_j (g_j - E_q g), |g| <= 1/2, finite and within q_j
@@ -111,3 +112,19 @@ def test_an_unknown_name_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="unknown objective 'l2': choose one of kl, tv, "
                                          "reverse_kl, jsd, lk"):
         divergence("l2")
+
+
+def test_medusa_head_k_meets_the_targets_law_of_the_token_it_predicts():
+    g = torch.Generator().manual_seed(3)
+    batch, length, heads, vocab = 2, 7, 3, 6
+    teacher = torch.randn(batch, length, vocab, generator=g)  # position i: law of token i + 1
+    tokens = torch.randint(0, vocab, (batch, length), generator=g)
+    aligned = torch.randn(batch, length, heads, vocab, generator=g)
+    for k in range(heads):  # head k at t predicts token t + k + 2: the law at t + k + 1
+        aligned[:, : length - k - 2, k] = teacher[:, k + 1: length - 1]
+    out = medusa_loss(aligned, tokens, teacher_logits=teacher, divergence=divergence("tv"))
+    assert float(out.loss) < 1e-6
+    assert all(out.metrics[f"medusa/head{k}_top1"] == 1.0 for k in range(heads))
+    early = torch.roll(aligned, shifts=1, dims=1)  # each head one position off
+    assert float(medusa_loss(early, tokens, teacher_logits=teacher,
+                             divergence=divergence("tv")).loss) > 0.1
