@@ -128,3 +128,17 @@ def test_medusa_head_k_meets_the_targets_law_of_the_token_it_predicts():
     early = torch.roll(aligned, shifts=1, dims=1)  # each head one position off
     assert float(medusa_loss(early, tokens, teacher_logits=teacher,
                              divergence=divergence("tv")).loss) > 0.1
+
+
+def test_lk_blends_kl_and_tv_by_a_weight_that_carries_no_gradient():
+    g = torch.Generator().manual_seed(4)
+    law = target_log_probs(torch.randn(3, 6, generator=g))
+    start = torch.randn(3, 6, generator=g)
+
+    def grad(name: str) -> torch.Tensor:
+        logits = start.clone().requires_grad_(True)
+        divergence(name)(logits, law).sum().backward()
+        return logits.grad
+
+    weight = torch.exp(-3 * acceptance(start, law))[:, None]  # [rows, 1]
+    torch.testing.assert_close(grad("lk"), weight * grad("kl") + (1 - weight) * grad("tv"))
