@@ -1,6 +1,7 @@
 """Drafting with the target's own MTP modules (drafters/mtp.py): greedy lossless in chains,
-static and dynamic trees, eager and static steps, in each checkpoint layout; the two-token law
-at T = 1 (and a misstated law caught); its pairs as the module reads them; clear refusals."""
+static and dynamic trees, eager and static steps and batches, in each checkpoint layout; the
+laws sampled drafts report, the two-token law at T = 1 (and a misstated law caught); its pairs
+as the module reads them; clear refusals."""
 
 import dataclasses
 import functools
@@ -98,6 +99,17 @@ def test_greedy_is_lossless_and_the_drafts_are_accepted(fitted, layout, shape, s
         assert result.tokens == expected, (prompt, shape)
         taus.append(result.stats.tau)
     assert sum(taus) / len(taus) > 3.0, taus  # measured: means 3.6 to 4.6
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_a_batch_decodes_each_row_as_alone(fitted, shape):
+    """A batch of the three prompts (one of a single token): each row drafts with its own fork
+    of the drafter and gives plain greedy's tokens, the drafts accepted as alone."""
+    target, plain = fitted("nextn")
+    results = generate(target, [list(p) for p in plain], drafter=MtpDrafter(
+        target, **SHAPES[shape]), max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in results] == list(plain.values())
+    assert min(r.stats.tau for r in results) > 2.0
 
 
 def test_a_hybrid_targets_own_module_drafts_losslessly():
