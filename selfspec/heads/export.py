@@ -88,6 +88,10 @@ def export_head(
         raise ExportRefused(f"no engine loads a {type(head).__name__} from a head folder: vLLM "
                             f"and SGLang serve Medusa, EAGLE and DFlash heads (early exits run "
                             f"in selfspec only)")
+    if getattr(getattr(head, "config", None), "confidence_head", False):  # no layout has one
+        state = {k: v for k, v in state.items() if not k.startswith("confidence.")}
+        notes = [*notes, "the confidence head is left out (these layouts have none): the engine "
+                         "proposes whole blocks"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)

@@ -160,3 +160,15 @@ def test_the_confidence_is_saved_with_the_head_and_heads_without_one_load_as_bef
     (folder / "head_config.json").write_text(json.dumps(meta))
     old = load_head(folder, target=target)
     assert not old.config.confidence_head and not hasattr(old, "confidence")
+
+
+def test_engine_exports_leave_the_confidence_out_and_say_so(target, tmp_path):
+    from safetensors.torch import load_file
+
+    from selfspec.heads.export import export_head
+
+    head = planted(dflash_head(target, target_layers=(1, 2)), 0.8)  # the engines: no stream 0
+    exported = export_head(head, "dflash", tmp_path / "dflash", base_model="org/toy")
+    weights = load_file(str(tmp_path / "dflash" / "model.safetensors"))
+    assert "fc.weight" in weights and not any(k.startswith("confidence.") for k in weights)
+    assert any("confidence head is left out" in note for note in exported.notes)
