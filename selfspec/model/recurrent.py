@@ -35,6 +35,11 @@ from selfspec.model.cpu_linear import Linear
 
 # transformers' l2norm of q and k inside the kernel (FLA's constant)
 _L2_EPS = 1e-6
+# A forward over more rows than this that is a chain (a prefill) keeps only the states before
+# and after it: every row's state of a long prompt would outweigh the model (at Qwen3-Next's
+# widths 2 MiB a row and layer). Verification forwards (at most 128 rows in a static step's
+# largest bucket) keep every row's.
+MAX_SNAPSHOT_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,47 @@ class DeltaNetDims:
 
 @dataclass
 class Snapshots:
-    """A recurrent layer's states over one forward, row 0 the state it started from and row
-    i + 1 the state after new row i: the convolution's last K - 1 inputs
-    windows [B, T + 1, C, K - 1] and the delta rule's matrices states [B, T + 1, H, Dk, Dv]
-    (fp32)."""
+    """A recurrent layer's states over one forward of `rows` new rows, row 0 the state it
+    started from and row i + 1 the state after new row i: the convolution's last K - 1 inputs
+    windows [B, R, C, K - 1] and the delta rule's matrices states [B, R, H, Dk, Dv] (fp32),
+    with R = rows + 1, or R = 2 (the first and the last) for a long chain
+    (MAX_SNAPSHOT_ROWS)."""
 
     windows: torch.Tensor
     states: torch.Tensor
+    rows: int
+
+    def index(self, row: int) -> int:
+        """Where the state after `row` rows is held, or a ValueError if it was not kept."""
+        if self.states.shape[1] == self.rows + 1:
+            return row
+        if row in (0, self.rows):
+            return 0 if row == 0 else 1
+        raise ValueError(f"a chain of {self.rows} rows (more than {MAX_SNAPSHOT_ROWS}) keeps "
+                         f"only the states before and after it; roll back to one of those")
+
+
+class _RowStates:
+    """The states a forward builds, row by row: every row's (a row reads its parent's), or,
+    for a long chain, the first and the running one."""
+
+    def __init__(self, first: torch.Tensor, t: int, every: bool) -> None:
+        self.every, self.first, self.last = every, first, first
+        if every:
+            self.all = first.new_empty(first.shape[0], t + 1, *first.shape[1:])
+            self.all[:, 0] = first
+
+    def before(self, parents: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
+        """The state each batch row's next row starts from (parents [B]: its parent)."""
+        return self.all[batch_rows, parents + 1] if self.every else self.last
+
+    def after(self, i: int, state: torch.Tensor) -> None:
+        if self.every:
+            self.all[:, i + 1] = state
+        self.last = state
+
+    def kept(self) -> torch.Tensor:
+        return self.all if self.every else torch.stack([self.first, self.last], dim=1)
 
 
 class LayerState(Protocol):
@@ -137,19 +176,21 @@ class GatedDeltaNet(nn.Module):
         they start from zeros and nothing is kept)."""
         d = self.dims
         batch, t, _ = x.shape
-        if parents is None:
-            parents = chain_parents(batch, t, x.device)
+        chain = chain_parents(batch, t, x.device)
+        every = t <= MAX_SNAPSHOT_ROWS or (parents is not None
+                                           and not bool((parents == chain).all()))
+        parents = chain if parents is None else parents
         windows, states = (self._zero_state(batch, x) if state is None else state.committed())
         mixed, z, beta, decay = self._inputs(x)  # mixed [B, T, C]
-        conv_out, all_windows = self._convolved(mixed, windows, parents)
+        conv_out, all_windows = self._convolved(mixed, _RowStates(windows, t, every), parents)
         q, k, v = conv_out.split((d.key_dim, d.key_dim, d.value_dim), dim=-1)
         out, all_states = delta_rule(
             q.reshape(batch, t, d.num_key_heads, d.key_head_dim),
             k.reshape(batch, t, d.num_key_heads, d.key_head_dim),
             v.reshape(batch, t, d.num_value_heads, d.value_head_dim),
-            decay, beta, states, parents)
+            decay, beta, _RowStates(states.float(), t, every), parents)
         if state is not None:
-            state.record(Snapshots(all_windows, all_states))
+            state.record(Snapshots(all_windows, all_states, t))
         normed = self.norm(out.reshape(-1, d.value_head_dim), z.reshape(-1, d.value_head_dim))
         return self.out_proj(normed.reshape(batch, t, d.value_dim))
 
@@ -171,23 +212,20 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return mixed, z.reshape(batch, t, d.num_value_heads, d.value_head_dim), beta, decay
 
-    def _convolved(self, mixed: torch.Tensor, windows: torch.Tensor, parents: torch.Tensor
+    def _convolved(self, mixed: torch.Tensor, windows: _RowStates, parents: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """SiLU of the causal depthwise convolution of each row over its own path: [B, T, C],
-        and the windows after each row [B, T + 1, C, K - 1] (row 0: the committed one)."""
-        batch, t, channels = mixed.shape
-        kernel = self.dims.conv_kernel
+        and the windows kept ([B, T + 1, C, K - 1], row 0 the committed one)."""
+        batch, t, _ = mixed.shape
         weight = self.conv1d.weight[:, 0].to(mixed.dtype)  # [C, K]
-        all_windows = windows.new_empty(batch, t + 1, channels, kernel - 1)
-        all_windows[:, 0] = windows
-        out = mixed.new_empty(batch, t, channels)
+        out = mixed.new_empty(mixed.shape)
         rows = torch.arange(batch, device=mixed.device)
         for i in range(t):
-            before = all_windows[rows, parents[:, i] + 1]  # [B, C, K - 1]
+            before = windows.before(parents[:, i], rows)  # [B, C, K - 1]
             full = torch.cat([before, mixed[:, i, :, None]], dim=-1)  # [B, C, K]
             out[:, i] = (full * weight).sum(-1)
-            all_windows[:, i + 1] = full[..., 1:]
-        return F.silu(out), all_windows
+            windows.after(i, full[..., 1:])
+        return F.silu(out), windows.kept()
 
     def _zero_state(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -197,30 +235,29 @@ class GatedDeltaNet(nn.Module):
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-               beta: torch.Tensor, states: torch.Tensor, parents: torch.Tensor
+               beta: torch.Tensor, states: _RowStates, parents: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one row at a time, each row from its parent's state.
 
-    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; decay (log) and beta [B, T, Hv]; states
-    [B, Hv, Dk, Dv] before the forward; parents [B, T]. Returns the outputs [B, T, Hv, Dv]
-    in q's dtype and every state [B, T + 1, Hv, Dk, Dv] (fp32, row 0 the one given)."""
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; decay (log) and beta [B, T, Hv]; states: from
+    the fp32 state [B, Hv, Dk, Dv] before the forward; parents [B, T]. Returns the outputs
+    [B, T, Hv, Dv] in q's dtype and the states kept ([B, T + 1, Hv, Dk, Dv], row 0 the one
+    given)."""
     dtype, (batch, t, heads, dim_v) = q.dtype, v.shape
     group = heads // q.shape[2]
     q, k = (_l2_normed(x.float()).repeat_interleave(group, dim=2) for x in (q, k))
     q = q / (q.shape[-1] ** 0.5)
     v, beta, gate = v.float(), beta.float(), decay.float().exp()
-    all_states = states.new_empty(batch, t + 1, *states.shape[1:])
-    all_states[:, 0] = states.float()
     out = v.new_empty(batch, t, heads, dim_v)
     rows = torch.arange(batch, device=q.device)
     for i in range(t):
-        state = all_states[rows, parents[:, i] + 1] * gate[:, i, :, None, None]
+        state = states.before(parents[:, i], rows) * gate[:, i, :, None, None]
         remembered = (state * k[:, i, :, :, None]).sum(dim=-2)  # [B, H, Dv]
         delta = (v[:, i] - remembered) * beta[:, i, :, None]
         state = state + k[:, i, :, :, None] * delta[:, :, None, :]
         out[:, i] = (state * q[:, i, :, :, None]).sum(dim=-2)
-        all_states[:, i + 1] = state
-    return out.to(dtype), all_states
+        states.after(i, state)
+    return out.to(dtype), states.kept()
 
 
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:

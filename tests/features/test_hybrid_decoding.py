@@ -1,7 +1,8 @@
 """Speculative decoding of a hybrid target (a tiny random Qwen3-Next: three Gated DeltaNet
 layers, then a gated full-attention layer) whose recurrent state verification must restore
-after every rejection: greedy through chains (n-gram lookup) and trees (random Medusa heads,
-the oracle's tree) equals plain greedy, sampling at T = 1 keeps the target's law, and a cache
+after every rejection: greedy through chains (n-gram lookup, a draft model that is the
+target's first layer, recurrent too) and trees (random Medusa heads, the oracle's tree) equals
+plain greedy, sampling at T = 1 keeps the target's law, and a cache
 that leaves a rejected token in the state is caught; a batch decodes each row as alone."""
 
 import pytest
@@ -15,7 +16,7 @@ from helpers import (
 )
 
 from selfspec import SamplingParams, Transformer, generate
-from selfspec.drafters import MedusaDrafter, NgramDrafter
+from selfspec.drafters import MedusaDrafter, NgramDrafter, SmallModelDrafter
 from selfspec.heads import MedusaConfig
 from selfspec.measure.oracle import OracleDrafter
 from selfspec.model.recurrent_cache import HybridCache
@@ -51,6 +52,9 @@ def drafter_of(name: str, target: Transformer):
         "medusa_tree": lambda: MedusaDrafter(random_medusa_heads(
             MedusaConfig(c.hidden_size, c.vocab_size, num_heads=3), seed=3), MEDUSA_TREE),
         "oracle_tree": lambda: OracleDrafter().with_tree([[0], [1], [1, 0], [0, 0], [0, 1]]),
+        # the target's first layer, itself recurrent: its cache rolls back over its own
+        # one-token forwards
+        "draft_model": lambda: SmallModelDrafter(target.first_layers(1), 3),
     }
     return makers[name]()
 
@@ -75,6 +79,7 @@ def rejected_and_lossless(target: Transformer, plain: dict, make) -> tuple[bool,
 
 @pytest.mark.parametrize("name", [
     "ngram_chain", "medusa_tree",
+    pytest.param("draft_model", marks=pytest.mark.slow),
     pytest.param("oracle_tree", marks=pytest.mark.slow),
 ])
 @torch.no_grad()
@@ -108,7 +113,11 @@ def test_sampling_at_temperature_one_keeps_the_targets_law(hybrid):
                                      samples=FAST_LAW_SAMPLES)
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram_chain", "medusa_tree"])
+@pytest.mark.parametrize("name", [
+    "ngram_chain",
+    *(pytest.param(name, marks=pytest.mark.slow) for name in ("plain", "medusa_tree",
+                                                              "draft_model")),
+])
 @torch.no_grad()
 def test_a_batch_decodes_each_row_as_alone(hybrid, plain, name):
     """One forward verifies every row's draft; each row's state is its own (its row of the

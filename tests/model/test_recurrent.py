@@ -40,17 +40,19 @@ def our_layer(seed: int = 0) -> GatedDeltaNet:
     return layer
 
 
-class Recorder:
-    """A layer state that starts from zeros and keeps what a forward recorded."""
+def hybrid_cache() -> HybridCache:
+    """The cache of a model whose one layer is recurrent (no attention layer: only the
+    length counts on the KV side)."""
+    return HybridCache(KVCache(0, 1, 1, 200, 1), RecurrentState([0], 1, DIMS),
+                       attention_layers=())
 
-    def __init__(self, batch: int = 1) -> None:
-        self.state = RecurrentState([0], batch, DIMS)
 
-    def committed(self):
-        return self.state.layer(0).committed()
-
-    def record(self, snapshots):
-        self.state.layer(0).record(snapshots)
+def fed(layer: GatedDeltaNet, cache: HybridCache, x: torch.Tensor,
+        parents: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's output over x through the cache, which then advances."""
+    out = layer(x, parents, cache.recurrent(0))
+    cache.advance(x.shape[1])
+    return out
 
 
 @torch.no_grad()
@@ -70,16 +72,14 @@ def test_cached_steps_match_transformers_cache():
     layer = our_layer()
     x = torch.randn(1, 10, DIMS.hidden_size)
     cache = transformers.DynamicCache(config=config)
-    state = RecurrentState([0], 1, DIMS)
+    ours_cache = hybrid_cache()
     hf_out = [hf(x[:, :6], cache=cache)]
-    ours = [layer(x[:, :6], None, state.layer(0))]
-    state.adopt(6)
+    ours = [fed(layer, ours_cache, x[:, :6])]
     for i in range(6, 10):
         hf_out.append(hf(x[:, i:i + 1], cache=cache))
-        ours.append(layer(x[:, i:i + 1], None, state.layer(0)))
-        state.adopt(1)
+        ours.append(fed(layer, ours_cache, x[:, i:i + 1]))
     torch.testing.assert_close(torch.cat(ours, 1), torch.cat(hf_out, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(state.states[0], cache.layers[0].recurrent_states[0],
+    torch.testing.assert_close(ours_cache.state.states[0], cache.layers[0].recurrent_states[0],
                                atol=1e-5, rtol=1e-5)
 
 
@@ -125,59 +125,65 @@ def test_each_tree_node_continues_its_parent():
     committed state (its output and its state after it)."""
     layer = our_layer()
     history, rows = torch.randn(1, 5, DIMS.hidden_size), torch.randn(1, 6, DIMS.hidden_size)
-    tree = Recorder()
-    layer(history, None, tree)
-    tree.state.adopt(5)
-    out = layer(rows, parents_of(tree_mask(PARENTS), 6, "cpu"), tree)
+    tree = hybrid_cache()
+    fed(layer, tree, history)
+    out = fed(layer, tree, rows, parents_of(tree_mask(PARENTS), 6, "cpu"))
     for node in range(6):
-        chain = Recorder()
-        layer(history, None, chain)
-        chain.state.adopt(5)
+        chain = hybrid_cache()
+        fed(layer, chain, history)
         path = path_to(node)
-        chain_out = layer(rows[:, path], None, chain)
+        chain_out = fed(layer, chain, rows[:, path])
         torch.testing.assert_close(out[:, node], chain_out[:, -1], atol=1e-6, rtol=1e-6)
         for name in ("states", "windows"):
-            _, tree_snapshots = tree.state.pending[0]
-            _, chain_snapshots = chain.state.pending[0]
+            tree_snapshots = tree.state.recorded[0].snapshots
+            chain_snapshots = chain.state.recorded[0].snapshots
             torch.testing.assert_close(getattr(tree_snapshots, name)[:, node + 1],
                                        getattr(chain_snapshots, name)[:, -1])
 
 
-def hybrid_cache(layer: int = 0) -> HybridCache:
-    kv = KVCache(0, 1, 1, 32, 1)  # no attention layer: only the length counts
-    return HybridCache(kv, RecurrentState([layer], 1, DIMS), attention_layers=())
-
-
 @torch.no_grad()
-def test_a_commit_keeps_the_accepted_nodes_state_and_a_truncate_the_rows():
+def test_a_commit_keeps_the_accepted_nodes_state():
     """After a tree forward, committing a path leaves the state of a forward over exactly the
-    committed tokens; truncating a chain leaves the state after its kept rows."""
+    committed tokens."""
     layer = our_layer()
     history, rows = torch.randn(1, 5, DIMS.hidden_size), torch.randn(1, 6, DIMS.hidden_size)
     reference = hybrid_cache()
-    layer(torch.cat([history, rows[:, path_to(4)]], 1), None, reference.recurrent(0))
-    reference.advance(5 + 4)
-
+    fed(layer, reference, torch.cat([history, rows[:, path_to(4)]], 1))
     cache = hybrid_cache()
-    layer(history, None, cache.recurrent(0))
-    cache.advance(5)
-    layer(rows, parents_of(tree_mask(PARENTS), 6, "cpu"), cache.recurrent(0))
-    cache.advance(6)
+    fed(layer, cache, history)
+    fed(layer, cache, rows, parents_of(tree_mask(PARENTS), 6, "cpu"))
     cache.commit([5 + i for i in path_to(4)])
-    assert cache.length == reference.length
+    assert cache.length == reference.length == 9
     torch.testing.assert_close(cache.state.states, reference.state.states)
     torch.testing.assert_close(cache.state.windows, reference.state.windows)
+    with pytest.raises(ValueError, match="rolls back only within the forwards kept"):
+        cache.truncate(6)  # the commit moved the slots: no state of an older slot is kept
 
-    chain = hybrid_cache()
-    layer(history, None, chain.recurrent(0))
-    chain.advance(5)
-    layer(rows[:, :4], None, chain.recurrent(0))
-    chain.advance(4)
-    chain.truncate(5)
-    assert chain.length == 5
-    start = hybrid_cache()
-    layer(history, None, start.recurrent(0))
-    start.advance(5)
-    torch.testing.assert_close(chain.state.states, start.state.states)
-    with pytest.raises(ValueError, match="rolls back only within the last forward"):
-        chain.truncate(2)
+
+@torch.no_grad()
+def test_a_truncate_reaches_back_over_the_forwards_since_the_commit(monkeypatch):
+    """A prefill and one-token steps (a draft model's), rolled back into any of them, leave
+    the state of a forward over the kept tokens; a long chain keeps only its two ends."""
+    layer, x = our_layer(), torch.randn(1, 9, DIMS.hidden_size)
+
+    def state_after(n: int) -> torch.Tensor:
+        cache = hybrid_cache()
+        fed(layer, cache, x[:, :n])
+        return cache.state.states
+
+    cache = hybrid_cache()
+    fed(layer, cache, x[:, :5])
+    for i in range(5, 9):
+        fed(layer, cache, x[:, i:i + 1])
+    for n in (7, 6, 3):
+        cache.truncate(n)
+        assert cache.length == n
+        torch.testing.assert_close(cache.state.states, state_after(n))
+    monkeypatch.setattr("selfspec.model.recurrent.MAX_SNAPSHOT_ROWS", 4)
+    long = hybrid_cache()
+    fed(layer, long, x[:, :2])
+    fed(layer, long, x[:, 2:])  # 7 rows: only the states before and after them
+    with pytest.raises(ValueError, match="keeps only the states before and after it"):
+        long.truncate(5)
+    long.truncate(2)
+    torch.testing.assert_close(long.state.states, state_after(2))
