@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 
 from selfspec.decode import generate
-from selfspec.drafters.base import DecodeSetup, DraftContext, Drafter, TargetFeatures
+from selfspec.drafters.base import (
+    DecodeSetup,
+    DraftContext,
+    Drafter,
+    LearningDrafter,
+    TargetFeatures,
+)
 from selfspec.files import write_atomically
 from selfspec.metrics import GenerationStats
 from selfspec.model import ModelOutput, Transformer
@@ -105,6 +111,8 @@ def replay(target: Transformer, drafter: Drafter, record: GreedyRecord) -> Gener
         stats.record_step(tree.num_nodes, tree.max_depth, accepted, position=done)
         fed, done = length - 1, min(done + accepted + 1, record.answer_length)
     stats.new_tokens = done
+    if isinstance(drafter, LearningDrafter):  # as the loop tells it when the row stops
+        drafter.finish(prompt + record.answer)
     return stats
 
 

@@ -73,6 +73,20 @@ def test_a_replay_counts_what_decoding_counts(target, make_drafter, kind, stop_i
     assert accepted > 0  # drafts were accepted, so the replay had something to match
 
 
+def test_a_replay_of_a_learning_drafter_learns_what_decoding_learns(target):
+    """Suffix decoding's store carries each answer into the next prompt's drafts: replayed in
+    order over one store, the counters are decoding's over another, prompt by prompt."""
+    from selfspec.drafters.suffix import SuffixDrafter, SuffixSettings, SuffixStore
+
+    live, replayed = (SuffixDrafter(SuffixStore(12), SuffixSettings(3)) for _ in range(2))
+    for prompt in PROMPTS * 2:
+        stats = generate(target, prompt, drafter=live, max_new_tokens=NEW_TOKENS).stats
+        again = replay(target, replayed, record_greedy(target, prompt, NEW_TOKENS))
+        assert {c: getattr(again, c) for c in COUNTERS} == {c: getattr(stats, c)
+                                                             for c in COUNTERS}
+    assert replayed.store.sequences == live.store.sequences
+
+
 def test_the_record_runs_past_the_answer(target):
     plain = generate(target, PROMPTS[0], max_new_tokens=NEW_TOKENS).tokens
     record = record_greedy(target, PROMPTS[0], NEW_TOKENS, lookahead=5)
