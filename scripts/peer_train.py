@@ -1,0 +1,186 @@
+"""Train a head with speculators' own trainer on a selfspec feature store's rows, with
+selfspec's trainer settings, and load the result into selfspec for its evaluators.
+
+    python scripts/peer_train.py eagle3 --store features/smollm2-eagle \
+        --target ~/.cache/selfspec/models/smollm2-135m --out runs/speculators-eagle3 --steps 600
+
+1. The store's training rows, then its held-out rows, are written in speculators' offline layout
+   (`selfspec.training.speculators_data`; the store must hold the fused streams and the
+   target's last layer, `store.layers=[...,L]`), with the draft vocabulary selfspec's EAGLE-3
+   trainer picks from the same rows as speculators' d2t/t2d files.
+2. speculators trains in its own venv (scripts/peers.sh speculators) through
+   scripts/speculators_cpu_train.py, with the settings of selfspec's train/eagle.py
+   (eagle.version=3, the quick trainer): one decoder layer sized like the target's, the same fused
+   layers and draft vocabulary, AdamW (no weight decay) at `--lr` with `--warmup` linear
+   warmup steps then cosine decay to zero over `--steps`, gradients clipped at 1, the
+   training-time test of 7 steps decayed by 0.8, forward KL to the target's law, `--batch`
+   rows a step. Its head is the shape selfspec loads: no extra norms, full attention, the
+   target's embedding frozen.
+3. The last checkpoint is loaded by `selfspec.heads.load_head`; `summary.json` in --out holds
+   its folder, speculators' logged losses, its steps and training tokens/s (its own step
+   profile), and the command that replays it on held-out prompts (eval/replay.py, the
+   evaluator of selfspec's own heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".peers" / "speculators" / "venv" / "bin" / "python"
+CPU_TRAIN = ROOT / "scripts" / "speculators_cpu_train.py"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """selfspec's train/eagle.py settings that speculators is given (conf/train_eagle.yaml with
+    conf/trainer/quick.yaml and conf/optim/adamw.yaml)."""
+
+    steps: int = 200
+    batch: int = 8
+    lr: float = 1e-3
+    warmup: int = 20
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    draft_vocab_size: int = 1024
+    seed: int = 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=["eagle3"], help="the head speculators trains")
+    p.add_argument("--store", required=True, help="a finished selfspec feature store")
+    p.add_argument("--target", required=True, help="the target's transformers folder")
+    p.add_argument("--out", required=True, help="where the data, checkpoints and summary go")
+    p.add_argument("--layers", type=int, nargs=3, default=None,
+                   help="the fused layers (HF hidden_states ids); default 2, L//2, L-3")
+    p.add_argument("--max-rows", type=int, default=None, help="the first N training rows")
+    defaults = Settings()
+    for name, value in asdict(defaults).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (OMP_NUM_THREADS)")
+    return p.parse_args(argv)
+
+
+def epochs_for(steps: int, train_rows: int, batch: int) -> int:
+    """Passes speculators needs for `steps` steps of `batch` rows. It stops at --max-steps
+    only after a step, so a pass begun after the last step would still take one: exactly
+    enough passes, no more."""
+    return math.ceil(steps / math.ceil(train_rows / batch))
+
+
+def speculators_flags(settings: Settings, data, verifier: Path, vocab: tuple[Path, Path],
+                      out: Path, mask_token_id: int) -> list[str]:
+    """speculators' command line for selfspec's EAGLE-3 settings on `data` (OfflineRows)."""
+    s = settings
+    return [
+        "--speculator-type", "eagle3", "--verifier-name-or-path", str(verifier),
+        "--data-path", str(data.folder), "--save-path", str(out / "checkpoints"),
+        "--log-dir", str(out / "logs"), "--seed", str(s.seed),
+        # the CPU: attention, loss and dtypes that run without an accelerator
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+        "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise",
+        # selfspec's EAGLE-3 head: one full-attention layer, no extra norms, the fused layers
+        "--num-layers", "1", "--full-attention-indices", "0",
+        "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+        "--target-layer-ids", *map(str, data.layers), "--mask-token-id", str(mask_token_id),
+        "--draft-vocab-size", str(s.draft_vocab_size),
+        "--d2t-path", str(vocab[0]), "--t2d-path", str(vocab[1]),
+        # selfspec's training: rows, steps, optimizer, schedule, loss
+        "--total-seq-len", str(s.batch * data.seq_len),
+        "--train-data-ratio", repr(data.train_ratio),
+        "--max-steps", str(s.steps), "--epochs", str(epochs_for(s.steps, data.train_rows, s.batch)),
+        "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", "0",
+        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(s.warmup),
+        "--ttt-steps", str(s.ttt_steps), "--ttt-step-loss-decay", repr(s.ttt_decay),
+        "--loss-fn", "kl_div", "--log-freq", "1", "--checkpoint-freq", "1",
+    ]
+
+
+def train_with_speculators(flags: list[str], out: Path, threads: int | None) -> list[dict]:
+    """Run speculators' trainer in its venv; its logged training steps."""
+    import os
+
+    if not PEER_PYTHON.is_file():
+        raise FileNotFoundError(f"speculators' venv is absent ({PEER_PYTHON}): build it with "
+                                f"scripts/peers.sh speculators")
+    metrics = out / "speculators_metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    done = subprocess.run([str(PEER_PYTHON), str(CPU_TRAIN), str(metrics), *flags], env=env,
+                          capture_output=True, text=True)
+    (out / "speculators.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"speculators' trainer failed (exit {done.returncode}); its log: "
+                           f"{out / 'speculators.log'}\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if "train" in r]
+
+
+def last_checkpoint(out: Path) -> Path:
+    """The folder of speculators' last saved epoch (checkpoints/<epoch>/)."""
+    epochs = sorted((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()),
+                    key=lambda p: int(p.name))
+    if not epochs:
+        raise FileNotFoundError(f"speculators saved no checkpoint under {out / 'checkpoints'}")
+    return epochs[-1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    import torch
+
+    from selfspec import Transformer
+    from selfspec.heads import load_head
+    from selfspec.heads.eagle import default_target_layers
+    from selfspec.training.features import FeatureStore
+    from selfspec.training.speculators_data import write_draft_vocab, write_offline_rows
+
+    settings = Settings(**{k: getattr(args, k) for k in asdict(Settings())})
+    out, target_folder = Path(args.out), Path(args.target).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target = Transformer.from_pretrained(target_folder).eval()
+    layers = tuple(args.layers or default_target_layers(target.config.num_layers))
+    store = FeatureStore(args.store)
+    data = write_offline_rows(store, out / "data", layers, target.config.num_layers,
+                              args.max_rows)
+    vocab = write_draft_vocab(store, out / "data", target.config.vocab_size,
+                              settings.draft_vocab_size, args.max_rows)
+    flags = speculators_flags(settings, data, target_folder, vocab, out,
+                              mask_token_id=target.config.vocab_size - 1)
+    start = time.perf_counter()
+    steps = train_with_speculators(flags, out, args.threads)
+    wall = time.perf_counter() - start
+    if len(steps) != settings.steps:
+        raise RuntimeError(f"speculators logged {len(steps)} training steps, not the "
+                           f"{settings.steps} asked for: see {out / 'speculators.log'}")
+    folder = last_checkpoint(out)
+    head = load_head(folder, target=target, allow_other_base=True)
+    speeds = [s["profile"]["tokens_per_s"] for s in steps if s.get("profile")]
+    summary = {
+        "kind": args.kind, "head": str(folder), "loaded_as": type(head).__name__,
+        "settings": asdict(settings), "layers": list(layers), "train_rows": data.train_rows,
+        "heldout_rows": data.heldout_rows, "seq_len": data.seq_len,
+        "losses": [s["train"]["loss"] for s in steps],
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
+        "replay": f"python eval/replay.py model=<the target> 'methods=[eagle]' "
+                  f"eagle_head={folder} data=mt_bench num_prompts=80",
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    from selfspec.cli import exit_on_user_error
+
+    exit_on_user_error(main, sys.argv[1:])
