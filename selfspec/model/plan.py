@@ -16,7 +16,7 @@ from torch import nn
 from selfspec.checks import check_count
 from selfspec.model.config import ModelConfig
 from selfspec.model.placement import Placement, parse_device
-from selfspec.model.transformer import DecoderLayer, Transformer
+from selfspec.model.transformer import DecoderLayer, Transformer, mtp_modules
 
 GIB = 1024**3
 PLANNERS = ("auto", "balanced", "sequential")  # model.device_map's planners
@@ -194,11 +194,13 @@ def placement_lines(placement: Placement, config: ModelConfig, bytes_per_param: 
 
 
 class _Home(nn.Module):
-    """The embedding, final norm and LM head as one unit the planner keeps whole."""
+    """The embedding, final norm, LM head and MTP modules (a drafter's, run beside the LM
+    head) as one unit the planner keeps whole."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head = model.embed_tokens, model.norm, model.lm_head
+        self.mtp = model.mtp
 
 
 class _PlanView(nn.Module):
@@ -330,7 +332,8 @@ def _layer_kinds(config: ModelConfig) -> dict[bool, int]:
 def _home_params(config: ModelConfig) -> int:
     with torch.device("meta"):
         home = _Home(Transformer(_one_layer(config)))
-    return sum(p.numel() for p in home.parameters())
+        mtp = mtp_modules(config)  # the cut model has none: they read the last layer's output
+    return sum(p.numel() for p in home.parameters()) + sum(p.numel() for p in mtp.parameters())
 
 
 def _one_layer(config: ModelConfig) -> ModelConfig:

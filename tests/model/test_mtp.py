@@ -3,6 +3,7 @@ checkpoint.py's layouts): the forward against the reference re-expressed from vL
 checkpoint layout written and read back, config.json's keys, the random-weights preset."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,14 @@ def test_a_config_that_counts_modules_the_weights_lack_loads_without_them(tmp_pa
         positions = torch.arange(TOKENS.shape[1])
         torch.testing.assert_close(loaded(TOKENS, positions).logits,
                                    target(TOKENS, positions).logits, atol=0, rtol=0)
+
+
+def test_the_plans_count_the_modules_with_the_home_devices_weights():
+    from selfspec.model.plan import _home_params, _model_bytes, count_parameters
+
+    config = mtp_target("nextn", family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                        expert_intermediate_size=16).config
+    without = replace(config, mtp_modules=0, mtp_layout=None)
+    assert _model_bytes(config, torch.float32) == 4 * count_parameters(config)
+    added = count_parameters(config) - count_parameters(without)
+    assert added > 0 and _home_params(config) - _home_params(without) == added
