@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import selfspec.drafters.suffix as suffix
 from selfspec import SamplingParams
 from selfspec.drafters.base import DecodeSetup, DraftContext
 from selfspec.drafters.suffix import SuffixDrafter, SuffixSettings, SuffixStore
@@ -118,10 +119,15 @@ def paths_of(tokens, parents) -> list[tuple[int, ...]]:
     return paths
 
 
+@pytest.mark.parametrize("grouping", ["python", "numpy"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"depth{s[0]}-k{s[1]}-"
                          f"f{s[2]}-o{s[3]}-p{s[4]}-{'tree' if s[5] else 'chain'}")
-def test_the_same_speculations_as_arctic_inference(tmp_path, rows, setting):
+def test_the_same_speculations_as_arctic_inference(tmp_path, monkeypatch, rows, setting,
+                                                   grouping):
+    """grouping: every node's children grouped in plain Python, or every one with numpy
+    (selfspec groups few occurrences one way and many the other)."""
+    monkeypatch.setattr(suffix, "SMALL", 10**9 if grouping == "python" else -1)
     depth, k, factor, offset, min_prob, tree = setting
     ops = script(token_streams(seed=depth + k), rows, seed=rows)
     theirs = arctic_drafts(tmp_path, ops, depth, dict(
