@@ -15,6 +15,7 @@ replay.json (and the recording, greedy.json) into the run folder.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from selfspec.from_config.models import load_tokenizer
 from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
 from selfspec.from_config.sweeps import load_sweep_models, our_drafter, plan_sweep, verified_target
 from selfspec.measure.replay import GreedyRecord, record_greedy, replay
-from selfspec.metrics import POSITION_SPAN, GenerationStats
+from selfspec.metrics import POSITION_SPAN, GenerationStats, TauEstimate
 
 
 @hydra_entry_point("replay")
@@ -56,15 +57,20 @@ def run(cfg: DictConfig) -> list[dict]:
                          "eval/sweep.py")
     rows = []
     for point in plan.grid.points():
-        stats = GenerationStats()
+        stats, per_prompt = GenerationStats(), []
         for record in records:
             drafter = our_drafter(models, point.variant, point.draft_length)
-            stats.merge(replay(models.target, drafter, record))
+            per_prompt.append(replay(models.target, drafter, record))
+            stats.merge(per_prompt[-1])
         rows.append({"method": point.method, "draft_length": point.draft_length,
-                     "tau": stats.tau, "mean_draft_nodes": stats.drafted / max(stats.steps, 1),
+                     "tau": stats.tau,
+                     "tau_standard_error": standard_error(per_prompt),
+                     "mean_draft_nodes": stats.drafted / max(stats.steps, 1),
                      "accepted_share_by_depth": stats.acceptance_by_position,
                      "tau_by_position": stats.tau_by_position})
-        print(f"{point.method:<28} k={point.draft_length}  tau {stats.tau:.3f}  "
+        error = rows[-1]["tau_standard_error"]
+        print(f"{point.method:<28} k={point.draft_length}  tau {stats.tau:.3f}"
+              + ("" if error is None else f" ± {error:.3f}") + "  "
               f"nodes {rows[-1]['mean_draft_nodes']:.2f}  accepted by depth "
               + " ".join(f"{a:.2f}" for a in stats.acceptance_by_position))
     out = Path(cfg.run_dir) / "replay.json"
@@ -72,6 +78,12 @@ def run(cfg: DictConfig) -> list[dict]:
                                "position_span": POSITION_SPAN, "rows": rows}, indent=2) + "\n")
     print(f"replayed over {len(records)} recorded answers: {out.resolve()}")
     return rows
+
+
+def standard_error(per_prompt: list[GenerationStats]) -> float | None:
+    """tau's standard error over the prompts (TauEstimate); None with a single prompt."""
+    error = TauEstimate.of(per_prompt).standard_error
+    return None if math.isnan(error) else error
 
 
 def recorded(cfg: DictConfig, target, prompts: dict[str, list[int]], n: int,

@@ -11,6 +11,7 @@ from selfspec.from_config.common import CONF_DIR
 from selfspec.from_config.models import load_target, load_tokenizer
 from selfspec.from_config.prompts import encode_prompt_texts, stop_ids
 from selfspec.from_config.sweeps import plan_sweep
+from selfspec.metrics import TauEstimate
 
 
 def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build):
@@ -32,6 +33,7 @@ def test_eval_replay_prints_the_tau_that_decoding_measures(tmp_path, quick_build
                      eos_token_id=list(stops)).stats for p in prompts]
     steps = sum(s.steps for s in live)
     assert row["tau"] == pytest.approx((sum(s.accepted for s in live) + steps) / steps)
+    assert row["tau_standard_error"] == pytest.approx(TauEstimate.of(live).standard_error)
     # The toy target's code repeats itself: lookup keeps many drafts (1.83 measured)
     assert row["tau"] > 1.5
     assert json.loads((tmp_path / "replay.json").read_text())["rows"] == [row]
