@@ -27,6 +27,9 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
   full-attention layers whose output is gated (`attention_output_gate`), `(1 + w)` norms,
   per-head q/k norms, partial RoPE; dense MLPs only (its mixture of experts with a shared
   expert is refused).
+- qwen3_5_text: Qwen3.5's decoder, Qwen3-Next's layers with the linear attention's input
+  products split four ways (`linear_split_projections`) and dense MLPs; its multimodal RoPE
+  is the plain one over text.
 
 Multi-token prediction (MTP) modules after the last layer are configuration too
 (`mtp_modules`, `mtp_layout`): DeepSeek-V3's NextN layers (config.json's
@@ -73,6 +76,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                 "expert_act": "clamped_swiglu", "attention_sinks": True},
     "qwen3_next": {"norm_scale": "one_plus_weight", "qk_norm": "head",
                    "attention_output_gate": True},
+    "qwen3_5_text": {"norm_scale": "one_plus_weight", "qk_norm": "head",
+                     "attention_output_gate": True, "linear_split_projections": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -81,7 +86,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "qwen3_next": "Qwen3NextForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
@@ -95,6 +100,7 @@ _MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers"
 EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
+HYBRID = ("qwen3_next", "qwen3_5_text")  # the families with linear-attention layers
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                "linear_value_head_dim", "linear_conv_kernel_dim")
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
@@ -181,6 +187,8 @@ class ModelConfig:
         output is multiplied by its sigmoid before o_proj (Qwen3-Next).
     linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
         linear_conv_kernel_dim: the widths of the linear-attention layers (0 without them).
+    linear_split_projections: their input products as Qwen3.5 lays them out (in_proj_qkv,
+        in_proj_z, in_proj_b, in_proj_a) rather than Qwen3-Next's two grouped by key head.
     """
 
     vocab_size: int
@@ -237,6 +245,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    linear_split_projections: bool = False
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -481,11 +490,12 @@ class ModelConfig:
             hf["original_max_position_embeddings"] = \
                 self.rope_scaling["original_max_position_embeddings"]
         hf |= self._moe_keys()
-        if self.model_type == "qwen3_next":
+        if self.model_type in HYBRID:
             hf |= {key: getattr(self, key) for key in LINEAR_KEYS}
-            hf |= {"layer_types": ["linear_attention" if i in self.linear_layers
-                                   else "full_attention" for i in range(self.num_layers)],
-                   "num_experts": 0}
+            hf["layer_types"] = ["linear_attention" if i in self.linear_layers
+                                 else "full_attention" for i in range(self.num_layers)]
+        if self.model_type == "qwen3_next":
+            hf["num_experts"] = 0
         if self.model_type == "gemma3_text":
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
@@ -518,7 +528,8 @@ class ModelConfig:
         implied["embedding_multiplier"] = embedding
         checked = {name: implied[name] for name in
                    ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
-                    "router_bias", "expert_bias", "expert_act", "attention_output_gate")}
+                    "router_bias", "expert_bias", "expert_act", "attention_output_gate",
+                    "linear_split_projections")}
         if self.model_type != "qwen3_moe":
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
@@ -546,7 +557,7 @@ class ModelConfig:
             raise ValueError(f"a {self.model_type} config.json "
                              f"{'needs' if self.model_type in MOE else 'has no'} experts "
                              f"(num_experts={self.num_experts})")
-        if self.model_type != "qwen3_next" and self.linear_layers:
+        if self.model_type not in HYBRID and self.linear_layers:
             raise ValueError(f"a {self.model_type} config.json has no linear-attention layers")
         if self.model_type not in WINDOWED and self.sliding_layers:
             raise ValueError(f"a {self.model_type} config.json has no sliding window")
@@ -572,7 +583,7 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
                   "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout",
-                  "attention_output_gate", *LINEAR_KEYS)
+                  "attention_output_gate", *LINEAR_KEYS, "linear_split_projections")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -648,11 +659,12 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
 
 
 def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:
-    """Qwen3-Next's layer kinds and linear-attention widths (transformers' defaults where a
-    key is absent: a full-attention layer every fourth); its experts are refused."""
-    if model_type != "qwen3_next":
+    """Qwen3-Next's and Qwen3.5's layer kinds and linear-attention widths (transformers'
+    defaults where a key is absent: a full-attention layer every fourth); Qwen3-Next's
+    experts are refused."""
+    if model_type not in HYBRID:
         return {}
-    if config.get("num_experts", 512):
+    if model_type == "qwen3_next" and config.get("num_experts", 512):
         raise ValueError(f"qwen3_next's mixture of experts (num_experts="
                          f"{config.get('num_experts', 512)}, with a shared expert) is not "
                          f"supported yet; a config with num_experts: 0 (dense MLPs) loads")

@@ -19,7 +19,9 @@ so a row's arithmetic is the same in a one-token step and in a verification of m
 chunked scan, faster over long prompts, is not used.
 
 Names mirror transformers' `Qwen3NextGatedDeltaNet` (in_proj_qkvz, in_proj_ba, conv1d, dt_bias,
-A_log, norm, out_proj), so its checkpoints load as they are.
+A_log, norm, out_proj; Qwen3.5's `Qwen3_5GatedDeltaNet` splits the input products into
+in_proj_qkv, in_proj_z, in_proj_b and in_proj_a: `DeltaNetDims.split_projections`), so their
+checkpoints load as they are.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class DeltaNetDims:
     value_head_dim: int
     conv_kernel: int
     eps: float
+    # Qwen3.5: q, k, v | z | b | a as four products, each laid out head after head; else
+    # Qwen3-Next's two, grouped by key head ([q, k, v, z] and [b, a] per key head)
+    split_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.num_value_heads % self.num_key_heads:
@@ -160,8 +165,15 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.dims = dims
         d = dims
-        self.in_proj_qkvz = Linear(d.hidden_size, 2 * d.key_dim + 2 * d.value_dim, bias=False)
-        self.in_proj_ba = Linear(d.hidden_size, 2 * d.num_value_heads, bias=False)
+        if d.split_projections:
+            self.in_proj_qkv = Linear(d.hidden_size, d.conv_dim, bias=False)
+            self.in_proj_z = Linear(d.hidden_size, d.value_dim, bias=False)
+            self.in_proj_b = Linear(d.hidden_size, d.num_value_heads, bias=False)
+            self.in_proj_a = Linear(d.hidden_size, d.num_value_heads, bias=False)
+        else:
+            self.in_proj_qkvz = Linear(d.hidden_size, 2 * d.key_dim + 2 * d.value_dim,
+                                       bias=False)
+            self.in_proj_ba = Linear(d.hidden_size, 2 * d.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim,
                                 bias=False, padding=d.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(d.num_value_heads))
@@ -195,18 +207,22 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(normed.reshape(batch, t, d.value_dim))
 
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The projections of x [B, T, hidden], from their per-key-head layout: the
-        convolution's input [B, T, C] (q, k, v), the output gate z [B, T, Hv, Dv], beta and
-        the log decay [B, T, Hv] (fp32 decay)."""
+        """The projections of x [B, T, hidden]: the convolution's input [B, T, C] (q, k, v),
+        the output gate z [B, T, Hv, Dv], beta and the log decay [B, T, Hv] (fp32 decay)."""
         d = self.dims
         batch, t, _ = x.shape
-        qkvz = self.in_proj_qkvz(x).view(batch, t, d.num_key_heads, -1)
-        ba = self.in_proj_ba(x).view(batch, t, d.num_key_heads, 2 * d.group)
-        q, k, v, z = qkvz.split((d.key_head_dim, d.key_head_dim, d.group * d.value_head_dim,
-                                 d.group * d.value_head_dim), dim=3)
-        b, a = ba.split((d.group, d.group), dim=3)
-        mixed = torch.cat([q.reshape(batch, t, -1), k.reshape(batch, t, -1),
-                           v.reshape(batch, t, -1)], dim=-1)
+        if d.split_projections:
+            mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        else:  # from the per-key-head layout
+            qkvz = self.in_proj_qkvz(x).view(batch, t, d.num_key_heads, -1)
+            ba = self.in_proj_ba(x).view(batch, t, d.num_key_heads, 2 * d.group)
+            q, k, v, z = qkvz.split((d.key_head_dim, d.key_head_dim,
+                                     d.group * d.value_head_dim, d.group * d.value_head_dim),
+                                    dim=3)
+            b, a = ba.split((d.group, d.group), dim=3)
+            mixed = torch.cat([q.reshape(batch, t, -1), k.reshape(batch, t, -1),
+                               v.reshape(batch, t, -1)], dim=-1)
         beta = b.reshape(batch, t, d.num_value_heads).sigmoid()
         a = a.reshape(batch, t, d.num_value_heads)
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)

@@ -20,7 +20,7 @@ The forward takes RoPE positions apart from cache slots (see `selfspec.model.kv_
 layers: `exit_layer` for LayerSkip-style early exit, `start_layer` + `hidden_in` to resume,
 `skip_layers` to leave a set of layers out (layer-skip drafting: Draft & Verify, SWIFT).
 
-A hybrid target (Qwen3-Next) has Gated DeltaNet layers among its attention layers
+A hybrid target (Qwen3-Next, Qwen3.5) has Gated DeltaNet layers among its attention layers
 (`ModelConfig.linear_layers`, `selfspec.model.recurrent`): they read each new row's parent off
 the forward's mask and keep their state in the cache (`selfspec.model.recurrent_cache`), so
 verification restores it exactly after a rejection, for chains and trees alike.
@@ -355,7 +355,7 @@ def delta_net_dims(config: ModelConfig) -> DeltaNetDims:
     return DeltaNetDims(config.hidden_size, config.linear_num_key_heads,
                         config.linear_num_value_heads, config.linear_key_head_dim,
                         config.linear_value_head_dim, config.linear_conv_kernel_dim,
-                        config.rms_norm_eps)
+                        config.rms_norm_eps, config.linear_split_projections)
 
 
 class LayerStages(NamedTuple):

@@ -1,6 +1,7 @@
-"""A hybrid target (Qwen3-Next: Gated DeltaNet layers among gated full-attention layers, 3:1)
-as configuration of the one decoder: loaded from a folder transformers' Qwen3NextForCausalLM
-saved, in parity with it (logits, cached steps, greedy), written back, its cache's state."""
+"""A hybrid target (Qwen3-Next, Qwen3.5: Gated DeltaNet layers among gated full-attention
+layers, 3:1) as configuration of the one decoder: loaded from a folder transformers'
+Qwen3NextForCausalLM or Qwen3_5ForCausalLM saved, in parity with it (logits, cached steps,
+greedy), written back, its cache's state."""
 
 import json
 
@@ -17,15 +18,24 @@ pytest.importorskip("transformers.models.qwen3_next", reason="pip install 'trans
 TOKENS = torch.tensor([[3, 17, 42, 8, 8, 21, 5, 60, 33, 9, 12]])
 
 
-def hf_qwen3_next(seed: int = 0, **extra):
-    """A tiny random Qwen3NextForCausalLM (fp32): layers 0-2 linear attention, 3 full."""
-    config = transformers.Qwen3NextConfig(
+def hf_qwen3_next(seed: int = 0, family: str = "qwen3_next"):
+    """A tiny random Qwen3NextForCausalLM, or Qwen3_5ForCausalLM (fp32): layers 0-2 linear
+    attention, 3 full."""
+    if family == "qwen3_next":
+        kind, model_class, extra = (transformers.Qwen3NextConfig,
+                                    transformers.Qwen3NextForCausalLM, {"num_experts": 0})
+    else:  # half of each head rotated, by the text's share of its multimodal sections
+        kind, model_class = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+        extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                     "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True}}
+    config = kind(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-        num_experts=0, max_position_embeddings=256, **extra)
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16 if extra.get(
+            "rope_parameters") else 8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, max_position_embeddings=256, **extra)
     torch.manual_seed(seed)
-    model = transformers.Qwen3NextForCausalLM(config).float().eval()
+    model = model_class(config).float().eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if not name.endswith(("A_log", "dt_bias")):  # the decay keeps its own init
@@ -33,11 +43,11 @@ def hf_qwen3_next(seed: int = 0, **extra):
     return model
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def hybrid(request, tmp_path_factory):
     """(ours loaded from the folder transformers saved, transformers' model)."""
-    hf = hf_qwen3_next()
-    folder = tmp_path_factory.mktemp("qwen3_next")
+    hf = hf_qwen3_next(family=request.param)
+    folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     return Transformer.from_pretrained(folder), hf
 
@@ -47,7 +57,9 @@ def test_a_saved_folder_loads_with_transformers_logits(hybrid):
     ours, hf = hybrid
     config = ours.config
     assert config.linear_layers == {0, 1, 2} and config.attention_output_gate
-    assert config.partial_rotary_factor == 0.25 and config.norm_scale == "one_plus_weight"
+    assert config.norm_scale == "one_plus_weight"
+    assert config.linear_split_projections == (config.model_type == "qwen3_5_text")
+    assert config.partial_rotary_factor == (0.5 if config.linear_split_projections else 0.25)
     expected = hf(TOKENS).logits
     got = ours(TOKENS, torch.arange(TOKENS.shape[1])).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

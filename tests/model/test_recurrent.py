@@ -1,6 +1,9 @@
 """The Gated DeltaNet layer (model/recurrent.py) against transformers' own
-Qwen3NextGatedDeltaNet on random weights (fp32), and its state per row: a tree's node continues
-its parent, a cache commits the accepted row's state (model/recurrent_cache.py)."""
+Qwen3NextGatedDeltaNet and Qwen3_5GatedDeltaNet on random weights (fp32), and its state per
+row: a tree's node continues its parent, a cache commits the accepted row's state and
+truncates back over the forwards it kept (model/recurrent_cache.py)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,30 +15,36 @@ from selfspec.model.recurrent_cache import HybridCache, RecurrentState
 transformers = pytest.importorskip("transformers", reason="pip install transformers")
 modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
                                reason="pip install 'transformers>=5'")
+qwen3_5_modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5",
+                                       reason="pip install 'transformers>=5.2'")
 
 DIMS = DeltaNetDims(hidden_size=32, num_key_heads=2, num_value_heads=4, key_head_dim=8,
                     value_head_dim=6, conv_kernel=4, eps=1e-6)
 
 
-def hf_layer(seed: int = 0):
-    config = transformers.Qwen3NextConfig(
+def hf_layer(seed: int = 0, qwen3_5: bool = False):
+    """transformers' layer (Qwen3.5's with qwen3_5) and its config, random weights."""
+    kind = transformers.Qwen3_5TextConfig if qwen3_5 else transformers.Qwen3NextConfig
+    extra = {} if qwen3_5 else {"num_experts": 0}
+    config = kind(
         vocab_size=64, hidden_size=DIMS.hidden_size, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
         linear_num_key_heads=DIMS.num_key_heads, linear_num_value_heads=DIMS.num_value_heads,
         linear_key_head_dim=DIMS.key_head_dim, linear_value_head_dim=DIMS.value_head_dim,
-        linear_conv_kernel_dim=DIMS.conv_kernel, num_experts=0, rms_norm_eps=DIMS.eps,
-        layer_types=["linear_attention"])
+        linear_conv_kernel_dim=DIMS.conv_kernel, rms_norm_eps=DIMS.eps,
+        layer_types=["linear_attention"], **extra)
     torch.manual_seed(seed)
-    layer = modeling.Qwen3NextGatedDeltaNet(config, 0).float()
+    layer = (qwen3_5_modeling.Qwen3_5GatedDeltaNet if qwen3_5
+             else modeling.Qwen3NextGatedDeltaNet)(config, 0).float()
     with torch.no_grad():
         for parameter in layer.parameters():
             parameter.normal_(0, 0.3)
     return config, layer
 
 
-def our_layer(seed: int = 0) -> GatedDeltaNet:
-    _, hf = hf_layer(seed)
-    layer = GatedDeltaNet(DIMS)
+def our_layer(seed: int = 0, qwen3_5: bool = False) -> GatedDeltaNet:
+    _, hf = hf_layer(seed, qwen3_5)
+    layer = GatedDeltaNet(replace(DIMS, split_projections=qwen3_5))
     layer.load_state_dict(hf.state_dict())
     return layer
 
@@ -55,11 +64,12 @@ def fed(layer: GatedDeltaNet, cache: HybridCache, x: torch.Tensor,
     return out
 
 
+@pytest.mark.parametrize("qwen3_5", [False, True], ids=["qwen3_next", "qwen3_5"])
 @torch.no_grad()
-def test_a_sequence_matches_transformers():
-    _, hf = hf_layer()
+def test_a_sequence_matches_transformers(qwen3_5):
+    _, hf = hf_layer(qwen3_5=qwen3_5)
     x = torch.randn(2, 9, DIMS.hidden_size)
-    ours = our_layer()(x, None)
+    ours = our_layer(qwen3_5=qwen3_5)(x, None)
     torch.testing.assert_close(ours, hf(x), atol=1e-5, rtol=1e-5)
     assert hf(x).abs().max() > 0.1  # not a vanishing output
 
