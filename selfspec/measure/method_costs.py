@@ -1,8 +1,9 @@
 """What each method's drafting costs on the running machine, with random heads
 (eval/bench_decode.py): a random head is accepted about never, but it drafts exactly the work
 a trained one drafts, so its draft time per step, in plain-step units, is the method's draft
-cost. With a published tau it projects the method's speedup, tau / (c(N + 1) + draft cost),
-which is labelled a projection wherever it is shown."""
+cost. `mtp` drafts with the target's own MTP module (a target that has one: model=random-mtp,
+whose module is random too). With a published tau it projects the method's speedup,
+tau / (c(N + 1) + draft cost), which is labelled a projection wherever it is shown."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.drafters import DFlashDrafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter
+from selfspec.drafters.mtp import MtpDrafter
 from selfspec.heads import (
     DFlashConfig,
     DFlashHead,
@@ -34,6 +36,7 @@ METHODS = {  # name: (published tau or None, what drafts)
     "medusa": (2.52, "4 Medusa heads, the static tree"),
     "early_exit": (None, "adapter exit at E = L/4, 4 tokens a step"),
     "dflash": (None, "DFlash head, one layer, 8 tokens drafted in one forward (a chain)"),
+    "mtp": (None, "the target's own MTP module, EAGLE-2 tree: 60 nodes, depth 6, top-10"),
 }
 
 
@@ -55,6 +58,8 @@ def random_drafter(name: str, target: Transformer, tree: Sequence[Sequence[int]]
         head_config = DFlashConfig.for_target(config, mask_token_id=config.vocab_size - 1,
                                               block_size=9)
         return DFlashDrafter(DFlashHead(head_config).to(weight).eval())
+    if name == "mtp":  # the target's own module: no head to make
+        return MtpDrafter(target, total_tokens=60, depth=6, top_k=10)
     if name == "early_exit":
         exit_config = ExitConfig.for_target(config, max(1, config.num_layers // 4))
         return EarlyExitDrafter(ExitHead(exit_config).to(weight).eval(), 4)
