@@ -1,9 +1,9 @@
 """Speculative decoding of a hybrid target (a tiny random Qwen3-Next: three Gated DeltaNet
 layers, then a gated full-attention layer) whose recurrent state verification must restore
 after every rejection: greedy through chains (n-gram lookup, a draft model that is the
-target's first layer, recurrent too) and trees (random Medusa heads, the oracle's tree) equals
-plain greedy, sampling at T = 1 keeps the target's law, and a cache
-that leaves a rejected token in the state is caught; a batch decodes each row as alone."""
+target's first layer, recurrent too, the target's own MTP module) and trees (random Medusa
+heads, the oracle's tree) equals plain greedy, sampling at T = 1 keeps the target's law, and a
+cache that leaves a rejected token in the state is caught; a batch decodes each row as alone."""
 
 import pytest
 import torch
@@ -25,6 +25,10 @@ transformers = pytest.importorskip("transformers", reason="pip install transform
 pytest.importorskip("transformers.models.qwen3_next", reason="pip install 'transformers>=5'")
 
 NEW_TOKENS = 12
+# Qwen3-Next's layer kinds and linear-attention widths for a target built from our config
+HYBRID_ARCH = {"layer_types": ("linear_attention",) * 3 + ("full_attention",),
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 8, "linear_value_head_dim": 6}
 MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 
 
@@ -143,3 +147,30 @@ def test_a_forward_over_part_of_the_layers_is_refused(hybrid):
     cache = hybrid.new_cache(max_slots=16)
     with torch.no_grad(), pytest.raises(ValueError, match="part of a recurrent target's layers"):
         hybrid(torch.tensor([[3, 4]]), torch.arange(2), cache, exit_layer=2)
+
+
+@pytest.mark.slow  # 0.5 s each
+@pytest.mark.parametrize("shape", [{"tree": [[0], [0, 0], [0, 0, 0]]},
+                                   {"total_tokens": 6, "depth": 3, "top_k": 2}],
+                         ids=["chain", "eagle2_tree"])
+@torch.no_grad()
+def test_the_targets_own_mtp_module_drafts_losslessly(shape):
+    """Qwen3-Next's native drafter: its `mtp` module (a full-attention block with a KV cache
+    of its own) drafting for the hybrid target it belongs to, one prompt and a batch."""
+    from mtp_reference import mtp_target
+
+    from selfspec.drafters.mtp import MtpDrafter
+
+    target = mtp_target("mtp", seed=1, family="qwen3_next", layers=4, **HYBRID_ARCH)
+    for layer in target.layers:  # decays of a trained model's range, not std-0.2 noise
+        if layer.linear:
+            layer.linear_attn.A_log.normal_(0, 0.5)
+            layer.linear_attn.dt_bias.fill_(1.0)
+    expected = [generate(target, p, max_new_tokens=NEW_TOKENS).tokens for p in FAMILY_PROMPTS]
+    alone = [generate(target, p, drafter=MtpDrafter(target, **shape),
+                      max_new_tokens=NEW_TOKENS) for p in FAMILY_PROMPTS]
+    assert [r.tokens for r in alone] == expected
+    assert sum(r.stats.drafted - r.stats.accepted for r in alone) > 0
+    batch = generate(target, FAMILY_PROMPTS, drafter=MtpDrafter(target, **shape),
+                     max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in batch] == expected
