@@ -10,16 +10,17 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
    trainer picks from the same rows as speculators' d2t/t2d files.
 2. speculators trains in its own venv (scripts/peers.sh speculators) through
    scripts/speculators_cpu_train.py, with the settings of selfspec's train/eagle.py
-   (eagle.version=3, the quick trainer): one decoder layer sized like the target's, the same fused
-   layers and draft vocabulary, AdamW (no weight decay) at `--lr` with `--warmup` linear
+   (eagle.version=3, the quick trainer): one decoder layer sized like the target's, the
+   same fused layers and draft vocabulary, AdamW (no weight decay) at `--lr` with `--warmup` linear
    warmup steps then cosine decay to zero over `--steps`, gradients clipped at 1, the
    training-time test of 7 steps decayed by 0.8, forward KL to the target's law, `--batch`
    rows a step. Its head is the shape selfspec loads: no extra norms, full attention, the
    target's embedding frozen.
 3. The last checkpoint is loaded by `selfspec.heads.load_head`; `summary.json` in --out holds
-   its folder, speculators' logged losses, its steps and training tokens/s (its own step
-   profile), and the command that replays it on held-out prompts (eval/replay.py, the
-   evaluator of selfspec's own heads).
+   its folder, speculators' logged losses, its training tokens/s (rows x seq_len a step, as
+   selfspec's trainer counts `tokens_seen`, over the steps' time in speculators' own step
+   profile, from fetching the batch to the optimizer's step) and the command that replays it
+   on held-out prompts (eval/replay.py, the evaluator of selfspec's own heads).
 """
 
 from __future__ import annotations
@@ -164,13 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
                            f"{settings.steps} asked for: see {out / 'speculators.log'}")
     folder = last_checkpoint(out)
     head = load_head(folder, target=target, allow_other_base=True)
-    speeds = [s["profile"]["tokens_per_s"] for s in steps if s.get("profile")]
+    seconds = sum(s["profile"]["step_ms"] for s in steps) / 1000  # fetch to optimizer step
     summary = {
         "kind": args.kind, "head": str(folder), "loaded_as": type(head).__name__,
         "settings": asdict(settings), "layers": list(layers), "train_rows": data.train_rows,
         "heldout_rows": data.heldout_rows, "seq_len": data.seq_len,
         "losses": [s["train"]["loss"] for s in steps],
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # counted as selfspec's trainer counts (tokens_seen: rows x seq_len a step)
+        "tokens_per_s": settings.steps * settings.batch * data.seq_len / seconds,
         "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
         "replay": f"python eval/replay.py model=<the target> 'methods=[eagle]' "
                   f"eagle_head={folder} data=mt_bench num_prompts=80",
