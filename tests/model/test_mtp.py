@@ -12,6 +12,7 @@ from mtp_reference import QWEN3_NEXT, mimo_forward, mtp_target, nextn_forward, q
 from safetensors.torch import load_file, save_file
 
 from selfspec.model import ModelConfig, Transformer
+from selfspec.model.loading import with_random_mtp
 from selfspec.model.moe import MoE
 
 TOKENS = torch.tensor([[3, 17, 42, 8, 8, 21, 5, 60, 33]])
@@ -135,19 +136,39 @@ def test_a_target_cut_for_a_draft_model_leaves_the_modules_out():
     assert first.config.mtp_modules == 0 and len(first.mtp) == 0
 
 
-def test_the_random_preset_has_seeded_modules():
+def random_mtp_spec(weights: bool):
     from omegaconf import OmegaConf
 
     from selfspec.from_config.models import target_spec
-    from selfspec.model.loading import load
 
     conf = Path(__file__).resolve().parents[2] / "conf" / "model" / "random-mtp.yaml"
     cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
-    spec = target_spec(cfg)
+    return target_spec(cfg, weights)
+
+
+def test_the_random_preset_names_a_module_made_seeded():
+    """The preset's arch names a NextN layer; its random weights are seeded (normal, std 0.02,
+    as transformers initialises a linear layer), the decoder's left as they are."""
+    config = random_mtp_spec(weights=False).config
+    assert (config.mtp_modules, config.mtp_layout) == (1, "nextn")
+    base = replace(config, mtp_modules=0, mtp_layout=None)
+    decoder = Transformer(base)
+    one = with_random_mtp(decoder, config, seed=3)
+    assert one.config == config and len(one.mtp) == 1
+    two = with_random_mtp(Transformer(base), config, seed=3)
+    torch.testing.assert_close(one.mtp[0].proj.weight, two.mtp[0].proj.weight, atol=0, rtol=0)
+    assert 0.015 < one.mtp[0].proj.weight.std() < 0.025  # transformers' std, not a default
+    assert torch.equal(one.mtp[0].norm.weight, torch.ones(64))  # norms at their identity
+
+
+@pytest.mark.slow  # transformers builds the decoder twice
+def test_the_random_preset_loads_with_seeded_modules():
+    from selfspec.model.loading import load
+
+    spec = random_mtp_spec(weights=True)
     one, two = load(spec), load(spec)
     assert one.config.mtp_modules == 1 and one.config.mtp_layout == "nextn"
     torch.testing.assert_close(one.mtp[0].proj.weight, two.mtp[0].proj.weight, atol=0, rtol=0)
-    assert 0.015 < one.mtp[0].proj.weight.std() < 0.025  # transformers' std, not a default
 
 
 def test_a_config_that_counts_modules_the_weights_lack_loads_without_them(tmp_path):
