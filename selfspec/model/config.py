@@ -25,8 +25,8 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - qwen3_next: a hybrid: Gated DeltaNet linear-attention layers (`layer_types`'
   "linear_attention", `selfspec.model.recurrent`, their widths the `linear_*` fields) among
   full-attention layers whose output is gated (`attention_output_gate`), `(1 + w)` norms,
-  per-head q/k norms, partial RoPE; dense MLPs only (its mixture of experts with a shared
-  expert is refused).
+  per-head q/k norms, partial RoPE; dense MLPs or Qwen3-MoE's mixture of experts with a
+  shared expert beside the routed ones (`shared_expert_intermediate_size`).
 - qwen3_5_text: Qwen3.5's decoder, Qwen3-Next's layers with the linear attention's input
   products split four ways (`linear_split_projections`) and dense MLPs; its multimodal RoPE
   is the plain one over text.
@@ -106,7 +106,8 @@ LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_hea
 GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
 WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
-MOE = ("mixtral", "qwen3_moe", "gpt_oss")  # the families with a mixture of experts
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")  # families with a mixture of experts
+QWEN_MOE = ("qwen3_moe", "qwen3_next")  # Qwen's keys: moe_intermediate_size, dense layers
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
 # transformers' windows where config.json has no sliding_window key
@@ -189,6 +190,8 @@ class ModelConfig:
         linear_conv_kernel_dim: the widths of the linear-attention layers (0 without them).
     linear_split_projections: their input products as Qwen3.5 lays them out (in_proj_qkv,
         in_proj_z, in_proj_b, in_proj_a) rather than Qwen3-Next's two grouped by key head.
+    shared_expert_intermediate_size: the width of a mixture of experts' shared expert, which
+        every token runs beside its routed ones, gated by a sigmoid (Qwen3-Next; 0: none).
     """
 
     vocab_size: int
@@ -246,6 +249,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     linear_split_projections: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -494,8 +498,8 @@ class ModelConfig:
             hf |= {key: getattr(self, key) for key in LINEAR_KEYS}
             hf["layer_types"] = ["linear_attention" if i in self.linear_layers
                                  else "full_attention" for i in range(self.num_layers)]
-        if self.model_type == "qwen3_next":
-            hf["num_experts"] = 0
+        if self.model_type == "qwen3_next" and not self.num_experts:
+            hf["num_experts"] = 0  # transformers' default is 512
         if self.model_type == "gemma3_text":
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
@@ -506,10 +510,12 @@ class ModelConfig:
     def _moe_keys(self) -> dict[str, Any]:
         """The config.json keys of the mixture of experts, as this model_type's class reads
         them."""
-        if self.model_type not in MOE:
+        if self.model_type not in MOE or not self.num_experts:
             return {}
         top = {"num_experts_per_tok": self.num_experts_per_tok}
-        if self.model_type == "qwen3_moe":
+        if self.model_type == "qwen3_next":
+            top["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if self.model_type in QWEN_MOE:
             return top | {"num_experts": self.num_experts,
                           "moe_intermediate_size": self.expert_width,
                           "norm_topk_prob": self.norm_topk_prob,
@@ -530,7 +536,9 @@ class ModelConfig:
                    ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
                     "router_bias", "expert_bias", "expert_act", "attention_output_gate",
                     "linear_split_projections")}
-        if self.model_type != "qwen3_moe":
+        if self.model_type != "qwen3_next":
+            checked["shared_expert_intermediate_size"] = 0
+        if self.model_type not in QWEN_MOE:
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
             if self.model_type in MOE:
@@ -553,7 +561,8 @@ class ModelConfig:
         if self.model_type == "qwen2" and not (self.attention_bias
                                                and not self.attention_out_bias):
             raise ValueError("a qwen2 config.json implies a bias on q, k and v and none on o")
-        if (self.model_type in MOE) != (self.num_experts > 0):
+        if (self.model_type in MOE) != (self.num_experts > 0) and \
+                self.model_type != "qwen3_next":  # dense or not
             raise ValueError(f"a {self.model_type} config.json "
                              f"{'needs' if self.model_type in MOE else 'has no'} experts "
                              f"(num_experts={self.num_experts})")
@@ -583,7 +592,8 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
                   "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout",
-                  "attention_output_gate", *LINEAR_KEYS, "linear_split_projections")
+                  "attention_output_gate", *LINEAR_KEYS, "linear_split_projections",
+                  "shared_expert_intermediate_size")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -645,6 +655,17 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     # transformers names it num_local_experts in every family (published Qwen3-MoE:
     # num_experts)
     experts = config.get("num_local_experts") or config.get("num_experts")
+    if model_type == "qwen3_next":  # transformers' defaults: 512 experts, top 10
+        experts = config.get("num_experts", 512)
+        if not experts:
+            return {}
+        return {"num_experts": experts, "num_experts_per_tok": top or 10,
+                "expert_intermediate_size": config.get("moe_intermediate_size", 512),
+                "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+                "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+                "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+                "shared_expert_intermediate_size":
+                    config.get("shared_expert_intermediate_size", 512)}
     if model_type == "qwen3_moe":
         return {"num_experts": experts or 128, "num_experts_per_tok": top or 8,
                 "expert_intermediate_size": config.get("moe_intermediate_size", 768),
@@ -660,14 +681,9 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
 
 def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:
     """Qwen3-Next's and Qwen3.5's layer kinds and linear-attention widths (transformers'
-    defaults where a key is absent: a full-attention layer every fourth); Qwen3-Next's
-    experts are refused."""
+    defaults where a key is absent: a full-attention layer every fourth)."""
     if model_type not in HYBRID:
         return {}
-    if model_type == "qwen3_next" and config.get("num_experts", 512):
-        raise ValueError(f"qwen3_next's mixture of experts (num_experts="
-                         f"{config.get('num_experts', 512)}, with a shared expert) is not "
-                         f"supported yet; a config with num_experts: 0 (dense MLPs) loads")
     interval = config.get("full_attention_interval", 4)
     types = config.get("layer_types") or [
         "linear_attention" if (i + 1) % interval else "full_attention"

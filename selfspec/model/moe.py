@@ -1,6 +1,8 @@
-"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, gpt-oss) as `ModelConfig`
-describes it: a linear router (with a bias: gpt-oss) picks each token's top k experts, and
-the token's output is the weighted sum of theirs.
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, gpt-oss, Qwen3-Next) as
+`ModelConfig` describes it: a linear router (with a bias: gpt-oss) picks each token's top k
+experts, and the token's output is the weighted sum of theirs, plus, where the family has one
+(Qwen3-Next: `shared_expert_intermediate_size`), a shared expert every token runs, scaled by
+the sigmoid of its own gate.
 
 Routing: the top k logits' softmax (`norm_topk_prob`: Mixtral, gpt-oss) or their share of the
 softmax over every expert (Qwen3-MoE without it). The two are the same ranking, so the top k
@@ -100,6 +102,21 @@ def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if bias is None else bias[e]
 
 
+class SharedExpert(nn.Module):
+    """The expert every token runs (Qwen3-Next): a gated MLP of its own width, its output
+    scaled by sigmoid(shared_expert_gate(x)), a gate [1, hidden] per layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.shared_expert_intermediate_size
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class MoE(nn.Module):
     """A layer's mixture of experts: the router `gate` and the stacked `experts`. Maps
     [B, T, hidden] to [B, T, hidden], as the MLP it replaces."""
@@ -109,6 +126,9 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = Experts(config)
+        if config.shared_expert_intermediate_size:  # transformers' names
+            self.shared_expert = SharedExpert(config)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     @property
     def num_experts(self) -> int:
@@ -123,6 +143,8 @@ class MoE(nn.Module):
         routing = self.route(flat)
         out = self.static_dispatch(flat, routing) if static else \
             self.eager_dispatch(flat, routing)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
     def route(self, x: torch.Tensor) -> Routing:

@@ -21,9 +21,12 @@ TOKENS = torch.tensor([[3, 17, 42, 8, 8, 21, 5, 60, 33, 9, 12]])
 def hf_qwen3_next(seed: int = 0, family: str = "qwen3_next"):
     """A tiny random Qwen3NextForCausalLM, or Qwen3_5ForCausalLM (fp32): layers 0-2 linear
     attention, 3 full."""
-    if family == "qwen3_next":
-        kind, model_class, extra = (transformers.Qwen3NextConfig,
-                                    transformers.Qwen3NextForCausalLM, {"num_experts": 0})
+    if family.startswith("qwen3_next"):
+        kind, model_class = transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM
+        extra = {"num_experts": 0}
+        if family == "qwen3_next_moe":  # a dense layer among sparse ones with a shared expert
+            extra = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                     "shared_expert_intermediate_size": 24, "mlp_only_layers": [1]}
     else:  # half of each head rotated, by the text's share of its multimodal sections
         kind, model_class = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
         extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
@@ -43,7 +46,8 @@ def hf_qwen3_next(seed: int = 0, family: str = "qwen3_next"):
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text",
+                                        pytest.param("qwen3_next_moe", marks=pytest.mark.slow)])
 def hybrid(request, tmp_path_factory):
     """(ours loaded from the folder transformers saved, transformers' model)."""
     hf = hf_qwen3_next(family=request.param)
@@ -60,6 +64,8 @@ def test_a_saved_folder_loads_with_transformers_logits(hybrid):
     assert config.norm_scale == "one_plus_weight"
     assert config.linear_split_projections == (config.model_type == "qwen3_5_text")
     assert config.partial_rotary_factor == (0.5 if config.linear_split_projections else 0.25)
+    assert (config.moe_layers, config.shared_expert_intermediate_size) in \
+        ((frozenset(), 0), ({0, 2, 3}, 24))
     expected = hf(TOKENS).logits
     got = ours(TOKENS, torch.arange(TOKENS.shape[1])).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -102,12 +108,30 @@ def test_the_config_round_trips_and_transformers_reads_our_folder(hybrid, tmp_pa
         torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits)
 
 
-def test_experts_and_impossible_widths_are_refused(tmp_path):
+@torch.no_grad()
+def test_a_mixture_of_experts_with_a_shared_expert_matches_transformers():
+    """Qwen3-Next's sparse layers: routed experts plus a shared expert scaled by its gate."""
+    hf = hf_qwen3_next(family="qwen3_next_moe")
+    ours = Transformer.from_hf(hf)
+    assert hasattr(ours.layers[0].mlp, "shared_expert")
+    expected = hf(TOKENS).logits
+    torch.testing.assert_close(ours(TOKENS, torch.arange(TOKENS.shape[1])).logits, expected,
+                               atol=1e-4, rtol=1e-4)
+    without_shared = ours.layers[0].mlp.shared_expert.down_proj.weight
+    without_shared.zero_()
+    assert not torch.allclose(ours(TOKENS, torch.arange(TOKENS.shape[1])).logits, expected,
+                              atol=1e-3)
+
+
+def test_impossible_widths_and_misplaced_fields_are_refused(tmp_path):
     config = hf_qwen3_next().config.to_dict()
-    with pytest.raises(ValueError, match="mixture of experts .* not supported yet"):
-        ModelConfig.from_hf(config | {"num_experts": 8})
     with pytest.raises(ValueError, match="linear-attention layers need"):
         ModelConfig.from_hf(config | {"linear_num_key_heads": 0})
-    (tmp_path / "config.json").write_text(json.dumps(config | {"num_experts": 8}))
-    with pytest.raises(ValueError, match="config.json: qwen3_next's mixture"):
+    (tmp_path / "config.json").write_text(json.dumps(config | {"linear_value_head_dim": 0}))
+    with pytest.raises(ValueError, match="config.json: linear-attention layers need"):
         ModelConfig.from_folder(tmp_path)
+    qwen3 = ModelConfig.of_family(model_type="qwen3", vocab_size=64, hidden_size=32,
+                                  intermediate_size=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, head_dim=8, shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match="qwen3 config.json cannot express"):
+        qwen3.to_hf()
