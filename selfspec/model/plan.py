@@ -72,7 +72,8 @@ def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8,
     """The plan of `config` without weights (the model is built on the meta device)."""
     check_count("num_gpus", num_gpus, owner="plan_model")
     num_params = count_parameters(config)
-    kv_values_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim  # K and V
+    attention_layers = config.num_layers - len(config.linear_layers)  # a hybrid's keep K/V
+    kv_values_per_token = 2 * attention_layers * config.num_kv_heads * config.head_dim
     bf16_weights = num_params * BYTES_PER_PARAM["bf16"]
     return ModelPlan(
         name=name,
@@ -317,16 +318,20 @@ def _bytes(size) -> int:
 
 def _layer_params(config: ModelConfig) -> list[int]:
     """Each layer's parameters (a mixture of experts' layers hold theirs, and may sit among
-    dense ones)."""
+    dense ones; a hybrid's linear-attention layers differ from its attention layers)."""
     with torch.device("meta"):
         sizes = {kind: sum(p.numel() for p in DecoderLayer(config, i).parameters())
                  for kind, i in _layer_kinds(config).items()}
-    return [sizes[i in config.moe_layers] for i in range(config.num_layers)]
+    return [sizes[_kind(config, i)] for i in range(config.num_layers)]
 
 
-def _layer_kinds(config: ModelConfig) -> dict[bool, int]:
-    """One layer of each kind (sparse or dense): {is sparse: its index}."""
-    return {i in config.moe_layers: i for i in reversed(range(config.num_layers))}
+def _layer_kinds(config: ModelConfig) -> dict[tuple[bool, bool], int]:
+    """One layer of each kind: {(is sparse, is linear attention): its index}."""
+    return {_kind(config, i): i for i in reversed(range(config.num_layers))}
+
+
+def _kind(config: ModelConfig, layer: int) -> tuple[bool, bool]:
+    return layer in config.moe_layers, layer in config.linear_layers
 
 
 def _home_params(config: ModelConfig) -> int:

@@ -135,3 +135,16 @@ def test_impossible_widths_and_misplaced_fields_are_refused(tmp_path):
                                   num_kv_heads=2, head_dim=8, shared_expert_intermediate_size=8)
     with pytest.raises(ValueError, match="qwen3 config.json cannot express"):
         qwen3.to_hf()
+
+
+def test_plans_size_each_kind_of_layer_and_only_the_attention_layers_cache():
+    """A memory plan counts a linear-attention layer, a full one and a sparse one apart (a
+    placement weighs each), and K/V for the attention layers alone."""
+    from selfspec.model.plan import _home_params, _layer_params, count_parameters, plan_model
+
+    config = ModelConfig.from_hf(hf_qwen3_next(family="qwen3_next_moe").config.to_dict())
+    sizes = _layer_params(config)
+    assert sum(sizes) + _home_params(config) == count_parameters(config)
+    assert len(set(sizes)) == 3  # sparse linear (0, 2), dense linear (1), sparse full (3)
+    kv = 2 * 1 * config.num_kv_heads * config.head_dim * 1024 * 2  # one attention layer, bf16
+    assert plan_model(config).kv_bytes_per_1k["bf16"] == kv
