@@ -142,6 +142,8 @@ class FeatureHead(Head):
         position from the states its LM head scores (`acceptance_logits`)."""
         if self.config.confidence_head:
             self.confidence = Linear(self.config.hidden_size, 1, bias=True)
+            nn.init.zeros_(self.confidence.weight)  # a chance of 1/2 everywhere to start
+            nn.init.zeros_(self.confidence.bias)
 
     def acceptance_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[...] fp32 logits of hidden states [..., h] (what `logits` takes): the sigmoid of
