@@ -148,3 +148,34 @@ def test_plans_size_each_kind_of_layer_and_only_the_attention_layers_cache():
     assert len(set(sizes)) == 3  # sparse linear (0, 2), dense linear (1), sparse full (3)
     kv = 2 * 1 * config.num_kv_heads * config.head_dim * 1024 * 2  # one attention layer, bf16
     assert plan_model(config).kv_bytes_per_1k["bf16"] == kv
+
+
+def random_hybrid_spec(weights: bool):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from selfspec.from_config.models import target_spec
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / "random-hybrid.yaml"
+    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
+    return target_spec(cfg, weights)
+
+
+def test_the_random_preset_is_a_qwen3_next_with_its_mtp_module():
+    config = random_hybrid_spec(weights=False).config
+    assert config.model_type == "qwen3_next" and config.linear_layers == {0, 1, 2}
+    assert (config.mtp_modules, config.mtp_layout) == (1, "mtp")
+
+
+@pytest.mark.slow  # transformers builds the decoder
+def test_the_random_preset_loads_and_its_mtp_module_drafts_losslessly():
+    from selfspec.drafters.mtp import MtpDrafter
+    from selfspec.model.loading import load
+
+    target = load(random_hybrid_spec(weights=True))
+    prompt = [5, 6, 7, 5, 6, 7]
+    plain = generate(target, prompt, max_new_tokens=16).tokens
+    drafted = generate(target, prompt, drafter=MtpDrafter(target, tree=[[0], [0, 0]]),
+                       max_new_tokens=16)
+    assert drafted.tokens == plain and drafted.stats.drafted > 0
