@@ -139,7 +139,7 @@ def test_sampling_through_suffix_drafts_follows_the_target_law():
     target = Transformer.from_hf(tiny_llama(3, vocab=8, layers=1, hidden=16, std=0.5))
     prompt = [2, 3, 4, 2, 3, 4, 2, 3]
     greedy = generate(target, prompt, max_new_tokens=4).tokens
-    store = SuffixStore(8)
+    store = SuffixStore(5)  # matches of up to 4 tokens: fewer drafts to score a step
     store.start(prompt + greedy)  # the store knows what follows the prompt's greedy answer
     drafter = SuffixDrafter(store, SuffixSettings(3, max_spec_offset=2.0, tree=True,
                                                   min_token_prob=0.0))
