@@ -12,6 +12,11 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
   a RoPE each, `attention_scale` from `query_pre_attn_scalar`, tied embeddings.
 - gemma2: Gemma 3 without q/k norms and with one RoPE, plus attention and final logit
   soft-capping.
+- gemma4_text: Gemma 3's layer with plain `w` norms (in fp32), a softmax scale of 1 (the q/k
+  norms set it), values RMS-normed without a weight (`v_norm`), a learned scalar on each
+  layer's output (`layer_scalars`), the full layers' proportional RoPE (a share of each head's
+  frequency pairs rotated, the rest left), keys doubling as values there
+  (`value_from_key`, transformers' `attention_k_eq_v`), final logit soft-capping.
 - olmo2: no pre-norms (norms after attention and MLP), q/k norm over the whole projection.
 - granite: embedding, residual, attention and logit multipliers.
 - phi3: fused `qkv_proj` and `gate_up_proj` in the checkpoint, `longrope`,
@@ -66,6 +71,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": "head"},
     "gemma3_text": {"norm_scale": "one_plus_weight", "post_norms": True, "qk_norm": "head"},
     "gemma2": {"norm_scale": "one_plus_weight", "post_norms": True},
+    "gemma4_text": {"norm_scale": "weight_fp32", "post_norms": True, "qk_norm": "head",
+                    "v_norm": True, "layer_scalars": True},
     "olmo2": {"norm_scale": "weight_fp32", "pre_norms": False, "post_norms": True,
               "qk_norm": "projection"},
     "granite": {},
@@ -83,11 +90,12 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma4_text": "Gemma4ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
 QK_NORMS = (None, "head", "projection")
@@ -103,7 +111,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 HYBRID = ("qwen3_next", "qwen3_5_text")  # the families with linear-attention layers
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                "linear_value_head_dim", "linear_conv_kernel_dim")
-GEMMA = ("gemma3_text", "gemma2")  # the families whose embedding is scaled by sqrt(hidden)
+GEMMA4 = "gemma4_text"
+GEMMA = ("gemma3_text", "gemma2", GEMMA4)  # their embedding is scaled by sqrt(hidden)
+LOCAL_ROPE = ("gemma3_text", GEMMA4)  # a RoPE of their own for the sliding layers
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
 WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
 MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")  # families with a mixture of experts
@@ -112,7 +122,7 @@ REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
                     "num_attention_heads")
 # transformers' windows where config.json has no sliding_window key
 _DEFAULT_WINDOWS = {"gemma3_text": 4096, "gemma2": 4096, "mistral": 4096, "qwen3_moe": 4096,
-                    "gpt_oss": 128}
+                    "gpt_oss": 128, GEMMA4: 512}
 # gpt-oss's class's RoPE where config.json has none
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
@@ -124,6 +134,9 @@ _ROPE_KEYS = {  # what each RoPE scaling type needs (the optional keys are kept 
                            "beta_slow", "mscale", "mscale_all_dim", "truncate")),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"),
                  ("factor", "attention_factor")),
+    # Gemma 4's full layers: the first partial_rotary_factor of each head's frequency pairs
+    # rotate (over the whole head_dim's spectrum), the others stay still
+    "proportional": (("partial_rotary_factor",), ("factor",)),
 }
 
 
@@ -192,6 +205,11 @@ class ModelConfig:
         in_proj_z, in_proj_b, in_proj_a) rather than Qwen3-Next's two grouped by key head.
     shared_expert_intermediate_size: the width of a mixture of experts' shared expert, which
         every token runs beside its routed ones, gated by a sigmoid (Qwen3-Next; 0: none).
+    v_norm: the values RMS-normed over each head's dims, without a weight (Gemma 4).
+    value_from_key: the full-attention layers have no v_proj; their values are k_proj's
+        output (before its norm and RoPE) (Gemma 4's attention_k_eq_v).
+    layer_scalars: each layer's output is multiplied by a learned scalar, its `layer_scalar`
+        (Gemma 4).
     """
 
     vocab_size: int
@@ -250,6 +268,9 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 4
     linear_split_projections: bool = False
     shared_expert_intermediate_size: int = 0
+    v_norm: bool = False
+    value_from_key: bool = False
+    layer_scalars: bool = False
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -438,6 +459,7 @@ class ModelConfig:
             **_read_multipliers(config, model_type),
             **_read_moe(config, model_type),
             **_read_mtp(config),
+            **_read_gemma4(config, model_type, head_dim),
             **FAMILIES[model_type],
         )
 
@@ -472,9 +494,12 @@ class ModelConfig:
         hf: dict[str, Any] = {}
         if self.model_type in GEMMA:
             hf["hidden_activation"] = self.hidden_act
+            hf["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.model_type in ("gemma3_text", "gemma2"):
             hf["query_pre_attn_scalar"] = _pre_attn_scalar(self.attention_scale, self.head_dim)
             hf["attn_logit_softcapping"] = self.attn_logit_softcapping
-            hf["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.model_type == GEMMA4:
+            hf |= _gemma4_keys(self)
         if self.model_type == "granite":
             hf |= {"embedding_multiplier": self.embedding_multiplier or 1.0,
                    "residual_multiplier": self.residual_multiplier,
@@ -500,7 +525,7 @@ class ModelConfig:
                                  else "full_attention" for i in range(self.num_layers)]
         if self.model_type == "qwen3_next" and not self.num_experts:
             hf["num_experts"] = 0  # transformers' default is 512
-        if self.model_type == "gemma3_text":
+        if self.model_type in LOCAL_ROPE:
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
                 "full_attention": _rope_dict(self.rope_theta, self.rope_scaling, 1.0),
@@ -538,6 +563,9 @@ class ModelConfig:
                     "linear_split_projections")}
         if self.model_type != "qwen3_next":
             checked["shared_expert_intermediate_size"] = 0
+        checked |= {name: implied[name] for name in ("v_norm", "layer_scalars")}
+        if self.model_type != GEMMA4:
+            checked["value_from_key"] = False
         if self.model_type not in QWEN_MOE:
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
@@ -548,10 +576,16 @@ class ModelConfig:
                         "logits_scaling": 1.0}
             if self.model_type not in GEMMA:
                 checked["attention_scale"] = None
+            elif self.model_type == GEMMA4:
+                checked["attention_scale"] = 1.0
+        if self.model_type not in GEMMA or self.model_type == GEMMA4:
+            checked["attn_logit_softcapping"] = None
         if self.model_type not in GEMMA:
-            checked |= {"attn_logit_softcapping": None, "final_logit_softcapping": None}
-        if self.model_type != "gemma3_text":
+            checked["final_logit_softcapping"] = None
+        if self.model_type not in LOCAL_ROPE:
             checked |= {"local_rope_theta": None, "local_rope_scaling": None}
+        if self.model_type == GEMMA4:
+            checked["partial_rotary_factor"] = 1.0  # its share rotated is in its RoPE's type
         wrong = {name: getattr(self, name) for name, value in checked.items()
                  if not _same(getattr(self, name), value)}
         if wrong:
@@ -595,6 +629,8 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "attention_output_gate", *LINEAR_KEYS, "linear_split_projections",
                   "shared_expert_intermediate_size")
 
+_FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars")  # Gemma 4's
+
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
@@ -615,7 +651,9 @@ def _pre_attn_scalar(scale: float | None, head_dim: int) -> float:
 def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -> dict:
     """The softmax scale, soft-capping and sliding windows of a config.json."""
     scale = None
-    if model_type in GEMMA:
+    if model_type == GEMMA4:
+        scale = 1.0  # its q/k norms set the scale
+    elif model_type in GEMMA:
         scale = float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5
     elif model_type == "granite" and config.get("attention_multiplier") is not None:
         scale = float(config["attention_multiplier"])
@@ -639,6 +677,8 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
         types = ["sliding_attention" if i >= first else "full_attention"
                  for i in range(config["num_hidden_layers"])]
     types = tuple(types or ())
+    if model_type == GEMMA4 and types:  # its class forces the last layer full
+        types = (*types[:-1], "full_attention")
     if types and "sliding_attention" not in types:
         window = None
     caps = {key: (None if config.get(key) is None else float(config[key]))
@@ -704,6 +744,50 @@ def _read_mtp(config: Mapping[str, Any]) -> dict:
     return {}
 
 
+# Gemma 4's parts not read yet, each with the value that turns it off: per-layer embeddings,
+# K/V shared across layers, the MoE block beside the MLP, wider MLPs in shared layers
+_GEMMA4_UNREAD = {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                  "enable_moe_block": False, "use_double_wide_mlp": False}
+
+
+def _read_gemma4(config: Mapping[str, Any], model_type: str, head_dim: int) -> dict:
+    """Gemma 4's own field (keys doubling as values in full layers); what selfspec does not
+    read yet (per-layer embeddings, K/V shared across layers, the MoE block, full layers of
+    their own head_dim or K/V heads, bidirectional text attention) is refused, naming it."""
+    if model_type != GEMMA4:
+        return {}
+    absent = {"hidden_size_per_layer_input": 256}  # transformers' default where it is absent
+    unread = {key: config.get(key, absent.get(key, off)) for key, off in _GEMMA4_UNREAD.items()}
+    unread = {key: value for key, value in unread.items()
+              if value not in (_GEMMA4_UNREAD[key], None)}
+    if config.get("use_bidirectional_attention") == "all":
+        unread["use_bidirectional_attention"] = "all"
+    value_from_key = bool(config.get("attention_k_eq_v", False))
+    overrides = config.get("per_layer_config")
+    if overrides is None:  # transformers then gives full layers global_head_dim (512)
+        overrides = {"full": {"head_dim": config.get("global_head_dim", 512)}}
+        if value_from_key and config.get("num_global_key_value_heads") is not None:
+            overrides["full"]["num_key_value_heads"] = config["num_global_key_value_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    for layer in overrides.values():
+        for key, ours in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
+            if layer.get(key, ours) != ours:
+                unread[f"full layers' {key}"] = layer[key]
+    if unread:
+        raise ValueError(
+            f"this gemma4_text config.json has parts selfspec does not read yet: "
+            f"{', '.join(f'{k}={v!r}' for k, v in unread.items())}; it reads Gemma 4 "
+            f"decoders with {', '.join(f'{k}={v!r}' for k, v in _GEMMA4_UNREAD.items())} and "
+            f"full layers of the sliding layers' head_dim and K/V heads")
+    return {"value_from_key": value_from_key}
+
+
+def _gemma4_keys(config: ModelConfig) -> dict[str, Any]:
+    """A gemma4_text config.json's own keys for what selfspec reads of it."""
+    return {**_GEMMA4_UNREAD, "attention_k_eq_v": config.value_from_key,
+            "global_head_dim": config.head_dim, "use_bidirectional_attention": None}
+
+
 def _refuse_quantized(config: Mapping[str, Any]) -> None:
     """Published weights in a quantized format (gpt-oss's MXFP4) are refused, naming the fix."""
     quantization = config.get("quantization_config")
@@ -739,10 +823,10 @@ def _read_rope(config: Mapping[str, Any], model_type: str) -> dict:
         return {"rope_theta": full[0], "rope_scaling": full[1],
                 "partial_rotary_factor": full[2], "local_rope_theta": local[0],
                 "local_rope_scaling": local[1]}
-    default = 1e6 if model_type == "gemma3_text" else 10000.0
+    default = 1e6 if model_type in LOCAL_ROPE else 10000.0
     theta, scaling, partial = _rope_params(params, config, "rope_theta", default)
     local = {}
-    if model_type == "gemma3_text":
+    if model_type in LOCAL_ROPE:
         local = {"local_rope_theta": float(config.get("rope_local_base_freq", 1e4)),
                  "local_rope_scaling": None}
     return {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial,
@@ -757,6 +841,8 @@ def _rope_params(params: Mapping[str, Any], config: Mapping[str, Any], theta_key
     partial = float(params.pop("partial_rotary_factor",
                                config.get("partial_rotary_factor", 1.0)))
     kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "proportional":  # its share rotated belongs to its own frequencies
+        params["partial_rotary_factor"], partial = partial, 1.0
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported RoPE scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"

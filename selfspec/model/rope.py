@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) as `ModelConfig` describes them: the base theta, a
-scaling (linear, llama3, yarn, longrope), the share of each head's dimensions rotated
-(`partial_rotary_factor`), and a second RoPE for the sliding layers where a family has one
-(Gemma 3). HF's half-split layout, not interleaved; frequencies in fp32 as transformers
+scaling (linear, llama3, yarn, longrope, Gemma 4's proportional share of the frequency pairs),
+the share of each head's dimensions rotated (`partial_rotary_factor`), and a second RoPE for
+the sliding layers where a family has one (Gemma 3, Gemma 4).
+HF's half-split layout, not interleaved; frequencies in fp32 as transformers
 computes them."""
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Rope:
             return cls(base / scaling["factor"])
         if kind == "llama3":
             return cls(_llama3_inv_freq(base, scaling))
+        if kind == "proportional":
+            return cls(_proportional_inv_freq(base, scaling))
         if kind == "yarn":
             return cls(*_yarn(theta, dim, scaling, config.max_position_embeddings))
         return _longrope(cls, theta, dim, scaling, config.max_position_embeddings)
@@ -65,6 +68,15 @@ class Rope:
         far = (positions >= self.long_from)[..., None]  # [..., T, 1]
         far = far[None, None] if positions.dim() == 1 else far[:, None]
         return torch.where(far, long_cos, cos), torch.where(far, long_sin, sin)
+
+
+def _proportional_inv_freq(base: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Gemma 4's full layers: the first partial_rotary_factor of the pairs keep their
+    frequencies (of the whole head_dim), the others get 0 (cos 1, sin 0: left as they are);
+    every frequency divided by factor."""
+    kept = int(scaling["partial_rotary_factor"] * 2 * len(base) // 2)
+    inv_freq = torch.cat([base[:kept], torch.zeros(len(base) - kept)])
+    return inv_freq / scaling.get("factor", 1.0)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,

@@ -99,6 +99,12 @@ class RMSNorm(nn.Module):
         return 1 + self.weight if self.scale == "one_plus_weight" else self.weight
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x RMS-normed over its last dim in fp32, without a weight (Gemma 4's values)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
     """An RMSNorm of the family's kind over dim (default hidden_size) features."""
     return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, config.norm_scale)
@@ -120,7 +126,10 @@ class Attention(nn.Module):
         self.output_gate = config.attention_output_gate
         self.q_proj = Linear(width, 2 * q_dim if self.output_gate else q_dim, bias=bias)
         self.k_proj = Linear(width, kv_dim, bias=bias)
-        self.v_proj = Linear(width, kv_dim, bias=bias)
+        # Gemma 4's full layers: no v_proj, the keys' product doubles as the values
+        from_key = config.value_from_key and layer_idx not in config.sliding_layers
+        self.v_proj = None if from_key else Linear(width, kv_dim, bias=bias)
+        self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
         # gpt-oss: a learned logit per head in the softmax's denominator (None: no sinks)
@@ -154,7 +163,8 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, self.fused.weight, self.fused.bias).split(
                 (q_dim, kv_dim, kv_dim), dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)
         gate = ()
         if self.output_gate:  # per head: its D query dims, then its D gate dims
             q, g = q.view(batch, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -165,8 +175,10 @@ class Attention(nn.Module):
         k = k.view(batch, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return (q.transpose(1, 2), k.transpose(1, 2),
-                v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2), *gate)
+        v = v.view(batch, t, self.num_kv_heads, self.head_dim)
+        if self.v_norm_eps is not None:
+            v = unit_rms(v, self.v_norm_eps)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *gate
 
     @staticmethod
     def gated(attended: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
@@ -293,6 +305,8 @@ class DecoderLayer(nn.Module):
         if not input_norm:
             self.input_layernorm = nn.Identity()
         self.residual_multiplier = config.residual_multiplier
+        # Gemma 4: the layer's output times a learned scalar (a buffer in its checkpoint)
+        self.register_buffer("layer_scalar", torch.ones(1) if config.layer_scalars else None)
 
     def forward(
         self,
@@ -311,11 +325,16 @@ class DecoderLayer(nn.Module):
         if self.linear:
             state = None if cache is None else cache.recurrent(self.layer_idx)
             mixed = self.linear_attn(self.normed(0, x), attn_mask, state)
-            return mlp_output(self, self.residual(x, self.normed(1, mixed)), static=static)
+            return self.scaled(mlp_output(self, self.residual(x, self.normed(1, mixed)),
+                                          static=static))
         stages = stages or EAGER_STAGES
         q, k, v, *gate = stages.attention_inputs(self, x, cos, sin)
         attended = self.self_attn.gated(self.self_attn.attend(q, k, v, attn_mask, cache), gate)
-        return stages.layer_output(self, x, attended, static=static)
+        return self.scaled(stages.layer_output(self, x, attended, static=static))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output times its layer_scalar, where it has one (Gemma 4)."""
+        return out if self.layer_scalar is None else out * self.layer_scalar
 
     def normed(self, role: int, x: torch.Tensor) -> torch.Tensor:
         """x through the layer's norm of a role (an index of NormNames), if it has one."""
