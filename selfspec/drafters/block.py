@@ -15,16 +15,19 @@ static step alike (`Drafted`, turned into a `Draft` by `block_draft`).
 P-EAGLE): the draft's length and shape, its head cache's committed positions, and the law its
 tokens are drawn under.
 
-Confidence-sized chains (DSpark's confidence head, `confidence_threshold`): the head gives
+Confidence-sized drafts (DSpark's confidence head, `confidence_threshold`): the head gives
 each position k the predicted chance c_k that its token is accepted once every position before
-it was; the chain proposed is the positions whose cumulative chance c_1 x ... x c_k is at least
-the threshold (at least one). The cut depends on the head's states alone, never on a drafted
-token or a draw, and the verifier checks whatever prefix is proposed: the output stays exact.
-It reads the length back to the host (one read more a step in static shapes).
+it was; the draft proposed keeps the positions whose cumulative chance c_1 x ... x c_k is at
+least the threshold (at least one): a chain's first ones, a tree's nodes that deep (whole
+depths, so every sibling set stays whole). The cut depends on the head's states alone, never
+on a drafted token or a draw, and the verifier checks whatever is proposed: the output stays
+exact. A chain's length is read back to the host (one read more a step in static shapes); a
+tree's cut marks its deeper rows as no nodes (`DeviceTree.valid`), read with its parents.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,18 +85,21 @@ class BlockDrafter:
         return drafted
 
     def _proposal(self, drafted: Drafted, on_device: bool) -> Draft:
-        """The draft proposed: the chain cut where its cumulative confidence falls below the
-        threshold (`confident_length`), or the whole draft."""
-        if self.confidence_threshold is not None:
-            drafted = drafted.cut(confident_length(drafted.confidence,
-                                                   self.confidence_threshold))
+        """The draft proposed: cut where its cumulative confidence falls below the threshold
+        (a chain's length, `confident_length`; a tree's depth, `Drafted.within`), or the whole
+        draft."""
+        threshold = self.confidence_threshold
+        if threshold is not None and drafted.parents is None:
+            drafted = drafted.cut(confident_length(drafted.confidence, threshold))
+        elif threshold is not None:
+            drafted = drafted.within(confident_depth(drafted.confidence, threshold))
         return block_draft(drafted, self.shape, on_device)
 
 
 def checked_confidence(drafter: str, head: Any, shape: BlockShape,
                        threshold: float | None) -> float | None:
-    """The confidence threshold: None (the whole block) or a number in (0, 1), for a chain of a
-    head with a confidence head."""
+    """The confidence threshold: None (the whole block) or a number in (0, 1), for a head with
+    a confidence head."""
     if threshold is None:
         return None
     if not is_number(threshold) or not 0.0 < float(threshold) < 1.0:
@@ -103,9 +109,6 @@ def checked_confidence(drafter: str, head: Any, shape: BlockShape,
     if not head.config.confidence_head:
         raise ValueError(f"{drafter}: confidence_threshold needs a head trained with a confidence "
                          f"head (confidence_head=true); this head has none: set it to null")
-    if shape.nodes is not None:
-        raise ValueError(f"{drafter}: confidence_threshold sizes chains; DDTree's trees "
-                         f"(tree_nodes={shape.nodes}) keep their size: set one of them to null")
     return float(threshold)
 
 
@@ -118,7 +121,12 @@ def cumulative_acceptance(logits: torch.Tensor) -> torch.Tensor:
 def confident_length(cumulative: torch.Tensor, threshold: float) -> int:
     """How many positions to propose: those whose cumulative chance [k] (non-increasing) is at
     least the threshold, and at least one. One host read."""
-    return max(1, int((cumulative >= threshold).sum()))
+    return int(confident_depth(cumulative, threshold))
+
+
+def confident_depth(cumulative: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`confident_length` as a device value [] (nothing read back)."""
+    return (cumulative >= threshold).sum().clamp(min=1)
 
 
 def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
@@ -131,30 +139,38 @@ def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
     sampled = drafted.q is not None
     if on_device:
         return Draft(tree, drafted.tokens, drafted.q, without_replacement=sampled)
-    if not sampled:  # chosen: every row a node
+    if drafted.valid is None:  # every row a node
         return Draft(tree.on_host(drafted.parents.tolist()), drafted.tokens)
     host, kept = tree.nodes_on_host(drafted.parents.tolist(), drafted.valid.tolist())
     rows = torch.tensor(kept, dtype=torch.long, device=drafted.tokens.device)
-    return Draft(host, drafted.tokens.index_select(0, rows), drafted.q.index_select(0, rows),
-                 without_replacement=True)
+    q = drafted.q.index_select(0, rows) if sampled else None
+    return Draft(host, drafted.tokens.index_select(0, rows), q, without_replacement=sampled)
 
 
 @dataclass
 class Drafted:
-    """One draft as tensors: tokens [N]; parents [N] and valid [N] (None: a chain); q [N, V]
-    the law each token was drawn from (None: chosen); confidence [k] the cumulative predicted
-    acceptance of its positions (None: not asked)."""
+    """One draft as tensors: tokens [N]; parents [N], depths [N] and valid [N] (None: a chain;
+    valid None: every row a node); q [N, V] the law each token was drawn from (None: chosen);
+    confidence [k] the cumulative predicted acceptance of its positions (None: not asked)."""
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
 
     def cloned(self) -> Drafted:
         """A copy of each tensor: a captured step rewrites its outputs at its next replay."""
         return Drafted(*(None if t is None else t.clone() for t in
-                         (self.tokens, self.q, self.parents, self.valid, self.confidence)))
+                         (self.tokens, self.q, self.parents, self.valid, self.confidence,
+                          self.depths)))
+
+    def within(self, depth: torch.Tensor) -> Drafted:
+        """A tree whose rows deeper than `depth` (a device value) are no nodes."""
+        shallow = self.depths <= depth  # [N]
+        valid = shallow if self.valid is None else self.valid & shallow
+        return dataclasses.replace(self, valid=valid)
 
     def cut(self, n: int) -> Drafted:
         """A chain's first n positions."""
@@ -213,7 +229,8 @@ class BlockShape:
         tree = best_first_tree(scores.gather(1, ranked), self.nodes, self.max_nodes)
         if laws is None:
             # Chosen ranks lie within the scored vocabulary: every node has a finite score.
-            return Drafted(ranked[tree.depths - 1, tree.ranks], None, tree.parents)
+            return Drafted(ranked[tree.depths - 1, tree.ranks], None, tree.parents,
+                           depths=tree.depths)
         return _sampled_children(tree, laws, self.width, generator)
 
 
@@ -275,4 +292,5 @@ def _sampled_children(tree: BlockTree, laws: torch.Tensor, width: int,
     valid = drawn[row, tree.ranks] & tree.valid
     for _ in range(k - 1):  # a node is valid when it and every ancestor were drawn
         valid = valid & torch.where(tree.parents >= 0, valid[tree.parents.clamp(min=0)], True)
-    return Drafted(tokens[row, tree.ranks], laws[tree.depths - 1], tree.parents, valid)
+    return Drafted(tokens[row, tree.ranks], laws[tree.depths - 1], tree.parents, valid,
+                   depths=tree.depths)

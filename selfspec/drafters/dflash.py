@@ -44,8 +44,8 @@ from selfspec.step import CapturedSteps, SlotView, padded_slots, weights_of
 class DFlashDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the block's B - 1) from one forward of a
     DFlash head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k deep;
-    with `confidence_threshold` (a head with a confidence head) the chain's positions whose
-    cumulative predicted acceptance is at least it (`drafters.block`)."""
+    with `confidence_threshold` (a head with a confidence head) only the positions (a chain's,
+    a tree's depths) whose cumulative predicted acceptance is at least it (`drafters.block`)."""
 
     head: DFlashHead
     _static: StaticDFlashDraft | None

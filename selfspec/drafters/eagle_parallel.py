@@ -38,8 +38,9 @@ from selfspec.step import CapturedSteps, SlotView, padded_slots
 class ParallelEagleDrafter(BlockDrafter):
     """Drafts k = num_draft_tokens tokens (default: the head's K) from one forward of a
     P-EAGLE head, as a chain, or as the best-first tree of `tree_nodes` nodes at most k
-    deep; with `confidence_threshold` (a head with a confidence head) the chain's positions
-    whose cumulative predicted acceptance is at least it (`drafters.block`)."""
+    deep; with `confidence_threshold` (a head with a confidence head) only the positions (a
+    chain's, a tree's depths) whose cumulative predicted acceptance is at least it
+    (`drafters.block`)."""
 
     head: EagleHead
     _static: StaticParallelDraft | None

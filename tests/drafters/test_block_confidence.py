@@ -1,8 +1,8 @@
 """Confidence-sized block drafts (drafters/block.py's `confidence_threshold`; the heads'
-`acceptance_logits`): a planted confidence cuts the chain at a known position, greedy decoding
-stays lossless and sampling exact in law with the cut active, eagerly and in static steps, for
-DFlash and P-EAGLE; the head's confidence is saved and loaded with it, and a head without one
-loads as before."""
+`acceptance_logits`): a planted confidence cuts a chain, and a tree's depth, at a known
+position; greedy decoding stays lossless and sampling exact in law with the cut active,
+eagerly and in static steps, for DFlash and P-EAGLE; the head's confidence is saved and loaded
+with it, a head without one loads as before, and engine exports leave it out."""
 
 import json
 import math
@@ -24,6 +24,7 @@ from selfspec.drafters import DFlashDrafter, ParallelEagleDrafter
 from selfspec.drafters.block import confident_length, cumulative_acceptance
 from selfspec.heads import EagleConfig
 from selfspec.heads.io import describe_target, load_head, save_head
+from selfspec.tree import DeviceTree, host_tree
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 3, 40, 22, 17]]
 NEW_TOKENS = 16
@@ -86,45 +87,79 @@ def test_a_planted_confidence_cuts_the_chain_at_its_known_position(target, chanc
     assert cut.tokens.tolist() == whole.tokens[:proposed].tolist()
 
 
-def drafted_lengths(drafter) -> list[int]:
-    """Every draft's length the drafter proposes from now on."""
-    lengths, propose = [], drafter.propose
+def paths(draft) -> set[tuple[int, ...]]:
+    tree, tokens = host_tree(draft.tree), draft.tokens.tolist()
+    return {tuple(tokens[i] for i in tree.path_to(node)) for node in range(len(tokens))}
+
+
+def test_a_planted_confidence_cuts_a_tree_at_its_known_depth(target):
+    head = planted(dflash_head(target), 0.8)  # depth 3 at 0.5
+    with torch.no_grad():
+        head.norm.weight.mul_(8.0)  # peaked laws: a deep tree
+    history = PROMPTS[0]
+    drafts = []
+    for cut in (None, 0.5):
+        drafter = DFlashDrafter(head, tree_nodes=12, confidence_threshold=cut)
+        generate(target, history[:-1], drafter=drafter, max_new_tokens=1)  # begin()
+        drafter._cache.reset()
+        drafter._committed = 0
+        drafts.append(drafter.propose(committed_context(target, head, history)))
+    whole, cut = paths(drafts[0]), paths(drafts[1])
+    assert max(map(len, whole)) == 4 and cut == {p for p in whole if len(p) <= 3} != whole
+
+
+def drafted_depths(drafter) -> list[int]:
+    """Every draft's depth the drafter proposes from now on (its valid nodes')."""
+    depths, propose = [], drafter.propose
 
     def recording(context):
         draft = propose(context)
-        lengths.append(len(draft.tokens))
+        tree = draft.tree
+        if isinstance(tree, DeviceTree):
+            valid = [True] * len(tree) if tree.valid is None else tree.valid.tolist()
+            tree = tree.nodes_on_host(tree.parents.tolist(), valid)[0]
+        depths.append(max((len(tree.path_to(n)) for n in range(len(tree))), default=0))
         return draft
     drafter.propose = recording
-    return lengths
+    return depths
 
 
-@pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("method", ["dflash", "peagle"])
-def test_greedy_stays_lossless_with_the_confidence_cut(target, method, static):
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method, static, shape", [
+    ("dflash", False, {}), ("peagle", False, {}), ("dflash", False, {"tree_nodes": 8}),
+    pytest.param("dflash", True, {}, marks=SLOW), pytest.param("peagle", True, {}, marks=SLOW),
+    pytest.param("dflash", True, {"tree_nodes": 8}, marks=SLOW),
+    pytest.param("peagle", False, {"tree_nodes": 8}, marks=SLOW),
+    pytest.param("peagle", True, {"tree_nodes": 8}, marks=SLOW)])
+def test_greedy_stays_lossless_with_the_confidence_cut(target, method, static, shape):
     make = dflash_head if method == "dflash" else peagle_head
     cls = DFlashDrafter if method == "dflash" else ParallelEagleDrafter
     head = noisy(make(target), 0.8)  # the cut moves with the context
     lengths = set()
     for prompt in PROMPTS:
         expected = generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens
-        drafter = cls(head, confidence_threshold=0.5)
-        seen = drafted_lengths(drafter)
+        drafter = cls(head, confidence_threshold=0.5, **shape)
+        seen = drafted_depths(drafter)
         out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS,
                        cuda_graphs=static)
         assert out.tokens == expected, prompt
         lengths |= set(seen) - {0}
-    assert len(lengths) > 1 and max(lengths) <= 4, lengths  # cut at more than one length
+    assert len(lengths) > 1 and max(lengths) <= 4, lengths  # cut at more than one depth
 
 
-@pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_sampling_with_the_confidence_cut_follows_the_target_law(request, static):
+@pytest.mark.parametrize("static, shape", [
+    (False, {"tree_nodes": 6}), pytest.param(False, {}, marks=SLOW),
+    pytest.param(True, {}, marks=SLOW), pytest.param(True, {"tree_nodes": 6}, marks=SLOW)])
+def test_sampling_with_the_confidence_cut_follows_the_target_law(request, static, shape):
     small = Transformer.from_hf(tiny_llama(3, vocab=8, layers=1, hidden=16, std=0.5))
     config = dflash_head_config(small, block_size=4, target_layers=(0, 1), confidence_head=True)
     head = random_dflash_head(config, seed=4, std=0.1)
     with torch.no_grad():
         head.norm.weight.mul_(0.3)  # laws that overlap the target's (drafts kept and rejected)
     planted(head, 0.7)  # 0.7, 0.49, 0.343: two of the k = 3 positions at 0.45
-    drafter = DFlashDrafter(head, confidence_threshold=0.45)
+    drafter = DFlashDrafter(head, confidence_threshold=0.45, **shape)
     assert_drafted_sampling_is_exact(small, drafter, SamplingParams(1.0),
                                      law_samples(request, 1000), cuda_graphs=static)
 
@@ -134,8 +169,6 @@ def test_bad_thresholds_and_heads_without_a_confidence_are_clear_errors(target):
     for bad in (0.0, 1.0, "half", True):
         with pytest.raises(ValueError, match="confidence_threshold must lie in"):
             DFlashDrafter(head, confidence_threshold=bad)
-    with pytest.raises(ValueError, match="keep their size"):
-        DFlashDrafter(head, tree_nodes=6, confidence_threshold=0.5)
     plain = random_dflash_head(dflash_head_config(target), seed=3)
     with pytest.raises(ValueError, match="trained with a confidence head"):
         DFlashDrafter(plain, confidence_threshold=0.5)

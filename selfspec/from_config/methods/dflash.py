@@ -3,10 +3,10 @@ over the target's fused features, drafting k tokens in one forward.
 
 Rows: dflash (a chain of the k per-position tokens) and dflash/tree{N} for each N in
 dflash.tree_nodes (DDTree's best-first tree of N nodes, at most k deep), at each draft length
-k up to the head's block size - 1 (longer lengths fold into that one); a chain's row per
-dflash.confidence_threshold t besides null, dflash/conf{t}: the chain cut where the head's
-confidence says its cumulative acceptance falls below t (a head trained with
-dflash.confidence_head=true).
+k up to the head's block size - 1 (longer lengths fold into that one); beside each, a row per
+dflash.confidence_threshold t besides null, dflash[/tree{N}]/conf{t}: the chain (the tree's
+depth) cut where the head's confidence says its cumulative acceptance falls below t (a head
+trained with dflash.confidence_head=true).
 
 Trainer (train/dflash.py, conf/train_dflash.yaml): a fresh head (its mask token and draft
 vocabulary from the training rows) trained on the frozen target, against the data or the
@@ -40,6 +40,7 @@ from selfspec.heads.dflash import DFlashConfig, DFlashHead
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow, TreeChoices
 from selfspec.model import ModelConfig, Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.tracking import Tracker
@@ -54,16 +55,16 @@ HEAD = "dflash_head"  # the setting naming the head's export folder
 class DFlashVariant(Variant):
     method: str = "dflash"
     tree_nodes: int | None = None  # None: a chain
-    confidence_threshold: float | None = None  # a chain cut by the head's confidence
+    confidence_threshold: float | None = None  # a draft cut by the head's confidence
 
     def label(self) -> str:
-        if self.confidence_threshold is not None:
-            return f"{self.method}/conf{self.confidence_threshold:g}"
-        return self.method + ("" if self.tree_nodes is None else f"/tree{self.tree_nodes}")
+        shape = "" if self.tree_nodes is None else f"/tree{self.tree_nodes}"
+        cut = "" if self.confidence_threshold is None else f"/conf{self.confidence_threshold:g}"
+        return self.method + shape + cut
 
 
 def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[DFlashVariant, ...]:
-    """A row per dflash.tree_nodes value, and a chain's per dflash.confidence_threshold."""
+    """A row per dflash.tree_nodes value and, beside each, one per dflash.confidence_threshold."""
     settings = cfg.get("dflash", {})
     nodes = as_list(settings.get("tree_nodes")) or [None]
     if not all(n is None or is_count(n) for n in nodes):
@@ -74,8 +75,8 @@ def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[DFlashVariant, ..
         raise ValueError(f"dflash.confidence_threshold: give numbers in (0, 1) (the least "
                          f"cumulative predicted acceptance of a proposed position; null: the "
                          f"whole chain), got {cuts}")
-    return (tuple(DFlashVariant(tree_nodes=n) for n in nodes)
-            + tuple(DFlashVariant(confidence_threshold=float(t)) for t in cuts))
+    return tuple(DFlashVariant(tree_nodes=n, confidence_threshold=t)
+                 for n in nodes for t in [None, *map(float, cuts)])
 
 
 def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
@@ -109,8 +110,8 @@ def dflash_drafter(head: DFlashHead, settings: DictConfig, k: int | None,
     """The DFlash drafter, of generation's rows and of the trainer's judge and report alike:
     k tokens (None: the block's B - 1) from one forward, as a chain (tree_nodes None) or
     DDTree's best-first tree of tree_nodes nodes; children drawn from each position's law when
-    sampling unless the `dflash` section's sampled_children is false; a chain cut by the
-    head's confidence at confidence_threshold (None: the whole chain)."""
+    sampling unless the `dflash` section's sampled_children is false; cut by the head's
+    confidence at confidence_threshold (None: the whole draft)."""
     return DFlashDrafter(head, k, tree_nodes=tree_nodes,
                          sampled_children=bool(settings.sampled_children),
                          confidence_threshold=confidence_threshold)
@@ -213,8 +214,8 @@ def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Ex
 
 def dflash_trainer_drafter(cfg: DictConfig, trained: DFlashHead) -> DFlashDrafter:
     """train/dflash.py's drafter (`dflash_drafter` on its settings): dflash.num_draft_tokens
-    (null: the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes; a chain
-    cut at dflash.confidence_threshold (a head trained with dflash.confidence_head)."""
+    (null: the block's B - 1) as a chain, or DDTree's tree of dflash.tree_nodes nodes; cut at
+    dflash.confidence_threshold (a head trained with dflash.confidence_head)."""
     d = cfg.dflash
     return dflash_drafter(trained, d, d.get("num_draft_tokens"), d.get("tree_nodes"),
                           d.get("confidence_threshold"))
@@ -245,12 +246,22 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
                         f"top-1 agreement with the data per slot (held-out): {top1}")
 
 
+def random_dflash(target: Transformer, tree: TreeChoices, seed: int) -> DFlashDrafter:
+    """bench_decode's drafter: a random one-layer DFlash head, blocks of 9 (8 tokens drafted
+    in one forward, a chain)."""
+    torch.manual_seed(seed)
+    config = DFlashConfig.for_target(target.config, mask_token_id=target.config.vocab_size - 1,
+                                     block_size=9)
+    return DFlashDrafter(DFlashHead(config).to(target.embed_tokens.weight).eval())
+
+
 ENTRIES = (MethodEntry(
     name="dflash", summary="a DFlash block drafter: k tokens in one forward over the target's "
                            "features, as a chain or a best-first tree",
     variants=variants, load=load, drafter=drafter, check=check, lengths=fold_lengths,
-    default_when=when_set(HEAD), head=DFlashHead,
-    color="tab:olive", order=45),)
+    default_when=when_set(HEAD), head=DFlashHead, color="tab:olive", order=45,
+    cost_rows={"dflash": CostRow("DFlash head, one layer, 8 tokens drafted in one forward (a "
+                                 "chain)", random_dflash)}),)
 
 TRAINER = TrainerEntry(
     name="dflash", config="train_dflash", check=check_dflash_settings, dry_run=dry_run,

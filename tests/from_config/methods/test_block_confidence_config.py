@@ -1,6 +1,6 @@
-"""The block confidence in the configs (from_config/methods/dflash.py and eagle.py): a chain's
-dflash/conf{t} row per threshold, the trainers' confidence_head and confidence_threshold, and
-the settings that cannot go together refused in one line."""
+"""The block confidence in the configs (from_config/methods/dflash.py and eagle.py): a
+dflash[/tree{N}]/conf{t} row per threshold, the trainers' confidence_head and
+confidence_threshold, and the settings that cannot go together refused in one line."""
 
 import pytest
 
@@ -9,11 +9,12 @@ from selfspec.from_config.methods.dflash import check_dflash_settings, meta_head
 from selfspec.from_config.methods.eagle import check_eagle_settings
 
 
-def test_a_chain_row_per_confidence_threshold(cfg_of):
+def test_a_row_per_confidence_threshold_beside_each_shape(cfg_of):
     cfg = cfg_of("sweep", "dflash.tree_nodes=[null,6]", "dflash.confidence_threshold=[null,0.5]")
     variants = entry("dflash").variants(cfg, True)
-    assert [v.label() for v in variants] == ["dflash", "dflash/tree6", "dflash/conf0.5"]
-    assert variants[-1].tree_nodes is None and variants[-1].confidence_threshold == 0.5
+    assert [v.label() for v in variants] == ["dflash", "dflash/conf0.5", "dflash/tree6",
+                                             "dflash/tree6/conf0.5"]
+    assert variants[-1].tree_nodes == 6 and variants[-1].confidence_threshold == 0.5
     with pytest.raises(ValueError, match=r"dflash.confidence_threshold: give numbers in \(0, 1\)"):
         entry("dflash").variants(cfg_of("sweep", "dflash.confidence_threshold=[1.5]"), True)
 
