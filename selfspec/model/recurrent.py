@@ -37,11 +37,11 @@ from selfspec.model.cpu_linear import Linear
 
 # transformers' l2norm of q and k inside the kernel (FLA's constant)
 _L2_EPS = 1e-6
-# A forward over more rows than this that is a chain (a prefill) keeps only the states before
-# and after it: every row's state of a long prompt would outweigh the model (at Qwen3-Next's
-# widths 2 MiB a row and layer). Verification forwards (at most 128 rows in a static step's
-# largest bucket) keep every row's.
-MAX_SNAPSHOT_ROWS = 128
+# A causal forward (no mask: a prefill, a draft model's feed) over more rows than this keeps
+# only the states before and after it: every row's state of a long prompt would outweigh the
+# model (at Qwen3-Next's widths 72 MiB a row over its 36 such layers). A forward under a mask
+# (a verification's chain or tree, a batch's) keeps every row's.
+MAX_SNAPSHOT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -183,15 +183,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, parents: torch.Tensor | None,
                 state: LayerState | None = None) -> torch.Tensor:
-        """x [B, T, hidden]; parents [B, T] (`parents_of`; None: each row continues the one
-        before); state: the layer's cache, whose committed state the rows continue (None:
-        they start from zeros and nothing is kept)."""
+        """x [B, T, hidden]; parents [B, T] (`parents_of`; None: a causal forward, each row
+        continuing the one before); state: the layer's cache, whose committed state the rows
+        continue (None: they start from zeros and nothing is kept)."""
         d = self.dims
         batch, t, _ = x.shape
-        chain = chain_parents(batch, t, x.device)
-        every = t <= MAX_SNAPSHOT_ROWS or (parents is not None
-                                           and not bool((parents == chain).all()))
-        parents = chain if parents is None else parents
+        every = parents is not None or t <= MAX_SNAPSHOT_ROWS
+        parents = chain_parents(batch, t, x.device) if parents is None else parents
         windows, states = (self._zero_state(batch, x) if state is None else state.committed())
         mixed, z, beta, decay = self._inputs(x)  # mixed [B, T, C]
         conv_out, all_windows = self._convolved(mixed, _RowStates(windows, t, every), parents)
@@ -286,17 +284,18 @@ def chain_parents(batch: int, t: int, device: torch.device | str) -> torch.Tenso
 
 
 def parents_of(mask: torch.Tensor | None, t: int, device: torch.device | str,
-               columns: torch.Tensor | None = None) -> torch.Tensor:
+               columns: torch.Tensor | None = None) -> torch.Tensor | None:
     """[B, T] each new row's parent, read off a forward's mask (`Transformer.forward`'s:
-    None = causal, [T, T] among the new rows, [T, past + T] or a batch's [B, T, S]): the last
-    earlier row it sees, -1 for none (it continues the committed history). columns [B, T]:
-    where each batch row's new rows sit among the mask's columns (a batch's rows at their own
-    lengths: `kv_cache.RowSlots.new_slots`); default the last T, the committed slots before.
+    [T, T] among the new rows, [T, past + T] or a batch's [B, T, S]; None, causal, gives
+    None): the last earlier row it sees, -1 for none (it continues the committed history).
+    columns [B, T]: where each batch row's new rows sit among the mask's columns (a batch's
+    rows at their own lengths: `kv_cache.RowSlots.new_slots`); default the last T, the
+    committed slots before.
 
     A recurrent layer reads a path, so a row must see exactly its parent's rows and itself,
     and every committed slot: else a ValueError names the row."""
     if mask is None:
-        return chain_parents(1, t, device)
+        return None
     rows = (mask if mask.dim() == 3 else mask[None]).cpu()
     width = rows.shape[-1]
     if columns is None:

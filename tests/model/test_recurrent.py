@@ -115,7 +115,8 @@ def path_to(node: int) -> list[int]:
 
 def test_parents_are_read_off_a_tree_mask():
     assert parents_of(tree_mask(PARENTS), 6, "cpu").tolist() == [PARENTS]
-    assert parents_of(None, 3, "cpu").tolist() == [[-1, 0, 1]]
+    assert parents_of(None, 3, "cpu") is None  # causal: each row continues the one before
+    assert parents_of(tree_mask([-1, 0, 1]), 3, "cpu").tolist() == [[-1, 0, 1]]
     history = torch.cat([torch.ones(6, 4, dtype=torch.bool), tree_mask(PARENTS)], dim=1)
     assert parents_of(history, 6, "cpu").tolist() == [PARENTS]
 
