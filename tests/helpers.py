@@ -103,7 +103,9 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
     top 2, and its first layer dense (mlp_only_layers) unless one layer; Mixtral (8 experts,
     top 2) with a window of WINDOW tokens on every layer; gpt-oss (sinks, biases, YaRN,
     window and full layers alternating) with 8 experts, top 2, a window of WINDOW tokens and
-    a swiglu_limit low enough to clamp."""
+    a swiglu_limit low enough to clamp. DeepSeek-V3: latent attention (both low-rank
+    products), YaRN scaling the softmax too, 8 experts in 4 groups (top 2 from the best 2
+    groups) with two shared experts, its first layer dense."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -154,6 +156,13 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
                              "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
                              "original_max_position_embeddings": 64}),
     }
+    configs["deepseek_v3"] = lambda: tf.DeepseekV3Config(  # MLA, YaRN with mscale_all_dim
+        **common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8,
+        qk_nope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=hidden // 2, n_shared_experts=2,
+        first_k_dense_replace=1, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "original_max_position_embeddings": 64})
     config = configs[family]()
     for key, value in extra.items():
         setattr(config, key, value)

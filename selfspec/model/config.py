@@ -35,6 +35,10 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - qwen3_5_text: Qwen3.5's decoder, Qwen3-Next's layers with the linear attention's input
   products split four ways (`linear_split_projections`) and dense MLPs; its multimodal RoPE
   is the plain one over text.
+- deepseek_v3: multi-head latent attention (MLA: `kv_lora_rank` > 0, a compressed latent and
+  one roped key cached per token, `selfspec.model.mla`), interleaved RoPE, a mixture of
+  experts with sigmoid routing over groups (`router_scoring`, `router_groups`), a routed
+  scaling factor and ungated shared experts, its first layers dense.
 
 Multi-token prediction (MTP) modules after the last layer are configuration too
 (`mtp_modules`, `mtp_layout`): DeepSeek-V3's NextN layers (config.json's
@@ -85,6 +89,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    "attention_output_gate": True},
     "qwen3_5_text": {"norm_scale": "one_plus_weight", "qk_norm": "head",
                      "attention_output_gate": True, "linear_split_projections": True},
+    "deepseek_v3": {"router_scoring": "sigmoid", "shared_expert_gate": False},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -94,7 +99,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
@@ -106,6 +112,7 @@ MTP_LAYOUTS = ("nextn", "mtp", "mimo")
 _MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers",
              "mimo": "num_nextn_predict_layers"}
 EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
+ROUTER_SCORINGS = ("softmax", "sigmoid")  # the router's scores: Mixtral's, DeepSeek-V3's
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
 HYBRID = ("qwen3_next", "qwen3_5_text")  # the families with linear-attention layers
@@ -116,7 +123,8 @@ GEMMA = ("gemma3_text", "gemma2", GEMMA4)  # their embedding is scaled by sqrt(h
 LOCAL_ROPE = ("gemma3_text", GEMMA4)  # a RoPE of their own for the sliding layers
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
 WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
-MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")  # families with a mixture of experts
+# the families with a mixture of experts
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "deepseek_v3")
 QWEN_MOE = ("qwen3_moe", "qwen3_next")  # Qwen's keys: moe_intermediate_size, dense layers
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
@@ -205,6 +213,20 @@ class ModelConfig:
         in_proj_z, in_proj_b, in_proj_a) rather than Qwen3-Next's two grouped by key head.
     shared_expert_intermediate_size: the width of a mixture of experts' shared expert, which
         every token runs beside its routed ones, gated by a sigmoid (Qwen3-Next; 0: none).
+    shared_expert_gate: whether that sigmoid gate exists (DeepSeek-V3's shared experts,
+        `n_shared_experts` of them side by side as one MLP, have none).
+    router_scoring: "softmax" (the top k of the router's logits, as norm_topk_prob says) or
+        "sigmoid" (DeepSeek-V3: experts chosen by their sigmoid plus a learned correction bias,
+        among the router_top_groups best of router_groups groups, each group scored by its two
+        best; weighted by their sigmoids, renormalised with norm_topk_prob, times
+        routed_scaling_factor).
+    kv_lora_rank: multi-head latent attention (MLA, DeepSeek-V2/V3) when > 0: keys and values
+        are expanded from a latent of this rank, which the cache holds with one roped key of
+        head_dim (DeepSeek's qk_rope_head_dim) per token; each head's query and key are
+        qk_nope_head_dim unroped dimensions then head_dim roped ones, its value v_head_dim.
+    q_lora_rank: the query's own low-rank compression (None: one q_proj).
+    rope_interleave: RoPE rotates pairs of adjacent dimensions (DeepSeek's layout) rather than
+        the two halves.
     v_norm: the values RMS-normed over each head's dims, without a weight (Gemma 4).
     value_from_key: the full-attention layers have no v_proj; their values are k_proj's
         output (before its norm and RoPE) (Gemma 4's attention_k_eq_v).
@@ -271,6 +293,16 @@ class ModelConfig:
     v_norm: bool = False
     value_from_key: bool = False
     layer_scalars: bool = False
+    shared_expert_gate: bool = True
+    router_scoring: str = "softmax"
+    router_groups: int = 1
+    router_top_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -290,7 +322,8 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
         for name, allowed in (("hidden_act", ACTIVATIONS), ("norm_scale", NORM_SCALES),
-                              ("qk_norm", QK_NORMS), ("expert_act", EXPERT_ACTS)):
+                              ("qk_norm", QK_NORMS), ("expert_act", EXPERT_ACTS),
+                              ("router_scoring", ROUTER_SCORINGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unsupported {name} {getattr(self, name)!r}; supported: "
                                  f"{', '.join(map(str, allowed))}")
@@ -311,6 +344,7 @@ class ModelConfig:
             raise ValueError("a decoder layer needs norms before (pre_norms) or after "
                              "(post_norms) its attention and MLP")
         self._check_experts()
+        self._check_latent()
         self._check_mtp()
         self._check_linear()
 
@@ -331,6 +365,18 @@ class ModelConfig:
         if self.mtp_layout == "mtp" and self.mtp_modules > 1:
             raise ValueError(f"an mtp layout's modules share one fc and norms: mtp_modules "
                              f"must be 1 there, got {self.mtp_modules}")
+
+    def _check_latent(self) -> None:
+        if self.kv_lora_rank and not (is_count(self.qk_nope_head_dim, 0)
+                                      and is_count(self.v_head_dim)):
+            raise ValueError(f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs "
+                             f"qk_nope_head_dim >= 0 and v_head_dim >= 1, got "
+                             f"{self.qk_nope_head_dim!r}, {self.v_head_dim!r}")
+        if self.num_experts and (self.num_experts % self.router_groups
+                                 or not 1 <= self.router_top_groups <= self.router_groups):
+            raise ValueError(f"router_groups ({self.router_groups}) must divide num_experts "
+                             f"({self.num_experts}) and router_top_groups must be in "
+                             f"1..router_groups, got {self.router_top_groups}")
 
     def _check_experts(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -381,6 +427,19 @@ class ModelConfig:
             return frozenset()
         return frozenset(i for i in range(self.num_layers) if i not in self.mlp_only_layers
                          and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (MLA): a compressed latent cached in place of K/V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of a token's cache entry per attention layer: K/V per
+        KV head, or MLA's roped key and latent, one each."""
+        if self.latent:
+            return 1, self.head_dim, self.kv_lora_rank
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @property
     def expert_width(self) -> int:
@@ -434,6 +493,8 @@ class ModelConfig:
         _refuse_quantized(config)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        if model_type == "deepseek_v3":  # RoPE's dims: each head's roped part
+            head_dim = config.get("qk_rope_head_dim", 64)
         bias = bool(config.get("attention_bias", model_type == "gpt_oss"))
         eos = config.get("eos_token_id")
         return cls(
@@ -442,7 +503,9 @@ class ModelConfig:
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            # MLA expands a key and a value for every head from the latent
+            num_kv_heads=num_heads if model_type == "deepseek_v3"
+            else config.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
@@ -460,6 +523,7 @@ class ModelConfig:
             **_read_moe(config, model_type),
             **_read_mtp(config),
             **_read_gemma4(config, model_type, head_dim),
+            **_read_latent(config, model_type),
             **FAMILIES[model_type],
         )
 
@@ -525,6 +589,10 @@ class ModelConfig:
                                  else "full_attention" for i in range(self.num_layers)]
         if self.model_type == "qwen3_next" and not self.num_experts:
             hf["num_experts"] = 0  # transformers' default is 512
+        if self.model_type == "deepseek_v3":
+            hf |= {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
+                   "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.head_dim,
+                   "v_head_dim": self.v_head_dim, "rope_interleave": self.rope_interleave}
         if self.model_type in LOCAL_ROPE:
             local = self.local_rope or (self.rope_theta, self.rope_scaling)
             hf["rope_parameters"] = {
@@ -538,6 +606,15 @@ class ModelConfig:
         if self.model_type not in MOE or not self.num_experts:
             return {}
         top = {"num_experts_per_tok": self.num_experts_per_tok}
+        if self.model_type == "deepseek_v3":
+            return top | {"n_routed_experts": self.num_experts,
+                          "moe_intermediate_size": self.expert_width,
+                          "n_shared_experts": self.shared_expert_intermediate_size
+                          // self.expert_width,
+                          "routed_scaling_factor": self.routed_scaling_factor,
+                          "n_group": self.router_groups, "topk_group": self.router_top_groups,
+                          "norm_topk_prob": self.norm_topk_prob,
+                          "first_k_dense_replace": len(self.mlp_only_layers)}
         if self.model_type == "qwen3_next":
             top["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.model_type in QWEN_MOE:
@@ -560,13 +637,22 @@ class ModelConfig:
         checked = {name: implied[name] for name in
                    ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
                     "router_bias", "expert_bias", "expert_act", "attention_output_gate",
-                    "linear_split_projections")}
-        if self.model_type != "qwen3_next":
+                    "linear_split_projections", "router_scoring", "shared_expert_gate")}
+        if self.model_type not in ("qwen3_next", "deepseek_v3"):
             checked["shared_expert_intermediate_size"] = 0
         checked |= {name: implied[name] for name in ("v_norm", "layer_scalars")}
         if self.model_type != GEMMA4:
             checked["value_from_key"] = False
-        if self.model_type not in QWEN_MOE:
+        if self.model_type != "deepseek_v3":
+            checked |= {"kv_lora_rank": 0, "q_lora_rank": None, "qk_nope_head_dim": 0,
+                        "v_head_dim": 0, "rope_interleave": False, "router_groups": 1,
+                        "router_top_groups": 1, "routed_scaling_factor": 1.0}
+        elif self.num_experts:  # its shared experts are whole experts; its dense layers first
+            checked |= {"shared_expert_intermediate_size": self.expert_width * (
+                            self.shared_expert_intermediate_size // self.expert_width),
+                        "mlp_only_layers": tuple(range(len(self.mlp_only_layers))),
+                        "decoder_sparse_step": 1}
+        if self.model_type not in (*QWEN_MOE, "deepseek_v3"):
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
             if self.model_type in MOE:
@@ -627,7 +713,10 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "decoder_sparse_step", "mlp_only_layers", "router_bias", "expert_bias",
                   "expert_act", "swiglu_alpha", "swiglu_limit", "mtp_modules", "mtp_layout",
                   "attention_output_gate", *LINEAR_KEYS, "linear_split_projections",
-                  "shared_expert_intermediate_size")
+                  "shared_expert_intermediate_size", "shared_expert_gate", "router_scoring",
+                  "router_groups", "router_top_groups", "routed_scaling_factor",
+                  "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                  "rope_interleave")
 
 _FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars")  # Gemma 4's
 
@@ -689,7 +778,7 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
 def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     """The mixture of experts of a config.json (transformers' defaults where a key is
     absent)."""
-    if model_type not in MOE:
+    if model_type not in MOE or model_type == "deepseek_v3":  # DeepSeek's: _read_latent
         return {}
     top = config.get("num_experts_per_tok") or config.get("experts_per_token")
     # transformers names it num_local_experts in every family (published Qwen3-MoE:
@@ -717,6 +806,29 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     return {"num_experts": experts or 128, "num_experts_per_tok": top or 4,
             "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
             "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
+
+
+def _read_latent(config: Mapping[str, Any], model_type: str) -> dict:
+    """DeepSeek-V3's latent attention and routing (transformers' defaults where a key is
+    absent)."""
+    if model_type != "deepseek_v3":
+        return {}
+    experts = config.get("n_routed_experts", config.get("num_local_experts", 256))
+    width = config.get("moe_intermediate_size", 2048)
+    dense = min(config.get("first_k_dense_replace", 3), config["num_hidden_layers"])
+    moe = {"num_experts": experts, "num_experts_per_tok": config.get("num_experts_per_tok", 8),
+           "expert_intermediate_size": width,
+           "shared_expert_intermediate_size": width * config.get("n_shared_experts", 1),
+           "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+           "mlp_only_layers": tuple(range(dense)),
+           "routed_scaling_factor": float(config.get("routed_scaling_factor", 2.5)),
+           "router_groups": config.get("n_group") or 1,
+           "router_top_groups": config.get("topk_group") or 1} if experts else {}
+    return moe | {"kv_lora_rank": config.get("kv_lora_rank", 512),
+                  "q_lora_rank": config.get("q_lora_rank", 1536),
+                  "qk_nope_head_dim": config.get("qk_nope_head_dim", 128),
+                  "v_head_dim": config.get("v_head_dim", 128),
+                  "rope_interleave": bool(config.get("rope_interleave", True))}
 
 
 def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:

@@ -23,7 +23,9 @@ import torch
 
 
 class KVCache:
-    """K/V for every layer: two tensors [num_layers, B, H_kv, max_slots, D], allocated once."""
+    """K/V for every layer: two tensors [num_layers, B, H_kv, max_slots, D], allocated once
+    (V's last dimension `value_dim` where it differs from K's: a latent cache, MLA's, holds
+    the roped key [.., 1, S, rope dim] as K and the compressed latent [.., 1, S, rank] as V)."""
 
     def __init__(
         self,
@@ -35,21 +37,23 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> None:
         shape = (num_layers, batch_size, num_kv_heads, max_slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.v = torch.zeros((*shape[:-1], value_dim or head_dim), dtype=dtype,
+                             device=device)  # [L, B, H_kv, S, D_v]
         self.length = 0  # number of valid slots
 
     @classmethod
     def reused(cls, cache: KVCache | None, num_layers: int, num_kv_heads: int, max_slots: int,
-               head_dim: int, like: torch.Tensor) -> KVCache:
+               head_dim: int, like: torch.Tensor, value_dim: int | None = None) -> KVCache:
         """A drafter's own cache for a generation (batch 1): `cache` emptied where it holds
         max_slots slots in like's dtype and on its device, else a new one."""
         if cache is None or cache.max_slots < max_slots or cache.k.device != like.device \
-                or cache.k.dtype != like.dtype:
+                or cache.k.dtype != like.dtype or cache.v.shape[-1] != (value_dim or head_dim):
             cache = cls(num_layers, 1, num_kv_heads, max_slots, head_dim, dtype=like.dtype,
-                        device=like.device)
+                        device=like.device, value_dim=value_dim)
         cache.reset()
         return cache
 
@@ -72,10 +76,11 @@ class KVCache:
         `length` is unchanged: the caller advances it once all layers have written.
         """
         expected = (*self.k.shape[1:3], k.shape[2], self.k.shape[4])
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        expected_v = (*expected[:3], self.v.shape[4])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected_v:
             raise ValueError(
-                f"KVCache.write: k and v must have shape [B, H_kv, T, D] = {list(expected)}, "
-                f"got {list(k.shape)} and {list(v.shape)}"
+                f"KVCache.write: k and v must have shape [B, H_kv, T, D] = {list(expected)} "
+                f"and {list(expected_v)}, got {list(k.shape)} and {list(v.shape)}"
             )
         end = self._end_after(k.shape[2])
         self.k[layer, :, :, self.length : end] = k

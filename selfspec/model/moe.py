@@ -6,7 +6,9 @@ the sigmoid of its own gate.
 
 Routing: the top k logits' softmax (`norm_topk_prob`: Mixtral, gpt-oss) or their share of the
 softmax over every expert (Qwen3-MoE without it). The two are the same ranking, so the top k
-of the logits serve both.
+of the logits serve both. DeepSeek-V3 (`router_scoring="sigmoid"`) routes by sigmoids
+instead, within the best groups of experts (`grouped_sigmoid_routing`), and its shared
+experts have no gate.
 
 Experts are stacked per layer: `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows,
 then its up rows), `experts.down_proj` [E, H, I], and with `expert_bias` their biases
@@ -117,6 +119,27 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def grouped_sigmoid_routing(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
+                            top_groups: int, renormalise: bool, scale: float) -> Routing:
+    """DeepSeek-V3's routing of router logits [N, E]: experts are chosen by their sigmoid plus
+    the correction bias [E], among the top_groups groups (of `groups` contiguous ones) whose
+    two best such scores sum highest; their weights are their plain sigmoids, renormalised to
+    sum to 1 where asked, times scale. In fp32 throughout."""
+    scores = torch.sigmoid(logits.float())  # [N, E]
+    choice = scores + bias.float()
+    n, experts = choice.shape
+    by_group = choice.view(n, groups, experts // groups)
+    group_scores = by_group.topk(min(2, experts // groups), dim=-1).values.sum(-1)  # [N, G]
+    kept = torch.zeros_like(group_scores).scatter_(
+        1, group_scores.topk(top_groups, dim=-1).indices, 1.0).bool()  # [N, G]
+    choice = by_group.masked_fill(~kept[..., None], float("-inf")).view(n, experts)
+    chosen = choice.topk(top_k, dim=-1).indices  # [N, k]
+    weights = scores.gather(1, chosen)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(chosen, weights * scale)
+
+
 class MoE(nn.Module):
     """A layer's mixture of experts: the router `gate` and the stacked `experts`. Maps
     [B, T, hidden] to [B, T, hidden], as the MLP it replaces."""
@@ -125,10 +148,18 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.sigmoid_routing = config.router_scoring == "sigmoid"
+        if self.sigmoid_routing:  # DeepSeek-V3's learned correction of the choice (fp32)
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(config.num_experts, dtype=torch.float32))
+            self.groups = (config.router_groups, config.router_top_groups)
+            self.routed_scale = config.routed_scaling_factor
         self.experts = Experts(config)
-        if config.shared_expert_intermediate_size:  # transformers' names
-            self.shared_expert = SharedExpert(config)
+        if config.shared_expert_intermediate_size and config.shared_expert_gate:
+            self.shared_expert = SharedExpert(config)  # transformers' names
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        elif config.shared_expert_intermediate_size:  # DeepSeek's, side by side, ungated
+            self.shared_experts = SharedExpert(config)
 
     @property
     def num_experts(self) -> int:
@@ -145,10 +176,17 @@ class MoE(nn.Module):
             self.eager_dispatch(flat, routing)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        elif hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
         return out.view_as(x)
 
     def route(self, x: torch.Tensor) -> Routing:
         """Each token's top-k experts and weights, x [N, hidden]."""
+        if self.sigmoid_routing:
+            routing = grouped_sigmoid_routing(
+                F.linear(x.float(), self.gate.weight.float()), self.gate.e_score_correction_bias,
+                self.top_k, *self.groups, self.norm_topk_prob, self.routed_scale)
+            return Routing(routing.experts, routing.weights.to(x.dtype))
         logits = self.gate(x)  # [N, E]
         top, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
         top = top.float()

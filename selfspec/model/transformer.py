@@ -49,6 +49,7 @@ from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
+from selfspec.model.mla import LatentAttention
 from selfspec.model.moe import MoE
 from selfspec.model.placement import Placement
 from selfspec.model.recurrent import DeltaNetDims, GatedDeltaNet, parents_of
@@ -295,6 +296,8 @@ class DecoderLayer(nn.Module):
         self.linear = layer_idx in config.linear_layers if linear is None else linear
         if self.linear:
             self.linear_attn = GatedDeltaNet(delta_net_dims(config))
+        elif config.latent:  # DeepSeek's MLA: a latent cached in place of K/V
+            self.self_attn = LatentAttention(config, layer_idx, RMSNorm)
         else:
             self.self_attn = Attention(config, layer_idx)
         self.mlp = feed_forward(config, layer_idx)
@@ -421,7 +424,8 @@ def fuse_projections(model: nn.Module) -> bool:
     are unchanged), so that one product computes them (`projections(x, fused=True)`,
     `MLP.forward(x, fused=True)`). Idempotent. False, and nothing changed, where a projection
     is not a plain Linear (a quantized target's)."""
-    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.layers]
+    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.layers
+              if isinstance(getattr(layer, "self_attn", None), Attention)]  # not MLA's
     groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.layers
                if isinstance(layer.mlp, MLP)]
     if not all(type(getattr(module, name)) is Linear and
@@ -845,16 +849,17 @@ class Transformer(nn.Module):
         """A KVCache for this model; max_slots defaults to max_position_embeddings, which for
         long-context models is a lot of memory: pass what the generation actually needs."""
         weight = self.embed_tokens.weight
-        sizes = (batch_size, self.config.num_kv_heads,
-                 max_slots or self.config.max_position_embeddings, self.config.head_dim)
+        heads, key_dim, value_dim = self.config.cache_dims  # MLA: its roped key and latent
+        sizes = (batch_size, heads, max_slots or self.config.max_position_embeddings, key_dim)
         if self.config.linear_layers:
             return self._hybrid_cache(sizes, dtype or weight.dtype)
         if self.placement is not None and self.placement.spans_devices:
             return SegmentedKVCache([
-                (first, KVCache(end - first, *sizes, dtype=dtype or weight.dtype, device=device))
+                (first, KVCache(end - first, *sizes, dtype=dtype or weight.dtype, device=device,
+                                value_dim=value_dim))
                 for first, end, device in self.placement.segments()])
         return KVCache(self.config.num_layers, *sizes, dtype=dtype or weight.dtype,
-                       device=weight.device)
+                       device=weight.device, value_dim=value_dim)
 
     def _hybrid_cache(self, sizes: tuple[int, ...], dtype: torch.dtype) -> HybridCache:
         """A hybrid target's cache: K/V for its attention layers, the state of its linear
