@@ -1170,6 +1170,31 @@ GPU_COMPILED = Quoted(
     },
 )
 
+SERVING = "vllm_serving/results.json"
+SERVING_VLLM = Quoted(
+    doc="docs/serving.md",
+    header="| head kind | vLLM method |",
+    columns={
+        "vLLM mean acceptance length": Column(("vllm_mean_acceptance_length",)),
+        "selfspec's, same steps counted": Column(("selfspec_mean_acceptance_length",)),
+        "selfspec tau": Column(("selfspec_tau",)),
+        "drafting steps vLLM / selfspec": Column(("vllm_drafting_steps",
+                                                  "selfspec_drafting_steps")),
+        "acceptance by position, vLLM / selfspec": Column(
+            tuple(f"{side}_acceptance_by_position.{d}" for side in ("vllm", "selfspec")
+                  for d in range(3))),
+    },
+    rows={
+        label: (lambda k=key: [_with_file(_json(SERVING)[k], SERVING)])
+        for label, key in (
+            ("EAGLE-1", "eagle1_fc_bias"), ("EAGLE-3", "eagle3"),
+            ("Medusa", "medusa_draft_vocab"), ("DFlash", "dflash"),
+            ("the draft model", "draft_model"), ("n-gram (1-3), a setting", "ngram_vllm_rule"),
+            ("n-gram (1-3): selfspec", "ngram_selfspec_rule"),
+        )
+    },
+)
+
 QUOTED = (
     README_RESULTS,
     SMOLLM2_GREEDY,
@@ -1200,6 +1225,7 @@ QUOTED = (
     GPU_RANDOM7B,
     GPU_SMOLLM2_SHAPE,
     GPU_COMPILED,
+    SERVING_VLLM,
 )
 
 
