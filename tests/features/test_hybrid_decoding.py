@@ -108,6 +108,19 @@ def test_a_state_left_after_a_rejection_is_caught(hybrid, plain, monkeypatch):
     assert rejected > 0 and not same
 
 
+@pytest.mark.slow  # a second planted bug, of trees
+@torch.no_grad()
+def test_tree_nodes_read_as_a_chain_are_caught(hybrid, plain, monkeypatch):
+    """A planted bug: the recurrent layers ignore the tree and read the forward's rows as one
+    chain (a sibling continues its brother), so an accepted node's state is wrong."""
+    import selfspec.model.transformer as transformer
+
+    monkeypatch.setattr(transformer, "parents_of", lambda mask, t, device, columns=None: None)
+    same, rejected = rejected_and_lossless(hybrid, plain,
+                                           lambda: drafter_of("medusa_tree", hybrid))
+    assert rejected > 0 and not same
+
+
 @pytest.mark.slow  # 500 two-token generations: ~8 s
 def test_sampling_at_temperature_one_keeps_the_targets_law(hybrid):
     """Lookup drafts a tree of the target's answer (its chains are the tree's paths): the
