@@ -13,6 +13,7 @@ from helpers import (
     assert_drafted_sampling_is_exact,
     committed_context,
     dflash_head_config,
+    host_reads_per_step,
     law_samples,
     random_dflash_head,
     random_eagle_head,
@@ -147,6 +148,14 @@ def test_greedy_stays_lossless_with_the_confidence_cut(target, method, static, s
         assert out.tokens == expected, prompt
         lengths |= set(seen) - {0}
     assert len(lengths) > 1 and max(lengths) <= 4, lengths  # cut at more than one depth
+
+
+@SLOW
+@pytest.mark.parametrize("shape, reads", [({"tree_nodes": 8}, 1), ({}, 2)])
+def test_in_static_steps_only_a_cut_chain_reads_the_host_once_more(target, shape, reads):
+    head = noisy(dflash_head(target), 0.8)
+    drafter = lambda: DFlashDrafter(head, confidence_threshold=0.5, **shape)  # noqa: E731
+    assert host_reads_per_step(target, drafter, PROMPTS[0]) == reads
 
 
 @pytest.mark.parametrize("static, shape", [

@@ -19,6 +19,7 @@ def test_a_row_per_confidence_threshold_beside_each_shape(cfg_of):
         entry("dflash").variants(cfg_of("sweep", "dflash.confidence_threshold=[1.5]"), True)
 
 
+@pytest.mark.slow  # two trainer configs checked (~1 s)
 def test_the_dflash_trainer_builds_and_drafts_with_a_confidence_head(cfg_of):
     cfg = cfg_of("train_dflash", "dflash.confidence_head=true", "dflash.confidence_threshold=0.5")
     check_dflash_settings(cfg)
