@@ -53,7 +53,7 @@ class BlockDrafter:
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
         self.shape = BlockShape.checked(type(self).__name__, k, tree_nodes,
                                         head.config.output_vocab_size)
-        self.confidence_threshold = checked_confidence(type(self).__name__, head, self.shape,
+        self.confidence_threshold = checked_confidence(type(self).__name__, head,
                                                        confidence_threshold)
         self.max_nodes = self.shape.max_nodes
         self.target_layers: tuple[int, ...] = tuple(head.config.target_layers)
@@ -79,7 +79,7 @@ class BlockDrafter:
 
     def _with_confidence(self, drafted: Drafted, states: torch.Tensor) -> Drafted:
         """The draft with its positions' cumulative confidence, of the k states [k, h] its
-        laws were scored from, when the drafter sizes its chains by it (tensor work only)."""
+        laws were scored from, when the drafter sizes its drafts by it (tensor work only)."""
         if self.confidence_threshold is not None:
             drafted.confidence = cumulative_acceptance(self.head.acceptance_logits(states))
         return drafted
@@ -96,8 +96,7 @@ class BlockDrafter:
         return block_draft(drafted, self.shape, on_device)
 
 
-def checked_confidence(drafter: str, head: Any, shape: BlockShape,
-                       threshold: float | None) -> float | None:
+def checked_confidence(drafter: str, head: Any, threshold: float | None) -> float | None:
     """The confidence threshold: None (the whole block) or a number in (0, 1), for a head with
     a confidence head."""
     if threshold is None:
@@ -131,8 +130,8 @@ def confident_depth(cumulative: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def block_draft(drafted: Drafted, shape: BlockShape, on_device: bool) -> Draft:
     """The draft of one block's laws: a chain, a device tree (on_device, in static steps: read
-    with the target's argmax), or a tree read here, its nodes a sampled law could not supply
-    left out."""
+    with the target's argmax), or a tree read here, its rows that are no nodes left out (those
+    a sampled law could not supply, or the confidence cut)."""
     if drafted.parents is None:
         return Draft.chain(drafted.tokens, drafted.q)
     tree = DeviceTree(drafted.parents, shape.k, drafted.valid, shape.width)
