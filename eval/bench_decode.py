@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from selfspec.cli import hydra_entry_point
 from selfspec.from_config.common import set_threads
+from selfspec.from_config.methods import cost_rows
 from selfspec.from_config.sweeps import floor_settings, timing_models
 from selfspec.measure.divergence import describe_difference
 from selfspec.measure.floor import measure_floor
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> None:
     set_threads(cfg)
     settings = floor_settings(cfg)  # checked before any model loads
     target, hf_model = timing_models(cfg)
-    figures = measure_floor(target, hf_model, settings)
+    figures = measure_floor(target, hf_model, settings, cost_rows())
     figures |= {"model": cfg.model.name, "machine": machine_facts()}
     folder = Path(cfg.run_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.checks import is_count
 from selfspec.drafters import Drafter
 from selfspec.from_config.common import CONF_DIR, as_list, checked_settings, sampling_params
-from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
+from selfspec.from_config.methods import Loaded, MethodEntry, cost_rows, entry, registry
 from selfspec.from_config.methods.hf_peers import ONE_PROMPT
 from selfspec.from_config.models import (
     compile_steps,
@@ -308,11 +308,14 @@ def floor_settings(cfg: DictConfig) -> FloorSettings:
     compile_steps(cfg)  # used when the target loads
     lengths = {key: tuple(int(v) for v in as_list(cfg[key]))
                for key in ("draft_lengths", "cost_lengths")}
+    methods = tuple(str(m) for m in as_list(cfg.get("methods") or []))
+    if unknown := [name for name in methods if name not in cost_rows()]:
+        raise ValueError(f"methods: unknown {unknown}; choose from {', '.join(cost_rows())}")
     return FloorSettings(prompt_tokens=int(cfg.prompt_tokens), new_tokens=int(cfg.new_tokens),
                          num_prompts=int(cfg.num_prompts), repeats=int(cfg.repeats),
                          seed=int(cfg.seed), cuda_graphs=cuda_graphs(cfg),
                          oracle_trees=oracle_trees(cfg.get("oracle_trees") or []),
-                         methods=tuple(str(m) for m in as_list(cfg.get("methods") or [])),
+                         methods=methods,
                          method_tree=oracle_trees([cfg.get("method_tree", "chain4")])[0][1],
                          batch_sizes=tuple(int(b) for b in as_list(cfg.get("batch_sizes") or [])),
                          batch_draft_tokens=int(cfg.get("batch_draft_tokens", 4)), **lengths)

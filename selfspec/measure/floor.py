@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -16,7 +17,7 @@ from selfspec.devices import synchronize
 from selfspec.measure.costs import CostProfile, measure_cost_profile
 from selfspec.measure.divergence import first_difference
 from selfspec.measure.memory import PeakMemory
-from selfspec.measure.method_costs import METHODS, method_cost_row
+from selfspec.measure.method_costs import CostRow, method_cost_row
 from selfspec.measure.oracle import OracleDrafter
 from selfspec.measure.passes import BenchSettings, compare_with_plain, run_passes
 from selfspec.measure.peers import HFDecoder, OurDecoder
@@ -65,9 +66,6 @@ class FloorSettings:
         if any(b < 1 for b in self.batch_sizes) or self.batch_draft_tokens < 1:
             raise ValueError(f"batch_sizes and batch_draft_tokens must be >= 1, got "
                              f"{list(self.batch_sizes)} and {self.batch_draft_tokens}")
-        unknown = [name for name in self.methods if name not in METHODS]
-        if unknown:
-            raise ValueError(f"methods: unknown {unknown}; choose from {', '.join(METHODS)}")
         for name, choices in self.oracle_trees:
             if len(choices) + 1 > max(self.cost_lengths):
                 raise ValueError(f"cost_lengths must reach {len(choices) + 1} for the oracle "
@@ -75,11 +73,16 @@ class FloorSettings:
                                  f"{max(self.cost_lengths)}")
 
 
-def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dict:
+def measure_floor(target: Transformer, hf_model, settings: FloorSettings,
+                  cost_rows: Mapping[str, CostRow] | None = None) -> dict:
     """The decode loop's floor and ceiling on this machine: plain tokens/s of selfspec and of
     Hugging Face `generate` on the same weights, c(N), and the oracle drafter's speedup at
     each draft length beside the bound tau / c(k + 1) (its drafting costs nothing), with the
-    time split of its steps (synchronized at every phase boundary on a GPU)."""
+    time split of its steps (synchronized at every phase boundary on a GPU); and the draft cost
+    of each of settings.methods, by its row of cost_rows (the methods' own)."""
+    rows = cost_rows or {}
+    if unknown := [name for name in settings.methods if name not in rows]:
+        raise ValueError(f"methods: unknown {unknown}; choose from {', '.join(rows)}")
     generator = torch.Generator().manual_seed(settings.seed)
     prompts = torch.randint(target.config.vocab_size, (settings.num_prompts,
                             settings.prompt_tokens), generator=generator).tolist()
@@ -104,7 +107,7 @@ def measure_floor(target: Transformer, hf_model, settings: FloorSettings) -> dic
             trees.append({"tree": name, "nodes": drafter.tree.num_nodes,
                           "depth": drafter.tree.max_depth}
                          | _against_bound(target, drafter, prompts, settings, profile))
-        methods = [method_cost_row(name, target, settings.method_tree, prompts,
+        methods = [method_cost_row(name, rows[name], target, settings.method_tree, prompts,
                                    settings.new_tokens, profile, settings.seed,
                                    settings.cuda_graphs) for name in settings.methods]
     plain = statistics.median(ours.tokens_per_s)

@@ -211,11 +211,11 @@ def test_the_diagnosis_script_runs_on_the_cpu_in_every_mode(tmp_path, dtype):
                        str(out), f"model.dtype={dtype}", *SMALL])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report["modes"]) == ["eager", "compiled", "compiled_emulated"]
+    assert list(report["modes"]) == ["eager", "compiled", "compiled_emulated", "invariant"]
     for mode in report["modes"].values():
         assert all(d["lossless"] for d in mode["decode"]), mode["verdict"]
-    assert gpu_check.diagnosis_headline(report).count("lossless") == 6
-    assert done.stdout.count("Decoding: k=1 lossless") == 3
+    assert gpu_check.diagnosis_headline(report).count("lossless") == 8
+    assert done.stdout.count("Decoding: k=1 lossless") == 4
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 import pytest
 from helpers import tiny_llama
 
-from selfspec.from_config.sweeps import oracle_trees
+from selfspec.from_config.methods import cost_rows
+from selfspec.from_config.sweeps import floor_settings, oracle_trees
 from selfspec.measure.floor import FloorSettings, measure_floor
 from selfspec.model import Transformer
 
@@ -21,7 +22,7 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
                              oracle_trees=(("small", tree),),
                              methods=("eagle2", "medusa", "dflash"),
                              method_tree=tree)
-    figures = measure_floor(target, hf_model, settings)
+    figures = measure_floor(target, hf_model, settings, cost_rows())
     assert figures["plain_tokens_per_s"] > 0 and figures["hf_plain_tokens_per_s"] > 0
     assert figures["peak_memory_mb"] > 0 and figures["peak_memory_kind"].startswith("cpu_")
     assert list(figures["cost_profile"]["c"]) == [1, 2, 4, 64]
@@ -48,8 +49,8 @@ def test_the_floor_benchmark_reports_plain_speeds_costs_and_the_oracle(target):
         assert row["projected_speedup"] == pytest.approx(row["published_tau"] / row["step_cost"])
     assert eagle2["draft_cost_per_level"] == pytest.approx(eagle2["draft_cost"] / 6)
     assert eagle2["c_verify"] == figures["cost_profile"]["c"][64]
-    with pytest.raises(ValueError, match="methods: unknown \\['eagle9'\\]; choose from eagle2,"):
-        FloorSettings(methods=("eagle9",))
+    with pytest.raises(ValueError, match="methods: unknown \\['eagle9'\\]; choose from "):
+        measure_floor(target, hf_model, FloorSettings(methods=("eagle9",)), cost_rows())
     with pytest.raises(ValueError, match="cost_lengths must reach 4 for the oracle tree small"):
         FloorSettings(cost_lengths=(1, 2), draft_lengths=(1,), oracle_trees=(("small", tree),))
     assert [name for name, _ in oracle_trees(["eagle2", "medusa_63"])] == ["eagle2", "medusa_63"]
@@ -99,3 +100,13 @@ def test_the_batch_curve_runs_plain_and_the_oracle_over_each_batch(target):
     assert measure_batches(target, FloorSettings()) == []
     with pytest.raises(ValueError, match="batch_sizes and batch_draft_tokens must be >= 1"):
         FloorSettings(batch_sizes=(0,))
+
+
+def test_bench_decode_names_only_the_methods_that_give_a_cost_row(cfg_of):
+    rows = cost_rows()
+    assert {"eagle2", "eagle3", "eagle1", "medusa", "early_exit", "dflash", "mtp"} <= set(rows)
+    assert rows["eagle2"].published_tau == 4.98 and rows["dflash"].published_tau is None
+    assert floor_settings(cfg_of("bench_decode", "methods=[eagle2,dflash]")).methods == (
+        "eagle2", "dflash")
+    with pytest.raises(ValueError, match="methods: unknown \\['eagle9'\\]; choose from "):
+        floor_settings(cfg_of("bench_decode", "methods=[eagle9]"))

@@ -12,9 +12,10 @@ import pkgutil
 from types import ModuleType
 
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
+from selfspec.measure.method_costs import CostRow
 
-__all__ = ["Loaded", "MethodEntry", "TrainerEntry", "entry", "method_names", "registry",
-           "trainer", "trainers"]
+__all__ = ["Loaded", "MethodEntry", "TrainerEntry", "cost_rows", "entry", "method_names",
+           "registry", "trainer", "trainers"]
 
 
 @functools.cache
@@ -29,6 +30,11 @@ def registry() -> dict[str, MethodEntry]:
     entries = [e for module in _modules() for e in module.ENTRIES]
     entries.sort(key=lambda e: (e.order, e.name))
     return {e.name: e for e in entries}
+
+
+def cost_rows() -> dict[str, CostRow]:
+    """eval/bench_decode.py's draft-cost rows of every method, by name."""
+    return {name: row for e in registry().values() for name, row in e.cost_rows.items()}
 
 
 def method_names() -> tuple[str, ...]:

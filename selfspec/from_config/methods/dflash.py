@@ -40,6 +40,7 @@ from selfspec.heads.dflash import DFlashConfig, DFlashHead
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow, TreeChoices
 from selfspec.model import ModelConfig, Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.tracking import Tracker
@@ -245,12 +246,22 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
                         f"top-1 agreement with the data per slot (held-out): {top1}")
 
 
+def random_dflash(target: Transformer, tree: TreeChoices, seed: int) -> DFlashDrafter:
+    """bench_decode's drafter: a random one-layer DFlash head, blocks of 9 (8 tokens drafted
+    in one forward, a chain)."""
+    torch.manual_seed(seed)
+    config = DFlashConfig.for_target(target.config, mask_token_id=target.config.vocab_size - 1,
+                                     block_size=9)
+    return DFlashDrafter(DFlashHead(config).to(target.embed_tokens.weight).eval())
+
+
 ENTRIES = (MethodEntry(
     name="dflash", summary="a DFlash block drafter: k tokens in one forward over the target's "
                            "features, as a chain or a best-first tree",
     variants=variants, load=load, drafter=drafter, check=check, lengths=fold_lengths,
-    default_when=when_set(HEAD), head=DFlashHead,
-    color="tab:olive", order=45),)
+    default_when=when_set(HEAD), head=DFlashHead, color="tab:olive", order=45,
+    cost_rows={"dflash": CostRow("DFlash head, one layer, 8 tokens drafted in one forward (a "
+                                 "chain)", random_dflash)}),)
 
 TRAINER = TrainerEntry(
     name="dflash", config="train_dflash", check=check_dflash_settings, dry_run=dry_run,

@@ -38,6 +38,7 @@ from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary, load_draft_
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import EAGLE2_PAPER, CostRow, TreeChoices
 from selfspec.model import ModelConfig, Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.tracking import Tracker
@@ -314,11 +315,40 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
                         f"top-1 agreement with the target (held-out): {top1}")
 
 
+def random_eagle(version: int, static_tree: bool):
+    """bench_decode's EAGLE drafter over a random head of `version` (EAGLE-3: a quarter of the
+    vocabulary drafted): over the static tree given, or EAGLE-2's published 60-node tree."""
+
+    def drafter(target: Transformer, tree: TreeChoices, seed: int) -> EagleDrafter:
+        config = target.config
+        torch.manual_seed(seed)
+        extra = {"draft_vocab_size": config.vocab_size // 4} if version == 3 else {}
+        head = EagleHead(EagleConfig.for_target(config, version, **extra))
+        shape = {"tree": tree} if static_tree else {"total_tokens": 60, "depth": 6, "top_k": 10}
+        return EagleDrafter(head.to(target.embed_tokens.weight).eval(), **shape)
+
+    return drafter
+
+
+def tree_depth(drafter: EagleDrafter) -> int:
+    return drafter.shape.depth
+
+
+COST_ROWS = {
+    "eagle2": CostRow("EAGLE-1 head, EAGLE-2 tree: 60 nodes, depth 6, top-10",
+                      random_eagle(1, False), tree_depth, 4.98, EAGLE2_PAPER),
+    "eagle3": CostRow("EAGLE-3 head, EAGLE-2 tree: 60 nodes, depth 6, top-10",
+                      random_eagle(3, False), tree_depth),
+    "eagle1": CostRow("EAGLE-1 head, the static tree (EAGLE-1's tau is for its own tree)",
+                      random_eagle(1, True), tree_depth, 3.94, EAGLE2_PAPER),
+}
+
 ENTRIES = (MethodEntry(
     name="eagle",
     summary="an EAGLE-1/EAGLE-3 head over the target's features, drafting EAGLE-2 trees",
     variants=one_variant("eagle"), load=load, drafter=drafter, check=check,
-    default_when=when_set(HEAD), head=EagleHead, color="tab:red", order=40),)
+    default_when=when_set(HEAD), head=EagleHead, color="tab:red", order=40,
+    cost_rows=COST_ROWS),)
 
 TRAINER = TrainerEntry(
     name="eagle", config="train_eagle", check=check_eagle_settings, dry_run=dry_run,

@@ -37,6 +37,7 @@ from selfspec.from_config.models import load_target, model_config, model_plan
 from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow, TreeChoices
 from selfspec.model import Transformer
 from selfspec.model.plan import trainable_line
 from selfspec.tracking import Tracker
@@ -250,11 +251,20 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
     print("\n".join(lines))
 
 
+def random_exit(target: Transformer, tree: TreeChoices, seed: int) -> EarlyExitDrafter:
+    """bench_decode's drafter: a random adapter exit at E = L/4, 4 tokens a step."""
+    torch.manual_seed(seed)
+    config = ExitConfig.for_target(target.config, max(1, target.config.num_layers // 4))
+    return EarlyExitDrafter(ExitHead(config).to(target.embed_tokens.weight).eval(), 4)
+
+
 ENTRIES = (MethodEntry(
     name="early_exit",
     summary="the target's first E layers through an exit, verification resuming at E",
     variants=variants, load=load, drafter=drafter, check=check,
-    default_when=when_set("early_exit.exits"), head=ExitHead, color="tab:pink", order=50),)
+    default_when=when_set("early_exit.exits"), head=ExitHead, color="tab:pink", order=50,
+    cost_rows={"early_exit": CostRow("adapter exit at E = L/4, 4 tokens a step", random_exit,
+                                     lambda drafter: drafter.num_draft_tokens)}),)
 
 TRAINER = TrainerEntry(
     name="early_exit", config="train_early_exit", check=check_early_exit_settings,

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.drafters.base import Drafter
 from selfspec.from_config.training import Export, ExportDrafters, TrainingRun
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow
 from selfspec.measure.passes import Method
 from selfspec.model import Transformer
 from selfspec.tracking import Tracker
@@ -99,6 +100,7 @@ class MethodEntry:
     default_when(cfg): whether a sweep with methods=null runs it.
     head: its trainable head class, if any; color: its colour in the figures; order: where it
     stands in lists (menus, a sweep's default methods).
+    cost_rows: its rows of eval/bench_decode.py's draft costs with random heads, by name.
     """
 
     name: str
@@ -114,6 +116,7 @@ class MethodEntry:
     head: type | None = None
     color: str | None = None
     order: int = 100
+    cost_rows: dict[str, CostRow] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.drafter is None) == (self.method is None):

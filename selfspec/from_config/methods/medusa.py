@@ -37,6 +37,7 @@ from selfspec.heads.io import load_head
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.measure.grid import Variant
 from selfspec.measure.lossless import greedy_agreement
+from selfspec.measure.method_costs import EAGLE2_PAPER, CostRow, TreeChoices
 from selfspec.model import ModelConfig, Transformer, dense_weight
 from selfspec.model.lora import (
     ADAPTER_DIR,
@@ -315,11 +316,21 @@ def report(cfg: DictConfig, heads_folder: Path, metrics: dict, tracker: Tracker)
               f"the first difference")
 
 
+def random_medusa(target: Transformer, tree: TreeChoices, seed: int) -> MedusaDrafter:
+    """bench_decode's drafter: 4 random Medusa heads over the static tree given."""
+    config = target.config
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=4))
+    return MedusaDrafter(heads.to(target.embed_tokens.weight).eval(), tree)
+
+
 ENTRIES = (MethodEntry(
     name="medusa", summary="Medusa heads on the target's last hidden state, drafting a tree",
     variants=one_variant("medusa"), load=load, drafter=drafter, check=check,
     verified_on=verified_on, lengths=fold_lengths, default_when=when_set(HEADS),
-    head=MedusaHeads, color="tab:green", order=20),)
+    head=MedusaHeads, color="tab:green", order=20, cost_rows={"medusa": CostRow(
+        "4 Medusa heads, the static tree", random_medusa, published_tau=2.52,
+        published=EAGLE2_PAPER)}),)
 
 TRAINER = TrainerEntry(
     name="medusa", config="train_medusa", check=check_medusa_settings, dry_run=dry_run,

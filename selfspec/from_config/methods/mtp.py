@@ -19,6 +19,7 @@ from selfspec.drafters.mtp import MtpDrafter
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow
 from selfspec.tree import Tree
 
 
@@ -74,4 +75,7 @@ ENTRIES = (MethodEntry(
     name="mtp", summary="the target's own MTP modules (DeepSeek-V3 NextN, Qwen3-Next mtp): a "
                         "chain of k tokens or a dynamic tree from their top tokens",
     variants=variants, drafter=drafter, check=check, default_when=has_modules,
-    color="tab:brown", order=42),)
+    color="tab:brown", order=42, cost_rows={"mtp": CostRow(
+        "the target's own MTP module, EAGLE-2 tree: 60 nodes, depth 6, top-10",
+        lambda target, tree, seed: MtpDrafter(target, total_tokens=60, depth=6, top_k=10),
+        lambda drafter: drafter.shape.depth)}),)
