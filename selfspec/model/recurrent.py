@@ -84,6 +84,11 @@ class DeltaNetDims:
         """Value heads per key head."""
         return self.num_value_heads // self.num_key_heads
 
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """A row's recurrent state: [Hv, Dk, Dv]."""
+        return self.num_value_heads, self.key_head_dim, self.value_head_dim
+
 
 @dataclass
 class Snapshots:
@@ -107,7 +112,7 @@ class Snapshots:
                          f"only the states before and after it; roll back to one of those")
 
 
-class _RowStates:
+class RowStates:
     """The states a forward builds, row by row: every row's (a row reads its parent's), or,
     for a long chain, the first and the running one."""
 
@@ -128,6 +133,19 @@ class _RowStates:
 
     def kept(self) -> torch.Tensor:
         return self.all if self.every else torch.stack([self.first, self.last], dim=1)
+
+
+class RecurrentDims(Protocol):
+    """What a recurrent layer's cache is sized by (`DeltaNetDims`, `mamba.Mamba2Dims`)."""
+
+    @property
+    def conv_dim(self) -> int: ...
+
+    @property
+    def conv_kernel(self) -> int: ...
+
+    @property
+    def state_shape(self) -> tuple[int, ...]: ...
 
 
 class LayerState(Protocol):
@@ -188,17 +206,18 @@ class GatedDeltaNet(nn.Module):
         continue (None: they start from zeros and nothing is kept)."""
         d = self.dims
         batch, t, _ = x.shape
-        every = parents is not None or t <= MAX_SNAPSHOT_ROWS
+        every = keeps_every_row(parents, t)
         parents = chain_parents(batch, t, x.device) if parents is None else parents
         windows, states = (self._zero_state(batch, x) if state is None else state.committed())
         mixed, z, beta, decay = self._inputs(x)  # mixed [B, T, C]
-        conv_out, all_windows = self._convolved(mixed, _RowStates(windows, t, every), parents)
+        conv_out, all_windows = path_convolution(mixed, self.conv1d.weight[:, 0], None,
+                                                 RowStates(windows, t, every), parents)
         q, k, v = conv_out.split((d.key_dim, d.key_dim, d.value_dim), dim=-1)
         out, all_states = delta_rule(
             q.reshape(batch, t, d.num_key_heads, d.key_head_dim),
             k.reshape(batch, t, d.num_key_heads, d.key_head_dim),
             v.reshape(batch, t, d.num_value_heads, d.value_head_dim),
-            decay, beta, _RowStates(states.float(), t, every), parents)
+            decay, beta, RowStates(states.float(), t, every), parents)
         if state is not None:
             state.record(Snapshots(all_windows, all_states, t))
         normed = self.norm(out.reshape(-1, d.value_head_dim), z.reshape(-1, d.value_head_dim))
@@ -226,21 +245,6 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return mixed, z.reshape(batch, t, d.num_value_heads, d.value_head_dim), beta, decay
 
-    def _convolved(self, mixed: torch.Tensor, windows: _RowStates, parents: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """SiLU of the causal depthwise convolution of each row over its own path: [B, T, C],
-        and the windows kept ([B, T + 1, C, K - 1], row 0 the committed one)."""
-        batch, t, _ = mixed.shape
-        weight = self.conv1d.weight[:, 0].to(mixed.dtype)  # [C, K]
-        out = mixed.new_empty(mixed.shape)
-        rows = torch.arange(batch, device=mixed.device)
-        for i in range(t):
-            before = windows.before(parents[:, i], rows)  # [B, C, K - 1]
-            full = torch.cat([before, mixed[:, i, :, None]], dim=-1)  # [B, C, K]
-            out[:, i] = (full * weight).sum(-1)
-            windows.after(i, full[..., 1:])
-        return F.silu(out), windows.kept()
-
     def _zero_state(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
         return (x.new_zeros(batch, d.conv_dim, d.conv_kernel - 1),
@@ -248,8 +252,34 @@ class GatedDeltaNet(nn.Module):
                             device=x.device))
 
 
+def keeps_every_row(parents: torch.Tensor | None, t: int) -> bool:
+    """Whether a forward keeps every row's state: under a mask (parents given), or a causal
+    one of at most MAX_SNAPSHOT_ROWS rows (else only its ends)."""
+    return parents is not None or t <= MAX_SNAPSHOT_ROWS
+
+
+def path_convolution(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     windows: RowStates, parents: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of the causal depthwise convolution (weight [C, K], bias [C] or None) of each row
+    of mixed [B, T, C] over its own path: [B, T, C], and the windows kept (their last K - 1
+    inputs after each row, [B, T + 1, C, K - 1], row 0 the committed one)."""
+    batch, t, _ = mixed.shape
+    weight = weight.to(mixed.dtype)
+    out = mixed.new_empty(mixed.shape)
+    rows = torch.arange(batch, device=mixed.device)
+    for i in range(t):
+        before = windows.before(parents[:, i], rows)  # [B, C, K - 1]
+        full = torch.cat([before, mixed[:, i, :, None]], dim=-1)  # [B, C, K]
+        out[:, i] = (full * weight).sum(-1)
+        windows.after(i, full[..., 1:])
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return F.silu(out), windows.kept()
+
+
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-               beta: torch.Tensor, states: _RowStates, parents: torch.Tensor
+               beta: torch.Tensor, states: RowStates, parents: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one row at a time, each row from its parent's state.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.model.kv_cache import KVCache
-from selfspec.model.recurrent import DeltaNetDims, Snapshots
+from selfspec.model.recurrent import RecurrentDims, Snapshots
 
 # The forwards a cache keeps the snapshots of since its last commit (a draft model's chain of
 # one-token forwards is the longest run the loop makes): older ones are dropped.
@@ -56,12 +56,12 @@ class _Forward:
 
 class RecurrentState:
     """Every recurrent layer's committed state over some batch rows, windows
-    [L_r, B, C, K - 1] (the model's dtype) and states [L_r, B, Hv, Dk, Dv] (fp32), and what
+    [L_r, B, C, K - 1] (the model's dtype) and states [L_r, B, *state_shape] (fp32), and what
     the forward running now records. `rows` gives views of a batch's rows, which share the
     tensors and the records (a batch's forward records every row's at once, and each row's
     own view commits its row from them)."""
 
-    def __init__(self, layers: Sequence[int], batch_size: int, dims: DeltaNetDims, *,
+    def __init__(self, layers: Sequence[int], batch_size: int, dims: RecurrentDims, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
                  ) -> None:
         self.layers = tuple(layers)
@@ -69,8 +69,7 @@ class RecurrentState:
         n = len(self.layers)
         self.windows = torch.zeros(n, batch_size, dims.conv_dim, dims.conv_kernel - 1,
                                    dtype=dtype, device=device)
-        self.states = torch.zeros(n, batch_size, dims.num_value_heads, dims.key_head_dim,
-                                  dims.value_head_dim, device=device)
+        self.states = torch.zeros(n, batch_size, *dims.state_shape, device=device)
         self.first = 0  # the batch row these views start at
         self.recorded: dict[int, Recorded] = {}  # layer index -> its last record (shared)
         self.serials = itertools.count()  # shared by the views, as the records are
