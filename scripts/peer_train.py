@@ -3,18 +3,23 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
 
     python scripts/peer_train.py eagle3 --store features/smollm2-eagle \
         --target ~/.cache/selfspec/models/smollm2-135m --out runs/speculators-eagle3 --steps 600
+    python scripts/peer_train.py dflash --store features/smollm2-dflash --target ... --out ...
 
 1. The store's training rows, then its held-out rows, are written in speculators' offline layout
    (`selfspec.training.speculators_data`; the store must hold the fused streams and the
-   target's last layer, `store.layers=[...,L]`), with the draft vocabulary selfspec's EAGLE-3
-   trainer picks from the same rows as speculators' d2t/t2d files.
+   target's last layer, `store.layers=[...,L]`); EAGLE-3's draft vocabulary is the one
+   selfspec's trainer picks from the same rows, as speculators' d2t/t2d files.
 2. speculators trains in its own venv (scripts/peers.sh speculators) through
-   scripts/speculators_cpu_train.py, with the settings of selfspec's train/eagle.py
-   (eagle.version=3, the quick trainer): one decoder layer sized like the target's, the
-   same fused layers and draft vocabulary, AdamW (no weight decay) at `--lr` with `--warmup` linear
-   warmup steps then cosine decay to zero over `--steps`, gradients clipped at 1, the
-   training-time test of 7 steps decayed by 0.8, forward KL to the target's law, `--batch`
-   rows a step. Its head is the shape selfspec loads: no extra norms, full attention, the
+   scripts/speculators_cpu_train.py, with the quick trainer's settings of selfspec's
+   train/eagle.py (eagle.version=3) or train/dflash.py: AdamW (no weight decay) at `--lr`
+   with `--warmup` linear warmup steps then cosine decay to zero over `--steps`, gradients
+   clipped at 1, `--batch` rows a step. EAGLE-3: one decoder layer sized like the target's,
+   the same fused layers and draft vocabulary, the training-time test of `--ttt-steps` steps
+   decayed by `--ttt-decay`, forward KL to the target's law. DFlash: `--num-layers` Qwen3
+   layers with q/k norms, blocks of `--block-size`, `--anchors` blocks a row (speculators
+   counts them a step: batch x anchors), slot k weighing exp(-(k - 1) / `--gamma`),
+   cross-entropy, the rows' rarest token as the mask (or `--mask-token-id`), the target's LM
+   head. The heads take the shape selfspec loads: no extra norms, full attention, the
    target's embedding frozen.
 3. The last checkpoint is loaded by `selfspec.heads.load_head`; `summary.json` in --out holds
    its folder, speculators' logged losses, its training tokens/s (rows x seq_len a step, as
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -37,35 +43,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".peers" / "speculators" / "venv" / "bin" / "python"
 CPU_TRAIN = ROOT / "scripts" / "speculators_cpu_train.py"
+REPLAY_METHOD = {"eagle3": ("eagle", "eagle_head"), "dflash": ("dflash", "dflash_head")}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """selfspec's train/eagle.py settings that speculators is given (conf/train_eagle.yaml with
-    conf/trainer/quick.yaml and conf/optim/adamw.yaml)."""
+    """The settings of selfspec's trainers that speculators is given: the shared ones
+    (conf/trainer/quick.yaml, conf/optim/adamw.yaml), EAGLE-3's (conf/train_eagle.yaml) and
+    DFlash's (conf/train_dflash.yaml)."""
 
     steps: int = 200
     batch: int = 8
     lr: float = 1e-3
     warmup: int = 20
-    ttt_steps: int = 7
+    seed: int = 0
+    ttt_steps: int = 7  # EAGLE-3
     ttt_decay: float = 0.8
     draft_vocab_size: int = 1024
-    seed: int = 0
+    num_layers: int = 1  # DFlash
+    block_size: int = 9
+    anchors: int = 16
+    gamma: float = 4.0
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=["eagle3"], help="the head speculators trains")
+    p.add_argument("kind", choices=sorted(REPLAY_METHOD), help="the head speculators trains")
     p.add_argument("--store", required=True, help="a finished selfspec feature store")
     p.add_argument("--target", required=True, help="the target's transformers folder")
     p.add_argument("--out", required=True, help="where the data, checkpoints and summary go")
-    p.add_argument("--layers", type=int, nargs=3, default=None,
-                   help="the fused layers (HF hidden_states ids); default 2, L//2, L-3")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="the fused layers (HF hidden_states ids); default: the trainer's")
     p.add_argument("--max-rows", type=int, default=None, help="the first N training rows")
-    defaults = Settings()
-    for name, value in asdict(defaults).items():
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="DFlash's mask token; default: the training rows' rarest")
+    for name, value in asdict(Settings()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--threads", type=int, default=None, help="torch threads (OMP_NUM_THREADS)")
     return p.parse_args(argv)
@@ -78,38 +91,55 @@ def epochs_for(steps: int, train_rows: int, batch: int) -> int:
     return math.ceil(steps / math.ceil(train_rows / batch))
 
 
-def speculators_flags(settings: Settings, data, verifier: Path, vocab: tuple[Path, Path],
-                      out: Path, mask_token_id: int) -> list[str]:
-    """speculators' command line for selfspec's EAGLE-3 settings on `data` (OfflineRows)."""
-    s = settings
+def common_flags(s: Settings, data, verifier: Path, out: Path) -> list[str]:
+    """speculators' command line for `data` (OfflineRows) and the settings both heads share."""
     return [
-        "--speculator-type", "eagle3", "--verifier-name-or-path", str(verifier),
-        "--data-path", str(data.folder), "--save-path", str(out / "checkpoints"),
-        "--log-dir", str(out / "logs"), "--seed", str(s.seed),
-        # the CPU: attention, loss and dtypes that run without an accelerator
+        "--verifier-name-or-path", str(verifier), "--data-path", str(data.folder),
+        "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+        "--seed", str(s.seed), "--target-layer-ids", *map(str, data.layers),
+        # the CPU: attention, loss and dtypes that run without an accelerator, no workers
         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
         "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise",
-        # selfspec's EAGLE-3 head: one full-attention layer, no extra norms, the fused layers
-        "--num-layers", "1", "--full-attention-indices", "0",
-        "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
-        "--target-layer-ids", *map(str, data.layers), "--mask-token-id", str(mask_token_id),
-        "--draft-vocab-size", str(s.draft_vocab_size),
-        "--d2t-path", str(vocab[0]), "--t2d-path", str(vocab[1]),
-        # selfspec's training: rows, steps, optimizer, schedule, loss
+        # selfspec's training: rows, steps, optimizer, schedule (clipping: 1, as speculators')
         "--total-seq-len", str(s.batch * data.seq_len),
-        "--train-data-ratio", repr(data.train_ratio),
-        "--max-steps", str(s.steps), "--epochs", str(epochs_for(s.steps, data.train_rows, s.batch)),
+        "--train-data-ratio", repr(data.train_ratio), "--max-steps", str(s.steps),
+        "--epochs", str(epochs_for(s.steps, data.train_rows, s.batch)),
         "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", "0",
         "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(s.warmup),
+        "--log-freq", "1", "--checkpoint-freq", "1",
+    ]
+
+
+def eagle3_flags(s: Settings, vocab: tuple[Path, Path], vocab_size: int) -> list[str]:
+    """selfspec's EAGLE-3 head and loss: one full-attention layer without speculators' extra
+    norms, its draft vocabulary, the training-time test, forward KL."""
+    return [
+        "--speculator-type", "eagle3", "--num-layers", "1", "--full-attention-indices", "0",
+        "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+        "--draft-vocab-size", str(s.draft_vocab_size),
+        "--d2t-path", str(vocab[0]), "--t2d-path", str(vocab[1]),
+        "--mask-token-id", str(vocab_size - 1),  # unused by EAGLE-3; saves a tokenizer lookup
         "--ttt-steps", str(s.ttt_steps), "--ttt-step-loss-decay", repr(s.ttt_decay),
-        "--loss-fn", "kl_div", "--log-freq", "1", "--checkpoint-freq", "1",
+        "--loss-fn", "kl_div",
+    ]
+
+
+def dflash_flags(s: Settings, mask_token_id: int) -> list[str]:
+    """selfspec's DFlash head and loss: full-attention Qwen3 layers, the anchor token not
+    predicted, `anchors` blocks a row (speculators draws them a packed step), slot k weighing
+    exp(-(k - 1) / gamma), cross-entropy, the full vocabulary."""
+    return [
+        "--speculator-type", "dflash", "--num-layers", str(s.num_layers),
+        "--full-attention-indices", *map(str, range(s.num_layers)),
+        "--block-size", str(s.block_size), "--no-sample-from-anchor",
+        "--max-anchors", str(s.anchors * s.batch), "--mask-token-id", str(mask_token_id),
+        "--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", repr(s.gamma),
+        "--loss-fn", "ce",
     ]
 
 
 def train_with_speculators(flags: list[str], out: Path, threads: int | None) -> list[dict]:
     """Run speculators' trainer in its venv; its logged training steps."""
-    import os
-
     if not PEER_PYTHON.is_file():
         raise FileNotFoundError(f"speculators' venv is absent ({PEER_PYTHON}): build it with "
                                 f"scripts/peers.sh speculators")
@@ -140,42 +170,57 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from selfspec import Transformer
-    from selfspec.heads import load_head
-    from selfspec.heads.eagle import default_target_layers
+    from selfspec.heads import dflash, eagle, load_head
+    from selfspec.heads.draft_vocab import rarest_token, token_counts
     from selfspec.training.features import FeatureStore
-    from selfspec.training.speculators_data import write_draft_vocab, write_offline_rows
+    from selfspec.training.speculators_data import (
+        store_rows,
+        write_draft_vocab,
+        write_offline_rows,
+    )
 
-    settings = Settings(**{k: getattr(args, k) for k in asdict(Settings())})
+    s = Settings(**{k: getattr(args, k) for k in asdict(Settings())})
     out, target_folder = Path(args.out), Path(args.target).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = Transformer.from_pretrained(target_folder).eval()
-    layers = tuple(args.layers or default_target_layers(target.config.num_layers))
+    config = target.config
+    default = (eagle.default_target_layers(config.num_layers) if args.kind == "eagle3"
+               else dflash.default_target_layers(config.num_layers))
+    layers = tuple(args.layers or default)
     store = FeatureStore(args.store)
-    data = write_offline_rows(store, out / "data", layers, target.config.num_layers,
+    data = write_offline_rows(store, out / "data", layers, config.num_layers, args.kind,
                               args.max_rows)
-    vocab = write_draft_vocab(store, out / "data", target.config.vocab_size,
-                              settings.draft_vocab_size, args.max_rows)
-    flags = speculators_flags(settings, data, target_folder, vocab, out,
-                              mask_token_id=target.config.vocab_size - 1)
+    flags = common_flags(s, data, target_folder, out)
+    if args.kind == "eagle3":
+        vocab = write_draft_vocab(store, out / "data", config.vocab_size, s.draft_vocab_size,
+                                  args.max_rows)
+        flags += eagle3_flags(s, vocab, config.vocab_size)
+    else:
+        mask = args.mask_token_id
+        if mask is None:  # as selfspec's trainer picks it
+            mask = rarest_token(token_counts(store_rows(store, args.max_rows).tokens,
+                                             config.vocab_size))
+        flags += dflash_flags(s, mask)
     start = time.perf_counter()
     steps = train_with_speculators(flags, out, args.threads)
     wall = time.perf_counter() - start
-    if len(steps) != settings.steps:
-        raise RuntimeError(f"speculators logged {len(steps)} training steps, not the "
-                           f"{settings.steps} asked for: see {out / 'speculators.log'}")
+    if len(steps) != s.steps:
+        raise RuntimeError(f"speculators logged {len(steps)} training steps, not the {s.steps} "
+                           f"asked for: see {out / 'speculators.log'}")
     folder = last_checkpoint(out)
     head = load_head(folder, target=target, allow_other_base=True)
-    seconds = sum(s["profile"]["step_ms"] for s in steps) / 1000  # fetch to optimizer step
+    seconds = sum(step["profile"]["step_ms"] for step in steps) / 1000  # fetch to optimizer
+    method, head_setting = REPLAY_METHOD[args.kind]
     summary = {
         "kind": args.kind, "head": str(folder), "loaded_as": type(head).__name__,
-        "settings": asdict(settings), "layers": list(layers), "train_rows": data.train_rows,
+        "settings": asdict(s), "layers": list(layers), "train_rows": data.train_rows,
         "heldout_rows": data.heldout_rows, "seq_len": data.seq_len,
-        "losses": [s["train"]["loss"] for s in steps],
+        "losses": [step["train"]["loss"] for step in steps],
         # counted as selfspec's trainer counts (tokens_seen: rows x seq_len a step)
-        "tokens_per_s": settings.steps * settings.batch * data.seq_len / seconds,
+        "tokens_per_s": s.steps * s.batch * data.seq_len / seconds,
         "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
-        "replay": f"python eval/replay.py model=<the target> 'methods=[eagle]' "
-                  f"eagle_head={folder} data=mt_bench num_prompts=80",
+        "replay": f"python eval/replay.py model=<the target> 'methods=[{method}]' "
+                  f"{head_setting}={folder} data=mt_bench num_prompts=80",
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))

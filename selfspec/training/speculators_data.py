@@ -10,9 +10,11 @@ applies the target's norm and LM head to it for its teacher). It holds out the d
 rows for validation by a ratio: the store's training rows come first and its held-out rows
 after them.
 
-The two trainers mark supervision one token apart: selfspec's `loss_mask[t]` says token t is
-a prediction target; speculators' says the target's law at position t (over token t + 1) is
-scored. `speculators_loss_mask` moves it, so both supervise the same predicted tokens.
+selfspec's `loss_mask[t]` says token t is a prediction target. speculators 0.9.0 reads its
+mask two ways: its DFlash scores the slot predicting token t where mask[t] is set (selfspec's
+meaning; an anchor a needs mask[a]), its EAGLE-3 scores the target's law at position t, over
+token t + 1, where mask[t] is set. `speculators_loss_mask` writes each its own, so both
+trainers supervise the same predicted tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from selfspec.training.rows import TokenRows
 
 HIDDEN_FOLDER = "hidden_states"
 TRAIN, HELDOUT = "train-", "heldout-"  # the store's shard prefixes
+KINDS = ("eagle3", "dflash")  # the heads speculators' trainer learns from these rows
 
 
 @dataclass(frozen=True)
@@ -51,24 +54,36 @@ class OfflineRows:
         return (self.train_rows + 0.5) / (self.train_rows + self.heldout_rows)
 
 
-def speculators_loss_mask(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[..., T] selfspec's mask (token t is predicted) as speculators' (the law at t, over
-    token t + 1, is scored): shifted one position left, the last position unscored."""
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"speculators' rows: kind must be one of {', '.join(KINDS)}, got "
+                         f"{kind!r}")
+
+
+def speculators_loss_mask(loss_mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """[..., T] selfspec's mask (token t is predicted) as speculators' trainer of `kind` reads
+    it: DFlash's as it is; EAGLE-3's (the law at t, over token t + 1, is scored) shifted one
+    position left, the last position unscored."""
+    check_kind(kind)
+    if kind == "dflash":
+        return loss_mask.clone()
     return torch.cat([loss_mask[..., 1:], torch.zeros_like(loss_mask[..., :1])], dim=-1)
 
 
 def write_offline_rows(store: FeatureStore, out: str | Path, layers: tuple[int, ...],
-                       final_layer: int, max_train_rows: int | None = None) -> OfflineRows:
+                       final_layer: int, kind: str, max_train_rows: int | None = None
+                       ) -> OfflineRows:
     """Write the store's training rows (the first max_train_rows; None: all) and its held-out
-    rows in speculators' layout under `out`: `write_hidden_states`, then the `datasets`
-    folder of their columns."""
+    rows in speculators' layout under `out`, for its trainer of `kind`: `write_hidden_states`,
+    then the `datasets` folder of their columns."""
     from datasets import Dataset
 
+    check_kind(kind)  # before anything is written
     rows = write_hidden_states(store, out, layers, final_layer, max_train_rows)
-    every = _rows(store, TRAIN, max_train_rows), _rows(store, HELDOUT, None)
+    every = (store_rows(store, max_train_rows), store_rows(store, held_out=True))
     data = Dataset.from_dict({
-        "input_ids": [r.tolist() for part in every for r in part.tokens],
-        "loss_mask": [speculators_loss_mask(r).tolist() for part in every for r in part.loss_mask],
+        "input_ids": torch.cat([part.tokens for part in every]).tolist(),
+        "loss_mask": speculators_loss_mask(torch.cat([p.loss_mask for p in every]), kind).tolist(),
         "seq_len": [rows.seq_len] * (rows.train_rows + rows.heldout_rows)})
     data.set_format("torch")  # speculators compares its rows with torch.equal
     data.save_to_disk(str(out))
@@ -91,7 +106,7 @@ def write_hidden_states(store: FeatureStore, out: str | Path, layers: tuple[int,
                          f"with store.layers including {list(needed)}")
     folder = Path(out) / HIDDEN_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    train, heldout = _rows(store, TRAIN, max_train_rows), _rows(store, HELDOUT, None)
+    train, heldout = store_rows(store, max_train_rows), store_rows(store, held_out=True)
     for i, tokens in enumerate(torch.cat([train.tokens, heldout.tokens])):
         read = store.read(tokens[None], needed, torch.float32)
         states = torch.stack(read.streams, dim=2)[0]  # [T, n + 1, H]
@@ -106,7 +121,7 @@ def write_draft_vocab(store: FeatureStore, out: str | Path, vocab_size: int, siz
     """The draft vocabulary selfspec's EAGLE-3 trainer picks from these training rows (the
     `size` most frequent predicted tokens) as speculators' d2t and t2d files (.npy); returns
     their paths."""
-    rows = _rows(store, TRAIN, max_train_rows)
+    rows = store_rows(store, max_train_rows)
     vocab: DraftVocab = draft_vocabulary(rows.tokens, vocab_size, size, rows.loss_mask)
     paths = Path(out) / f"d2t-{size}.npy", Path(out) / f"t2d-{size}.npy"
     np.save(paths[0], vocab.d2t.numpy())
@@ -114,10 +129,13 @@ def write_draft_vocab(store: FeatureStore, out: str | Path, vocab_size: int, siz
     return paths
 
 
-def _rows(store: FeatureStore, prefix: str, limit: int | None) -> TokenRows:
-    """The rows (tokens and loss masks) of the store's shards named `prefix`*, in order."""
+def store_rows(store: FeatureStore, limit: int | None = None, held_out: bool = False
+               ) -> TokenRows:
+    """The store's training rows (held_out: its held-out rows), the first `limit` of them
+    (None: all), in order: their tokens and loss masks."""
     from safetensors import safe_open
 
+    prefix = HELDOUT if held_out else TRAIN
     tokens, masks = [], []
     for shard in store.index.shards:
         if shard.file.startswith(prefix):

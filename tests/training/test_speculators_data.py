@@ -61,10 +61,14 @@ def test_a_store_without_the_last_layer_is_refused(store, tmp_path):
         write_hidden_states(features, tmp_path, LAYERS, 3)
 
 
-def test_the_mask_moves_to_the_law_that_predicts_the_token():
-    """selfspec: token t is predicted; speculators: the law at t (over token t + 1) counts."""
+def test_each_trainers_mask_supervises_the_tokens_selfspec_predicts():
+    """selfspec and speculators' DFlash: token t is predicted; speculators' EAGLE-3: the law
+    at t (over token t + 1) counts."""
     ours = torch.tensor([[0, 0, 1, 1, 0, 1]])
-    assert speculators_loss_mask(ours).tolist() == [[0, 1, 1, 0, 1, 0]]
+    assert speculators_loss_mask(ours, "eagle3").tolist() == [[0, 1, 1, 0, 1, 0]]
+    assert speculators_loss_mask(ours, "dflash").tolist() == ours.tolist()
+    with pytest.raises(ValueError, match="kind must be one of eagle3, dflash"):
+        speculators_loss_mask(ours, "medusa")
 
 
 @pytest.mark.parametrize(("train", "heldout"), [(6, 2), (1, 1), (999, 1), (7, 93), (1000, 3)])
