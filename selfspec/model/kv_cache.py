@@ -145,9 +145,9 @@ class KVCache:
             keys.index_copy_(2, slots, k.to(keys.dtype))
             values.index_copy_(2, slots, v.to(values.dtype))
         else:
-            index = slots[:, None, :, None].expand(k.shape)
-            keys.scatter_(2, index, k.to(keys.dtype))
-            values.scatter_(2, index, v.to(values.dtype))
+            index = slots[:, None, :, None]
+            keys.scatter_(2, index.expand(k.shape), k.to(keys.dtype))
+            values.scatter_(2, index.expand(v.shape), v.to(values.dtype))
         return keys, values
 
     def move_row(self, view: KVCache, source: int, to: int) -> None:

@@ -4,7 +4,8 @@ WINDOW tokens on its even layers, shorter than every sequence decoded here), and
 Gemma 2, OLMo 2, Granite and Phi-3 too; and the mixtures of experts Qwen3-MoE (a dense layer
 among sparse ones), Mixtral (a window on every layer) and gpt-oss (attention sinks, windows
 alternating with full layers, clamped experts), whose static steps route through the static
-dispatch. Greedy decoding through each drafter equals plain greedy decoding, one prompt and a
+dispatch; and DeepSeek-V3 (latent attention, grouped sigmoid routing, shared experts) at
+greedy. Greedy decoding through each drafter equals plain greedy decoding, one prompt and a
 batch, eagerly and in static steps; sampling at T = 1 keeps the target's law; the quantized
 target decodes as the plain one (a MoE target has no quantized copy: refused).
 
@@ -144,6 +145,33 @@ def test_a_moe_family_decodes_losslessly_through_a_union_tree():
     assert_lossless(target, lambda: drafter_of("union", target))
     assert_lossless(target, lambda: drafter_of("union", target), cuda_graphs=True)
     assert_lossless(target, lambda: drafter_of("union", target), batch=True)
+
+
+# Mixtures of experts with attention of their own: DeepSeek-V3's latent attention (MLA, a
+# latent cache), whose routing groups and shared experts every drafter's forwards pass through
+NEWER_MOE_FAMILIES = ("deepseek_v3",)
+
+
+@pytest.mark.parametrize("family", NEWER_MOE_FAMILIES)
+def test_a_newer_moe_family_decodes_losslessly_through_a_union_tree(family):
+    """The default run's case: each prompt alone, eagerly (static steps and batches: the
+    sweep below)."""
+    target = family_model(family)
+    assert target.config.moe_layers
+    assert_lossless(target, lambda: drafter_of("union", target))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "name"), [(family, name) for family in NEWER_MOE_FAMILIES
+                                              for name in MOE_DRAFTERS])
+def test_every_drafter_is_lossless_on_the_newer_moe_families(family, name):
+    """Each prompt alone, eagerly and in static steps, and for the drafters a batch drafts,
+    both prompts as a batch (each row's latent written at its own slots)."""
+    target = family_model(family)
+    assert_lossless(target, lambda: drafter_of(name, target))
+    assert_lossless(target, lambda: drafter_of(name, target), cuda_graphs=True)
+    if name in BATCHED:
+        assert_lossless(target, lambda: drafter_of(name, target), batch=True)
 
 
 @pytest.mark.parametrize("name", ["plain", "eagle2", "early_exit"])
