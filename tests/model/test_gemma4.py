@@ -7,43 +7,10 @@ import json
 
 import pytest
 import torch
+from gemma4_models import gemma4_config, gemma4_model
 from helpers import WINDOW
 
 from selfspec.model import ModelConfig, Transformer
-
-LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
-
-
-def gemma4_config(value_from_key: bool = True, **extra):
-    """A transformers Gemma 4 text config scaled down: a window of WINDOW tokens on its even
-    layers, the full layers' proportional RoPE (a quarter of the pairs), keys doubling as
-    values there (as the 31B model's), soft-capping that bites, no per-layer embeddings."""
-    import transformers as tf
-
-    return tf.Gemma4TextConfig(**{
-        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "global_head_dim": 16, "max_position_embeddings": 256,
-        "hidden_size_per_layer_input": 0, "sliding_window": WINDOW,
-        "attention_k_eq_v": value_from_key, "layer_types": list(LAYERS),
-        "final_logit_softcapping": 4.0, "bos_token_id": 0, "eos_token_id": 1,
-        "pad_token_id": 1, **extra})
-
-
-def gemma4_model(seed: int = 0, std: float = 0.2, **extra):
-    """A seeded random `Gemma4ForCausalLM` (norm gains around 1, layer scalars in [0.5, 1.5])."""
-    from transformers import Gemma4ForCausalLM
-
-    torch.manual_seed(seed)
-    config = gemma4_config(**extra)
-    config._attn_implementation = "eager"
-    model = Gemma4ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, std)
-        for layer in model.model.layers:
-            layer.layer_scalar.uniform_(0.5, 1.5)
-    return model
 
 
 @pytest.fixture(scope="module")

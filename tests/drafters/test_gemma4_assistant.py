@@ -1,0 +1,192 @@
+"""Gemma 4's assistant: its forward against transformers' `Gemma4AssistantForCausalLM` (the same
+backbone states in, the same logits out), its folders, and its drafts: lossless at greedy,
+exact in law at T = 1 (a misstated draft law caught), refused for a target of another shape."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from gemma4_models import gemma4_assistant, gemma4_model
+from helpers import (
+    P_VALUE_FLOOR,
+    assert_drafted_sampling_is_exact,
+    law_samples,
+    sampled_pvalue,
+)
+
+from selfspec import SamplingParams, generate
+from selfspec.drafters.base import DecodeSetup, DraftContext, TargetFeatures
+from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter
+from selfspec.heads.gemma4_assistant import Gemma4Assistant
+from selfspec.model import Transformer
+from selfspec.sampling import logits_to_probs
+
+T1 = SamplingParams(temperature=1.0)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9, 12, 30]]
+
+
+def read_back(hf_assistant, folder) -> Gemma4Assistant:
+    hf_assistant.save_pretrained(folder)
+    return Gemma4Assistant.from_pretrained(folder)
+
+
+def hf_backbone(hf_target, tokens: torch.Tensor):
+    """What transformers' assistant reads of its target after a forward over tokens [1, n]:
+    the K/V its last layer of each kind stores, and the normed last hidden state."""
+    out = hf_target(input_ids=tokens, output_hidden_states=True, return_shared_kv_states=True)
+    return out.shared_kv_states, out.hidden_states[-1][:, -1:]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["lm_head", "centroids"])
+@torch.no_grad()
+def test_the_assistant_gives_transformers_logits_from_the_same_backbone_states(tmp_path,
+                                                                               ordered):
+    """Read from the folder transformers wrote; keys beyond the sliding window; with ordered
+    embeddings only the chosen clusters' tokens are scored, the rest one below the lowest."""
+    hf_target, hf = gemma4_model(), gemma4_assistant(ordered=ordered)
+    ours = read_back(hf, tmp_path)
+    tokens = torch.randint(64, (1, 11), generator=torch.Generator().manual_seed(1))
+    shared, hidden = hf_backbone(hf_target, tokens[:, :-1])
+    embeds = hf_target.model.embed_tokens(tokens[:, -1:])
+    theirs = hf(inputs_embeds=torch.cat([embeds, hidden], -1), position_ids=torch.tensor([[10]]),
+                shared_kv_states=shared, attention_mask=torch.ones(1, 10, dtype=torch.long))
+    got = ours(embeds, hidden, torch.tensor([10]),
+               {"full": shared["full_attention"], "sliding": shared["sliding_attention"]})
+    assert theirs.logits.abs().max() > 1.0
+    assert (got.logits - theirs.logits).abs().max() < 1e-4
+    assert (got.hidden - theirs.last_hidden_state).abs().max() < 1e-4
+    if ordered:  # 3 of 8 clusters of 8 tokens scored
+        assert (got.logits > got.logits.min()).sum() == 24
+
+
+@pytest.mark.slow  # ~1 s: transformers reads the folder back
+@torch.no_grad()
+def test_transformers_reads_the_folder_it_writes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours = read_back(gemma4_assistant(ordered=True), tmp_path / "theirs")
+    ours.save_pretrained(tmp_path / "ours")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert type(back).__name__ == "Gemma4AssistantForCausalLM"
+    for name, tensor in back.state_dict().items():
+        key = "lm_head.weight" if name == "model.embed_tokens.weight" else \
+            name.removeprefix("model.")
+        assert torch.equal(ours.state_dict()[key], tensor), name
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(transformers' target, ours converted, transformers' assistant, ours read back)."""
+    hf_target, hf = gemma4_model(), gemma4_assistant()
+    return (hf_target, Transformer.from_hf(hf_target).eval(), hf,
+            read_back(hf, tmp_path_factory.mktemp("assistant")))
+
+
+def prefill_draft(models, params: SamplingParams, generator=None):
+    """A 4-token draft after the target's prefill of PROMPTS[1] (the root its last token),
+    through the drafter's own reading of the target's cache and last hidden state."""
+    _, target, _, assistant = models
+    prompt = torch.tensor(PROMPTS[1])
+    cache = target.new_cache(max_slots=16)
+    with torch.no_grad():
+        out = target(prompt[None, :-1], torch.arange(6), cache)
+    drafter = Gemma4AssistantDrafter(assistant, 4)
+    drafter.begin(DecodeSetup(target, prompt, params, generator, 16, target_cache=cache))
+    return drafter.propose(DraftContext(prompt, TargetFeatures(prompt[:-1],
+                                                               out.last_hidden[0])))
+
+
+@torch.no_grad()
+def transformers_chain(models, tokens: list[int] | None = None):
+    """transformers' assistant over transformers' target states after the prefill of
+    PROMPTS[1], as its candidate generator hands them over: each step's logits [V] and its
+    argmax, fed the given tokens (default: its own argmaxes)."""
+    hf_target, _, hf, _ = models
+    prompt = torch.tensor(PROMPTS[1])
+    shared, hidden = hf_backbone(hf_target, prompt[None, :-1])
+    token, logits, chosen = prompt[None, -1:], [], []
+    for step in range(4):
+        embeds = hf_target.model.embed_tokens(token)
+        out = hf(inputs_embeds=torch.cat([embeds, hidden], -1), position_ids=torch.tensor([[6]]),
+                 shared_kv_states=shared)
+        logits.append(out.logits[0, -1])
+        chosen.append(int(out.logits.argmax()))
+        token = torch.tensor([[chosen[-1] if tokens is None else tokens[step]]])
+        hidden = out.last_hidden_state
+    return torch.stack(logits), chosen
+
+
+def test_a_greedy_draft_is_transformers_chain(models):
+    """The drafter reads the target's cache (the committed tokens' K/V of its last sliding and
+    full layers) and last hidden state as transformers' candidate generator hands them over:
+    the same greedy chain, each step reading the last one's projected state."""
+    draft = prefill_draft(models, SamplingParams())
+    assert draft.tokens.tolist() == transformers_chain(models)[1] and draft.q is None
+
+
+def test_sampled_drafts_report_the_assistants_laws(models):
+    """Drawn tokens, and the laws the draft reports, are transformers' assistant's warped as
+    the target's are (top-p cutting some tokens out): what the verifier's exactness needs."""
+    params = SamplingParams(0.8, top_p=0.9)
+    draft = prefill_draft(models, params, torch.Generator().manual_seed(0))
+    logits, _ = transformers_chain(models, draft.tokens.tolist())
+    laws = logits_to_probs(logits, params)  # [4, V]
+    torch.testing.assert_close(draft.q, laws, atol=1e-5, rtol=1e-4)
+    assert (laws[torch.arange(4), draft.tokens] > 0).all() and (laws == 0).any()
+
+
+def test_greedy_is_lossless(models):
+    _, target, _, assistant = models
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = generate(target, prompt, max_new_tokens=16).tokens
+        out = generate(target, prompt, drafter=Gemma4AssistantDrafter(assistant, 3),
+                       max_new_tokens=16)
+        assert out.tokens == plain
+        drafted += out.stats.drafted
+    assert drafted > 0
+
+
+@functools.cache
+def law_pair():
+    """A target of 8 tokens whose laws are peaky and an assistant for it: its random drafts
+    are accepted often enough to be in play."""
+    import tempfile
+
+    target = Transformer.from_hf(gemma4_model(seed=3, std=0.5, vocab_size=8)).eval()
+    return target, read_back(gemma4_assistant(seed=4, std=0.5, vocab=8), tempfile.mkdtemp())
+
+
+@pytest.mark.slow  # ~6 s at FAST_LAW_SAMPLES here: the default run checks the reported laws
+def test_sampling_through_the_assistant_follows_the_target_law(request):
+    target, assistant = law_pair()
+    assert_drafted_sampling_is_exact(target, Gemma4AssistantDrafter(assistant, 2), T1,
+                                     law_samples(request))
+
+
+class MisstatedLaw(Gemma4AssistantDrafter):
+    """Planted bug: tokens drawn from the assistant's law but reported as drawn from a flatter
+    one (its square root, renormalised)."""
+
+    def propose(self, context):
+        draft = super().propose(context)
+        if draft.q is None:
+            return draft
+        flat = draft.q.sqrt()
+        return dataclasses.replace(draft, q=flat / flat.sum(-1, keepdim=True))
+
+
+@pytest.mark.slow  # ~2 s
+def test_a_misstated_draft_law_is_caught():
+    target, assistant = law_pair()
+    assert sampled_pvalue(target, MisstatedLaw(assistant, 2), T1, 500) < P_VALUE_FLOOR
+
+
+def test_a_target_of_another_shape_is_refused_in_one_line(models):
+    _, _, _, assistant = models
+    other = Transformer.from_hf(gemma4_model(hidden_size=48)).eval()
+    with pytest.raises(ValueError, match="backbone_hidden_size 32 vs the target 48") as caught:
+        generate(other, PROMPTS[0], drafter=Gemma4AssistantDrafter(assistant, 2),
+                 max_new_tokens=2)
+    assert "\n" not in str(caught.value)
