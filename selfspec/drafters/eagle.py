@@ -153,7 +153,8 @@ class EagleDrafter:
         config = self.head.config
         self._cache = KVCache.reused(self._cache, 1, config.num_kv_heads,
                                      setup.max_length + self.shape.fed, config.head_dim,
-                                     self.head.fc.weight)
+                                     self.head.fc.weight,
+                                     getattr(config, "value_dim", None))  # an MTP head's
 
     def _begin_static(self, setup: DecodeSetup) -> None:
         slots = padded_slots(setup.max_length + self.shape.fed)

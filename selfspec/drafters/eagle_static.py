@@ -120,7 +120,8 @@ class StaticEagleDraft:
         self.children = _Children(sampling, self._steps.generator)
         config = head.config
         self.cache = KVCache(1, 1, config.num_kv_heads, max_slots, config.head_dim,
-                             dtype=weight.dtype, device=weight.device)
+                             dtype=weight.dtype, device=weight.device,
+                             value_dim=getattr(config, "value_dim", None))  # an MTP head's
         self.growth = shape.growth(self.device, sampling is not None)
         self.width = shape.depth + 1  # the most pairs one step commits
         self._slots = torch.arange(max_slots, device=self.device)

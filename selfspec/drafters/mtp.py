@@ -29,12 +29,14 @@ from selfspec.tree import Tree
 @dataclass(frozen=True)
 class MtpHeadConfig:
     """What `EagleDrafter` reads of a head's config, for a target's MTP module: an EAGLE-1-like
-    head (the target's last hidden state, the whole vocabulary) of the target's sizes."""
+    head (the target's last hidden state, the whole vocabulary) of the target's sizes, its
+    cache's entries as the target's (`ModelConfig.cache_dims`: MLA's roped key and latent)."""
 
     hidden_size: int
     vocab_size: int
     num_kv_heads: int
     head_dim: int
+    value_dim: int | None = None
     version: int = 1
     target_layers: tuple[int, ...] = ()
     target_hidden_size: int | None = None
@@ -56,8 +58,7 @@ class MtpHead(nn.Module):
             raise ValueError("MtpDrafter: the target has no MTP modules; load a checkpoint that "
                              "ships them (DeepSeek-V3 NextN layers or Qwen3-Next mtp.* weights) "
                              "or give the model config arch.mtp_modules and arch.mtp_layout")
-        self.config = MtpHeadConfig(config.hidden_size, config.vocab_size, config.num_kv_heads,
-                                    config.head_dim)
+        self.config = MtpHeadConfig(config.hidden_size, config.vocab_size, *config.cache_dims)
         self.index = index
         self.module = target.mtp[index]
         self._target = (target,)  # not a submodule: the head never owns the target

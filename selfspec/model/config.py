@@ -32,6 +32,9 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
   full-attention layers whose output is gated (`attention_output_gate`), `(1 + w)` norms,
   per-head q/k norms, partial RoPE; dense MLPs or Qwen3-MoE's mixture of experts with a
   shared expert beside the routed ones (`shared_expert_intermediate_size`).
+- bamba: a Mamba-2 hybrid (IBM's Bamba): Mamba-2 layers (`recurrent_mixer="mamba2"`,
+  `selfspec.model.mamba`, their widths the `mamba_*` fields) with Llama-style attention
+  layers among them (config.json's `attn_layer_indices`), half of each head rotated.
 - qwen3_5_text: Qwen3.5's decoder, Qwen3-Next's layers with the linear attention's input
   products split four ways (`linear_split_projections`) and dense MLPs; its multimodal RoPE
   is the plain one over text.
@@ -89,6 +92,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    "attention_output_gate": True},
     "qwen3_5_text": {"norm_scale": "one_plus_weight", "qk_norm": "head",
                      "attention_output_gate": True, "linear_split_projections": True},
+    "bamba": {"recurrent_mixer": "mamba2"},
     "deepseek_v3": {"router_scoring": "sigmoid", "shared_expert_gate": False},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -100,6 +104,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "bamba": "BambaForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -115,7 +120,11 @@ EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate ti
 ROUTER_SCORINGS = ("softmax", "sigmoid")  # the router's scores: Mixtral's, DeepSeek-V3's
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
-HYBRID = ("qwen3_next", "qwen3_5_text")  # the families with linear-attention layers
+HYBRID = ("qwen3_next", "qwen3_5_text", "bamba")  # families with recurrent layers
+RECURRENT_MIXERS = ("gated_deltanet", "mamba2")
+# Mamba-2's widths, as config.json names them (our fields: the same)
+MAMBA_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+              "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                "linear_value_head_dim", "linear_conv_kernel_dim")
 GEMMA4 = "gemma4_text"
@@ -211,6 +220,11 @@ class ModelConfig:
         linear_conv_kernel_dim: the widths of the linear-attention layers (0 without them).
     linear_split_projections: their input products as Qwen3.5 lays them out (in_proj_qkv,
         in_proj_z, in_proj_b, in_proj_a) rather than Qwen3-Next's two grouped by key head.
+    recurrent_mixer: what a "linear_attention" layer is, one of RECURRENT_MIXERS: Gated
+        DeltaNet (Qwen3-Next, Qwen3.5) or Mamba-2 (Bamba).
+    mamba_n_heads, mamba_d_head, mamba_n_groups, mamba_d_state, mamba_d_conv,
+        mamba_conv_bias, mamba_proj_bias: a Mamba-2 layer's heads, head width, groups of B and
+        C, state per head dimension, convolution kernel, and biases.
     shared_expert_intermediate_size: the width of a mixture of experts' shared expert, which
         every token runs beside its routed ones, gated by a sigmoid (Qwen3-Next; 0: none).
     shared_expert_gate: whether that sigmoid gate exists (DeepSeek-V3's shared experts,
@@ -289,6 +303,14 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     linear_split_projections: bool = False
+    recurrent_mixer: str = "gated_deltanet"
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
     shared_expert_intermediate_size: int = 0
     v_norm: bool = False
     value_from_key: bool = False
@@ -349,9 +371,15 @@ class ModelConfig:
         self._check_linear()
 
     def _check_linear(self) -> None:
-        widths = [getattr(self, key) for key in LINEAR_KEYS]
+        if self.recurrent_mixer not in RECURRENT_MIXERS:
+            raise ValueError(f"unsupported recurrent_mixer {self.recurrent_mixer!r}; supported: "
+                             f"{', '.join(RECURRENT_MIXERS)}")
+        mamba = self.recurrent_mixer == "mamba2"
+        keys = MAMBA_KEYS[:5] if mamba else LINEAR_KEYS
+        widths = [getattr(self, key) for key in keys]
         if self.linear_layers and not all(is_count(w) for w in widths):
-            raise ValueError(f"linear-attention layers need {', '.join(LINEAR_KEYS)} as "
+            raise ValueError(f"{'Mamba-2' if mamba else 'linear-attention'} layers need "
+                             f"{', '.join(keys)} as "
                              f"integers >= 1, got {widths}")
 
     def _check_mtp(self) -> None:
@@ -583,7 +611,12 @@ class ModelConfig:
             hf["original_max_position_embeddings"] = \
                 self.rope_scaling["original_max_position_embeddings"]
         hf |= self._moe_keys()
-        if self.model_type in HYBRID:
+        if self.model_type == "bamba":
+            hf |= {key: getattr(self, key) for key in MAMBA_KEYS}
+            hf["mamba_expand"] = self.mamba_n_heads * self.mamba_d_head // self.hidden_size
+            hf["attn_layer_indices"] = [i for i in range(self.num_layers)
+                                        if i not in self.linear_layers]
+        elif self.model_type in HYBRID:
             hf |= {key: getattr(self, key) for key in LINEAR_KEYS}
             hf["layer_types"] = ["linear_attention" if i in self.linear_layers
                                  else "full_attention" for i in range(self.num_layers)]
@@ -637,7 +670,8 @@ class ModelConfig:
         checked = {name: implied[name] for name in
                    ("norm_scale", "pre_norms", "post_norms", "qk_norm", "attention_sinks",
                     "router_bias", "expert_bias", "expert_act", "attention_output_gate",
-                    "linear_split_projections", "router_scoring", "shared_expert_gate")}
+                    "linear_split_projections", "router_scoring", "shared_expert_gate",
+                    "recurrent_mixer")}
         if self.model_type not in ("qwen3_next", "deepseek_v3"):
             checked["shared_expert_intermediate_size"] = 0
         checked |= {name: implied[name] for name in ("v_norm", "layer_scalars")}
@@ -678,6 +712,10 @@ class ModelConfig:
             raise ValueError(f"a {self.model_type} config.json cannot express "
                              f"{', '.join(f'{k}={v!r}' for k, v in wrong.items())} (its class "
                              f"implies {', '.join(f'{k}={checked[k]!r}' for k in wrong)})")
+        if self.model_type == "deepseek_v3" and (self.num_kv_heads != self.num_heads
+                                                 or not self.latent):
+            raise ValueError("a deepseek_v3 config.json implies latent attention (kv_lora_rank "
+                             ">= 1) with a key and a value per head (num_kv_heads = num_heads)")
         if self.model_type == "qwen2" and not (self.attention_bias
                                                and not self.attention_out_bias):
             raise ValueError("a qwen2 config.json implies a bias on q, k and v and none on o")
@@ -686,6 +724,11 @@ class ModelConfig:
             raise ValueError(f"a {self.model_type} config.json "
                              f"{'needs' if self.model_type in MOE else 'has no'} experts "
                              f"(num_experts={self.num_experts})")
+        if self.model_type == "bamba" and (
+                self.partial_rotary_factor != 0.5
+                or self.mamba_n_heads * self.mamba_d_head % self.hidden_size):
+            raise ValueError("a bamba config.json rotates half of each head and widens the "
+                             "Mamba-2 layers by an integer factor (mamba_expand)")
         if self.model_type not in HYBRID and self.linear_layers:
             raise ValueError(f"a {self.model_type} config.json has no linear-attention layers")
         if self.model_type not in WINDOWED and self.sliding_layers:
@@ -719,6 +762,7 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "rope_interleave")
 
 _FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars")  # Gemma 4's
+_FAMILY_FIELDS += ("recurrent_mixer", *MAMBA_KEYS)  # Mamba-2 hybrids' (Bamba)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -834,6 +878,8 @@ def _read_latent(config: Mapping[str, Any], model_type: str) -> dict:
 def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:
     """Qwen3-Next's and Qwen3.5's layer kinds and linear-attention widths (transformers'
     defaults where a key is absent: a full-attention layer every fourth)."""
+    if model_type == "bamba":
+        return _read_mamba(config)
     if model_type not in HYBRID:
         return {}
     interval = config.get("full_attention_interval", 4)
@@ -845,6 +891,34 @@ def _read_linear(config: Mapping[str, Any], model_type: str) -> dict:
                 "linear_conv_kernel_dim": 4}
     return {"layer_types": tuple(types)} | {key: int(config.get(key, defaults[key]))
                                              for key in LINEAR_KEYS}
+
+
+def _read_mamba(config: Mapping[str, Any]) -> dict:
+    """Bamba's layer kinds (attention at attn_layer_indices, Mamba-2 elsewhere) and Mamba-2
+    widths (transformers' defaults where a key is absent)."""
+    limit = tuple(_json_float(v) for v in config.get("time_step_limit") or (0.0, "inf"))
+    if limit != (0.0, float("inf")):
+        raise ValueError(f"a Mamba-2 time_step_limit other than (0, inf) is not supported "
+                         f"(got {list(limit)})")
+    attention = set(config.get("attn_layer_indices") or ())
+    heads = int(config.get("mamba_n_heads", 128))
+    head = config.get("mamba_d_head", "auto")
+    if head in (None, "auto"):
+        head = config.get("mamba_expand", 2) * config["hidden_size"] // heads
+    return {"layer_types": tuple("full_attention" if i in attention else "linear_attention"
+                                 for i in range(config["num_hidden_layers"])),
+            "mamba_n_heads": heads, "mamba_d_head": int(head),
+            "mamba_n_groups": int(config.get("mamba_n_groups", 1)),
+            "mamba_d_state": int(config.get("mamba_d_state", 256)),
+            "mamba_d_conv": int(config.get("mamba_d_conv", 4)),
+            "mamba_conv_bias": bool(config.get("mamba_conv_bias", True)),
+            "mamba_proj_bias": bool(config.get("mamba_proj_bias", False))}
+
+
+def _json_float(value: Any) -> float:
+    """A float of config.json, where transformers writes infinity as {"__float__":
+    "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, Mapping) else value)
 
 
 def _read_mtp(config: Mapping[str, Any]) -> dict:

@@ -3,15 +3,23 @@ latent and one roped key cached per token, both low-rank products, interleaved R
 scaling the softmax), sigmoid routing over groups with a correction bias, a routed scaling
 factor and shared experts, its first layer dense. Loaded from a folder transformers'
 DeepseekV3ForCausalLM saved, in parity with it (logits, cached steps, a tree over the latent
-cache and its commit, greedy), written back; its NextN modules load."""
+cache and its commit, greedy), written back; its NextN modules (latent attention and experts
+too) load and draft losslessly."""
+
+import copy
+import dataclasses
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import adam_fit, continuation_rows, tiny_model
 
 from selfspec import generate
+from selfspec.drafters.mtp import MtpDrafter
 from selfspec.model import ModelConfig, Transformer
+from selfspec.model.loading import with_random_mtp
+from selfspec.model.mla import LatentAttention
 from selfspec.model.moe import grouped_sigmoid_routing
+from selfspec.training.losses import LossOutput
 from selfspec.tree import Tree
 
 transformers = pytest.importorskip("transformers", reason="pip install transformers")
@@ -145,3 +153,77 @@ def test_a_refused_latent_config_names_the_problem():
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=2, num_kv_heads=2, head_dim=4, kv_lora_rank=4,
                     v_head_dim=4).to_hf()
+
+
+@pytest.fixture(scope="module")
+def with_nextn(deepseek, tmp_path_factory):
+    """The target with one random NextN module (as DeepSeek-V3's checkpoints ship it: a
+    latent-attention block with experts, after the last layer), written and read back."""
+    ours, _ = deepseek
+    target = with_random_mtp(Transformer.from_hf(deepseek[1]), dataclasses.replace(
+        ours.config, mtp_modules=1, mtp_layout="nextn"), seed=2)
+    folder = target.save_pretrained(tmp_path_factory.mktemp("nextn"))
+    return target, Transformer.from_pretrained(folder)
+
+
+@torch.no_grad()
+def test_a_folder_with_nextn_layers_loads_its_modules(with_nextn):
+    written, loaded = with_nextn
+    assert (loaded.config.mtp_modules, loaded.config.mtp_layout) == (1, "nextn")
+    block = loaded.mtp[0].block
+    assert isinstance(block.self_attn, LatentAttention) and hasattr(block.mlp, "shared_experts")
+    hidden, embeds = torch.randn(1, 5, 32), written.embed_tokens(TOKENS[:, 1:6])
+    expected = written.mtp_logits(0, written.mtp_forward(0, embeds, hidden, torch.arange(5)))
+    torch.testing.assert_close(
+        loaded.mtp_logits(0, loaded.mtp_forward(0, embeds, hidden, torch.arange(5))), expected)
+
+
+@pytest.mark.parametrize("shape", [{"tree": Tree.chain(3)},
+                                   {"total_tokens": 6, "depth": 3, "top_k": 2}],
+                         ids=["chain", "tree"])
+def test_its_nextn_module_drafts_losslessly(with_nextn, shape):
+    """Greedy through the module's chain and its EAGLE-2 tree (its own latent cache) equals
+    plain greedy, drafts rejected and accepted along the way."""
+    _, target = with_nextn
+    prompt = TOKENS[0, :6].tolist()
+    result = generate(target, prompt, drafter=MtpDrafter(target, **shape), max_new_tokens=12)
+    assert result.tokens == generate(target, prompt, max_new_tokens=12).tokens
+    assert result.stats.drafted > result.stats.accepted
+
+
+PROMPTS = [TOKENS[0, :6].tolist(), [5, 6, 7, 5, 6, 7]]
+
+
+@pytest.mark.slow
+def test_its_nextn_module_fit_to_the_targets_answers_drafts_accepted_tokens(with_nextn):
+    """The module fit (AdamW, full batch) to predict the target's own greedy continuations
+    one token ahead: its drafts are accepted, in chains and trees, eager and static, and a
+    batch decodes each row as alone."""
+    target = copy.deepcopy(with_nextn[1])  # the fixture's stays untrained
+    plain = [generate(target, p, max_new_tokens=16).tokens for p in PROMPTS]
+    tokens, mask = continuation_rows(dict(zip(map(tuple, PROMPTS), plain, strict=True)))
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(tokens.shape[1])).last_hidden
+
+    def loss() -> LossOutput:
+        rows = tokens.shape[1] - 1
+        out = target.mtp_forward(0, target.embed_tokens(tokens[:, 1:]), hidden[:, :rows],
+                                 torch.arange(rows))
+        labels = tokens[:, 2:].masked_fill(~mask[:, 2:], -100)
+        logits = target.mtp_logits(0, out[:, :-1])
+        return LossOutput(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                            labels.flatten()), {})
+
+    target.requires_grad_(False)
+    target.mtp.requires_grad_(True)
+    adam_fit(loss, target.mtp.parameters(), steps=40)
+    target.requires_grad_(False)
+    for shape in ({"tree": Tree.chain(3)}, {"total_tokens": 6, "depth": 3, "top_k": 2}):
+        for static in (False, True):
+            for prompt, expected in zip(PROMPTS, plain, strict=True):
+                result = generate(target, prompt, drafter=MtpDrafter(target, **shape),
+                                  max_new_tokens=16, cuda_graphs=static)
+                assert result.tokens == expected and result.stats.accepted > 0
+    batch = generate(target, PROMPTS, drafter=MtpDrafter(target, tree=Tree.chain(3)),
+                     max_new_tokens=16)
+    assert [r.tokens for r in batch] == plain
