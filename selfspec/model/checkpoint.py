@@ -92,6 +92,8 @@ def our_tensors(name: str, tensor: torch.Tensor, config: ModelConfig
         key = _our_mtp_key(key, config)
     if key is None:
         return
+    if config.model_type == "bamba":
+        key = _renamed(key, _BAMBA_NAMES)
     if key.endswith(("_blocks", "_scales")):
         raise ValueError(f"{name} is quantized (MXFP4); dequantize the model with "
                          f"transformers first (Mxfp4Config(dequantize=True))")
@@ -148,12 +150,30 @@ def _interleaved(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
 
 
+# Bamba's names of a layer's MLP and its norm, and of the final norm, against ours
+_BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("final_layernorm.", "norm."))
+
+
+def _renamed(key: str, names) -> str:
+    """key with the first of names' (theirs, ours) pairs it holds replaced; a name without a
+    leading dot (the final norm's) only at the key's start, after "model."."""
+    for theirs, ours in names:
+        at = key.find(theirs)
+        if at >= 0 and (theirs.startswith(".") or key[:at] in ("", "model.")):
+            return key[:at] + ours + key[at + len(theirs):]
+    return key
+
+
 def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict under HF names, fused projections fused and experts laid out as the
     family's checkpoints store them (a tied LM head is left out), MTP modules in their
     layout."""
     hf = {hf_key(name): tensor for name, tensor in state.items()
           if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    if config.model_type == "bamba":
+        hf = {_renamed(key, [(ours, theirs) for theirs, ours in _BAMBA_NAMES]): tensor
+              for key, tensor in hf.items()}
     mtp_blocks = [f"model.mtp.{i}.block." for i in range(config.mtp_modules)]
     for fused, parts in _fused_parts(config).items():
         for prefix in [f"model.layers.{layer}." for layer in range(config.num_layers)] \

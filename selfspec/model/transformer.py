@@ -49,6 +49,7 @@ from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
+from selfspec.model.mamba import Mamba2Dims, Mamba2Mixer
 from selfspec.model.mla import LatentAttention
 from selfspec.model.moe import MoE
 from selfspec.model.placement import Placement
@@ -294,7 +295,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.linear = layer_idx in config.linear_layers if linear is None else linear
-        if self.linear:
+        if self.linear and config.recurrent_mixer == "mamba2":  # Bamba's name
+            self.mamba = Mamba2Mixer(mamba_dims(config))
+        elif self.linear:
             self.linear_attn = GatedDeltaNet(delta_net_dims(config))
         elif config.latent:  # DeepSeek's MLA: a latent cached in place of K/V
             self.self_attn = LatentAttention(config, layer_idx, RMSNorm)
@@ -327,7 +330,8 @@ class DecoderLayer(nn.Module):
         (`recurrent.parents_of`) and its state from the cache."""
         if self.linear:
             state = None if cache is None else cache.recurrent(self.layer_idx)
-            mixed = self.linear_attn(self.normed(0, x), attn_mask, state)
+            mixer = self.mamba if hasattr(self, "mamba") else self.linear_attn
+            mixed = mixer(self.normed(0, x), attn_mask, state)
             return self.scaled(mlp_output(self, self.residual(x, self.normed(1, mixed)),
                                           static=static))
         stages = stages or EAGER_STAGES
@@ -370,6 +374,18 @@ def mlp_output(layer: DecoderLayer, x: torch.Tensor, fused: bool = False, static
                ) -> torch.Tensor:
     """x plus the layer's feed-forward block of x, with the norms around it."""
     return layer.residual(x, layer.normed(3, layer.mlp(layer.normed(2, x), fused, static)))
+
+
+def mamba_dims(config: ModelConfig) -> Mamba2Dims:
+    """The widths of config's Mamba-2 layers."""
+    return Mamba2Dims(config.hidden_size, config.mamba_n_heads, config.mamba_d_head,
+                      config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
+                      config.rms_norm_eps, config.mamba_conv_bias, config.mamba_proj_bias)
+
+
+def recurrent_dims(config: ModelConfig) -> DeltaNetDims | Mamba2Dims:
+    """The widths of config's recurrent layers, of the kind it names."""
+    return mamba_dims(config) if config.recurrent_mixer == "mamba2" else delta_net_dims(config)
 
 
 def delta_net_dims(config: ModelConfig) -> DeltaNetDims:
@@ -871,7 +887,7 @@ class Transformer(nn.Module):
         linear = sorted(self.config.linear_layers)
         attention = [i for i in range(self.config.num_layers) if i not in linear]
         kv = KVCache(len(attention), *sizes, dtype=dtype, device=device)
-        state = RecurrentState(linear, sizes[0], delta_net_dims(self.config), dtype=dtype,
+        state = RecurrentState(linear, sizes[0], recurrent_dims(self.config), dtype=dtype,
                                device=device)
         return HybridCache(kv, state, attention)
 
