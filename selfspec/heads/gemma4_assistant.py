@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +225,42 @@ class Gemma4Assistant(nn.Module):
         (folder / "config.json").write_text(json.dumps(self.config.to_hf() | {"dtype": dtype},
                                                        indent=2) + "\n")
         return folder
+
+
+@dataclass(frozen=True)
+class AssistantShape:
+    """The shape of a random assistant for a target (its hidden_size, num_layers (sliding
+    ones, then one full), intermediate_size, num_heads; centroids when ordered)."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    intermediate_size: int = 1024
+    num_heads: int = 4
+    ordered: bool = False
+    num_centroids: int = 64
+    centroid_top_k: int = 8
+
+
+@torch.no_grad()
+def random_assistant(target: ModelConfig, shape: AssistantShape, seed: int = 0
+                     ) -> Gemma4Assistant:
+    """An assistant of `shape` with random weights for a gemma4_text target (seeded): every
+    weight normal with std 0.02, as transformers initialises a linear layer; norms and layer
+    scalars at 1; with centroids, the vocabulary in order. For timings, not for acceptance."""
+    kinds = ("sliding_attention",) * (shape.num_layers - 1) + ("full_attention",)
+    text = replace(target, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                   intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
+                   layer_types=kinds, value_from_key=False,
+                   embedding_multiplier=shape.hidden_size ** 0.5, mtp_modules=0,
+                   mtp_layout=None)
+    config = AssistantConfig(text, target.hidden_size, shape.ordered, shape.num_centroids,
+                             shape.centroid_top_k)
+    generator = torch.Generator().manual_seed(seed)
+    model = Gemma4Assistant(config)
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.eval()
 
 
 def our_key(name: str) -> str:

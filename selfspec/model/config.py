@@ -428,6 +428,8 @@ class ModelConfig:
         if model_type in GEMMA:
             implied |= {"embedding_multiplier": values["hidden_size"] ** 0.5,
                         "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+        if model_type == GEMMA4:
+            implied["attention_scale"] = 1.0  # its q/k norms set the scale
         if model_type == "qwen2":
             implied["attention_bias"] = True
         return cls(**(implied | values))

@@ -190,3 +190,36 @@ def test_a_target_of_another_shape_is_refused_in_one_line(models):
         generate(other, PROMPTS[0], drafter=Gemma4AssistantDrafter(assistant, 2),
                  max_new_tokens=2)
     assert "\n" not in str(caught.value)
+
+
+# ---- the registry and the random preset ------------------------------------------------------
+
+
+@pytest.mark.slow  # ~1.5 s; the default run drafts with it in test_every_method_everywhere
+def test_the_random_preset_drafts_losslessly_through_the_registry(cfg_of):
+    """model=random-gemma4: transformers' random Gemma 4 target and a random assistant of the
+    preset's shape (centroid scoring), composed as eval/generate.py composes them."""
+    from selfspec.from_config.generation import drafter_and_target
+    from selfspec.from_config.models import load_target
+
+    cfg = cfg_of("generate", "model=random-gemma4", "drafter=gemma4_assistant",
+                 "num_draft_tokens=3")
+    target = load_target(cfg)
+    drafter, verified_on = drafter_and_target(cfg, target)
+    assert verified_on is target and target.config.model_type == "gemma4_text"
+    assistant = drafter.assistant
+    assert assistant.config.ordered_embeddings and assistant.config.text.num_layers == 2
+    assert assistant.config.backbone_hidden_size == target.config.hidden_size == 64
+    for prompt in PROMPTS:
+        out = generate(target, prompt, drafter=drafter, max_new_tokens=8)
+        assert out.tokens == generate(target, prompt, max_new_tokens=8).tokens
+        assert out.stats.drafted > 0
+
+
+def test_the_method_without_an_assistant_is_refused_naming_the_fix(cfg_of):
+    from selfspec.from_config.methods import entry
+
+    cfg = cfg_of("generate", "model=tiny", "drafter=gemma4_assistant")
+    with pytest.raises(ValueError, match="gemma4_assistant.path=") as caught:
+        entry("gemma4_assistant").check(cfg, (2,))
+    assert "\n" not in str(caught.value)

@@ -50,7 +50,7 @@ def method_settings(quick_build, heads_dir, eagle_dir, dflash_dir) -> dict[str, 
             "dflash": [*on_toy, f"dflash_head={dflash_dir}", "dflash.tree_nodes=4"],
             "early_exit": ["model=tiny"], "layer_skip": ["model=tiny"],
             "lookahead": ["model=tiny"], "quantized": on_toy, "mtp": ["model=random-mtp"],
-            "suffix": on_toy}
+            "suffix": on_toy, "gemma4_assistant": ["model=random-gemma4"]}
 
 
 @pytest.mark.parametrize("quantize", ["null", pytest.param("int8", marks=pytest.mark.slow)])

@@ -38,7 +38,8 @@ PUBLISHED_PARAMS = {
 
 def test_every_real_model_config_has_a_published_size():
     assert set(group_options("model")) == {"tiny", "local", "random-7b", "random-moe",
-                                           "random-mtp", "random-hybrid", *PUBLISHED_PARAMS}
+                                           "random-mtp", "random-hybrid", "random-gemma4",
+                                           *PUBLISHED_PARAMS}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

@@ -1,0 +1,81 @@
+"""Gemma 4's assistant (`Gemma4AssistantDrafter`): the small drafter published beside each
+Gemma 4 model, reading the target's K/V and last hidden state; nothing to train here.
+
+Settings: `gemma4_assistant.path`, an assistant folder transformers wrote (e.g. a published
+`google/gemma-4-*-assistant`, downloaded); where unset, the model config's `assistant` block
+(`model=random-gemma4`: `random: true` and its shape, a random assistant for timings). Rows:
+gemma4_assistant, a chain of k tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter
+from selfspec.from_config.common import checked_settings
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, one_variant
+from selfspec.heads.gemma4_assistant import AssistantShape, Gemma4Assistant, random_assistant
+from selfspec.measure.grid import Variant
+from selfspec.model import Transformer
+
+NAME = "gemma4_assistant"
+
+
+def settings(cfg: DictConfig) -> DictConfig:
+    """The method's own settings, else the model config's `assistant` block."""
+    own = cfg.get(NAME)
+    if own and own.get("path"):
+        return own
+    return OmegaConf.select(cfg, "model.assistant") or OmegaConf.create({})
+
+
+def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
+    s = settings(cfg)
+    if s.get("random"):
+        return
+    if not s.get("path"):
+        raise ValueError(f"method {NAME} needs an assistant: set {NAME}.path=/path/to/"
+                         f"gemma-4-assistant (a folder transformers wrote), or use "
+                         f"model=random-gemma4 (a random assistant beside a random target)")
+    if not (Path(str(s.path)).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(f"{NAME}.path={s.path}: no config.json there; point it at a "
+                                f"Gemma 4 assistant folder")
+
+
+def load_assistant(cfg: DictConfig, target: Transformer) -> Gemma4Assistant:
+    s, weight = settings(cfg), target.embed_tokens.weight
+    if s.get("random"):
+        given = {k: v for k, v in s.items() if k != "random"}
+        unknown = sorted(set(given) - set(AssistantShape.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"model.assistant: unknown settings {unknown}; a random "
+                             f"assistant takes {', '.join(AssistantShape.__dataclass_fields__)}")
+        shape = checked_settings(AssistantShape, "model.assistant", **given)
+        model = random_assistant(target.config, shape, seed=int(cfg.get("seed", 0)))
+        return model.to(device=weight.device, dtype=weight.dtype)
+    return Gemma4Assistant.from_pretrained(Path(str(s.path)).expanduser(), dtype=weight.dtype,
+                                           device=weight.device)
+
+
+def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> Gemma4Assistant:
+    return loaded.once(NAME, lambda: load_assistant(loaded.cfg, loaded.target))
+
+
+@torch.inference_mode()
+def drafter(loaded: Loaded, variant: Variant, k: int) -> Gemma4AssistantDrafter:
+    return Gemma4AssistantDrafter(load(loaded, (variant,)), k)
+
+
+def has_assistant(cfg: DictConfig) -> bool:
+    """A sweep with methods=null runs it when the model config ships an assistant."""
+    return bool(OmegaConf.select(cfg, "model.assistant", default=None))
+
+
+ENTRIES = (MethodEntry(
+    name=NAME, summary="Gemma 4's published assistant: a chain of k tokens over the target's "
+                       "K/V and last hidden state",
+    variants=one_variant(NAME), load=load, drafter=drafter, check=check,
+    default_when=has_assistant, color="tab:olive", order=44),)
