@@ -21,8 +21,9 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
    cross-entropy, the rows' rarest token as the mask (or `--mask-token-id`), the target's LM
    head. The heads take the shape selfspec loads: no extra norms, full attention, the
    target's embedding frozen.
-3. The last checkpoint is loaded by `selfspec.heads.load_head`; `summary.json` in --out holds
-   its folder, speculators' logged losses, its training tokens/s (rows x seq_len a step, as
+3. The last checkpoint is loaded by `selfspec.heads.load_head` and written as a selfspec
+   export (`--out`/export, what selfspec's evaluators read); `summary.json` in --out holds
+   both folders, speculators' logged losses, its training tokens/s (rows x seq_len a step, as
    selfspec's trainer counts `tokens_seen`, over the steps' time in speculators' own step
    profile, from fetching the batch to the optimizer's step) and the command that replays it
    on held-out prompts (eval/replay.py, the evaluator of selfspec's own heads).
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfspec import Transformer
     from selfspec.heads import dflash, eagle, load_head
     from selfspec.heads.draft_vocab import rarest_token, token_counts
+    from selfspec.heads.io import describe_target, save_head
     from selfspec.training.features import FeatureStore
     from selfspec.training.speculators_data import (
         store_rows,
@@ -209,10 +211,13 @@ def main(argv: list[str] | None = None) -> dict:
                            f"asked for: see {out / 'speculators.log'}")
     folder = last_checkpoint(out)
     head = load_head(folder, target=target, allow_other_base=True)
+    # selfspec's evaluators read a selfspec export: the head as loaded, written once more
+    export = save_head(out / "export", head, head.config, describe_target(target))
     seconds = sum(step["profile"]["step_ms"] for step in steps) / 1000  # fetch to optimizer
     method, head_setting = REPLAY_METHOD[args.kind]
     summary = {
-        "kind": args.kind, "head": str(folder), "loaded_as": type(head).__name__,
+        "kind": args.kind, "head": str(folder), "export": str(export),
+        "loaded_as": type(head).__name__,
         "settings": asdict(s), "layers": list(layers), "train_rows": data.train_rows,
         "heldout_rows": data.heldout_rows, "seq_len": data.seq_len,
         "losses": [step["train"]["loss"] for step in steps],
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_s": s.steps * s.batch * data.seq_len / seconds,
         "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
         "replay": f"python eval/replay.py model=<the target> 'methods=[{method}]' "
-                  f"{head_setting}={folder} data=mt_bench num_prompts=80",
+                  f"{head_setting}={export} data=mt_bench num_prompts=80",
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))

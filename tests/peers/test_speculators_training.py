@@ -80,9 +80,12 @@ def test_speculators_trains_the_asked_steps_with_finite_losses(trained):
     assert summary["tokens_per_s"] > 0
 
 
-def test_its_head_loads_in_selfspec_with_speculators_logits(trained):
+@pytest.mark.parametrize("where", ["head", "export"])
+def test_its_head_loads_in_selfspec_with_speculators_logits(trained, where):
+    """Read from speculators' folder, and from the selfspec export the runner writes of it
+    (what selfspec's evaluators read)."""
     kind, out, target, summary = trained
-    head = load_head(summary["head"], target=target, allow_other_base=True)
+    head = load_head(summary[where], target=target, allow_other_base=True)
     assert isinstance(head, HEADS[kind]) and head.config.target_layers == FUSED
     torch.manual_seed(7)
     hidden = torch.randn(T, 3 * H)
@@ -105,7 +108,7 @@ def test_its_head_loads_in_selfspec_with_speculators_logits(trained):
 
 def test_selfspecs_replay_counts_its_drafts_as_decoding_does(trained):
     kind, _, target, summary = trained
-    head = load_head(summary["head"], target=target, allow_other_base=True)
+    head = load_head(summary["export"], target=target)
 
     def drafter():
         if kind == "eagle3":
