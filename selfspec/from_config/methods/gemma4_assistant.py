@@ -78,4 +78,4 @@ ENTRIES = (MethodEntry(
     name=NAME, summary="Gemma 4's published assistant: a chain of k tokens over the target's "
                        "K/V and last hidden state",
     variants=one_variant(NAME), load=load, drafter=drafter, check=check,
-    default_when=has_assistant, color="tab:olive", order=44),)
+    default_when=has_assistant, color="darkorchid", order=44),)
