@@ -4,6 +4,7 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
     python scripts/peer_train.py eagle3 --store features/smollm2-eagle \
         --target ~/.cache/selfspec/models/smollm2-135m --out runs/speculators-eagle3 --steps 600
     python scripts/peer_train.py dflash --store features/smollm2-dflash --target ... --out ...
+    python scripts/peer_train.py eagle3 ... --data-only   # the data and the flags, no training
 
 1. The store's training rows, then its held-out rows, are written in speculators' offline layout
    (`selfspec.training.speculators_data`; the store must hold the fused streams and the
@@ -82,6 +83,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in asdict(Settings()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--threads", type=int, default=None, help="torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--data-only", action="store_true",
+                   help="write the data and speculators' command line (--out/speculators_flags"
+                        ".txt), and stop: to train elsewhere, e.g. on a GPU")
     return p.parse_args(argv)
 
 
@@ -203,6 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
             mask = rarest_token(token_counts(store_rows(store, args.max_rows).tokens,
                                              config.vocab_size))
         flags += dflash_flags(s, mask)
+    (out / "speculators_flags.txt").write_text(" ".join(flags) + "\n")
+    if args.data_only:
+        print(f"speculators' data: {data.folder}\nits flags: {out / 'speculators_flags.txt'}")
+        return {"data": str(data.folder), "flags": flags}
     start = time.perf_counter()
     steps = train_with_speculators(flags, out, args.threads)
     wall = time.perf_counter() - start
