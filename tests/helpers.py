@@ -105,7 +105,9 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
     window and full layers alternating) with 8 experts, top 2, a window of WINDOW tokens and
     a swiglu_limit low enough to clamp. DeepSeek-V3: latent attention (both low-rank
     products), YaRN scaling the softmax too, 8 experts in 4 groups (top 2 from the best 2
-    groups) with two shared experts, its first layer dense."""
+    groups) with two shared experts, its first layer dense. Llama 4: chunks of WINDOW tokens
+    on its RoPE layers, its fourth layer without RoPE and its queries' temperature tuned
+    from position 3 on, 4 experts (top 2) and a shared one on every other layer."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -163,6 +165,11 @@ def family_config(family: str, vocab: int = 64, layers: int = 2, hidden: int = 3
         first_k_dense_replace=1, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
             "mscale_all_dim": 0.8, "original_max_position_embeddings": 64})
+    configs["llama4"] = lambda: tf.Llama4TextConfig(  # chunks of 4, NoPE every 4th layer
+        **{**common, "intermediate_size": hidden // 2}, intermediate_size_mlp=2 * hidden,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        interleave_moe_layer_step=2, attention_chunk_size=WINDOW, floor_scale=4, attn_scale=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     config = configs[family]()
     for key, value in extra.items():
         setattr(config, key, value)

@@ -104,6 +104,9 @@ def our_tensors(name: str, tensor: torch.Tensor, config: ModelConfig
     if config.model_type == "gpt_oss":
         yield _from_gpt_oss(key, tensor)
         return
+    if config.model_type == "llama4_text":
+        yield _from_llama4(key, tensor)
+        return
     for fused, parts in _fused_parts(config).items():
         if key.endswith(fused):
             rows = tensor.split(list(parts.values()), dim=0)
@@ -136,6 +139,31 @@ def _from_gpt_oss(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     elif key.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
         tensor = tensor.transpose(1, 2)
     return key, tensor.contiguous()
+
+
+# Llama 4's feed-forward names against ours (its experts' stacks are transposed: [E, H, 2I],
+# [E, I, H]; ours [E, 2I, H], [E, H, I])
+_LLAMA4_NAMES = ((".feed_forward.router.", ".mlp.gate."),
+                 (".feed_forward.shared_expert.", ".mlp.shared_experts."),
+                 (".feed_forward.", ".mlp."))
+
+
+def _from_llama4(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One Llama 4 tensor under our name and in our layout."""
+    for theirs, ours in _LLAMA4_NAMES:
+        key = key.replace(theirs, ours)
+    if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        tensor = tensor.transpose(1, 2).contiguous()
+    return key, tensor
+
+
+def _to_llama4(key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One of our HF-prefixed tensors under Llama 4's name and in its layout."""
+    if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        tensor = tensor.transpose(1, 2)
+    for theirs, ours in _LLAMA4_NAMES:
+        key = key.replace(ours, theirs)
+    return key, tensor
 
 
 def _deinterleaved(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -180,6 +208,8 @@ def hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
                 + mtp_blocks:
             hf[prefix + fused] = torch.cat([hf.pop(prefix + part) for part in parts])
     mtp_moe = mtp_blocks if config.num_layers - 1 in config.moe_layers else []
+    if config.model_type == "llama4_text":
+        return dict(_to_llama4(name, tensor) for name, tensor in hf.items())
     for prefix in [f"model.layers.{layer}." for layer in config.moe_layers] + mtp_moe:
         hf |= _hf_experts(hf, prefix + "mlp.", config)
     if not config.mtp_modules:

@@ -38,6 +38,12 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - qwen3_5_text: Qwen3.5's decoder, Qwen3-Next's layers with the linear attention's input
   products split four ways (`linear_split_projections`) and dense MLPs; its multimodal RoPE
   is the plain one over text.
+- llama4_text: Llama 4's decoder: RoPE over adjacent pairs on most layers, chunked local
+  attention there (`attention_chunk_size`), every fourth layer without RoPE (`no_rope_layers`)
+  and full, its queries' temperature tuned by position there, an L2 norm of q and k on the
+  RoPE layers (`qk_norm="l2"`), a mixture of experts whose sigmoid weights scale each expert's
+  input (`router_scoring="sigmoid_input"`) beside an ungated shared expert, dense layers
+  among the sparse ones (`interleave_moe_layer_step`, `moe_layers`).
 - deepseek_v3: multi-head latent attention (MLA: `kv_lora_rank` > 0, a compressed latent and
   one roped key cached per token, `selfspec.model.mla`), interleaved RoPE, a mixture of
   experts with sigmoid routing over groups (`router_scoring`, `router_groups`), a routed
@@ -94,6 +100,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      "attention_output_gate": True, "linear_split_projections": True},
     "bamba": {"recurrent_mixer": "mamba2"},
     "deepseek_v3": {"router_scoring": "sigmoid", "shared_expert_gate": False},
+    "llama4_text": {"router_scoring": "sigmoid_input", "shared_expert_gate": False,
+                    "rope_interleave": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -105,11 +113,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                  "bamba": "BambaForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 NORM_SCALES = ("weight", "weight_fp32", "one_plus_weight")
-QK_NORMS = (None, "head", "projection")
+QK_NORMS = (None, "head", "projection", "l2")
 # DeepSeek-V3's NextN layers after the last decoder layer, Qwen3-Next's `mtp.*` modules, or
 # MiMo's `model.mtp_layers.*`
 MTP_LAYOUTS = ("nextn", "mtp", "mimo")
@@ -117,8 +125,9 @@ MTP_LAYOUTS = ("nextn", "mtp", "mimo")
 _MTP_KEYS = {"nextn": "num_nextn_predict_layers", "mtp": "mtp_num_hidden_layers",
              "mimo": "num_nextn_predict_layers"}
 EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate times (up + 1)
-ROUTER_SCORINGS = ("softmax", "sigmoid")  # the router's scores: Mixtral's, DeepSeek-V3's
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# the router's scores: Mixtral's, DeepSeek-V3's, Llama 4's (its weights scale the input)
+ROUTER_SCORINGS = ("softmax", "sigmoid", "sigmoid_input")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "chunked_attention")
 # The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
 HYBRID = ("qwen3_next", "qwen3_5_text", "bamba")  # families with recurrent layers
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")
@@ -133,7 +142,7 @@ LOCAL_ROPE = ("gemma3_text", GEMMA4)  # a RoPE of their own for the sliding laye
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window for every layer
 WINDOWED = (*GEMMA, *WHOLE_WINDOW, "qwen2", "qwen3", "gpt_oss")  # they read sliding_window
 # the families with a mixture of experts
-MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", "deepseek_v3", "llama4_text")
 QWEN_MOE = ("qwen3_moe", "qwen3_next")  # Qwen's keys: moe_intermediate_size, dense layers
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
@@ -177,7 +186,8 @@ class ModelConfig:
     post_norms: a norm on the attention's and on the MLP's output before each residual add
         (Gemma with pre_norms: four norms a layer; OLMo 2 without).
     qk_norm: an RMSNorm on the queries and keys before RoPE: "head" (over each head's
-        head_dim: Qwen3, Gemma 3), "projection" (over the whole q or k projection: OLMo 2).
+        head_dim: Qwen3, Gemma 3), "projection" (over the whole q or k projection: OLMo 2),
+        "l2" (over each head, without a weight, on the RoPE layers only: Llama 4).
     embedding_multiplier: the embedding is multiplied by it, rounded to the model's dtype
         (Gemma: sqrt(hidden_size); Granite: its embedding_multiplier).
     residual_multiplier: each block's output is multiplied by it before the residual add.
@@ -241,6 +251,12 @@ class ModelConfig:
     q_lora_rank: the query's own low-rank compression (None: one q_proj).
     rope_interleave: RoPE rotates pairs of adjacent dimensions (DeepSeek's layout) rather than
         the two halves.
+    attention_chunk_size: the chunk C of the "chunked_attention" layers (Llama 4): a query at
+        position p sees the keys at positions k <= p with k // C == p // C.
+    no_rope_layers: the layers without RoPE (Llama 4's NoPE layers, full attention).
+    temperature_tuning, temperature_floor_scale, temperature_scale: on the NoPE layers, each
+        query at position p is multiplied by 1 + scale * ln(1 + floor((p + 1) / floor_scale))
+        (Llama 4's attn_temperature_tuning, floor_scale, attn_scale).
     v_norm: the values RMS-normed over each head's dims, without a weight (Gemma 4).
     value_from_key: the full-attention layers have no v_proj; their values are k_proj's
         output (before its norm and RoPE) (Gemma 4's attention_k_eq_v).
@@ -325,6 +341,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    attention_chunk_size: int | None = None
+    no_rope_layers: tuple[int, ...] = ()
+    temperature_tuning: bool = False
+    temperature_floor_scale: int = 8192
+    temperature_scale: float = 0.1
 
     def __repr__(self) -> str:
         """The dataclass's repr without the family fields that hold their defaults, so that a
@@ -367,6 +388,7 @@ class ModelConfig:
                              "(post_norms) its attention and MLP")
         self._check_experts()
         self._check_latent()
+        self._check_chunks()
         self._check_mtp()
         self._check_linear()
 
@@ -393,6 +415,16 @@ class ModelConfig:
         if self.mtp_layout == "mtp" and self.mtp_modules > 1:
             raise ValueError(f"an mtp layout's modules share one fc and norms: mtp_modules "
                              f"must be 1 there, got {self.mtp_modules}")
+
+    def _check_chunks(self) -> None:
+        object.__setattr__(self, "no_rope_layers", tuple(self.no_rope_layers))
+        if self.chunked_layers and not is_count(self.attention_chunk_size):
+            raise ValueError(f"chunked_attention layers need attention_chunk_size >= 1, got "
+                             f"{self.attention_chunk_size!r}")
+        if (self.chunked_layers | self.sliding_layers | self.linear_layers) & set(
+                self.no_rope_layers):
+            raise ValueError(f"no_rope_layers {list(self.no_rope_layers)} must be full "
+                             f"attention layers")
 
     def _check_latent(self) -> None:
         if self.kv_lora_rank and not (is_count(self.qk_nope_head_dim, 0)
@@ -443,6 +475,12 @@ class ModelConfig:
             return frozenset(range(self.num_layers)) if self.sliding_window else frozenset()
         return frozenset(i for i, kind in enumerate(self.layer_types)
                          if kind == "sliding_attention")
+
+    @property
+    def chunked_layers(self) -> frozenset[int]:
+        """The layers that attend within their chunk (Llama 4)."""
+        return frozenset(i for i, kind in enumerate(self.layer_types)
+                         if kind == "chunked_attention")
 
     @property
     def linear_layers(self) -> frozenset[int]:
@@ -530,7 +568,9 @@ class ModelConfig:
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            # Llama 4's intermediate_size is its experts' width: its dense layers' is apart
+            intermediate_size=config.get("intermediate_size_mlp", 16384)
+            if model_type == "llama4_text" else config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             # MLA expands a key and a value for every head from the latent
@@ -548,7 +588,8 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else _opt_tuple(eos),
             hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
             **_read_rope(config, model_type),
-            **(_read_attention(config, model_type, head_dim) | _read_linear(config, model_type)),
+            **(_read_attention(config, model_type, head_dim) | _read_linear(config, model_type)
+               | _read_llama4(config, model_type)),
             **_read_multipliers(config, model_type),
             **_read_moe(config, model_type),
             **_read_mtp(config),
@@ -624,6 +665,8 @@ class ModelConfig:
                                  else "full_attention" for i in range(self.num_layers)]
         if self.model_type == "qwen3_next" and not self.num_experts:
             hf["num_experts"] = 0  # transformers' default is 512
+        if self.model_type == "llama4_text":
+            hf |= self._llama4_keys()
         if self.model_type == "deepseek_v3":
             hf |= {"kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
                    "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.head_dim,
@@ -635,10 +678,29 @@ class ModelConfig:
                 "sliding_attention": _rope_dict(*local, 1.0)}
         return hf
 
+    def _llama4_keys(self) -> dict[str, Any]:
+        """Llama 4's attention and mixture-of-experts keys (its intermediate_size is the
+        experts' width, intermediate_size_mlp the dense layers')."""
+        hf = {"intermediate_size": self.expert_width,
+              "intermediate_size_mlp": self.intermediate_size,
+              "num_local_experts": self.num_experts,
+              "num_experts_per_tok": self.num_experts_per_tok,
+              "moe_layers": sorted(self.moe_layers), "interleave_moe_layer_step": 1,
+              "use_qk_norm": self.qk_norm == "l2",
+              "no_rope_layers": [int(i not in self.no_rope_layers)
+                                 for i in range(self.num_layers)],
+              "attention_chunk_size": self.attention_chunk_size,
+              "attn_temperature_tuning": self.temperature_tuning,
+              "floor_scale": self.temperature_floor_scale, "attn_scale": self.temperature_scale}
+        hf["layer_types"] = ["chunked_attention" if i in self.chunked_layers else
+                             "full_attention" for i in range(self.num_layers)]
+        return hf
+
     def _moe_keys(self) -> dict[str, Any]:
         """The config.json keys of the mixture of experts, as this model_type's class reads
         them."""
-        if self.model_type not in MOE or not self.num_experts:
+        if self.model_type not in MOE or not self.num_experts or \
+                self.model_type == "llama4_text":  # its own: _llama4_keys
             return {}
         top = {"num_experts_per_tok": self.num_experts_per_tok}
         if self.model_type == "deepseek_v3":
@@ -674,21 +736,30 @@ class ModelConfig:
                     "router_bias", "expert_bias", "expert_act", "attention_output_gate",
                     "linear_split_projections", "router_scoring", "shared_expert_gate",
                     "recurrent_mixer")}
-        if self.model_type not in ("qwen3_next", "deepseek_v3"):
+        if self.model_type not in ("qwen3_next", "deepseek_v3", "llama4_text"):
             checked["shared_expert_intermediate_size"] = 0
+        if self.model_type != "llama4_text":
+            checked |= {"attention_chunk_size": None, "no_rope_layers": (),
+                        "temperature_tuning": False}
+        else:  # its shared expert is one of its experts' width; L2 q/k norms or none
+            checked |= {"shared_expert_intermediate_size": self.expert_width,
+                        "decoder_sparse_step": 1, "norm_topk_prob": True,
+                        "qk_norm": "l2" if self.qk_norm == "l2" else None}
         checked |= {name: implied[name] for name in ("v_norm", "layer_scalars")}
         if self.model_type != GEMMA4:
             checked["value_from_key"] = False
         if self.model_type != "deepseek_v3":
             checked |= {"kv_lora_rank": 0, "q_lora_rank": None, "qk_nope_head_dim": 0,
-                        "v_head_dim": 0, "rope_interleave": False, "router_groups": 1,
-                        "router_top_groups": 1, "routed_scaling_factor": 1.0}
+                        "v_head_dim": 0, "router_groups": 1, "router_top_groups": 1,
+                        "routed_scaling_factor": 1.0}
         elif self.num_experts:  # its shared experts are whole experts; its dense layers first
             checked |= {"shared_expert_intermediate_size": self.expert_width * (
                             self.shared_expert_intermediate_size // self.expert_width),
                         "mlp_only_layers": tuple(range(len(self.mlp_only_layers))),
                         "decoder_sparse_step": 1}
-        if self.model_type not in (*QWEN_MOE, "deepseek_v3"):
+        if self.model_type not in ("deepseek_v3", "llama4_text"):
+            checked["rope_interleave"] = False
+        if self.model_type not in (*QWEN_MOE, "deepseek_v3", "llama4_text"):
             checked |= {"decoder_sparse_step": 1, "mlp_only_layers": (),
                         "expert_intermediate_size": None}
             if self.model_type in MOE:
@@ -761,7 +832,8 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "shared_expert_intermediate_size", "shared_expert_gate", "router_scoring",
                   "router_groups", "router_top_groups", "routed_scaling_factor",
                   "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                  "rope_interleave")
+                  "rope_interleave", "attention_chunk_size", "no_rope_layers",
+                  "temperature_tuning", "temperature_floor_scale", "temperature_scale")
 
 _FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars")  # Gemma 4's
 _FAMILY_FIELDS += ("recurrent_mixer", *MAMBA_KEYS)  # Mamba-2 hybrids' (Bamba)
@@ -824,7 +896,7 @@ def _read_attention(config: Mapping[str, Any], model_type: str, head_dim: int) -
 def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     """The mixture of experts of a config.json (transformers' defaults where a key is
     absent)."""
-    if model_type not in MOE or model_type == "deepseek_v3":  # DeepSeek's: _read_latent
+    if model_type not in MOE or model_type in ("deepseek_v3", "llama4_text"):  # their own
         return {}
     top = config.get("num_experts_per_tok") or config.get("experts_per_token")
     # transformers names it num_local_experts in every family (published Qwen3-MoE:
@@ -852,6 +924,35 @@ def _read_moe(config: Mapping[str, Any], model_type: str) -> dict:
     return {"num_experts": experts or 128, "num_experts_per_tok": top or 4,
             "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
             "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
+
+
+def _read_llama4(config: Mapping[str, Any], model_type: str) -> dict:
+    """Llama 4's text decoder (transformers' defaults where a key is absent): the experts'
+    and the dense layers' widths, which layers are sparse, RoPE-less and chunked."""
+    if model_type != "llama4_text":
+        return {}
+    layers = config["num_hidden_layers"]
+    step = config.get("interleave_moe_layer_step", 1)
+    sparse = config.get("moe_layers")
+    sparse = set(range(step - 1, layers, step) if sparse is None else sparse)
+    uses_rope = config.get("no_rope_layers") or [int((i + 1) % config.get(
+        "no_rope_layer_interval", 4) != 0) for i in range(layers)]
+    chunk = config.get("attention_chunk_size", 8192)
+    types = config.get("layer_types") or [
+        "chunked_attention" if rope and chunk is not None else "full_attention"
+        for rope in uses_rope]
+    experts = config.get("num_local_experts", 16)
+    width = config.get("intermediate_size", 8192)
+    return {"num_experts": experts, "num_experts_per_tok": config.get("num_experts_per_tok", 1),
+            "expert_intermediate_size": width, "shared_expert_intermediate_size": width,
+            "mlp_only_layers": tuple(i for i in range(layers) if i not in sparse),
+            "qk_norm": "l2" if config.get("use_qk_norm", True) else None,
+            "no_rope_layers": tuple(i for i, rope in enumerate(uses_rope) if not rope),
+            "layer_types": tuple(types),
+            "attention_chunk_size": chunk if "chunked_attention" in types else None,
+            "temperature_tuning": bool(config.get("attn_temperature_tuning", True)),
+            "temperature_floor_scale": int(config.get("floor_scale", 8192)),
+            "temperature_scale": float(config.get("attn_scale", 0.1))}
 
 
 def _read_latent(config: Mapping[str, Any], model_type: str) -> dict:

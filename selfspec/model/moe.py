@@ -8,7 +8,9 @@ Routing: the top k logits' softmax (`norm_topk_prob`: Mixtral, gpt-oss) or their
 softmax over every expert (Qwen3-MoE without it). The two are the same ranking, so the top k
 of the logits serve both. DeepSeek-V3 (`router_scoring="sigmoid"`) routes by sigmoids
 instead, within the best groups of experts (`grouped_sigmoid_routing`), and its shared
-experts have no gate.
+experts have no gate. Llama 4 (`router_scoring="sigmoid_input"`) weighs its top k by the
+sigmoids of their logits and multiplies each expert's input by its weight, not its output
+(the expert is not linear: the two differ).
 
 Experts are stacked per layer: `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows,
 then its up rows), `experts.down_proj` [E, H, I], and with `expert_bias` their biases
@@ -83,16 +85,18 @@ class Experts(nn.Module):
         return F.linear(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e))
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """[N, k, H] each token's k experts (experts [N, k]) over it, from their weights
-        gathered: [N, k, 2I, H] and [N, k, H, I]."""
-        gate_up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts])
+        """[N, k, H] each token's k experts (experts [N, k]) over it (x [N, H], or [N, k, H]:
+        each pair's own input), from their weights gathered: [N, k, 2I, H] and [N, k, H, I]."""
+        pattern = "nh,nkoh->nko" if x.dim() == 2 else "nkh,nkoh->nko"
+        gate_up = torch.einsum(pattern, x, self.gate_up_proj[experts])
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[experts]
         out = torch.einsum("nki,nkhi->nkh", self.gated(gate_up), self.down_proj[experts])
         return out if self.down_proj_bias is None else out + self.down_proj_bias[experts]
 
     def every(self, x: torch.Tensor) -> torch.Tensor:
-        """[E, N, H] every expert over every token x [N, H]."""
+        """[E, N, H] every expert over every token x [N, H] (or [E, N, H]: each expert's own
+        inputs)."""
         gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[:, None]
@@ -149,6 +153,7 @@ class MoE(nn.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.sigmoid_routing = config.router_scoring == "sigmoid"
+        self.weighs_input = config.router_scoring == "sigmoid_input"  # Llama 4
         if self.sigmoid_routing:  # DeepSeek-V3's learned correction of the choice (fp32)
             self.gate.register_buffer("e_score_correction_bias",
                                       torch.zeros(config.num_experts, dtype=torch.float32))
@@ -190,7 +195,9 @@ class MoE(nn.Module):
         logits = self.gate(x)  # [N, E]
         top, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
         top = top.float()
-        if self.norm_topk_prob:
+        if self.weighs_input:
+            weights = torch.sigmoid(top)
+        elif self.norm_topk_prob:
             weights = torch.softmax(top, dim=-1)
         else:
             weights = torch.exp(top - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
@@ -209,7 +216,9 @@ class MoE(nn.Module):
             if size:
                 rows = order[start:start + size]
                 tokens = rows // self.top_k
-                y = self.experts.one(e, x[tokens]) * weights[rows, None]
+                w = weights[rows, None]
+                y = self.experts.one(e, x[tokens] * w) if self.weighs_input else \
+                    self.experts.one(e, x[tokens]) * w
                 out.index_add_(0, tokens, y)
                 start += size
         return out
@@ -218,10 +227,15 @@ class MoE(nn.Module):
         """[N, hidden] in shapes fixed by N alone: the gathered experts when N * k pairs read
         fewer weights than the layer's E experts, else every expert with the unrouted pairs
         weighted 0."""
+        weights = routing.weights[..., None]  # [N, k, 1]
         if x.shape[0] * self.top_k < self.num_experts:
+            if self.weighs_input:
+                return self.experts.gathered(x[:, None] * weights, routing.experts).sum(dim=1)
             out = self.experts.gathered(x, routing.experts)  # [N, k, hidden]
-            return (out * routing.weights[..., None]).sum(dim=1)
+            return (out * weights).sum(dim=1)
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         combine.scatter_(1, routing.experts, routing.weights)  # [N, E]
+        if self.weighs_input:  # an unrouted pair's input is 0, and so is its output
+            return self.experts.every(combine.T[..., None] * x).sum(dim=0)
         return torch.einsum("ne,enh->nh", combine, self.experts.every(x))
 

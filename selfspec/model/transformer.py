@@ -107,6 +107,12 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def interleaved_rope(x: torch.Tensor) -> torch.Tensor:
+    """x's last dim, RoPE'd over adjacent pairs (Llama 4, DeepSeek), as the half-split RoPE
+    takes it: evens then odds. Queries and keys alike, so their products are unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
     """An RMSNorm of the family's kind over dim (default hidden_size) features."""
     return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, config.norm_scale)
@@ -137,7 +143,12 @@ class Attention(nn.Module):
         # gpt-oss: a learned logit per head in the softmax's denominator (None: no sinks)
         self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks \
             else None
-        if config.qk_norm is not None:  # over each head's dims, or the whole projection's
+        # Llama 4: RoPE over adjacent pairs, gathered as evens then odds (`interleaved_rope`);
+        # its NoPE layers have neither RoPE nor q/k norms
+        self.rope_pairs = config.rope_interleave and layer_idx not in config.no_rope_layers
+        self.l2_eps = config.rms_norm_eps if config.qk_norm == "l2" and \
+            layer_idx not in config.no_rope_layers else None
+        if config.qk_norm in ("head", "projection"):  # over each head's dims, or the whole's
             per_head = config.qk_norm == "head"
             self.q_norm = rms_norm(config, config.head_dim if per_head else q_dim)
             self.k_norm = rms_norm(config, config.head_dim if per_head else kv_dim)
@@ -177,6 +188,10 @@ class Attention(nn.Module):
         k = k.view(batch, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.l2_eps is not None:  # Llama 4's, after RoPE there: a rotation keeps the norm
+            q, k = unit_rms(q, self.l2_eps), unit_rms(k, self.l2_eps)
+        if self.rope_pairs:
+            q, k = interleaved_rope(q), interleaved_rope(k)
         v = v.view(batch, t, self.num_kv_heads, self.head_dim)
         if self.v_norm_eps is not None:
             v = unit_rms(v, self.v_norm_eps)
@@ -323,9 +338,12 @@ class DecoderLayer(nn.Module):
         cache: KVCache | None,
         stages: LayerStages | None = None,
         static: bool = False,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """stages: how the pointwise-heavy work around attention runs (default eagerly).
         static: a fixed-shape forward that reads nothing back to the host (`feed_forward`).
+        cos, sin: None in a layer without RoPE. query_scale: [B or 1, 1, T, 1] what the
+        queries are multiplied by (Llama 4's temperature on its NoPE layers), if anything.
         A linear-attention layer reads attn_mask as the new rows' parents [B, T]
         (`recurrent.parents_of`) and its state from the cache."""
         if self.linear:
@@ -336,6 +354,8 @@ class DecoderLayer(nn.Module):
                                           static=static))
         stages = stages or EAGER_STAGES
         q, k, v, *gate = stages.attention_inputs(self, x, cos, sin)
+        if query_scale is not None:
+            q = (q * query_scale).to(q.dtype)
         attended = self.self_attn.gated(self.self_attn.attend(q, k, v, attn_mask, cache), gate)
         return self.scaled(stages.layer_output(self, x, attended, static=static))
 
@@ -359,6 +379,8 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, si
     """A layer's work before attention: the input norm, the q/k/v products (q/k norms) and
     RoPE."""
     q, k, v, *gate = layer.self_attn.projections(layer.normed(0, x), fused)
+    if cos is None:  # a layer without RoPE (Llama 4's NoPE layers)
+        return q, k, v, *gate
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, *gate
 
 
@@ -526,6 +548,18 @@ def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, keys: torch.
     return mask & (near[:, None] if near.dim() == 3 else near)
 
 
+def chunk_mask(mask: torch.Tensor | None, positions: torch.Tensor, keys: torch.Tensor,
+               chunk: int, t: int) -> torch.Tensor:
+    """A chunked layer's mask (Llama 4): `mask` (`attention_mask`'s, None = causal without
+    past) where the key's position lies in the query's chunk: key // chunk == query // chunk.
+    positions, keys: as `window_mask` takes them."""
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    same = keys[..., None, :] // chunk == positions[..., :, None] // chunk  # [(B,) T, S]
+    same = same.to(mask.device)
+    return mask & (same[:, None] if same.dim() == 3 else same)
+
+
 @functools.cache
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """value rounded to dtype (a host number: no tensor is made on the device)."""
@@ -627,11 +661,13 @@ def mtp_modules(config: ModelConfig) -> nn.ModuleList:
 
 class LayerInputs(NamedTuple):
     """What a kind of layer (full or sliding attention) reads besides the residual stream:
-    RoPE's cos and sin, and its attention mask."""
+    RoPE's cos and sin (None: no RoPE), its attention mask and what its queries are
+    multiplied by (Llama 4's NoPE layers' temperature; None: nothing)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     mask: torch.Tensor | None
+    query_scale: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -645,7 +681,9 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         sliding, linear = config.sliding_layers, config.linear_layers
+        chunked, nope = config.chunked_layers, set(config.no_rope_layers)
         self.layer_kinds = tuple("sliding" if i in sliding else "linear" if i in linear
+                                 else "chunked" if i in chunked else "nope" if i in nope
                                  else "full" for i in range(config.num_layers))
         # Each kind's RoPE (fp32, not buffers: model.to(bf16) must not round the frequencies).
         self.ropes = {"full": Rope.of(config)}
@@ -724,7 +762,8 @@ class Transformer(nn.Module):
                         inputs = {kind: LayerInputs(*_moved(device, *x))
                                   for kind, x in inputs.items()}
                     x = inputs[self.layer_kinds[i]]
-                    h = self.layers[i](h, x.cos, x.sin, x.mask, cache, stages, static)
+                    h = self.layers[i](h, x.cos, x.sin, x.mask, cache, stages, static,
+                                       x.query_scale)
                 if i + 1 in return_hidden:
                     saved[i + 1] = h
         if cache is not None:
@@ -797,10 +836,26 @@ class Transformer(nn.Module):
             keys = positions if cache is None else cache.key_positions(positions)
             window = window_mask(full, positions, keys, self.config.sliding_window, t)
             inputs["sliding"] = LayerInputs(*self._rope("sliding", positions, dtype), window)
+        if "chunked" in self.layer_kinds:  # Llama 4's local layers
+            keys = positions if cache is None else cache.key_positions(positions)
+            chunk = chunk_mask(full, positions, keys, self.config.attention_chunk_size, t)
+            inputs["chunked"] = LayerInputs(*self._rope("full", positions, dtype), chunk)
+        if "nope" in self.layer_kinds:  # Llama 4's: no RoPE, the queries' temperature
+            inputs["nope"] = LayerInputs(None, None, full, self._temperature(positions))
         if "linear" in self.layer_kinds:  # no RoPE; each new row's parent in place of a mask
             columns = getattr(cache, "new_slots", None)  # a batch's rows at their lengths
             inputs["linear"] = LayerInputs(None, None, parents_of(mask, t, device, columns))
         return inputs
+
+    def _temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[B or 1, 1, T, 1] fp32 what a NoPE layer's queries at positions [T] or [B, T] are
+        multiplied by: 1 + scale * ln(1 + floor((p + 1) / floor_scale)) (Llama 4), or None."""
+        c = self.config
+        if not c.temperature_tuning:
+            return None
+        scale = torch.log1p(torch.floor((positions.float() + 1) / c.temperature_floor_scale)
+                            ) * c.temperature_scale + 1.0
+        return scale[None, None, :, None] if positions.dim() == 1 else scale[:, None, :, None]
 
     def _checked_skip_layers(self, skip_layers: frozenset[int] | tuple[int, ...]
                              ) -> frozenset[int]:

@@ -4,10 +4,11 @@ WINDOW tokens on its even layers, shorter than every sequence decoded here), and
 Gemma 2, OLMo 2, Granite and Phi-3 too; and the mixtures of experts Qwen3-MoE (a dense layer
 among sparse ones), Mixtral (a window on every layer) and gpt-oss (attention sinks, windows
 alternating with full layers, clamped experts), whose static steps route through the static
-dispatch; and DeepSeek-V3 (latent attention, grouped sigmoid routing, shared experts) at
-greedy. Greedy decoding through each drafter equals plain greedy decoding, one prompt and a
-batch, eagerly and in static steps; sampling at T = 1 keeps the target's law; the quantized
-target decodes as the plain one (a MoE target has no quantized copy: refused).
+dispatch; and DeepSeek-V3 (latent attention, grouped sigmoid routing, shared experts) and
+Llama 4 (chunked attention, NoPE layers, input-weighted experts) at greedy. Greedy decoding
+through each drafter equals plain greedy decoding, one prompt and a batch, eagerly and in
+static steps; sampling at T = 1 keeps the target's law; the quantized target decodes as the
+plain one (a MoE target has no quantized copy: refused).
 
 One lossless case per family runs by default; the sweeps over every drafter are `slow`."""
 
@@ -148,11 +149,13 @@ def test_a_moe_family_decodes_losslessly_through_a_union_tree():
 
 
 # Mixtures of experts with attention of their own: DeepSeek-V3's latent attention (MLA, a
-# latent cache), whose routing groups and shared experts every drafter's forwards pass through
-NEWER_MOE_FAMILIES = ("deepseek_v3",)
+# latent cache), Llama 4's chunked and RoPE-less layers (a tree past a chunk's end); their
+# routing and shared experts every drafter's forwards pass through
+NEWER_MOE_FAMILIES = ("deepseek_v3", "llama4")
 
 
-@pytest.mark.parametrize("family", NEWER_MOE_FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=pytest.mark.slow),
+                                    "llama4"])  # DeepSeek's NextN drafts it by default
 def test_a_newer_moe_family_decodes_losslessly_through_a_union_tree(family):
     """The default run's case: each prompt alone, eagerly (static steps and batches: the
     sweep below)."""

@@ -88,6 +88,7 @@ def test_cached_steps_give_the_full_forwards_logits(hybrid):
     assert cache.length == 11
 
 
+@pytest.mark.slow  # transformers' generate
 @torch.no_grad()
 def test_greedy_decoding_matches_transformers_generate(hybrid):
     ours, hf = hybrid
@@ -97,6 +98,7 @@ def test_greedy_decoding_matches_transformers_generate(hybrid):
     assert generate(ours, prompt, max_new_tokens=12).tokens == expected
 
 
+@pytest.mark.slow  # transformers' from_pretrained
 def test_the_config_round_trips_and_transformers_reads_our_folder(hybrid, tmp_path):
     ours, hf = hybrid
     written = ours.config.to_hf()
@@ -108,6 +110,7 @@ def test_the_config_round_trips_and_transformers_reads_our_folder(hybrid, tmp_pa
         torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits)
 
 
+@pytest.mark.slow  # a third transformers model
 @torch.no_grad()
 def test_a_mixture_of_experts_with_a_shared_expert_matches_transformers():
     """Qwen3-Next's sparse layers: routed experts plus a shared expert scaled by its gate."""

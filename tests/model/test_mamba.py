@@ -143,9 +143,9 @@ def test_bamba_greedy_and_its_folder_round_trip(bamba_target, tmp_path):
     torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tree", [
-    None, pytest.param([[0], [1], [0, 0], [0, 1], [0, 0, 0]], marks=pytest.mark.slow)],
-    ids=["ngram_chain", "medusa_tree"])
+@pytest.mark.slow  # the decoding machinery is the hybrids' (tests/features/test_hybrid_decoding)
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [0, 1], [0, 0, 0]]],
+                         ids=["ngram_chain", "medusa_tree"])
 @torch.no_grad()
 def test_speculation_on_a_bamba_target_equals_plain_greedy(bamba_target, tree):
     """Chains (n-gram lookup) and trees (random Medusa heads) verified on Mamba-2 layers,
