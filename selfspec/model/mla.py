@@ -29,6 +29,7 @@ from torch import nn
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import Linear
+from selfspec.model.rope import interleaved_rope
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a and kv_a norms keep their class's default eps
 
@@ -75,13 +76,9 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_layernorm(latent)
-        return (torch.cat((self._rope_layout(q_rope), q_nope), dim=-1),
-                self._rope_layout(k_rope)[:, None], latent[:, None])
-
-    def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
-        """x's roped dimensions as the half-split RoPE takes them: DeepSeek's adjacent pairs
-        gathered as evens then odds."""
-        return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleaved else x
+        if self.interleaved:  # DeepSeek's adjacent pairs as the half-split RoPE takes them
+            q_rope, k_rope = interleaved_rope(q_rope), interleaved_rope(k_rope)
+        return torch.cat((q_rope, q_nope), dim=-1), k_rope[:, None], latent[:, None]
 
     @staticmethod
     def gated(attended: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:

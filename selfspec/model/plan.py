@@ -73,7 +73,8 @@ def plan_model(config: ModelConfig, name: str = "model", num_gpus: int = 8,
     check_count("num_gpus", num_gpus, owner="plan_model")
     num_params = count_parameters(config)
     attention_layers = config.num_layers - len(config.linear_layers)  # a hybrid's keep K/V
-    kv_values_per_token = 2 * attention_layers * config.num_kv_heads * config.head_dim
+    heads, key_dim, value_dim = config.cache_dims  # MLA: one roped key and one latent
+    kv_values_per_token = attention_layers * heads * (key_dim + value_dim)
     bf16_weights = num_params * BYTES_PER_PARAM["bf16"]
     return ModelPlan(
         name=name,
@@ -177,7 +178,8 @@ def placement_lines(placement: Placement, config: ModelConfig, bytes_per_param: 
     tokens (kv_bytes a value)."""
     layer_params = _layer_params(config)
     home_bytes = _home_params(config) * bytes_per_param
-    kv_per_layer = 2 * config.num_kv_heads * config.head_dim * 1024 * kv_bytes
+    heads, key_dim, value_dim = config.cache_dims
+    kv_per_layer = heads * (key_dim + value_dim) * 1024 * kv_bytes
     lines = [f"  placement over {len(placement.devices)} device(s); embedding, final norm and "
              f"LM head on {placement.home}"]
     for device in placement.devices:

@@ -92,6 +92,13 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return cos.to(dtype), sin.to(dtype)
 
 
+def interleaved_rope(x: torch.Tensor) -> torch.Tensor:
+    """x's last dims, that RoPE rotates as adjacent pairs (DeepSeek's and Llama 4's layout),
+    laid out as the half-split RoPE takes them: evens then odds. Queries and keys alike, so
+    their products are unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

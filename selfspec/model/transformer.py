@@ -55,7 +55,7 @@ from selfspec.model.moe import MoE
 from selfspec.model.placement import Placement
 from selfspec.model.recurrent import DeltaNetDims, GatedDeltaNet, parents_of
 from selfspec.model.recurrent_cache import HybridCache, RecurrentState
-from selfspec.model.rope import Rope, apply_rope
+from selfspec.model.rope import Rope, apply_rope, interleaved_rope
 
 
 def _moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple:
@@ -105,12 +105,6 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x RMS-normed over its last dim in fp32, without a weight (Gemma 4's values)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def interleaved_rope(x: torch.Tensor) -> torch.Tensor:
-    """x's last dim, RoPE'd over adjacent pairs (Llama 4, DeepSeek), as the half-split RoPE
-    takes it: evens then odds. Queries and keys alike, so their products are unchanged."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def rms_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
