@@ -39,6 +39,7 @@ PUBLISHED_PARAMS = {
 def test_every_real_model_config_has_a_published_size():
     assert set(group_options("model")) == {"tiny", "local", "random-7b", "random-moe",
                                            "random-mtp", "random-hybrid", "random-gemma4",
+                                           "random-deepseek-v3", "random-llama4",
                                            *PUBLISHED_PARAMS}
 
 

@@ -123,3 +123,35 @@ def test_a_rope_less_layer_must_attend_in_full():
                     num_heads=2, num_kv_heads=2, head_dim=4, model_type="llama4_text",
                     layer_types=("chunked_attention",) * 2, attention_chunk_size=4,
                     no_rope_layers=(1,))
+
+
+def random_preset(name: str, weights: bool):
+    """The TargetSpec of conf/model/{name}.yaml (seed 3)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from selfspec.from_config.models import target_spec
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
+    return target_spec(cfg, weights)
+
+
+def test_the_random_preset_is_llama4_shaped():
+    config = random_preset("random-llama4", weights=False).config
+    assert config.chunked_layers == {0, 1, 2} and config.no_rope_layers == (3,)
+    assert config.moe_layers == {1, 3} and config.router_scoring == "sigmoid_input"
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+@pytest.mark.slow  # transformers builds the decoder
+def test_the_random_preset_loads_and_decodes_losslessly_through_a_lookup():
+    from selfspec.drafters import NgramDrafter
+    from selfspec.model.loading import load
+
+    target = load(random_preset("random-llama4", weights=True))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # past a chunk of 8
+    drafted = generate(target, prompt, drafter=NgramDrafter(3), max_new_tokens=16)
+    assert drafted.tokens == generate(target, prompt, max_new_tokens=16).tokens
+    assert drafted.stats.drafted > 0

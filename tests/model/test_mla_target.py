@@ -227,3 +227,35 @@ def test_its_nextn_module_fit_to_the_targets_answers_drafts_accepted_tokens(with
     batch = generate(target, PROMPTS, drafter=MtpDrafter(target, tree=Tree.chain(3)),
                      max_new_tokens=16)
     assert [r.tokens for r in batch] == plain
+
+
+def random_preset(name: str, weights: bool):
+    """The TargetSpec of conf/model/{name}.yaml (seed 3)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from selfspec.from_config.models import target_spec
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
+    return target_spec(cfg, weights)
+
+
+def test_the_random_preset_is_a_latent_moe_with_a_nextn_module():
+    config = random_preset("random-deepseek-v3", weights=False).config
+    assert config.latent and config.cache_dims == (1, 8, 32)
+    assert config.moe_layers == {1, 2} and (config.mtp_modules, config.mtp_layout) == (1, "nextn")
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+@pytest.mark.slow  # transformers builds the decoder
+def test_the_random_preset_loads_and_its_nextn_module_drafts_losslessly():
+    from selfspec.model.loading import load
+
+    target = load(random_preset("random-deepseek-v3", weights=True))
+    prompt = [5, 6, 7, 5, 6, 7]
+    drafted = generate(target, prompt, drafter=MtpDrafter(target, tree=Tree.chain(2)),
+                       max_new_tokens=16)
+    assert drafted.tokens == generate(target, prompt, max_new_tokens=16).tokens
+    assert drafted.stats.drafted > 0
