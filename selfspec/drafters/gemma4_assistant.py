@@ -8,9 +8,10 @@ full layer over the committed tokens, read from the target's own cache
 (`DecodeSetup.target_cache`) without a copy: no extra target forward, no cache of its own.
 Step j + 1 reads step j's token and the state it projected back to the target's width, at the
 same position and over the same K/V, as transformers' `SinglePositionMultiTokenCandidateGenerator`
-does. Greedy decoding chooses each step's argmax (q=None); sampling draws each token from the
-assistant's law warped as the target's is (`logits_to_probs`) and hands those laws on as q, so
-the shared verifier keeps the output law the target's.
+does. In a batch each row drafts with its own fork over its own row of the target's cache (the
+assistant's weights shared). Greedy decoding chooses each step's argmax (q=None); sampling
+draws each token from the assistant's law warped as the target's is (`logits_to_probs`) and
+hands those laws on as q, so the shared verifier keeps the output law the target's.
 
 transformers' generator, after a rejection, also hands the assistant the first rejected draft
 token's K/V (its slice keeps as many slots as the committed tokens, the root included); here the
@@ -47,9 +48,6 @@ class Gemma4AssistantDrafter:
             raise ValueError("Gemma4AssistantDrafter reads the target's K/V from its own cache "
                              "(DecodeSetup.target_cache), which only the decode loop passes: "
                              "draft through selfspec.generate")
-        if setup.rows > 1:
-            raise ValueError("Gemma4AssistantDrafter drafts for one prompt at a time; decode "
-                             "the prompts one by one")
         self._layers = shared_layers(self.assistant, setup.target)
         self._target, self._cache = setup.target, setup.target_cache
         self._sampling, self._generator = setup.sampling, setup.generator

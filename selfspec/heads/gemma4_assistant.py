@@ -161,20 +161,24 @@ class Gemma4Assistant(nn.Module):
                       if text.local_rope else Rope.of(text)}
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                shared: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> AssistantOutput:
+                shared: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                masks: Mapping[str, torch.Tensor] | None = None) -> AssistantOutput:
         """embeds [B, T, backbone]: the target's scaled embeddings of the tokens; hidden
         [B, T, backbone]: the target's (or the last step's) states before them; positions
         [T]; shared: the target's (keys, values) [B, H_kv, S, D] by layer kind ("full",
         "sliding"), every query seeing every full key and the last sliding_window + 1 sliding
         ones (transformers' reading of a window over the shared states: its bidirectional
-        window counts |query - key| <= W, one key more than the target's own query sees)."""
+        window counts |query - key| <= W, one key more than the target's own query sees).
+        masks: [T, S] bool by kind in place of that, where the rows stand at positions of
+        their own (`teacher_forced_masks`: every position of a sequence at once)."""
         x = self.pre_projection(torch.cat([embeds, hidden], dim=-1))
         sliding = self.config.text.sliding_layers
         for i, layer in enumerate(self.layers):
             kind = "sliding" if i in sliding else "full"
             keys, values = shared[kind]
             cos, sin = self.ropes[kind].cos_sin(positions, x.dtype)
-            x = layer(x, cos, sin, keys, values, self._mask(kind, keys.shape[2], x))
+            mask = self._mask(kind, keys.shape[2], x) if masks is None else masks[kind]
+            x = layer(x, cos, sin, keys, values, mask)
         last = self.norm(x)
         return AssistantOutput(self.scores(last), self.post_projection(last))
 
@@ -186,7 +190,7 @@ class Gemma4Assistant(nn.Module):
 
     def _mask(self, kind: str, keys: int, x: torch.Tensor) -> torch.Tensor | None:
         window = self.config.text.sliding_window
-        seen = None if window is None else window + 1  # transformers' bidirectional window
+        seen = _seen(window)
         if kind == "full" or seen is None or keys <= seen:
             return None
         mask = torch.zeros(x.shape[1], keys, dtype=torch.bool, device=x.device)
@@ -225,6 +229,25 @@ class Gemma4Assistant(nn.Module):
         (folder / "config.json").write_text(json.dumps(self.config.to_hf() | {"dtype": dtype},
                                                        indent=2) + "\n")
         return folder
+
+
+def _seen(window: int | None) -> int | None:
+    """How many of the last shared sliding keys a query sees (transformers' bidirectional
+    window: |query - key| <= W)."""
+    return None if window is None else window + 1
+
+
+def teacher_forced_masks(positions: torch.Tensor, keys: int, window: int | None
+                         ) -> dict[str, torch.Tensor]:
+    """[T, S] masks by kind for rows at positions [T] (each the root of its own draft) over
+    the K/V of a whole sequence's S slots: a row at t sees the slots before t, its sliding
+    layers the last W + 1 of them, as it would drafting after a prefill of t tokens."""
+    slots = torch.arange(keys, device=positions.device)
+    full = slots[None, :] < positions[:, None]  # [T, S]
+    seen = _seen(window)
+    if seen is None:
+        return {"full": full, "sliding": full}
+    return {"full": full, "sliding": full & (slots[None, :] >= positions[:, None] - seen)}
 
 
 @dataclass(frozen=True)

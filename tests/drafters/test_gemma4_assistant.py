@@ -2,25 +2,30 @@
 backbone states in, the same logits out), its folders, and its drafts: lossless at greedy,
 exact in law at T = 1 (a misstated draft law caught), refused for a target of another shape."""
 
+import copy
 import dataclasses
 import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gemma4_models import gemma4_assistant, gemma4_model
 from helpers import (
     P_VALUE_FLOOR,
+    adam_fit,
     assert_drafted_sampling_is_exact,
+    continuation_rows,
     law_samples,
     sampled_pvalue,
 )
 
 from selfspec import SamplingParams, generate
 from selfspec.drafters.base import DecodeSetup, DraftContext, TargetFeatures
-from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter
-from selfspec.heads.gemma4_assistant import Gemma4Assistant
+from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter, shared_layers
+from selfspec.heads.gemma4_assistant import Gemma4Assistant, teacher_forced_masks
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs
+from selfspec.training.losses import LossOutput
 
 T1 = SamplingParams(temperature=1.0)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9, 12, 30]]
@@ -83,6 +88,60 @@ def models(tmp_path_factory):
             read_back(hf, tmp_path_factory.mktemp("assistant")))
 
 
+def sequence_states(target, tokens: torch.Tensor, assistant):
+    """The target's states over whole sequences tokens [B, L]: its last hidden states [B, L, h]
+    and the K/V the assistant reads, by kind, over all L slots."""
+    cache = target.new_cache(batch_size=tokens.shape[0], max_slots=tokens.shape[1])
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(tokens.shape[1]), cache).last_hidden
+    layers = shared_layers(assistant, target)
+    return hidden, {kind: (cache.k[i], cache.v[i]) for kind, i in layers.items()}
+
+
+@torch.no_grad()
+def test_teacher_forced_rows_draft_as_after_each_prefill(models):
+    """Every position of a sequence at once (the masks a fit needs) gives the logits of a
+    draft after the prefill of that many tokens, past the window."""
+    _, target, _, assistant = models
+    tokens = torch.tensor([PROMPTS[1] + [3, 4, 5, 6]])  # 11 tokens
+    hidden, shared = sequence_states(target, tokens, assistant)
+    positions = torch.arange(1, 11)
+    masks = teacher_forced_masks(positions, 11, target.config.sliding_window)
+    rows = assistant(target.embed(tokens[:, 1:]), hidden[:, :-1], positions, shared, masks)
+    for t in (1, 6, 10):
+        alone = assistant(target.embed(tokens[:, t:t + 1]), hidden[:, t - 1:t],
+                          torch.tensor([t]), {k: (key[:, :, :t], value[:, :, :t])
+                                              for k, (key, value) in shared.items()})
+        torch.testing.assert_close(rows.logits[:, t - 1], alone.logits[:, 0])
+
+
+def fitted_assistant(target, assistant):
+    """A copy of assistant fit (AdamW, full batch) to the target's own greedy continuations of
+    PROMPTS, one and two chain steps deep (the second reading the first's projected state):
+    drafts that are accepted, so that lossless tests see acceptances beside rejections."""
+    fitted = copy.deepcopy(assistant).requires_grad_(True).train()
+    plain = {tuple(p): generate(target, p, max_new_tokens=16).tokens for p in PROMPTS}
+    tokens, valid = continuation_rows(plain)
+    hidden, shared = sequence_states(target, tokens, fitted)
+    length = tokens.shape[1]
+    positions = torch.arange(1, length - 2)
+    masks = teacher_forced_masks(positions, length, target.config.sliding_window)
+    embeds = target.embed(tokens).detach()
+
+    def loss() -> LossOutput:
+        step, total = None, 0.0
+        for depth in (1, 2):  # the root t (its token t + depth - 1) predicts token t + depth
+            state = hidden[:, :length - 3] if step is None else step.hidden
+            step = fitted(embeds[:, depth:length - 3 + depth], state, positions, shared, masks)
+            labels = tokens[:, depth + 1:length - 2 + depth].masked_fill(
+                ~valid[:, depth + 1:length - 2 + depth], -100)
+            total = total + F.cross_entropy(step.logits.flatten(0, 1), labels.flatten())
+        return LossOutput(total, {})
+
+    adam_fit(loss, fitted.parameters(), steps=30)
+    return fitted.requires_grad_(False).eval()
+
+
 def prefill_draft(models, params: SamplingParams, generator=None):
     """A 4-token draft after the target's prefill of PROMPTS[1] (the root its last token),
     through the drafter's own reading of the target's cache and last hidden state."""
@@ -136,16 +195,36 @@ def test_sampled_drafts_report_the_assistants_laws(models):
     assert (laws[torch.arange(4), draft.tokens] > 0).all() and (laws == 0).any()
 
 
-def test_greedy_is_lossless(models):
-    _, target, _, assistant = models
-    drafted = 0
+@pytest.fixture(scope="module")
+def fitted(models):
+    return fitted_assistant(models[1], models[3])
+
+
+def test_greedy_is_lossless_with_drafts_accepted_and_rejected(models, fitted):
+    _, target, _, _ = models
+    accepted, rejected = 0, 0
     for prompt in PROMPTS:
         plain = generate(target, prompt, max_new_tokens=16).tokens
-        out = generate(target, prompt, drafter=Gemma4AssistantDrafter(assistant, 3),
+        out = generate(target, prompt, drafter=Gemma4AssistantDrafter(fitted, 3),
                        max_new_tokens=16)
         assert out.tokens == plain
-        drafted += out.stats.drafted
-    assert drafted > 0
+        accepted += out.stats.accepted
+        rejected += out.stats.drafted - out.stats.accepted
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_a_batch_decodes_each_row_as_alone(models, fitted):
+    """Each row drafts with its own fork over its own row of the target's cache: plain greedy's
+    tokens, and the drafts accepted as they are alone."""
+    _, target, _, _ = models
+    assistant = fitted
+    alone = [generate(target, p, drafter=Gemma4AssistantDrafter(assistant, 3),
+                      max_new_tokens=12) for p in PROMPTS]
+    together = generate(target, PROMPTS, drafter=Gemma4AssistantDrafter(assistant, 3),
+                        max_new_tokens=12)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.stats.accepted for r in together] == [r.stats.accepted for r in alone]
+    assert min(r.stats.accepted for r in alone) > 0
 
 
 @functools.cache
