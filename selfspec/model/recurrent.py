@@ -94,8 +94,8 @@ class DeltaNetDims:
 class Snapshots:
     """A recurrent layer's states over one forward of `rows` new rows, row 0 the state it
     started from and row i + 1 the state after new row i: the convolution's last K - 1 inputs
-    windows [B, R, C, K - 1] and the delta rule's matrices states [B, R, H, Dk, Dv] (fp32),
-    with R = rows + 1, or R = 2 (the first and the last) for a long chain
+    windows [B, R, C, K - 1] and the recurrence's states [B, R, *state_shape] (fp32), with
+    R = rows + 1, or R = 2 (the first and the last) for a long causal forward
     (MAX_SNAPSHOT_ROWS)."""
 
     windows: torch.Tensor
@@ -108,8 +108,9 @@ class Snapshots:
             return row
         if row in (0, self.rows):
             return 0 if row == 0 else 1
-        raise ValueError(f"a chain of {self.rows} rows (more than {MAX_SNAPSHOT_ROWS}) keeps "
-                         f"only the states before and after it; roll back to one of those")
+        raise ValueError(f"a causal forward of {self.rows} rows (more than "
+                         f"{MAX_SNAPSHOT_ROWS}) keeps only the states before and after it; "
+                         f"roll back to one of those")
 
 
 class RowStates:
@@ -152,7 +153,8 @@ class LayerState(Protocol):
     """What a recurrent layer reads and writes of its cache (`RecurrentState.layer`)."""
 
     def committed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The state before the forward: windows [B, C, K - 1] and states [B, H, Dk, Dv]."""
+        """The state before the forward: windows [B, C, K - 1] and states
+        [B, *state_shape]."""
         ...
 
     def record(self, snapshots: Snapshots) -> None:
@@ -248,8 +250,7 @@ class GatedDeltaNet(nn.Module):
     def _zero_state(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
         return (x.new_zeros(batch, d.conv_dim, d.conv_kernel - 1),
-                torch.zeros(batch, d.num_value_heads, d.key_head_dim, d.value_head_dim,
-                            device=x.device))
+                torch.zeros(batch, *d.state_shape, device=x.device))
 
 
 def keeps_every_row(parents: torch.Tensor | None, t: int) -> bool:
