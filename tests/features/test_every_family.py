@@ -268,6 +268,18 @@ def test_every_drafter_keeps_the_law_of_every_family_at_t1(family, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", NEWER_MOE_FAMILIES)
+@pytest.mark.parametrize("name", ["ngram", "small_model_tree", "union"])
+def test_a_chain_and_trees_keep_the_law_of_the_newer_moe_families_at_t1(family, name):
+    """A lookup's chain of the target's own answer, a draft model's tree of sibling
+    candidates and a union with fitted Medusa heads: the two-token law at T = 1 is the
+    target's (DeepSeek-V3's latent cache and Llama 4's chunks under rejections)."""
+    target = family_model(family, vocab=SMALL_VOCAB, hidden=16, std=0.5)
+    assert_drafted_sampling_is_exact(target, sampling_drafter_of(name, target),
+                                     SamplingParams(1.0), samples=600)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_quantized_copy_of_every_family_is_a_target_too(family):
     """The int8 copy verifies (drafters built for the full-precision target it copies)."""

@@ -108,6 +108,32 @@ def test_a_tree_over_the_latent_cache_and_its_commit(deepseek):
                                ours(step, torch.arange(10, 12), reference).logits)
 
 
+@torch.no_grad()
+def test_a_commit_that_leaves_the_latents_behind_is_caught(deepseek, monkeypatch):
+    """A planted bug: commit moves the roped keys of the accepted path but not their latents;
+    the step after the commit then attends to a rejected node's latent and its logits part
+    from a plain forward's over the path."""
+    from selfspec.model.kv_cache import KVCache
+
+    def keys_only(cache, accepted_slots):
+        slots = torch.as_tensor(accepted_slots)
+        start = int(slots[0])
+        cache.k[:, :, :, start:start + len(slots)] = cache.k.index_select(3, slots)
+        cache.length = start + len(slots)
+
+    ours, _ = deepseek
+    prompt, tree_tokens = TOKENS[:, :6], TOKENS[0, 6:6 + TREE.num_nodes + 1]
+    path = [0] + [i + 1 for i in TREE.path_to(5)]  # node 5 sits past its siblings' slots
+    cache = ours.new_cache(max_slots=32)
+    ours(prompt, torch.arange(6), cache)
+    ours(tree_tokens[None], 6 + TREE.positions_with_root, cache, mask=TREE.mask_with_root)
+    monkeypatch.setattr(KVCache, "commit", keys_only)
+    cache.commit(6 + torch.tensor(path))
+    seq = torch.cat([prompt[0], tree_tokens[path], torch.tensor([7])])[None]
+    got = ours(seq[:, 10:], torch.tensor([10]), cache).logits[0, -1]
+    assert (got - ours(seq, torch.arange(11)).logits[0, -1]).abs().max() > 1e-2
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_greedy_decoding_matches_transformers_generate(deepseek):
