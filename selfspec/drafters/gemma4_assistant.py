@@ -1,5 +1,6 @@
 """Drafting with Gemma 4's assistant (`selfspec.heads.gemma4_assistant.Gemma4Assistant`): a
-chain of k tokens, each step reading the target's keys and values where they already are.
+chain of k tokens or a static tree, each step reading the target's keys and values where they
+already are.
 
 At the root (token t, not yet in the target's cache) the assistant reads the target's scaled
 embedding of token t beside the target's normed last hidden state at t - 1 (the committed row
@@ -8,10 +9,15 @@ full layer over the committed tokens, read from the target's own cache
 (`DecodeSetup.target_cache`) without a copy: no extra target forward, no cache of its own.
 Step j + 1 reads step j's token and the state it projected back to the target's width, at the
 same position and over the same K/V, as transformers' `SinglePositionMultiTokenCandidateGenerator`
-does. In a batch each row drafts with its own fork over its own row of the target's cache (the
-assistant's weights shared). Greedy decoding chooses each step's argmax (q=None); sampling
-draws each token from the assistant's law warped as the target's is (`logits_to_probs`) and
-hands those laws on as q, so the shared verifier keeps the output law the target's.
+does. A static tree (Medusa-style choices) grows level by level: a node's children are its
+parent's top tokens (greedy) or drawn from its parent's law without replacement, and every
+node of a level with children is fed in one forward (they share the position and the K/V and
+do not see each other); a child its parent's law cannot supply (a top-k or top-p cut) is
+missing with its subtree. In a batch each row drafts with its own fork over its own row of
+the target's cache (the assistant's weights shared). Greedy decoding chooses the top tokens
+(q=None); sampling draws them from the assistant's law warped as the target's is
+(`logits_to_probs`) and hands those laws on as q, so the shared verifier keeps the output law
+the target's.
 
 transformers' generator, after a rejection, also hands the assistant the first rejected draft
 token's K/V (its slice keeps as many slots as the committed tokens, the root included); here the
@@ -20,27 +26,56 @@ assistant reads the committed tokens' K/V only, the same K/V it reads after a pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
 from selfspec.checks import is_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
-from selfspec.heads.gemma4_assistant import Gemma4Assistant
+from selfspec.heads.gemma4_assistant import AssistantOutput, Gemma4Assistant
 from selfspec.model import Transformer
-from selfspec.sampling import logits_to_probs, sample
+from selfspec.ranking import ranked
+from selfspec.sampling import gumbel_top, logits_to_probs
+from selfspec.tree import Tree
 
 # the cache layer each kind of the assistant's layers reads: the target's last of that kind
 _KINDS = {"sliding": "sliding_attention", "full": "full_attention"}
 
 
-class Gemma4AssistantDrafter:
-    """Chains of `num_draft_tokens` tokens from a Gemma 4 assistant; see the module docstring."""
+@dataclass
+class _Growth:
+    """A draft in the making: its nodes' tokens, parents (growth indices, -1 the root) and the
+    laws they were drawn from, and the tree node each growth node stands for."""
 
-    def __init__(self, assistant: Gemma4Assistant, num_draft_tokens: int) -> None:
-        if not is_count(num_draft_tokens):
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    laws: list[torch.Tensor] = field(default_factory=list)
+    made: dict[int, int] = field(default_factory=lambda: {-1: -1})  # tree node -> growth node
+
+    def add(self, node: int, token: int, parent: int, law: torch.Tensor) -> None:
+        self.made[node] = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.laws.append(law)
+
+
+class Gemma4AssistantDrafter:
+    """Chains of `num_draft_tokens` tokens, or a static `tree` (a `Tree` or Medusa-style
+    choices), from a Gemma 4 assistant; see the module docstring."""
+
+    def __init__(self, assistant: Gemma4Assistant, num_draft_tokens: int | None = None, *,
+                 tree: Tree | Sequence[Sequence[int]] | None = None) -> None:
+        if (num_draft_tokens is None) == (tree is None):
+            raise ValueError("Gemma4AssistantDrafter: give num_draft_tokens (a chain) or a "
+                             "tree, exactly one")
+        if tree is None and not is_count(num_draft_tokens):
             raise ValueError(f"Gemma4AssistantDrafter: num_draft_tokens must be an integer >= 1, "
                              f"got {num_draft_tokens!r}")
-        self.assistant, self.num_draft_tokens = assistant, num_draft_tokens
-        self.max_nodes = num_draft_tokens
+        self.tree = Tree.chain(num_draft_tokens) if tree is None else \
+            tree if isinstance(tree, Tree) else Tree.from_paths(tree)
+        self.assistant = assistant
+        self.max_nodes = self.tree.num_nodes
         self.target_layers: tuple[int, ...] = ()  # the normed last hidden state only
 
     def begin(self, setup: DecodeSetup) -> None:
@@ -61,19 +96,61 @@ class Gemma4AssistantDrafter:
                   for kind, layer in self._layers.items()}  # [1, H_kv, S, D] each
         weight = self.assistant.pre_projection.weight
         hidden = context.features.last_hidden[-1:][None].to(weight)  # [1, 1, backbone]
-        token = context.tokens[-1:]
-        position = torch.tensor([len(context.tokens) - 1], device=weight.device)
-        tokens, laws = [], []
-        for _ in range(self.num_draft_tokens):
-            embeds = self._target.embed(token[None].to(weight.device)).to(weight)  # [1, 1, h]
-            out = self.assistant(embeds, hidden, position, shared)
-            law = logits_to_probs(out.logits[0, -1], self._sampling)  # [V]
-            token = torch.tensor([sample(law, self._generator)], device=weight.device)
-            tokens.append(token)
-            laws.append(law)
-            hidden = out.hidden
-        q = None if self._sampling.greedy else torch.stack(laws)  # [k, V]
-        return Draft.chain(torch.cat(tokens), q)
+        position = len(context.tokens) - 1
+        out = self._step(context.tokens[-1:].to(weight.device), hidden, position, shared)
+        outputs = {-1: (out.logits[0, 0], out.hidden[0, 0])}  # fed growth node -> its output
+        growth, tree = _Growth(), self.tree
+        for depth in range(1, tree.max_depth + 1):
+            parents = [i for i in range(-1, tree.num_nodes) if (i < 0) == (depth == 1)
+                       and (i < 0 or len(tree.choices[i]) == depth - 1)
+                       and i in growth.made and tree.children_of(i)]
+            for parent in parents:
+                self._children(growth, parent, outputs[growth.made[parent]])
+            fed = [growth.made[i] for i in range(tree.num_nodes) if i in growth.made
+                   and len(tree.choices[i]) == depth and tree.children_of(i)]
+            if fed and depth < tree.max_depth:
+                outputs |= self._feed(growth, fed, outputs, position, shared)
+        tokens = torch.tensor(growth.tokens, dtype=torch.long, device=weight.device)
+        drafted = Tree.from_parents(growth.parents)
+        if self._sampling.greedy:
+            return Draft(drafted, tokens)
+        return Draft(drafted, tokens, torch.stack(growth.laws), without_replacement=True)
+
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, position: int,
+              shared: dict) -> AssistantOutput:
+        """The assistant over tokens [T] at the root's position, each beside its state
+        [1, T, backbone]."""
+        weight = self.assistant.pre_projection.weight
+        embeds = self._target.embed(tokens[None]).to(weight)  # [1, T, backbone]
+        positions = torch.full((len(tokens),), position, device=weight.device)
+        return self.assistant(embeds, hidden, positions, shared)
+
+    def _children(self, growth: _Growth, parent: int, output: tuple) -> None:
+        """Make parent's children (tree node parent, -1 the root): its top tokens, or draws
+        without replacement from its law; a rank the law cannot supply is left out."""
+        logits = output[0]
+        law = logits_to_probs(logits, self._sampling)  # [V]
+        kids = self.tree.children_of(parent)
+        count = max(self.tree.choices[kid][-1] for kid in kids) + 1
+        if self._sampling.greedy:
+            tokens, supplied = ranked(logits[None], count)[0].tolist(), count
+        else:
+            drawn, ok = gumbel_top(law[None], count, self._generator)
+            tokens, supplied = drawn[0].tolist(), int(ok[0].sum())
+        for kid in kids:
+            rank = self.tree.choices[kid][-1]
+            if rank < supplied:
+                growth.add(kid, tokens[rank], growth.made[parent], law)
+
+    def _feed(self, growth: _Growth, fed: list[int], outputs: dict, position: int,
+              shared: dict) -> dict:
+        """One forward over the growth nodes `fed` (their tokens beside their parents'
+        states); returns their outputs by growth node."""
+        tokens = torch.tensor([growth.tokens[i] for i in fed],
+                              device=self.assistant.pre_projection.weight.device)
+        hidden = torch.stack([outputs[growth.parents[i]][1] for i in fed])[None]
+        out = self._step(tokens, hidden, position, shared)
+        return {node: (out.logits[0, row], out.hidden[0, row]) for row, node in enumerate(fed)}
 
 
 def shared_layers(assistant: Gemma4Assistant, target: Transformer) -> dict[str, int]:

@@ -26,9 +26,12 @@ from selfspec.heads.gemma4_assistant import Gemma4Assistant, teacher_forced_mask
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs
 from selfspec.training.losses import LossOutput
+from selfspec.tree import Tree
 
 T1 = SamplingParams(temperature=1.0)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9, 12, 30]]
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+SHAPES = {"chain": {"num_draft_tokens": 3}, "tree": {"tree": TREE}}
 
 
 def read_back(hf_assistant, folder) -> Gemma4Assistant:
@@ -142,15 +145,16 @@ def fitted_assistant(target, assistant):
     return fitted.requires_grad_(False).eval()
 
 
-def prefill_draft(models, params: SamplingParams, generator=None):
-    """A 4-token draft after the target's prefill of PROMPTS[1] (the root its last token),
-    through the drafter's own reading of the target's cache and last hidden state."""
+def prefill_draft(models, params: SamplingParams, generator=None, **shape):
+    """A draft (default a chain of 4) after the target's prefill of PROMPTS[1] (the root its
+    last token), through the drafter's own reading of the target's cache and last hidden
+    state."""
     _, target, _, assistant = models
     prompt = torch.tensor(PROMPTS[1])
     cache = target.new_cache(max_slots=16)
     with torch.no_grad():
         out = target(prompt[None, :-1], torch.arange(6), cache)
-    drafter = Gemma4AssistantDrafter(assistant, 4)
+    drafter = Gemma4AssistantDrafter(assistant, **(shape or {"num_draft_tokens": 4}))
     drafter.begin(DecodeSetup(target, prompt, params, generator, 16, target_cache=cache))
     return drafter.propose(DraftContext(prompt, TargetFeatures(prompt[:-1],
                                                                out.last_hidden[0])))
@@ -184,6 +188,18 @@ def test_a_greedy_draft_is_transformers_chain(models):
     assert draft.tokens.tolist() == transformers_chain(models)[1] and draft.q is None
 
 
+def test_a_greedy_tree_takes_each_parents_top_tokens(models):
+    """The root's children are transformers' first step's top two; node [0, 0] and [0, 1] the
+    top two of its step fed the first child, with its projected state."""
+    draft = prefill_draft(models, SamplingParams(), tree=TREE)
+    assert draft.tree.parents == Tree.from_paths(TREE).parents and draft.q is None
+    first, _ = transformers_chain(models)
+    top = first[0].topk(2).indices.tolist()
+    second, _ = transformers_chain(models, [top[0], 0, 0, 0])
+    assert draft.tokens[:2].tolist() == top
+    assert draft.tokens[2:4].tolist() == second[1].topk(2).indices.tolist()
+
+
 def test_sampled_drafts_report_the_assistants_laws(models):
     """Drawn tokens, and the laws the draft reports, are transformers' assistant's warped as
     the target's are (top-p cutting some tokens out): what the verifier's exactness needs."""
@@ -200,12 +216,13 @@ def fitted(models):
     return fitted_assistant(models[1], models[3])
 
 
-def test_greedy_is_lossless_with_drafts_accepted_and_rejected(models, fitted):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_is_lossless_with_drafts_accepted_and_rejected(models, fitted, shape):
     _, target, _, _ = models
     accepted, rejected = 0, 0
     for prompt in PROMPTS:
         plain = generate(target, prompt, max_new_tokens=16).tokens
-        out = generate(target, prompt, drafter=Gemma4AssistantDrafter(fitted, 3),
+        out = generate(target, prompt, drafter=Gemma4AssistantDrafter(fitted, **SHAPES[shape]),
                        max_new_tokens=16)
         assert out.tokens == plain
         accepted += out.stats.accepted
@@ -213,15 +230,16 @@ def test_greedy_is_lossless_with_drafts_accepted_and_rejected(models, fitted):
     assert accepted > 0 and rejected > 0, (accepted, rejected)
 
 
-def test_a_batch_decodes_each_row_as_alone(models, fitted):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_batch_decodes_each_row_as_alone(models, fitted, shape):
     """Each row drafts with its own fork over its own row of the target's cache: plain greedy's
     tokens, and the drafts accepted as they are alone."""
     _, target, _, _ = models
     assistant = fitted
-    alone = [generate(target, p, drafter=Gemma4AssistantDrafter(assistant, 3),
+    alone = [generate(target, p, drafter=Gemma4AssistantDrafter(assistant, **SHAPES[shape]),
                       max_new_tokens=12) for p in PROMPTS]
-    together = generate(target, PROMPTS, drafter=Gemma4AssistantDrafter(assistant, 3),
-                        max_new_tokens=12)
+    together = generate(target, PROMPTS, drafter=Gemma4AssistantDrafter(
+        assistant, **SHAPES[shape]), max_new_tokens=12)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.stats.accepted for r in together] == [r.stats.accepted for r in alone]
     assert min(r.stats.accepted for r in alone) > 0
@@ -237,10 +255,12 @@ def law_pair():
     return target, read_back(gemma4_assistant(seed=4, std=0.5, vocab=8), tempfile.mkdtemp())
 
 
-@pytest.mark.slow  # ~6 s at FAST_LAW_SAMPLES here: the default run checks the reported laws
-def test_sampling_through_the_assistant_follows_the_target_law(request):
+@pytest.mark.slow  # ~10 s at FAST_LAW_SAMPLES here: the default run checks the reported laws
+@pytest.mark.parametrize("shape", [{"num_draft_tokens": 2}, {"tree": [[0], [1], [0, 0]]}],
+                         ids=["chain", "tree"])
+def test_sampling_through_the_assistant_follows_the_target_law(request, shape):
     target, assistant = law_pair()
-    assert_drafted_sampling_is_exact(target, Gemma4AssistantDrafter(assistant, 2), T1,
+    assert_drafted_sampling_is_exact(target, Gemma4AssistantDrafter(assistant, **shape), T1,
                                      law_samples(request))
 
 
