@@ -43,10 +43,12 @@ def hf_key(name: str) -> str:
 
 
 def our_key(name: str, tied: bool) -> str | None:
-    """Our parameter name for a HF one, or None for tensors we do not keep."""
-    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-        return None  # recomputed / shared with embed_tokens
-    return name.removeprefix("model.")
+    """Our parameter name for a HF one, or None for tensors we do not keep (an image-text
+    model's vision tower: its text decoder's are under `model.language_model.`)."""
+    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") \
+            or name.startswith("model.visual."):
+        return None  # recomputed / shared with embed_tokens / not a decoder's
+    return name.removeprefix("model.").removeprefix("language_model.")
 
 
 def our_state(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig

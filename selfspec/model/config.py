@@ -129,6 +129,8 @@ EXPERT_ACTS = ("silu", "clamped_swiglu")  # SwiGLU, or gpt-oss's clamped gate ti
 ROUTER_SCORINGS = ("softmax", "sigmoid", "sigmoid_input")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "chunked_attention")
 # The widths of the Gated DeltaNet layers, as config.json names them (our fields: the same)
+# image-text models whose text decoder is read alone (the vision tower's weights are not kept)
+IMAGE_TEXT = {"qwen3_5": "qwen3_5_text"}
 HYBRID = ("qwen3_next", "qwen3_5_text", "bamba")  # families with recurrent layers
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")
 # Mamba-2's widths, as config.json names them (our fields: the same)
@@ -550,7 +552,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`)."""
+        """Read a Hugging Face config.json dict (old `rope_scaling` or v5 `rope_parameters`);
+        an image-text model's (Qwen3.5's) is read as its text decoder's, its `text_config`."""
+        config = _text_decoder(config)
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(unsupported_model_type(model_type))
@@ -1022,6 +1026,15 @@ def _json_float(value: Any) -> float:
     """A float of config.json, where transformers writes infinity as {"__float__":
     "Infinity"}."""
     return float(value["__float__"] if isinstance(value, Mapping) else value)
+
+
+def _text_decoder(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config.json of an image-text model's text decoder (its `text_config`, of
+    IMAGE_TEXT's model_type), else config itself."""
+    text = IMAGE_TEXT.get(config.get("model_type"))
+    if text is None or not isinstance(config.get("text_config"), Mapping):
+        return config
+    return {**config["text_config"], "model_type": text}
 
 
 def _read_mtp(config: Mapping[str, Any]) -> dict:

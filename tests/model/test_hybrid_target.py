@@ -182,3 +182,26 @@ def test_the_random_preset_loads_and_its_mtp_module_drafts_losslessly():
     drafted = generate(target, prompt, drafter=MtpDrafter(target, tree=[[0], [0, 0]]),
                        max_new_tokens=16)
     assert drafted.tokens == plain and drafted.stats.drafted > 0
+
+
+@pytest.mark.slow  # transformers builds the vision tower too (3-4 s)
+@torch.no_grad()
+def test_a_qwen3_5_image_text_folder_loads_its_text_decoder(tmp_path):
+    """Qwen3.5 ships as an image-text model (`Qwen3_5ForConditionalGeneration`: the decoder
+    under `model.language_model.`, a vision tower, a nested `text_config`): its text decoder
+    loads alone, with the logits transformers gives a text-only input."""
+    text = hf_qwen3_next(family="qwen3_5_text").config.to_dict()
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+              "out_hidden_size": 32, "patch_size": 4, "temporal_patch_size": 2,
+              "spatial_merge_size": 2}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(1)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    for name, parameter in hf.named_parameters():
+        if not name.endswith(("A_log", "dt_bias")):
+            parameter.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.config.model_type == "qwen3_5_text" and ours.config.linear_split_projections
+    torch.testing.assert_close(ours(TOKENS, torch.arange(TOKENS.shape[1])).logits,
+                               hf(input_ids=TOKENS).logits, atol=1e-4, rtol=1e-4)
