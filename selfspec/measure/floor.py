@@ -168,7 +168,8 @@ def bytes_read_per_token(target: Transformer, cache_length: int) -> tuple[int, i
     if table is not target.lm_head.weight:
         weights[id(table)] = table.shape[1] * table.element_size()
     config = target.config
-    kv = (2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_length
+    heads, key_dim, value_dim = config.cache_dims  # MLA: a roped key and a latent a token
+    kv = (config.num_layers * heads * (key_dim + value_dim) * cache_length
           * table.element_size())
     return sum(weights.values()), kv
 
