@@ -322,3 +322,19 @@ def test_the_method_without_an_assistant_is_refused_naming_the_fix(cfg_of):
     with pytest.raises(ValueError, match="gemma4_assistant.path=") as caught:
         entry("gemma4_assistant").check(cfg, (2,))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow  # ~1 s: two timed generations
+def test_bench_decode_measures_its_draft_cost():
+    from selfspec.from_config.methods import cost_rows
+    from selfspec.measure.costs import CostProfile
+    from selfspec.measure.method_costs import method_cost_row
+
+    target = Transformer.from_hf(gemma4_model()).eval()
+    profile = CostProfile({1: 1.0, 64: 2.0}, cache_length=16, device="cpu", dtype="fp32")
+    row = method_cost_row("gemma4_assistant", cost_rows()["gemma4_assistant"], target,
+                          tuple(map(tuple, TREE)), [[3, 9, 4, 17, 5]], new_tokens=6,
+                          profile=profile, seed=0, cuda_graphs=False)
+    assert (row["nodes"], row["lossless"]) == (6, True)
+    assert row["draft_cost"] > 0 and row["draft_cost_per_level"] == pytest.approx(
+        row["draft_cost"] / 3)

@@ -19,7 +19,9 @@ from selfspec.from_config.common import checked_settings
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, one_variant
 from selfspec.heads.gemma4_assistant import AssistantShape, Gemma4Assistant, random_assistant
 from selfspec.measure.grid import Variant
+from selfspec.measure.method_costs import CostRow
 from selfspec.model import Transformer
+from selfspec.tree import Tree
 
 NAME = "gemma4_assistant"
 
@@ -69,6 +71,14 @@ def drafter(loaded: Loaded, variant: Variant, k: int) -> Gemma4AssistantDrafter:
     return Gemma4AssistantDrafter(load(loaded, (variant,)), k)
 
 
+def random_drafter(target: Transformer, tree, seed: int) -> Gemma4AssistantDrafter:
+    """bench_decode's row: a random assistant of the default shape over its static tree."""
+    weight = target.embed_tokens.weight
+    assistant = random_assistant(target.config, AssistantShape(), seed)
+    return Gemma4AssistantDrafter(assistant.to(device=weight.device, dtype=weight.dtype),
+                                  tree=Tree.from_paths(tree))
+
+
 def has_assistant(cfg: DictConfig) -> bool:
     """A sweep with methods=null runs it when the model config ships an assistant."""
     return bool(OmegaConf.select(cfg, "model.assistant", default=None))
@@ -78,4 +88,8 @@ ENTRIES = (MethodEntry(
     name=NAME, summary="Gemma 4's published assistant: a chain of k tokens over the target's "
                        "K/V and last hidden state",
     variants=one_variant(NAME), load=load, drafter=drafter, check=check,
-    default_when=has_assistant, color="darkorchid", order=44),)
+    default_when=has_assistant, color="darkorchid", order=44,
+    cost_rows={NAME: CostRow(
+        "Gemma 4's assistant (random, 4 layers of width 256) over the static tree, each level "
+        "one forward over the target's K/V", random_drafter,
+        levels=lambda drafter: drafter.tree.max_depth)}),)
