@@ -338,3 +338,18 @@ def test_bench_decode_measures_its_draft_cost():
     assert (row["nodes"], row["lossless"]) == (6, True)
     assert row["draft_cost"] > 0 and row["draft_cost_per_level"] == pytest.approx(
         row["draft_cost"] / 3)
+
+
+def test_a_sweep_adds_the_tree_configs_choices_cut_to_each_length(cfg_of):
+    from selfspec.from_config.methods import entry
+    from selfspec.from_config.methods.entry import Loaded
+
+    cfg = cfg_of("sweep", "model=random-gemma4", "tree=medusa_small")
+    method = entry("gemma4_assistant")
+    rows = method.variants(cfg, True)
+    assert [v.label() for v in rows] == ["gemma4_assistant", "gemma4_assistant/tree"]
+    assert [v.label() for v in method.variants(cfg, False)] == ["gemma4_assistant"]
+    loaded = Loaded(cfg, target=None)
+    loaded.once("gemma4_assistant", lambda: "an assistant")
+    assert method.drafter(loaded, rows[1], 2).tree.num_nodes == 10  # medusa_small's depth <= 2
+    assert method.drafter(loaded, rows[0], 3).tree.is_chain

@@ -4,11 +4,13 @@ Gemma 4 model, reading the target's K/V and last hidden state; nothing to train 
 Settings: `gemma4_assistant.path`, an assistant folder transformers wrote (e.g. a published
 `google/gemma-4-*-assistant`, downloaded); where unset, the model config's `assistant` block
 (`model=random-gemma4`: `random: true` and its shape, a random assistant for timings). Rows:
-gemma4_assistant, a chain of k tokens.
+gemma4_assistant, a chain of k tokens; in a sweep also gemma4_assistant/tree, the tree config's
+choices (`tree=`) cut to depth k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter
 from selfspec.from_config.common import checked_settings
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, one_variant
+from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.heads.gemma4_assistant import AssistantShape, Gemma4Assistant, random_assistant
 from selfspec.measure.grid import Variant
 from selfspec.measure.method_costs import CostRow
@@ -24,6 +26,23 @@ from selfspec.model import Transformer
 from selfspec.tree import Tree
 
 NAME = "gemma4_assistant"
+
+
+@dataclass(frozen=True)
+class AssistantVariant(Variant):
+    method: str = NAME
+    tree: bool = False  # the tree config's choices cut to depth k; False: a chain of k
+
+    def label(self) -> str:
+        return self.method + ("/tree" if self.tree else "")
+
+
+def variants(cfg: DictConfig, for_sweep: bool = True) -> tuple[AssistantVariant, ...]:
+    """A chain; in a sweep, where the tree config lists choices, that tree too."""
+    chain = (AssistantVariant(),)
+    if not for_sweep or not OmegaConf.select(cfg, "tree.choices"):
+        return chain
+    return (*chain, AssistantVariant(tree=True))
 
 
 def settings(cfg: DictConfig) -> DictConfig:
@@ -67,8 +86,13 @@ def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> Gemma4Assistant:
 
 
 @torch.inference_mode()
-def drafter(loaded: Loaded, variant: Variant, k: int) -> Gemma4AssistantDrafter:
-    return Gemma4AssistantDrafter(load(loaded, (variant,)), k)
+def drafter(loaded: Loaded, variant: AssistantVariant, k: int) -> Gemma4AssistantDrafter:
+    assistant = load(loaded, (variant,))
+    if not variant.tree:
+        return Gemma4AssistantDrafter(assistant, k)
+    choices = [list(path) for path in OmegaConf.to_container(loaded.cfg.tree.choices)
+               if len(path) <= k]
+    return Gemma4AssistantDrafter(assistant, tree=choices)
 
 
 def random_drafter(target: Transformer, tree, seed: int) -> Gemma4AssistantDrafter:
@@ -87,7 +111,7 @@ def has_assistant(cfg: DictConfig) -> bool:
 ENTRIES = (MethodEntry(
     name=NAME, summary="Gemma 4's published assistant: a chain of k tokens over the target's "
                        "K/V and last hidden state",
-    variants=one_variant(NAME), load=load, drafter=drafter, check=check,
+    variants=variants, load=load, drafter=drafter, check=check,
     default_when=has_assistant, color="darkorchid", order=44,
     cost_rows={NAME: CostRow(
         "Gemma 4's assistant (random, 4 layers of width 256) over the static tree, each level "
