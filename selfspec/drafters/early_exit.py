@@ -33,6 +33,7 @@ from selfspec.drafters.base import DecodeSetup, Draft, DraftContext, EarlyLayers
 from selfspec.drafters.confidence import below_confidence, check_confidence_threshold
 from selfspec.heads.early_exit import ExitHead, check_exit_target
 from selfspec.model.kv_cache import KVCache
+from selfspec.model.recurrent_cache import refuse_partial_forwards
 from selfspec.sampling import SamplingParams, draw, draw_on_device, logits_to_probs
 from selfspec.step import CapturedSteps, SlotView, weights_of
 
@@ -61,6 +62,7 @@ class EarlyExitDrafter:
 
     def begin(self, setup: DecodeSetup) -> None:
         check_exit_target("EarlyExitDrafter", self.head, setup.target)
+        refuse_partial_forwards("EarlyExitDrafter", setup.target.config.linear_layers)
         if setup.target_cache is None:
             raise ValueError("EarlyExitDrafter drafts in the target's own KV cache "
                              "(DecodeSetup.target_cache), which only the decode loop "

@@ -40,6 +40,7 @@ import torch
 
 from selfspec.checks import check_count, is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
+from selfspec.model.recurrent_cache import refuse_partial_forwards
 from selfspec.sampling import logits_to_probs, sample
 
 
@@ -143,6 +144,7 @@ class LayerSkipDrafter:
         return self._fixed if self.search is None else self.search.active
 
     def begin(self, setup: DecodeSetup) -> None:
+        refuse_partial_forwards("LayerSkipDrafter", setup.target.config.linear_layers)
         if setup.target_cache is None:
             raise ValueError("LayerSkipDrafter drafts in the target's own KV cache "
                              "(DecodeSetup.target_cache), which only the decode loop "

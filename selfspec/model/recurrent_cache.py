@@ -54,6 +54,17 @@ class _Forward:
     layers: dict[int, Recorded]
 
 
+def refuse_partial_forwards(owner: str, layers: frozenset[int]) -> None:
+    """Refuse, naming `owner`, a drafter that runs part of a recurrent target's layers over
+    its cache (early exit, layer skipping) when `layers`, the target's recurrent ones, are
+    some: the layers it skips would keep a stale state."""
+    if layers:
+        raise ValueError(f"{owner} runs part of the target's layers over its cache, and the "
+                         f"target has recurrent layers ({sorted(layers)}), whose state would "
+                         f"then miss the tokens it drafted: use another drafter for a hybrid "
+                         f"target")
+
+
 class RecurrentState:
     """Every recurrent layer's committed state over some batch rows, windows
     [L_r, B, C, K - 1] (the model's dtype) and states [L_r, B, *state_shape] (fp32), and what

@@ -190,3 +190,17 @@ def test_the_targets_own_mtp_module_drafts_losslessly(shape):
     batch = generate(target, FAMILY_PROMPTS, drafter=MtpDrafter(target, **shape),
                      max_new_tokens=NEW_TOKENS)
     assert [r.tokens for r in batch] == expected
+
+
+@pytest.mark.parametrize("name", ["early_exit", "layer_skip"])
+def test_drafters_that_run_part_of_the_targets_layers_are_refused_at_begin(hybrid, name):
+    from helpers import random_exit
+
+    from selfspec.drafters import EarlyExitDrafter
+    from selfspec.drafters.layer_skip import LayerSkipDrafter
+
+    drafter = (EarlyExitDrafter(random_exit(hybrid, 2, "norm"), 3) if name == "early_exit"
+               else LayerSkipDrafter((1, 2), 3))
+    with pytest.raises(ValueError, match="runs part of the target's layers .* recurrent "
+                                         r"layers \(\[0, 1, 2\]\)"):
+        generate(hybrid, FAMILY_PROMPTS[0], drafter=drafter, max_new_tokens=4)
