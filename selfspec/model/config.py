@@ -1090,16 +1090,22 @@ def _gemma4_keys(config: ModelConfig) -> dict[str, Any]:
             "global_head_dim": config.head_dim, "use_bidirectional_attention": None}
 
 
+# transformers' config that dequantizes each published format on loading
+_DEQUANTIZING = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
+
+
 def _refuse_quantized(config: Mapping[str, Any]) -> None:
-    """Published weights in a quantized format (gpt-oss's MXFP4) are refused, naming the fix."""
+    """Published weights in a quantized format (gpt-oss's MXFP4, DeepSeek-V3's FP8 blocks)
+    are refused, naming the fix."""
     quantization = config.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) \
             else quantization
+        dequantizing = _DEQUANTIZING.get(method, "Mxfp4Config")
         raise ValueError(
             f"the weights are quantized ({method}); dequantize them with transformers first: "
             f"AutoModelForCausalLM.from_pretrained(folder, quantization_config="
-            f"Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(new_folder)")
+            f"{dequantizing}(dequantize=True), dtype=torch.bfloat16).save_pretrained(new_folder)")
 
 
 def _read_multipliers(config: Mapping[str, Any], model_type: str) -> dict:

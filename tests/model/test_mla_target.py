@@ -170,6 +170,14 @@ def test_routing_chooses_within_the_best_groups_and_weighs_by_the_plain_sigmoid(
     torch.testing.assert_close(routing.weights[0].sort(descending=True).values, expected)
 
 
+def test_deepseeks_published_fp8_weights_are_refused_naming_the_dequantizing_config(deepseek):
+    ours, _ = deepseek
+    published = ours.config.to_hf() | {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    with pytest.raises(ValueError, match=r"\(fp8\).*FineGrainedFP8Config\(dequantize=True\)"):
+        ModelConfig.from_hf(published)
+
+
 def test_a_refused_latent_config_names_the_problem():
     with pytest.raises(ValueError, match="v_head_dim"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
