@@ -145,15 +145,15 @@ def loop_vocab(plain, vocab_size: int):
     return draft_vocabulary(torch.tensor(sum(plain, [])), vocab_size, DRAFT_V)
 
 
-def eagle1_head(target):
+def eagle1_head(target, bias: bool = True):
     """An EAGLE-1 head that passes the target's feature through (small random layer), with a
-    large fc bias: dropping the bias changes what it drafts."""
+    large fc bias: dropping the bias changes what it drafts (the test shows by how much)."""
     h = target.config.hidden_size
     head = random_eagle_head(EagleConfig.for_target(target.config, 1), seed=1, std=0.02)
     with torch.no_grad():
         head.fc.weight[:, h:] += torch.eye(h)
-        head.fc.bias.normal_(0, 0.3)
-    assert head.config.has_fc_bias
+        torch.manual_seed(5)
+        head.fc.bias.normal_(0, 0.6).mul_(float(bias))
     return head
 
 
@@ -232,7 +232,13 @@ def test_an_exported_head_serves_in_vllm_with_selfspecs_acceptance(tmp_path, tar
                 target_layers_count=target.config.num_layers)
     served = serve(tmp_path / "served", prompts, {
         "method": method, "model": str(tmp_path / "head"), "num_speculative_tokens": DEPTH})
-    assert_served_like_selfspec(kind, served, plain, selfspec_stats(target, prompts, make))
+    ours = selfspec_stats(target, prompts, make)
+    assert_served_like_selfspec(kind, served, plain, ours)
+    if kind == "eagle1_fc_bias":  # an export that dropped the bias would fail the gate
+        unbiased = eagle1_head(target, bias=False)
+        dropped = selfspec_stats(target, prompts, lambda: EagleDrafter(unbiased, CHAIN))
+        gap = abs(mean_acceptance_length(dropped) - mean_acceptance_length(ours))
+        assert gap > TAU_TOLERANCE
 
 
 def test_dflash_serves_in_vllm_with_selfspecs_acceptance(tmp_path, target, prompts, plain):
