@@ -45,15 +45,16 @@ def gemma4_model(seed: int = 0, std: float = 0.2, **extra):
 
 
 def gemma4_assistant(seed: int = 1, std: float = 0.2, ordered: bool = False, vocab: int = 64,
-                     backbone: int = 32):
+                     backbone: int = 32, **text_extra):
     """A seeded random `Gemma4AssistantForCausalLM` for a `gemma4_model` target: two layers
     (sliding, full) of width 24 and two heads over the target's K/V heads; with ordered
-    embeddings, 8 centroids (the top 3 scored) over a shuffled token order."""
+    embeddings, 8 centroids (the top 3 scored) over a shuffled token order. text_extra: its
+    text config's own settings (global_head_dim for a target with wider full layers)."""
     import transformers as tf
 
     text = gemma4_config(vocab_size=vocab, hidden_size=24, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=2, attention_k_eq_v=False,
-                         layer_types=["sliding_attention", "full_attention"])
+                         layer_types=["sliding_attention", "full_attention"], **text_extra)
     config = tf.Gemma4AssistantConfig(text_config=text.to_dict(), backbone_hidden_size=backbone,
                                       use_ordered_embeddings=ordered, num_centroids=8,
                                       centroid_intermediate_top_k=3)

@@ -34,7 +34,8 @@ import torch
 from selfspec.checks import is_count
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.heads.gemma4_assistant import AssistantOutput, Gemma4Assistant
-from selfspec.model import Transformer
+from selfspec.model import ModelConfig, Transformer
+from selfspec.model.kv_cache import KVCache
 from selfspec.ranking import ranked
 from selfspec.sampling import gumbel_top, logits_to_probs
 from selfspec.tree import Tree
@@ -91,9 +92,7 @@ class Gemma4AssistantDrafter:
     def propose(self, context: DraftContext) -> Draft:
         if context.features is None:
             return Draft.empty()  # no target state before the root yet
-        length = self._cache.length
-        shared = {kind: (self._cache.k[layer, :, :, :length], self._cache.v[layer, :, :, :length])
-                  for kind, layer in self._layers.items()}  # [1, H_kv, S, D] each
+        shared = shared_kv(self._cache, self._layers, self._target.config, self._cache.length)
         weight = self.assistant.pre_projection.weight
         hidden = context.features.last_hidden[-1:][None].to(weight)  # [1, 1, backbone]
         position = len(context.tokens) - 1
@@ -153,30 +152,43 @@ class Gemma4AssistantDrafter:
         return {node: (out.logits[0, row], out.hidden[0, row]) for row, node in enumerate(fed)}
 
 
+def shared_kv(cache: KVCache, layers: dict[str, int], target: ModelConfig, length: int
+              ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The K/V [B, H_kv, length, D] of each layer in `layers` (by kind), views of the cache's,
+    cut to the layer's own heads and dims (a Gemma 4 cache holds every layer at the widest)."""
+    found = {}
+    for kind, layer in layers.items():
+        heads, dim = target.layer_widths(layer)
+        found[kind] = (cache.k[layer, :, :heads, :length, :dim],
+                       cache.v[layer, :, :heads, :length, :dim])
+    return found
+
+
 def shared_layers(assistant: Gemma4Assistant, target: Transformer) -> dict[str, int]:
     """The target's layer whose K/V each kind of the assistant's layers reads (its last
     sliding and its last full layer), after checking that the assistant was made for a target
     of this shape."""
     config, theirs = assistant.config, target.config
     text = config.text
-    wrong = {name: (ours, target_value) for name, ours, target_value in (
-        ("backbone_hidden_size", config.backbone_hidden_size, theirs.hidden_size),
-        ("vocab_size", text.vocab_size, theirs.vocab_size),
-        ("head_dim", text.head_dim, theirs.head_dim))
-        if ours != target_value}
-    reasons = [f"{name} {a} vs the target {b}" for name, (a, b) in wrong.items()]
-    if text.num_heads % theirs.num_kv_heads:
-        reasons.append(f"its {text.num_heads} heads over the target's {theirs.num_kv_heads} "
-                       f"K/V heads")
-    if reasons:
-        raise ValueError(f"Gemma4AssistantDrafter: the assistant was made for another target "
-                         f"({', '.join(reasons)}); load the assistant published with this "
-                         f"target")
     kinds = {"sliding": theirs.sliding_layers,
              "full": set(range(theirs.num_layers)) - theirs.sliding_layers - theirs.linear_layers}
-    needed = {"sliding" if i in text.sliding_layers else "full" for i in range(text.num_layers)}
+    needed = {("sliding" if i in text.sliding_layers else "full"): i
+              for i in range(text.num_layers)}  # a layer of its own of each kind it has
     missing = [_KINDS[kind] for kind in needed if not kinds[kind]]
     if missing:
         raise ValueError(f"Gemma4AssistantDrafter: the assistant reads the target's "
                          f"{' and '.join(missing)} layers, which the target lacks")
-    return {kind: max(kinds[kind]) for kind in needed}
+    layers = {kind: max(kinds[kind]) for kind in needed}
+    reasons = [f"{name} {a} vs the target {b}" for name, a, b in (
+        ("backbone_hidden_size", config.backbone_hidden_size, theirs.hidden_size),
+        ("vocab_size", text.vocab_size, theirs.vocab_size)) if a != b]
+    for kind, own in needed.items():
+        (_, dim), (heads, their_dim) = text.layer_widths(own), theirs.layer_widths(layers[kind])
+        if dim != their_dim or text.num_heads % heads:
+            reasons.append(f"its {kind} layers' {text.num_heads} heads of {dim} vs the "
+                           f"target's {heads} K/V heads of {their_dim}")
+    if reasons:
+        raise ValueError(f"Gemma4AssistantDrafter: the assistant was made for another target "
+                         f"({', '.join(reasons)}); load the assistant published with this "
+                         f"target")
+    return layers

@@ -264,6 +264,10 @@ class ModelConfig:
         output (before its norm and RoPE) (Gemma 4's attention_k_eq_v).
     layer_scalars: each layer's output is multiplied by a learned scalar, its `layer_scalar`
         (Gemma 4).
+    full_head_dim, full_kv_heads: the full-attention layers' own head_dim and K/V heads where
+        they differ from the sliding layers' (Gemma 4's global_head_dim and
+        num_global_key_value_heads; None: the same). The cache holds every layer at the
+        widest (`cache_dims`), a narrower layer's K/V padded with zeros there.
     """
 
     vocab_size: int
@@ -333,6 +337,8 @@ class ModelConfig:
     v_norm: bool = False
     value_from_key: bool = False
     layer_scalars: bool = False
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
     shared_expert_gate: bool = True
     router_scoring: str = "softmax"
     router_groups: int = 1
@@ -509,7 +515,16 @@ class ModelConfig:
         KV head, or MLA's roped key and latent, one each."""
         if self.latent:
             return 1, self.head_dim, self.kv_lora_rank
-        return self.num_kv_heads, self.head_dim, self.head_dim
+        heads = max(self.num_kv_heads, self.full_kv_heads or 0)
+        dim = max(self.head_dim, self.full_head_dim or 0)  # Gemma 4: the widest layer's
+        return heads, dim, dim
+
+    def layer_widths(self, layer: int) -> tuple[int, int]:
+        """(K/V heads, head_dim) of layer `layer`'s attention: the full layers' own where they
+        have them (Gemma 4), else the model's."""
+        if layer >= self.num_layers or layer in self.sliding_layers:
+            return self.num_kv_heads, self.head_dim
+        return self.full_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim
 
     @property
     def expert_width(self) -> int:
@@ -751,7 +766,7 @@ class ModelConfig:
                         "qk_norm": "l2" if self.qk_norm == "l2" else None}
         checked |= {name: implied[name] for name in ("v_norm", "layer_scalars")}
         if self.model_type != GEMMA4:
-            checked["value_from_key"] = False
+            checked |= {"value_from_key": False, "full_head_dim": None, "full_kv_heads": None}
         if self.model_type != "deepseek_v3":
             checked |= {"kv_lora_rank": 0, "q_lora_rank": None, "qk_nope_head_dim": 0,
                         "v_head_dim": 0, "router_groups": 1, "router_top_groups": 1,
@@ -839,7 +854,8 @@ _FAMILY_FIELDS = ("hidden_act", "norm_scale", "pre_norms", "post_norms", "qk_nor
                   "rope_interleave", "attention_chunk_size", "no_rope_layers",
                   "temperature_tuning", "temperature_floor_scale", "temperature_scale")
 
-_FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars")  # Gemma 4's
+_FAMILY_FIELDS += ("v_norm", "value_from_key", "layer_scalars", "full_head_dim",
+                   "full_kv_heads")  # Gemma 4's
 _FAMILY_FIELDS += ("recurrent_mixer", *MAMBA_KEYS)  # Mamba-2 hybrids' (Bamba)
 
 
@@ -1064,30 +1080,47 @@ def _read_gemma4(config: Mapping[str, Any], model_type: str, head_dim: int) -> d
               if value not in (_GEMMA4_UNREAD[key], None)}
     if config.get("use_bidirectional_attention") == "all":
         unread["use_bidirectional_attention"] = "all"
-    value_from_key = bool(config.get("attention_k_eq_v", False))
-    overrides = config.get("per_layer_config")
-    if overrides is None:  # transformers then gives full layers global_head_dim (512)
-        overrides = {"full": {"head_dim": config.get("global_head_dim", 512)}}
-        if value_from_key and config.get("num_global_key_value_heads") is not None:
-            overrides["full"]["num_key_value_heads"] = config["num_global_key_value_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    for layer in overrides.values():
-        for key, ours in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
-            if layer.get(key, ours) != ours:
-                unread[f"full layers' {key}"] = layer[key]
     if unread:
         raise ValueError(
             f"this gemma4_text config.json has parts selfspec does not read yet: "
             f"{', '.join(f'{k}={v!r}' for k, v in unread.items())}; it reads Gemma 4 "
-            f"decoders with {', '.join(f'{k}={v!r}' for k, v in _GEMMA4_UNREAD.items())} and "
-            f"full layers of the sliding layers' head_dim and K/V heads")
-    return {"value_from_key": value_from_key}
+            f"decoders with {', '.join(f'{k}={v!r}' for k, v in _GEMMA4_UNREAD.items())}")
+    value_from_key = bool(config.get("attention_k_eq_v", False))
+    full = _gemma4_full_layer(config, value_from_key)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    dim, heads = full.get("head_dim", head_dim), full.get("num_key_value_heads", kv_heads)
+    return {"value_from_key": value_from_key,
+            "full_head_dim": None if dim == head_dim else int(dim),
+            "full_kv_heads": None if heads == kv_heads else int(heads)}
+
+
+def _gemma4_full_layer(config: Mapping[str, Any], value_from_key: bool) -> dict:
+    """A full layer's overrides of head_dim and num_key_value_heads, as transformers reads
+    them: config.json's per_layer_config where written, else global_head_dim (512 where
+    absent) and, with keys as values, num_global_key_value_heads."""
+    overrides = config.get("per_layer_config")
+    if overrides is not None:  # written: what it lists (nothing: every layer alike)
+        for i, kind in enumerate(config.get("layer_types") or []):
+            found = overrides.get(str(i), overrides.get(i)) if kind == "full_attention" else None
+            if found:
+                return found
+        return {}
+    found = {"head_dim": config.get("global_head_dim", 512)}
+    if value_from_key and config.get("num_global_key_value_heads") is not None:
+        found["num_key_value_heads"] = config["num_global_key_value_heads"]
+    return found
 
 
 def _gemma4_keys(config: ModelConfig) -> dict[str, Any]:
-    """A gemma4_text config.json's own keys for what selfspec reads of it."""
+    """A gemma4_text config.json's own keys for what selfspec reads of it (transformers reads
+    num_global_key_value_heads only with keys as values)."""
+    heads = config.full_kv_heads
+    if heads is not None and not config.value_from_key:
+        raise ValueError("a gemma4_text config.json gives full layers K/V heads of their own "
+                         "only with attention_k_eq_v (value_from_key)")
     return {**_GEMMA4_UNREAD, "attention_k_eq_v": config.value_from_key,
-            "global_head_dim": config.head_dim, "use_bidirectional_attention": None}
+            "global_head_dim": config.full_head_dim or config.head_dim,
+            "num_global_key_value_heads": heads, "use_bidirectional_attention": None}
 
 
 # transformers' config that dequantizes each published format on loading

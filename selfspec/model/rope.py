@@ -38,6 +38,8 @@ class Rope:
         theta, scaling = config.local_rope if local else (config.rope_theta,
                                                           config.rope_scaling)
         dim = config.rotary_dim
+        if not local and config.full_head_dim is not None:  # Gemma 4's wider full layers
+            dim = int(config.full_head_dim * config.partial_rotary_factor)
         base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         kind = (scaling or {}).get("rope_type", "default")
         if kind == "default":

@@ -119,10 +119,11 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads
+        self.num_kv_heads, self.head_dim = config.layer_widths(layer_idx)  # Gemma 4's own
+        self.cache_widths = config.cache_dims[:2]  # K/V heads and dim of the cache's entries
         self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
-        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_dim, kv_dim = config.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias, width = config.attention_bias, input_size or config.hidden_size
         # Qwen3-Next: q_proj also gives each head's output gate (q and gate side by side)
         self.output_gate = config.attention_output_gate
@@ -144,8 +145,8 @@ class Attention(nn.Module):
             layer_idx not in config.no_rope_layers else None
         if config.qk_norm in ("head", "projection"):  # over each head's dims, or the whole's
             per_head = config.qk_norm == "head"
-            self.q_norm = rms_norm(config, config.head_dim if per_head else q_dim)
-            self.k_norm = rms_norm(config, config.head_dim if per_head else kv_dim)
+            self.q_norm = rms_norm(config, self.head_dim if per_head else q_dim)
+            self.k_norm = rms_norm(config, self.head_dim if per_head else kv_dim)
 
     def forward(
         self,
@@ -191,6 +192,19 @@ class Attention(nn.Module):
             v = unit_rms(v, self.v_norm_eps)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *gate
 
+    def cached(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H_kv, T, D] written to the cache; every slot's K/V back. A layer narrower
+        than the cache's entries (Gemma 4's sliding layers beside wider full ones) writes
+        them padded with zeros and reads its own heads and dims back."""
+        heads, dim = self.cache_widths
+        if (heads, dim) == (self.num_kv_heads, self.head_dim):
+            return cache.write(self.layer_idx, k, v)
+        pad = (0, dim - self.head_dim, 0, 0, 0, heads - self.num_kv_heads)
+        k, v = cache.write(self.layer_idx, F.pad(k, pad), F.pad(v, pad))
+        return (k[:, :self.num_kv_heads, :, :self.head_dim],
+                v[:, :self.num_kv_heads, :, :self.head_dim])
+
     @staticmethod
     def gated(attended: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
         """attended [B, T, H * D] times the sigmoid of its output gate, if given ([] or
@@ -203,7 +217,7 @@ class Attention(nn.Module):
         first) and themselves, before the output product."""
         batch, _, t, _ = q.shape
         if cache is not None:
-            k, v = cache.write(self.layer_idx, k, v)  # [B, H_kv, S, D]
+            k, v = self.cached(cache, k, v)  # [B, H_kv, S, D]
         if self.softcap is not None or self.sinks is not None:
             out = _written_out_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask,
                                          self.scale, self.softcap, self.sinks)

@@ -21,7 +21,11 @@ from helpers import (
 
 from selfspec import SamplingParams, generate
 from selfspec.drafters.base import DecodeSetup, DraftContext, TargetFeatures
-from selfspec.drafters.gemma4_assistant import Gemma4AssistantDrafter, shared_layers
+from selfspec.drafters.gemma4_assistant import (
+    Gemma4AssistantDrafter,
+    shared_kv,
+    shared_layers,
+)
 from selfspec.heads.gemma4_assistant import Gemma4Assistant, teacher_forced_masks
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs
@@ -98,7 +102,7 @@ def sequence_states(target, tokens: torch.Tensor, assistant):
     with torch.no_grad():
         hidden = target(tokens, torch.arange(tokens.shape[1]), cache).last_hidden
     layers = shared_layers(assistant, target)
-    return hidden, {kind: (cache.k[i], cache.v[i]) for kind, i in layers.items()}
+    return hidden, shared_kv(cache, layers, target.config, tokens.shape[1])
 
 
 @torch.no_grad()
@@ -186,6 +190,21 @@ def test_a_greedy_draft_is_transformers_chain(models):
     the same greedy chain, each step reading the last one's projected state."""
     draft = prefill_draft(models, SamplingParams())
     assert draft.tokens.tolist() == transformers_chain(models)[1] and draft.q is None
+
+
+def test_a_target_with_wider_full_layers_drafts_as_transformers(tmp_path):
+    """Full layers wider than the sliding ones (as every published Gemma 4's), one K/V head:
+    the target's cache holds them at the widest, and the assistant reads each layer's own
+    heads and dims back, drafting transformers' chain from its states."""
+    wide = {"global_head_dim": 32, "num_global_key_value_heads": 1}
+    hf_target, hf = gemma4_model(**wide), gemma4_assistant(global_head_dim=32)
+    models = (hf_target, Transformer.from_hf(hf_target).eval(), hf, read_back(hf, tmp_path))
+    assert models[1].config.cache_dims == (2, 32, 32)
+    assert prefill_draft(models, SamplingParams()).tokens.tolist() == \
+        transformers_chain(models)[1]
+    plain = generate(models[1], PROMPTS[0], max_new_tokens=10).tokens
+    assert generate(models[1], PROMPTS[0], drafter=Gemma4AssistantDrafter(models[3], 3),
+                    max_new_tokens=10).tokens == plain
 
 
 def test_a_greedy_tree_takes_each_parents_top_tokens(models):

@@ -12,10 +12,14 @@ from helpers import WINDOW
 
 from selfspec.model import ModelConfig, Transformer
 
+# The published models' full layers are wider than their sliding ones (global_head_dim 512
+# against 256, and with keys as values their own K/V heads): here 32 against 16, one K/V head.
+WIDER_FULL = {"global_head_dim": 32, "num_global_key_value_heads": 1}
 
-@pytest.fixture(scope="module")
-def pair():
-    hf = gemma4_model()
+
+@pytest.fixture(scope="module", params=["one_width", "wider_full"])
+def pair(request):
+    hf = gemma4_model(**(WIDER_FULL if request.param == "wider_full" else {}))
     return hf, Transformer.from_hf(hf).eval()
 
 
@@ -29,8 +33,13 @@ def test_gemma4_reads_what_sets_it_apart(pair):
     assert c.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     assert (c.rope_theta, c.local_rope_theta, c.final_logit_softcapping) == (1e6, 1e4, 4.0)
     assert ours.layers[1].self_attn.v_proj is None and ours.layers[0].self_attn.v_proj is not None
-    # a quarter of the full layers' 8 frequency pairs turn, the rest stay still
-    assert ours.ropes["full"].inv_freq.count_nonzero() == 2
+    wide = c.full_head_dim is not None
+    assert (c.full_head_dim, c.full_kv_heads) == ((32, 1) if wide else (None, None))
+    assert c.cache_dims == ((2, 32, 32) if wide else (2, 16, 16))
+    assert ours.layers[1].self_attn.k_proj.out_features == (32 if wide else 32)  # 1 x 32, 2 x 16
+    assert ours.layers[1].self_attn.q_proj.out_features == (128 if wide else 64)
+    # a quarter of the full layers' frequency pairs turn (2 of 8, or 4 of 16), the rest stay
+    assert ours.ropes["full"].inv_freq.count_nonzero() == (4 if wide else 2)
 
 
 @torch.no_grad()
@@ -90,10 +99,10 @@ def test_gemma4_folders_are_read_both_ways(pair, tmp_path):
 
 
 def test_gemma4_parts_not_read_yet_are_refused_in_one_line():
-    """Per-layer embeddings (transformers' default: 256 a layer) and full layers of their own
-    head_dim (the published models': 512) are refused, naming what."""
+    """Per-layer embeddings (transformers' default: 256 a layer) and K/V shared across layers
+    are refused, naming what."""
     for extra, named in (({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input=256"),
-                         ({"global_head_dim": 32}, "full layers' head_dim=32")):
+                         ({"num_kv_shared_layers": 2}, "num_kv_shared_layers=2")):
         config = gemma4_config(**extra).to_dict()
         with pytest.raises(ValueError, match=named) as caught:
             ModelConfig.from_hf(config)
