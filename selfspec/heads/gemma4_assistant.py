@@ -273,7 +273,7 @@ def random_assistant(target: ModelConfig, shape: AssistantShape, seed: int = 0
     kinds = ("sliding_attention",) * (shape.num_layers - 1) + ("full_attention",)
     text = replace(target, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                    intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
-                   layer_types=kinds, value_from_key=False,
+                   layer_types=kinds, value_from_key=False, full_kv_heads=None,
                    embedding_multiplier=shape.hidden_size ** 0.5, mtp_modules=0,
                    mtp_layout=None)
     config = AssistantConfig(text, target.hidden_size, shape.ordered, shape.num_centroids,
