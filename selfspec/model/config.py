@@ -15,8 +15,10 @@ decoder (`selfspec.model.transformer`) honours each of them; no family has a mod
 - gemma4_text: Gemma 3's layer with plain `w` norms (in fp32), a softmax scale of 1 (the q/k
   norms set it), values RMS-normed without a weight (`v_norm`), a learned scalar on each
   layer's output (`layer_scalars`), the full layers' proportional RoPE (a share of each head's
-  frequency pairs rotated, the rest left), keys doubling as values there
-  (`value_from_key`, transformers' `attention_k_eq_v`), final logit soft-capping.
+  frequency pairs rotated, the rest left) over heads of their own width with keys doubling
+  as values and K/V heads of their own (`full_head_dim`, `value_from_key`, `full_kv_heads`:
+  transformers' `global_head_dim`, `attention_k_eq_v`, `num_global_key_value_heads`), final
+  logit soft-capping.
 - olmo2: no pre-norms (norms after attention and MLP), q/k norm over the whole projection.
 - granite: embedding, residual, attention and logit multipliers.
 - phi3: fused `qkv_proj` and `gate_up_proj` in the checkpoint, `longrope`,
