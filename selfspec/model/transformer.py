@@ -168,8 +168,9 @@ class Attention(nn.Module):
         batch, t, _ = x.shape
         if fused:
             q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
-            q, k, v = F.linear(x, self.fused.weight, self.fused.bias).split(
-                (q_dim, kv_dim, kv_dim), dim=-1)
+            parts = (q_dim, kv_dim) if self.v_proj is None else (q_dim, kv_dim, kv_dim)
+            q, k, *v = F.linear(x, self.fused.weight, self.fused.bias).split(parts, dim=-1)
+            v = v[0] if v else k  # Gemma 4's full layers: the keys' product as values
         else:
             q, k = self.q_proj(x), self.k_proj(x)
             v = k if self.v_proj is None else self.v_proj(x)
@@ -470,7 +471,8 @@ def fuse_projections(model: nn.Module) -> bool:
     are unchanged), so that one product computes them (`projections(x, fused=True)`,
     `MLP.forward(x, fused=True)`). Idempotent. False, and nothing changed, where a projection
     is not a plain Linear (a quantized target's)."""
-    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.layers
+    groups = [(layer.self_attn, ("q_proj", "k_proj") if layer.self_attn.v_proj is None
+               else ("q_proj", "k_proj", "v_proj")) for layer in model.layers
               if isinstance(getattr(layer, "self_attn", None), Attention)]  # not MLA's
     groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in model.layers
                if isinstance(layer.mlp, MLP)]

@@ -121,3 +121,22 @@ def test_gemma4_without_values_from_keys_reads_its_v_proj():
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits.float()
         assert (ours(tokens, torch.arange(10)).logits - expected).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_gemma4_fuses_its_products_without_a_v_proj(pair):
+    """Full layers whose keys double as values fuse q and k alone (the compiled stages' one
+    product), and give the same q, k and v."""
+    from selfspec.model.transformer import fuse_projections
+
+    hf, _ = pair
+    ours = Transformer.from_hf(hf).eval()
+    x = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(0))
+    plain = [ours.layers[i].self_attn.projections(x) for i in (0, 1)]
+    assert fuse_projections(ours)
+    assert ours.layers[1].self_attn.fused.weight.shape[0] == \
+        ours.layers[1].self_attn.q_proj.out_features + ours.layers[1].self_attn.k_proj.out_features
+    for i in (0, 1):
+        for a, b in zip(plain[i], ours.layers[i].self_attn.projections(x, fused=True),
+                        strict=True):
+            torch.testing.assert_close(a, b)
