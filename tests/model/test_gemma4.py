@@ -140,3 +140,8 @@ def test_gemma4_fuses_its_products_without_a_v_proj(pair):
         for a, b in zip(plain[i], ours.layers[i].self_attn.projections(x, fused=True),
                         strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_gemma4_configs_round_trip_through_config_json(pair):
+    _, ours = pair
+    assert ModelConfig.from_hf(ours.config.to_hf()) == ours.config
