@@ -101,9 +101,8 @@ class CentroidScorer(nn.Module):
         clusters = self.token_ordering.view(self.num_centroids, -1)  # [C, V / C]
         tokens = clusters[chosen].flatten(-2)  # [B, T, k * V / C]
         scores = (lm_head[tokens] @ hidden[..., None])[..., 0]  # [B, T, k * V / C]
-        out = torch.full((*hidden.shape[:-1], lm_head.shape[0]), 0.0, dtype=scores.dtype,
-                         device=hidden.device)
-        out.fill_(scores.min() - 1.0)  # as transformers: the lowest over the whole call
+        floor = scores.min() - 1.0  # as transformers: the lowest over the whole call
+        out = floor.expand(*hidden.shape[:-1], lm_head.shape[0]).clone()  # [B, T, V]
         return out.scatter_(-1, tokens, scores)
 
 
