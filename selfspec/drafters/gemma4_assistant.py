@@ -100,10 +100,9 @@ class Gemma4AssistantDrafter:
         outputs = {-1: (out.logits[0, 0], out.hidden[0, 0])}  # fed growth node -> its output
         growth, tree = _Growth(), self.tree
         for depth in range(1, tree.max_depth + 1):
-            parents = [i for i in range(-1, tree.num_nodes) if (i < 0) == (depth == 1)
-                       and (i < 0 or len(tree.choices[i]) == depth - 1)
-                       and i in growth.made and tree.children_of(i)]
-            for parent in parents:
+            above = [-1] if depth == 1 else [i for i in range(tree.num_nodes)
+                                             if len(tree.choices[i]) == depth - 1]
+            for parent in (i for i in above if i in growth.made and tree.children_of(i)):
                 self._children(growth, parent, outputs[growth.made[parent]])
             fed = [growth.made[i] for i in range(tree.num_nodes) if i in growth.made
                    and len(tree.choices[i]) == depth and tree.children_of(i)]
