@@ -308,8 +308,11 @@ def with_mtp_layout(config: ModelConfig, folder: Path) -> ModelConfig:
     """config as the folder's weights hold its MTP modules (`mtp_as_stored`)."""
     names = []
     for file in _weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            names += handle.keys()
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names += handle.keys()
+        except SafetensorError as exc:
+            raise _incomplete(file, exc) from None
     return mtp_as_stored(config, names)
 
 
@@ -393,7 +396,9 @@ def _read_safetensors(
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
         except SafetensorError as exc:
-            raise ValueError(
-                f"{file} is not a complete safetensors file ({exc}): it was probably cut "
-                f"short by an interrupted download or copy; copy it again"
-            ) from None
+            raise _incomplete(file, exc) from None
+
+
+def _incomplete(file: Path, exc: SafetensorError) -> ValueError:
+    return ValueError(f"{file} is not a complete safetensors file ({exc}): it was probably cut "
+                      f"short by an interrupted download or copy; copy it again")
