@@ -42,6 +42,7 @@ def evaluation_texts() -> list[str]:
     return texts
 
 
+@pytest.mark.slow  # 5-10 s: every training prompt's shingles against every evaluation set's
 def test_training_prompts_share_no_passage_with_any_evaluation_prompt():
     training = stdlib_instructions(100_000)  # every documented name in every template
     assert len(training) > 6000
