@@ -87,6 +87,11 @@ class MtpHead(nn.Module):
         lm_head passed is not needed)."""
         return self.target.mtp_logits(self.index, hidden)
 
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """`target_logits`, under the name the EAGLE-1 objective scores a head's outputs by
+        (`training.objectives.MtpObjective` fine-tunes the module as it trains a head)."""
+        return self.target_logits(hidden, lm_head)
+
 
 class MtpDrafter(EagleDrafter):
     """Drafts with `target`'s first MTP module: a static tree (`tree`; `Tree.chain(k)` for a

@@ -224,6 +224,25 @@ class EagleObjective(nn.Module):
         return feature + (2 * noise - 1) * self.feature_noise
 
 
+class MtpObjective(EagleObjective):
+    """FastMTP: a target's own MTP module (`head`, the drafter's `MtpHead` over it) fine-tuned
+    on the frozen rest of the target. Row t reads (token t+1, the target's normed last hidden
+    state h_t), as an EAGLE-1 head's row does, and the module's law of token t+2 meets the
+    target's law there by `objective` (`EagleObjective`'s token term alone: the module's
+    outputs are no features of the target's to regress on). Only the module's own layers
+    train: the target, and a NextN module's LM head (a copy of the target's, which DeepSeek
+    shares), stay frozen. feature_noise, cache_features and features as `EagleObjective`."""
+
+    def __init__(self, target: Transformer, head: nn.Module, feature_noise: float = 0.0,
+                 cache_features: bool = False, features: FeatureSource | None = None,
+                 objective: str = "kl"):
+        super().__init__(target, head, feature_weight=0.0, token_weight=1.0,
+                         feature_noise=feature_noise, cache_features=cache_features,
+                         features=features, objective=objective)
+        for name, param in head.module.named_parameters():  # freeze() froze the module too
+            param.requires_grad_(not name.startswith("head."))
+
+
 class Eagle3Objective(nn.Module):
     """EAGLE-3: the head fuses the frozen target's layers `head.config.target_layers` and is
     trained by the training-time test (`EagleHead.unroll`, `steps` steps, step j weighing

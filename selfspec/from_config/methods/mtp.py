@@ -6,20 +6,42 @@ model=random-mtp).
 Rows: mtp (a chain of k tokens, each step reading the last one's output and token) and
 mtp/tree{N} for each N in mtp.total_tokens beside null (an EAGLE-2 dynamic tree k deep of N
 nodes, mtp.top_k children per frontier node), at each draft length k.
+
+Trainer (train/mtp.py, conf/train_mtp.yaml): FastMTP's recipe, the target's first MTP module
+fine-tuned on the target's own answers with the rest of the target frozen
+(`training.objectives.MtpObjective`); a target that ships none gets a fresh one of
+mtp.add_module's layout. The export is the target's whole folder (config.json, weights in the
+checkpoint's layout, tokenizer) with the fine-tuned MTP keys: model=local model.path=<export>
+drafts with it; the judge and the report load the export's MTP keys into the target they run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 
 from selfspec.checks import is_count
-from selfspec.drafters.mtp import MtpDrafter
+from selfspec.drafters.mtp import MtpDrafter, MtpHead
+from selfspec.from_config import training
 from selfspec.from_config.common import as_list
-from selfspec.from_config.methods.entry import Loaded, MethodEntry
+from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
+from selfspec.from_config.models import model_config, model_plan
 from selfspec.measure.grid import Variant
 from selfspec.measure.method_costs import CostRow
+from selfspec.model import ModelConfig, Transformer
+from selfspec.model.checkpoint import our_state, write_folder
+from selfspec.model.config import MTP_LAYOUTS
+from selfspec.model.loading import with_random_mtp
+from selfspec.model.plan import trainable_line
+from selfspec.model.transformer import MtpModule
+from selfspec.tracking import Tracker
+from selfspec.training.features import FeatureSource
+from selfspec.training.objectives import MtpObjective
 from selfspec.tree import Tree
 
 
@@ -79,3 +101,160 @@ ENTRIES = (MethodEntry(
         "the target's own MTP module, EAGLE-2 tree: 60 nodes, depth 6, top-10",
         lambda target, tree, seed: MtpDrafter(target, total_tokens=60, depth=6, top_k=10),
         lambda drafter: drafter.shape.depth)}),)
+
+
+# ---- the trainer (train/mtp.py): FastMTP's fine-tuning of the target's own module -----------
+
+
+def added_layout(cfg: DictConfig) -> str | None:
+    """mtp.add_module: the layout of the fresh module a target without MTP modules gets (null:
+    such a target is refused)."""
+    layout = settings(cfg).get("add_module")
+    if layout is not None and layout not in MTP_LAYOUTS:
+        raise ValueError(f"mtp.add_module must be null (train the module the target ships) or "
+                         f"one of {', '.join(MTP_LAYOUTS)} (a fresh module of that layout for a "
+                         f"target without one), got {layout!r}")
+    return layout
+
+
+def with_module_config(cfg: DictConfig, config: ModelConfig) -> ModelConfig:
+    """config with the MTP module the trainer fine-tunes: its own, or mtp.add_module's."""
+    if config.mtp_modules:
+        return config
+    layout = added_layout(cfg)
+    if layout is None:
+        raise ValueError("train/mtp.py fine-tunes the target's MTP module and this target has "
+                         "none: load a checkpoint that ships one (DeepSeek-V3 NextN, Qwen3-Next "
+                         "mtp.*), or set mtp.add_module=mtp|nextn|mimo to train a fresh one")
+    return replace(config, mtp_modules=1, mtp_layout=layout)
+
+
+@torch.no_grad()
+def with_module(cfg: DictConfig, target: Transformer) -> Transformer:
+    """target with the module the trainer fine-tunes: its own, or a fresh one (seeded by
+    cfg.seed) of mtp.add_module's layout, a NextN module's LM head a copy of the target's (as
+    DeepSeek's shares it)."""
+    config = with_module_config(cfg, target.config)
+    if config is target.config:
+        return target
+    target = with_random_mtp(target, config, int(cfg.seed))
+    if target.mtp[0].head is not None:
+        target.mtp[0].head.weight.copy_(target.lm_head.weight)
+    return target
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """Every setting checked from the config alone: the module to train, the report's drafter,
+    feature_noise and trainer.objective."""
+    added_layout(cfg)
+    check(cfg, (positive_depth(cfg),))
+    variants(cfg)
+    if not float(settings(cfg).get("feature_noise", 0.0)) >= 0:
+        raise ValueError(f"mtp.feature_noise must be >= 0, got {settings(cfg).feature_noise}")
+    training.training_objective(cfg)
+
+
+def positive_depth(cfg: DictConfig) -> int:
+    depth = settings(cfg).get("depth", 3)
+    if not is_count(depth):
+        raise ValueError(f"mtp.depth must be an integer >= 1 (the report's draft length), "
+                         f"got {depth!r}")
+    return int(depth)
+
+
+def trainable_module(cfg: DictConfig, target: Transformer, train) -> MtpHead:
+    """The target's first MTP module (added where mtp.add_module says), as the head the EAGLE-1
+    objective trains."""
+    return MtpHead(with_module(cfg, target))
+
+
+def objective(run: training.TrainingRun, features: FeatureSource | None) -> torch.nn.Module:
+    s = settings(run.cfg)
+    return MtpObjective(run.target, run.module, feature_noise=float(s.get("feature_noise", 0.0)),
+                        cache_features=bool(s.get("cache_features", False)), features=features,
+                        objective=training.training_objective(run.cfg))
+
+
+def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
+    """The target's folder with the module's trained tensors: config.json and model.safetensors
+    in the checkpoint's layout (`checkpoint.write_folder`), and the target's tokenizer files."""
+    target = run.target
+    names = {id(p): name for name, p in target.named_parameters()}
+    ours = {name: names[id(p)] for name, p in trained.named_parameters() if p.requires_grad}
+
+    def export(state: dict[str, torch.Tensor], folder: Path) -> None:
+        weights = {k: v.detach() for k, v in target.state_dict().items()}
+        weights |= {ours[name]: tensor for name, tensor in state.items()}
+        write_folder(folder, weights, target.config, target.embed_tokens.weight.dtype)
+        copy_tokenizer(target.source, folder)
+
+    return export
+
+
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                   "merges.txt", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def copy_tokenizer(source: str | None, folder: Path) -> None:
+    """The tokenizer files of the target's folder (where it has one) copied beside the export's
+    weights, so that the export loads as a model (model=local model.path=<export>)."""
+    if source is None or not Path(source).is_dir():
+        return
+    for name in TOKENIZER_NAMES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, folder / name)
+
+
+@torch.no_grad()
+def load_module(target: Transformer, export: Path) -> Transformer:
+    """target with its MTP modules' tensors read from an export folder (the rest of the
+    export, the target's own weights, is passed over)."""
+    with safe_open(str(export / "model.safetensors"), framework="pt") as handle:
+        tensors = ((name, handle.get_tensor(name)) for name in handle.keys())
+        state = {k: v for k, v in our_state(tensors, target.config) if k.startswith("mtp.")}
+    mine = dict(target.mtp.named_parameters(prefix="mtp"))
+    if set(state) != set(mine):
+        raise ValueError(f"{export}: its MTP tensors {sorted(set(state) ^ set(mine))[:4]} do "
+                         f"not match the target's modules; give an export of train/mtp.py for "
+                         f"this target")
+    for name, param in mine.items():
+        param.copy_(state[name])
+    return target
+
+
+def trainer_drafter(cfg: DictConfig, target: Transformer) -> MtpDrafter:
+    """The report's drafter: mtp.total_tokens' first variant (null: a chain) mtp.depth deep."""
+    return drafter(Loaded(cfg, target), variants(cfg)[0], positive_depth(cfg))
+
+
+def mtp_drafters(cfg: DictConfig, target: Transformer, export: Path) -> training.ExportDrafters:
+    """The export's module drafting over `target` itself (its other weights are the export's),
+    so that the judge replays the target's recorded answers."""
+    target = load_module(with_module(cfg, target), export)
+    return {"": (trainer_drafter(cfg, target), target)}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """The memory plan of the target and the trainable module, on meta tensors."""
+    print(model_plan(cfg).format())
+    config = with_module_config(cfg, model_config(cfg.model))
+    with torch.device("meta"):
+        module = MtpModule(config, config.mtp_layout)
+    count = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("head."))
+    print(trainable_line("trainable MTP module (MtpModule)", count, int(cfg.num_gpus)))
+
+
+def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> None:
+    """tau, speedup and draft time share of the fine-tuned module over plain decoding."""
+    _, comparison = training.final_comparison(cfg, mtp_drafters, export)
+    top1 = training.heldout_top1(metrics)
+    training.log_report(cfg, tracker, comparison, {**top1, "export": str(export)},
+                        f"fine-tuned MTP module (target folder): {export}",
+                        f"top-1 agreement with the target (held-out): {top1}")
+
+
+TRAINER = TrainerEntry(
+    name="mtp", config="train_mtp", check=check_trainer, dry_run=dry_run,
+    module=trainable_module, objective=objective, exporter=exporter, drafters=mtp_drafters,
+    report=report)

@@ -46,7 +46,7 @@ def test_each_trainer_is_its_methods_module_and_a_shim_over_the_one_main():
     """A method that trains holds its `TrainerEntry` beside its registry entry; train/<name>.py
     only names it and its Hydra config."""
     root = Path(methods.__file__).parents[3]
-    assert sorted(trainers()) == ["dflash", "draft", "eagle", "early_exit", "medusa"]
+    assert sorted(trainers()) == ["dflash", "draft", "eagle", "early_exit", "medusa", "mtp"]
     for name, trainer in trainers().items():
         shim = (root / "train" / f"{name}.py").read_text()
         assert f'@hydra_entry_point("{trainer.config}")' in shim, name

@@ -1,0 +1,92 @@
+"""FastMTP's objective (`MtpObjective`): only the target's MTP module trains (a NextN module's
+LM head and the whole rest of the target stay put), a few steps lower its loss against the
+target's law, trainer.objective chooses the divergence, and the trainer's export round trips
+through the checkpoint layout."""
+
+import pytest
+import torch
+from helpers import adam_fit
+from mtp_reference import mtp_target
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from selfspec.drafters.mtp import MtpHead
+from selfspec.from_config.methods import mtp as method
+from selfspec.from_config.training import TrainingRun
+from selfspec.training.divergences import divergence
+from selfspec.training.objectives import MtpObjective
+from selfspec.training.rows import TokenRows
+
+ROWS = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(0))
+
+
+def objective_over(layout: str, **options) -> MtpObjective:
+    target = mtp_target(layout, seed=3)
+    return MtpObjective(target, MtpHead(target), **options)
+
+
+def trainable_names(objective: MtpObjective) -> set[str]:
+    return {n for n, p in objective.target.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("layout", ["nextn", "mtp"])
+def test_only_the_module_changes_and_its_loss_falls(layout):
+    objective = objective_over(layout)
+    before = {n: p.detach().clone() for n, p in objective.target.named_parameters()}
+    mask = torch.ones_like(ROWS, dtype=torch.bool)
+    first = objective(ROWS, mask)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    last = adam_fit(lambda: objective(ROWS, mask), params, steps=15, lr=3e-3)
+    assert float(last.loss.detach()) < 0.8 * float(first.loss.detach())
+    changed = {n for n, p in objective.target.named_parameters()
+               if not torch.equal(p, before[n])}
+    assert changed == trainable_names(objective)
+    assert changed and all(n.startswith("mtp.0.") and not n.startswith("mtp.0.head.")
+                           for n in changed)
+    assert any(n.startswith("mtp.0.block.") for n in changed)
+
+
+def test_its_loss_is_the_chosen_divergence_to_the_targets_next_next_law():
+    objective = objective_over("mtp", objective="tv")
+    target = objective.target
+    mask = torch.ones_like(ROWS, dtype=torch.bool)
+    with torch.no_grad():
+        out = target(ROWS, torch.arange(ROWS.shape[1]))
+        states = target.mtp_forward(0, target.embed_tokens(ROWS[:, 1:]), out.last_hidden[:, :-1],
+                                    torch.arange(ROWS.shape[1] - 1))
+        mine = target.mtp_logits(0, states[:, :-1])  # [B, T-2, V] token t+2's law at row t
+        teacher = torch.log_softmax(out.logits[:, 1:-1].float(), -1)  # the target's at t+1
+        expected = divergence("tv")(mine, teacher).mean()
+        assert torch.allclose(objective(ROWS, mask).loss, expected, atol=1e-5)
+
+
+def test_the_export_holds_the_trained_module_in_the_checkpoint_layout(tmp_path):
+    target = mtp_target("nextn", seed=4)
+    cfg = OmegaConf.create({"seed": 0, "mtp": {"add_module": None, "depth": 2},
+                            "trainer": {"objective": "kl"}})
+    run = TrainingRun(cfg, target, None, TokenRows(ROWS, torch.ones_like(ROWS)),
+                      method.trainable_module(cfg, target, None))
+    objective = method.objective(run, None)
+    trained = {n: torch.full_like(p, 0.5) for n, p in objective.named_parameters()
+               if p.requires_grad}
+    method.exporter(run, objective)(trained, tmp_path)
+    fresh = mtp_target("nextn", seed=9)  # other MTP weights: the export's replace them
+    method.load_module(fresh, tmp_path)
+    for name, param in fresh.mtp.named_parameters(prefix="mtp"):
+        kept = target.state_dict()[name] if name.startswith("mtp.0.head.") else 0.5
+        assert torch.allclose(param, torch.as_tensor(kept)), name
+    assert (tmp_path / "config.json").is_file()
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        assert "model.layers.2.eh_proj.weight" in handle.keys()  # NextN's place: layer L
+
+
+def test_a_target_without_modules_is_refused_unless_one_is_added():
+    target = mtp_target("nextn", modules=0)
+    with pytest.raises(ValueError, match="mtp.add_module"):
+        method.with_module(OmegaConf.create({"seed": 0, "mtp": {}}), target)
+    added = method.with_module(OmegaConf.create({"seed": 0, "mtp": {"add_module": "nextn"}}),
+                               target)
+    assert added.config.mtp_layout == "nextn"
+    assert torch.equal(added.mtp[0].head.weight, added.lm_head.weight)
+    with pytest.raises(ValueError, match="mtp.add_module must be"):
+        method.added_layout(OmegaConf.create({"mtp": {"add_module": "medusa"}}))
