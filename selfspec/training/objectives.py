@@ -242,6 +242,11 @@ class MtpObjective(EagleObjective):
         for name, param in head.module.named_parameters():  # freeze() froze the module too
             param.requires_grad_(not name.startswith("head."))
 
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        out = super().forward(tokens, loss_mask)  # its feature term weighs 0: not reported
+        return LossOutput(out.loss, {k.replace("eagle/", "mtp/"): v for k, v in
+                                     out.metrics.items() if k != "eagle/feature_loss"})
+
 
 class Eagle3Objective(nn.Module):
     """EAGLE-3: the head fuses the frozen target's layers `head.config.target_layers` and is
