@@ -144,9 +144,9 @@ def with_module(cfg: DictConfig, target: Transformer) -> Transformer:
 
 
 def check_trainer(cfg: DictConfig) -> None:
-    """Every setting checked from the config alone: the module to train, the report's drafter,
-    feature_noise and trainer.objective."""
-    added_layout(cfg)
+    """Every setting checked from the config alone (the model's config.json at most, no
+    weights): the module to train, the report's drafter, feature_noise and trainer.objective."""
+    with_module_config(cfg, model_config(cfg.model))
     check(cfg, (positive_depth(cfg),))
     variants(cfg)
     if not float(settings(cfg).get("feature_noise", 0.0)) >= 0:
