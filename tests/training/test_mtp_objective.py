@@ -90,3 +90,26 @@ def test_a_target_without_modules_is_refused_unless_one_is_added():
     assert torch.equal(added.mtp[0].head.weight, added.lm_head.weight)
     with pytest.raises(ValueError, match="mtp.add_module must be"):
         method.added_layout(OmegaConf.create({"mtp": {"add_module": "medusa"}}))
+
+
+def test_its_recursive_steps_read_their_own_outputs_and_weigh_by_decay():
+    once, twice = objective_over("mtp"), objective_over("mtp", steps=2, decay=0.5)
+    target, mask = twice.target, torch.ones_like(ROWS, dtype=torch.bool)
+    mask[0, :6] = False  # a prompt's tokens do not count
+    with torch.no_grad():
+        first, out = once(ROWS, mask), twice(ROWS, mask)
+        assert out.metrics["mtp/step1_loss"] == pytest.approx(float(first.loss), abs=1e-5)
+        full = target(ROWS, torch.arange(ROWS.shape[1]))
+        states = target.mtp_forward(0, target.embed_tokens(ROWS[:, 1:]),
+                                    full.last_hidden[:, :-1], torch.arange(ROWS.shape[1] - 1))
+        deeper = target.mtp_forward(0, target.embed_tokens(ROWS[:, 2:]), states[:, :-1],
+                                    torch.arange(ROWS.shape[1] - 2))
+        mine = target.mtp_logits(0, deeper[:, :-1])  # [B, T-3, V] token t+3's law at row t
+        teacher = torch.log_softmax(full.logits[:, 2:-1].float(), -1)  # the target's at t+2
+        counted = mask[:, 3:]
+        second = divergence("kl")(mine, teacher)[counted].mean()
+        assert out.metrics["mtp/step2_loss"] == pytest.approx(float(second), abs=1e-5)
+        assert float(out.loss) == pytest.approx((float(first.loss) + 0.5 * float(second)) / 1.5,
+                                                abs=1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        objective_over("mtp", steps=0)

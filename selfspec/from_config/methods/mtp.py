@@ -145,12 +145,20 @@ def with_module(cfg: DictConfig, target: Transformer) -> Transformer:
 
 def check_trainer(cfg: DictConfig) -> None:
     """Every setting checked from the config alone (the model's config.json at most, no
-    weights): the module to train, the report's drafter, feature_noise and trainer.objective."""
+    weights): the module to train, the report's drafter, the objective's settings and
+    trainer.objective."""
     with_module_config(cfg, model_config(cfg.model))
     check(cfg, (positive_depth(cfg),))
     variants(cfg)
     if not float(settings(cfg).get("feature_noise", 0.0)) >= 0:
         raise ValueError(f"mtp.feature_noise must be >= 0, got {settings(cfg).feature_noise}")
+    if not is_count(settings(cfg).get("steps", 1)):
+        raise ValueError(f"mtp.steps must be an integer >= 1 (1: the module's own step; K: it "
+                         f"also trains on its own outputs K - 1 steps deep), got "
+                         f"{settings(cfg).steps!r}")
+    if not float(settings(cfg).get("step_decay", 0.8)) > 0:
+        raise ValueError(f"mtp.step_decay must be > 0 (step s weighs step_decay**(s - 1)), got "
+                         f"{settings(cfg).step_decay}")
     training.training_objective(cfg)
 
 
@@ -172,7 +180,8 @@ def objective(run: training.TrainingRun, features: FeatureSource | None) -> torc
     s = settings(run.cfg)
     return MtpObjective(run.target, run.module, feature_noise=float(s.get("feature_noise", 0.0)),
                         cache_features=bool(s.get("cache_features", False)), features=features,
-                        objective=training.training_objective(run.cfg))
+                        objective=training.training_objective(run.cfg),
+                        steps=int(s.get("steps", 1)), decay=float(s.get("step_decay", 0.8)))
 
 
 def exporter(run: training.TrainingRun, trained: torch.nn.Module) -> training.Export:
