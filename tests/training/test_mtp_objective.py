@@ -113,3 +113,14 @@ def test_its_recursive_steps_read_their_own_outputs_and_weigh_by_decay():
                                                 abs=1e-5)
     with pytest.raises(ValueError, match="steps"):
         objective_over("mtp", steps=0)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_cached_target_states_give_the_same_loss(steps):
+    online = objective_over("nextn", steps=steps)
+    cached = objective_over("nextn", steps=steps, cache_features=True)
+    mask = torch.ones_like(ROWS, dtype=torch.bool)
+    with torch.no_grad():
+        expected = online(ROWS, mask).loss
+        for _ in range(2):  # the second reads the cache
+            assert torch.allclose(cached(ROWS, mask).loss, expected, atol=1e-6)
