@@ -60,8 +60,11 @@ def test_its_loss_is_the_chosen_divergence_to_the_targets_next_next_law():
         assert torch.allclose(objective(ROWS, mask).loss, expected, atol=1e-5)
 
 
-def test_the_export_holds_the_trained_module_in_the_checkpoint_layout(tmp_path):
-    target = mtp_target("nextn", seed=4)
+@pytest.mark.parametrize(("layout", "key"), [
+    ("nextn", "model.layers.2.eh_proj.weight"),  # NextN's place: layer L
+    ("mtp", "mtp.fc.weight"), ("mimo", "model.mtp_layers.0.input_proj.weight")])
+def test_the_export_holds_the_trained_module_in_the_checkpoint_layout(tmp_path, layout, key):
+    target = mtp_target(layout, seed=4)
     cfg = OmegaConf.create({"seed": 0, "mtp": {"add_module": None, "depth": 2},
                             "trainer": {"objective": "kl"}})
     run = TrainingRun(cfg, target, None, TokenRows(ROWS, torch.ones_like(ROWS)),
@@ -70,14 +73,14 @@ def test_the_export_holds_the_trained_module_in_the_checkpoint_layout(tmp_path):
     trained = {n: torch.full_like(p, 0.5) for n, p in objective.named_parameters()
                if p.requires_grad}
     method.exporter(run, objective)(trained, tmp_path)
-    fresh = mtp_target("nextn", seed=9)  # other MTP weights: the export's replace them
+    fresh = mtp_target(layout, seed=9)  # other MTP weights: the export's replace them
     method.load_module(fresh, tmp_path)
     for name, param in fresh.mtp.named_parameters(prefix="mtp"):
         kept = target.state_dict()[name] if name.startswith("mtp.0.head.") else 0.5
         assert torch.allclose(param, torch.as_tensor(kept)), name
     assert (tmp_path / "config.json").is_file()
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
-        assert "model.layers.2.eh_proj.weight" in handle.keys()  # NextN's place: layer L
+        assert key in handle.keys()
 
 
 def test_a_target_without_modules_is_refused_unless_one_is_added():
