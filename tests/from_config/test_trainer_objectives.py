@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
+from selfspec.from_config.methods import mtp
 from selfspec.from_config.methods.dflash import check_dflash_settings, dflash_head, dflash_objective
 from selfspec.from_config.methods.eagle import check_eagle_settings, eagle_head, eagle_objective
 from selfspec.from_config.methods.early_exit import (
@@ -22,6 +23,7 @@ from selfspec.from_config.methods.small_model import (
     draft_from_target,
     draft_model_objective,
 )
+from selfspec.from_config.training import TrainingRun
 from selfspec.heads.draft_vocab import token_counts
 from selfspec.model import Transformer
 from selfspec.training.divergences import DIVERGENCES
@@ -41,11 +43,12 @@ TRAINERS = {
     "early_exit": ("train_early_exit", ("early_exit.exit_layers=[1]",),
                    check_early_exit_settings),
     "draft": ("train_draft", ("draft_model.num_layers=1",), check_draft_model_settings),
+    "mtp": ("train_mtp", ("mtp.steps=2",), mtp.check_trainer),
 }
 
 
 # one config a trainer: its variants (Medusa-2, EAGLE-1, P-EAGLE) pass the same check
-@pytest.mark.parametrize("trainer", ["medusa", "eagle3", "dflash", "early_exit", "draft"])
+@pytest.mark.parametrize("trainer", ["medusa", "eagle3", "dflash", "early_exit", "draft", "mtp"])
 def test_every_trainer_takes_every_objective_and_refuses_a_bad_one_in_one_line(cfg_of, trainer):
     config, overrides, check = TRAINERS[trainer]
     cfg = cfg_of(config, *overrides, "run_dir=/tmp/unused")
@@ -74,6 +77,9 @@ def objective_of(trainer: str, cfg, target: Transformer, rows: TokenRows) -> tor
         return dflash_objective(cfg, target, dflash_head(cfg, target, rows))
     if trainer == "early_exit":
         return early_exit_objective(cfg, target, early_exit_heads(cfg, target))
+    if trainer == "mtp":  # a fresh module of mtp.add_module's layout
+        run = TrainingRun(cfg, target, None, rows, mtp.trainable_module(cfg, target, rows))
+        return mtp.objective(run, None)
     counts = token_counts(rows.tokens, target.config.vocab_size)
     return draft_model_objective(cfg, target, draft_from_target(cfg, target), counts)
 
@@ -82,7 +88,8 @@ def objective_of(trainer: str, cfg, target: Transformer, rows: TokenRows) -> tor
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer, name", [
     ("medusa", "tv"), ("medusa2", "lk"), ("eagle1", "jsd"), ("eagle3", "tv"),
-    ("peagle", "reverse_kl"), ("dflash", "lk"), ("early_exit", "tv"), ("draft", "jsd")])
+    ("peagle", "reverse_kl"), ("dflash", "lk"), ("early_exit", "tv"), ("draft", "jsd"),
+    ("mtp", "lk")])
 def test_each_trainers_objective_fits_its_draft_by_the_name_given(cfg_of, trainer, name):
     config, overrides, _ = TRAINERS[trainer]
     cfg = cfg_of(config, *overrides, f"trainer.objective={name}", "run_dir=/tmp/unused")
