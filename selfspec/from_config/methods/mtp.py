@@ -42,6 +42,7 @@ from selfspec.model.transformer import MtpModule
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
 from selfspec.training.objectives import MtpObjective
+from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
 
 
@@ -147,6 +148,7 @@ def check_trainer(cfg: DictConfig) -> None:
     """Every setting checked from the config alone (the model's config.json at most, no
     weights): the module to train, the report's drafter, the objective's settings and
     trainer.objective."""
+    added_layout(cfg)
     with_module_config(cfg, model_config(cfg.model))
     check(cfg, (positive_depth(cfg),))
     variants(cfg)
@@ -170,7 +172,7 @@ def positive_depth(cfg: DictConfig) -> int:
     return int(depth)
 
 
-def trainable_module(cfg: DictConfig, target: Transformer, train) -> MtpHead:
+def trainable_module(cfg: DictConfig, target: Transformer, train: TokenRows) -> MtpHead:
     """The target's first MTP module (added where mtp.add_module says), as the head the EAGLE-1
     objective trains."""
     return MtpHead(with_module(cfg, target))
