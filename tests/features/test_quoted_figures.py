@@ -1195,6 +1195,22 @@ SERVING_VLLM = Quoted(
     },
 )
 
+def _hybrid(name: str) -> dict[str, list[dict]]:
+    path = f"hybrid_c_of_n/{name}.json"
+    return {"": [bench(path)], "oracle": [oracle(path, 4)]}
+
+
+MODELS_HYBRID_COSTS = Quoted(
+    doc="docs/models.md",
+    header="| target | one-token forward | c(2) / c(8) / c(16)",
+    columns={
+        "one-token forward": Column(("one_token_ms",)),
+        "c(2) / c(8) / c(16) / c(32) / c(64)": Column(("c2", "c8", "c16", "c32", "c64")),
+        "oracle k = 4: speedup (bound)": Column(("speedup", "bound"), group="oracle"),
+    },
+    rows={"hybrid": lambda: _hybrid("hybrid"), "dense": lambda: _hybrid("dense")},
+)
+
 QUOTED = (
     README_RESULTS,
     SMOLLM2_GREEDY,
@@ -1222,6 +1238,7 @@ QUOTED = (
     SWEEPS_STEP_TIME,
     SWEEPS_TINY_QUICK,
     MODELS_GEMMA,
+    MODELS_HYBRID_COSTS,
     GPU_RANDOM7B,
     GPU_SMOLLM2_SHAPE,
     GPU_COMPILED,
