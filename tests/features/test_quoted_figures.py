@@ -1195,6 +1195,16 @@ SERVING_VLLM = Quoted(
     },
 )
 
+CODE_EDIT = "smollm2_code_edit_suffix/results.json"
+SWEEPS_CODE_EDIT = Quoted(
+    doc="docs/sweeps.md",
+    header="| method | k | tau | speedup (bound) |",
+    columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True)},
+    rows={f"`{m}`": (lambda m=m: _k(CODE_EDIT, m, (4, 8)))
+          for m in ("ngram", "ngram/corpus", "suffix")},
+)
+
+
 def _hybrid(name: str) -> dict[str, list[dict]]:
     path = f"hybrid_c_of_n/{name}.json"
     return {"": [bench(path)], "oracle": [oracle(path, 4)]}
@@ -1237,6 +1247,7 @@ QUOTED = (
     SWEEPS_BATCHES,
     SWEEPS_STEP_TIME,
     SWEEPS_TINY_QUICK,
+    SWEEPS_CODE_EDIT,
     MODELS_GEMMA,
     MODELS_HYBRID_COSTS,
     GPU_RANDOM7B,
