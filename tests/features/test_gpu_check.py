@@ -86,6 +86,7 @@ def test_what_comes_back_is_a_few_flat_files_of_plain_names(tmp_path, fast):
                and p.stat().st_size < 16 << 20 for p in files)
 
 
+@pytest.mark.slow  # 4 s of real timeouts; the order-and-timeout test covers the runner quick
 def test_parts_past_the_budget_are_cut_short_or_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "MIN_PART_S", 3)
     parts = [Part("long", 60, "sleep 30", "r.json", headline, needs_cuda=False),
