@@ -18,6 +18,7 @@ figures, rewritten after each part), summary.txt (the table printed at the end),
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -136,6 +137,15 @@ def batch_headline(f: dict) -> str:
         for r in f["batches"]) + lossless_said(f["batches"])
 
 
+def families_headline(f: dict) -> str:
+    """Each family preset's line (`scripts/bench_families.py`'s own summary)."""
+    spec = importlib.util.spec_from_file_location("bench_families",
+                                                  ROOT / "scripts" / "bench_families.py")
+    families = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(families)
+    return "; ".join(f"{name}: {families.summary(found)}" for name, found in f["presets"].items())
+
+
 # ---- the parts, in order of value: adding one is one line ------------------------------------
 
 BENCH_7B = ("{python} eval/bench_decode.py model=random-7b device=cuda num_prompts=1 "
@@ -201,6 +211,9 @@ PARTS = [
          "quantized.json", quantized_headline),
     Part("bench_compiled", 60, BENCH_7B + " repeats=2 compile=true "
          "'cost_lengths=[1,2,4,8,16]'", "bench_decode.json", bench_headline),
+    # the families of 2026, random presets (MTP modules, MLA, Llama 4, Gemma 4, a hybrid)
+    Part("families", 90, "{python} scripts/bench_families.py --out {run}/families.json",
+         "families.json", families_headline),
 ]
 ALIASES = {"tests": ["cuda_tests", "trainers"], "all": [p.name for p in PARTS]}
 

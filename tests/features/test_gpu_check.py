@@ -239,3 +239,19 @@ def test_a_headline_counts_the_outputs_that_parted_and_how_many_at_near_ties():
             {"lossless": False}]  # a record from before first_difference existed
     assert gpu_check.lossless_said(rows[:1]) == ""
     assert gpu_check.lossless_said(rows) == "; NOT lossless in 3 (1 at near-ties, 1 not examined)"
+
+
+@pytest.mark.slow
+def test_the_families_part_runs_on_the_cpu(tmp_path):
+    """scripts/bench_families.py on one preset (the MTP target): its figures and the part's
+    headline, lossless in fp32."""
+    out = tmp_path / "families.json"
+    done = run_script(["scripts/bench_families.py", "--out", str(out), "--device", "cpu",
+                       "--presets", "random-mtp", "--new-tokens", "8"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["presets"]) == ["random-mtp"]
+    assert [m["method"] for m in report["presets"]["random-mtp"]["methods"]] == ["mtp"]
+    assert gpu_check.families_headline(report).startswith("random-mtp: plain ")
+    assert gpu_check.families_headline(report).endswith("lossless")
+    assert gpu_check.families_headline({"presets": {"x": {"error": "boom"}}}) == "x: error: boom"
