@@ -1205,6 +1205,17 @@ SWEEPS_CODE_EDIT = Quoted(
 )
 
 
+MULTI_TURN = "smollm2_multi_turn_suffix/results.json"
+SWEEPS_MULTI_TURN = Quoted(
+    doc="docs/sweeps.md",
+    header="| method | k | tau | speedup (bound) |",
+    index=1,
+    columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True)},
+    rows={f"`{m}`": (lambda m=m: _k(MULTI_TURN, m, (4, 8)))
+          for m in ("ngram", "ngram/corpus", "suffix")},
+)
+
+
 def _hybrid(name: str) -> dict[str, list[dict]]:
     path = f"hybrid_c_of_n/{name}.json"
     return {"": [bench(path)], "oracle": [oracle(path, 4)]}
@@ -1248,6 +1259,7 @@ QUOTED = (
     SWEEPS_STEP_TIME,
     SWEEPS_TINY_QUICK,
     SWEEPS_CODE_EDIT,
+    SWEEPS_MULTI_TURN,
     MODELS_GEMMA,
     MODELS_HYBRID_COSTS,
     GPU_RANDOM7B,
