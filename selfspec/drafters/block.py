@@ -89,10 +89,11 @@ class BlockDrafter:
         (a chain's length, `confident_length`; a tree's depth, `Drafted.within`), or the whole
         draft."""
         threshold = self.confidence_threshold
-        if threshold is not None and drafted.parents is None:
+        if threshold is not None and drafted.parents is None and not on_device:
             drafted = drafted.cut(confident_length(drafted.confidence, threshold))
-        elif threshold is not None:
-            drafted = drafted.within(confident_depth(drafted.confidence, threshold))
+        elif threshold is not None:  # in static steps a chain is cut as a one-wide tree is,
+            # on the device: its length is read back with the target's argmax, not before
+            drafted = drafted.as_tree().within(confident_depth(drafted.confidence, threshold))
         return block_draft(drafted, self.shape, on_device)
 
 
@@ -170,6 +171,13 @@ class Drafted:
         shallow = self.depths <= depth  # [N]
         valid = shallow if self.valid is None else self.valid & shallow
         return dataclasses.replace(self, valid=valid)
+
+    def as_tree(self) -> Drafted:
+        """A chain as the tree it is (each row the child of the one before); a tree as it is."""
+        if self.parents is not None:
+            return self
+        rows = torch.arange(self.tokens.shape[0], device=self.tokens.device)
+        return dataclasses.replace(self, parents=rows - 1, depths=rows + 1)
 
     def cut(self, n: int) -> Drafted:
         """A chain's first n positions."""
