@@ -25,7 +25,7 @@ from selfspec.heads import MedusaHeads
 from selfspec.heads.draft_vocab import COUNTS_FILE, load_token_counts
 from selfspec.heads.export import ENGINES, export_head, export_merged_target
 from selfspec.heads.io import read_head, recorded_target, save_head
-from selfspec.heads.published import TargetNeeded
+from selfspec.heads.layouts import TargetNeeded
 from selfspec.model import ModelConfig, Transformer, checkpoint
 from selfspec.model.lora import ADAPTER_DIR
 

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from selfspec.heads.base import head_types
-from selfspec.heads.published import LAYOUTS, adopt, is_published, read_published
+from selfspec.heads.layouts import adopt
+from selfspec.heads.published import LAYOUTS, describe, is_published, read_published
 from selfspec.model import ModelConfig, Transformer, dense_weight
 from selfspec.model.converted import described_source
 
@@ -157,10 +158,10 @@ def _load_published(folder: Path, cls: type | None, target: Transformer,
     if not allow_other_base:
         _check_base_name(folder, found.base_model, target)
     _check_target_copies(folder, found.target_copies, target)
-    log.info(found.describe(folder))
+    log.info(describe(found, folder))
     weight = target.embed_tokens.weight
     module = found.module.to(device=weight.device, dtype=weight.dtype)
-    module.loaded_from = found.describe(folder)
+    module.loaded_from = describe(found, folder)
     return module
 
 

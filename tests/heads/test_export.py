@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from selfspec import Transformer, generate
 from selfspec.drafters.medusa import MedusaDrafter
 from selfspec.heads import MedusaConfig, load_head
-from selfspec.heads.export import ExportRefused, export_head
+from selfspec.heads.export import export_head
 from selfspec.heads.io import read_head
+from selfspec.heads.layouts import ExportRefused
 
 SHARED = torch.nn.functional.normalize(torch.ones(H), dim=0)  # [H]
 

@@ -32,9 +32,9 @@ from selfspec import Transformer, generate
 from selfspec.drafters import EagleDrafter
 from selfspec.drafters.medusa import MedusaDrafter
 from selfspec.heads import EagleConfig, EagleHead, MedusaHeads, load_head
-from selfspec.heads.export import ExportRefused, export_head
+from selfspec.heads.export import export_head
 from selfspec.heads.io import read_head
-from selfspec.heads.published import TargetNeeded
+from selfspec.heads.layouts import ExportRefused, TargetNeeded
 
 
 @pytest.fixture(scope="module")

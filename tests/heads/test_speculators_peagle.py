@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from selfspec import Transformer
 from selfspec.heads import EagleConfig, EagleHead, load_head
-from selfspec.heads.export import ExportRefused, export_head
-from selfspec.heads.published import mask_hidden_before_fc, mask_hidden_through_fc
+from selfspec.heads.eagle_layouts import mask_hidden_before_fc, mask_hidden_through_fc
+from selfspec.heads.export import export_head
+from selfspec.heads.layouts import ExportRefused
 
 V, H, LAYERS, PARALLEL, MASK = 64, 32, 8, 4, 63
 
