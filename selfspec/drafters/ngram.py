@@ -1,7 +1,7 @@
-"""Prompt lookup: propose what followed the most recent earlier occurrence of the last n-gram,
-in the context or, with a `LookupCorpus`, in text the target wrote before (REST-style
-retrieval from a datastore), as a chain or as a small tree of the corpus's likeliest
-continuations."""
+"""Prompt lookup: propose what followed an earlier occurrence of the last n-gram (the most
+recent one, or with match="earliest" the first one, vLLM's rule), in the context or, with a
+`LookupCorpus`, in text the target wrote before (REST-style retrieval from a datastore), as a
+chain or as a small tree of the corpus's likeliest continuations."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 
 Path = tuple[int, ...]  # a continuation's first tokens
+MATCHES = ("latest", "earliest")  # which earlier occurrence of the context's n-gram to continue
 
 
 class LookupCorpus:
@@ -91,7 +92,10 @@ class LookupCorpus:
 
 class NgramDrafter:
     """Training-free drafter: match the last `max_ngram`..`min_ngram` tokens earlier in the
-    context and copy up to `num_draft_tokens` tokens that followed; with a `corpus`, the
+    context and copy up to `num_draft_tokens` tokens that followed (fewer where the context
+    ends); `match` picks the occurrence continued: "latest" (the most recent) or "earliest"
+    (the first, vLLM's rule: its continuation is the longest one the context holds, where the
+    most recent one's is cut short by the context's end in a loop). With a `corpus`, the
     longest n-gram match wins, the context's at equal length (it knows this answer's names
     and numbers). Drafts are deterministic (q=None), so verification stays exact at any
     temperature.
@@ -103,13 +107,16 @@ class NgramDrafter:
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-                 corpus: LookupCorpus | None = None, max_nodes: int | None = None):
+                 corpus: LookupCorpus | None = None, max_nodes: int | None = None,
+                 match: str = "latest"):
         if num_draft_tokens < 1:
             raise ValueError(f"NgramDrafter: num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(
                 f"NgramDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
             )
+        if match not in MATCHES:
+            raise ValueError(f"NgramDrafter: match must be one of {MATCHES}, got {match!r}")
         max_nodes = num_draft_tokens if max_nodes is None else max_nodes
         if max_nodes < num_draft_tokens or (max_nodes > num_draft_tokens and corpus is None):
             raise ValueError(f"NgramDrafter: max_nodes ({max_nodes}) must be >= num_draft_tokens "
@@ -118,6 +125,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.corpus = corpus
         self.max_nodes = max_nodes
+        self.match = match
 
     def begin(self, setup: DecodeSetup) -> None:
         pass  # stateless: everything it needs is in the context
@@ -142,10 +150,10 @@ class NgramDrafter:
                            self.max_nodes, k, tokens.device)
 
     def _context_chain(self, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(n, what followed the last n tokens earlier in the context) for the longest n
-        matched; (0, an empty chain) when none was."""
+        """(n, what followed the last n tokens at their earlier occurrence `match` picks) for
+        the longest n matched; (0, an empty chain) when none was."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            start = _last_match(tokens, n)
+            start = _match_end(tokens, n, earliest=self.match == "earliest")
             if start is not None:
                 return n, tokens[start : start + self.num_draft_tokens]
         return 0, tokens[:0]
@@ -170,8 +178,11 @@ def _tree_draft(nodes: list[Path], ranked: list[Path], max_nodes: int, depth: in
     return Draft.from_paths(nodes, device)
 
 
-def _last_match(tokens: torch.Tensor, n: int) -> int | None:
-    """Index just after the most recent earlier occurrence of the last n tokens, or None."""
+def _match_end(tokens: torch.Tensor, n: int, earliest: bool) -> int | None:
+    """Index just after the most recent (or the earliest) earlier occurrence of the last n
+    tokens, or None."""
     windows = tokens[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a successor
     hits = torch.nonzero((windows == tokens[-n:]).all(dim=1)).flatten()
-    return None if hits.numel() == 0 else int(hits[-1]) + n
+    if hits.numel() == 0:
+        return None
+    return int(hits[0 if earliest else -1]) + n

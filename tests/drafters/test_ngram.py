@@ -7,6 +7,7 @@ from helpers import FAST_LAW_SAMPLES, P_VALUE_FLOOR, sampled_pvalue, tiny_llama
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import DraftContext, LookupCorpus, NgramDrafter
+from selfspec.drafters.ngram import MATCHES
 
 CORPUS = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5], [7, 2, 9]]
 
@@ -46,6 +47,23 @@ def draft_of(drafter, tokens):
     return drafter.propose(DraftContext(torch.tensor(tokens), None)).tokens.tolist()
 
 
+def test_the_match_rule_picks_which_earlier_occurrence_is_continued():
+    latest, earliest = (NgramDrafter(2, max_ngram=2, match=m) for m in MATCHES)
+    context = [1, 2, 7, 8, 9, 1, 2, 5, 6, 1, 2]  # "1 2" at 0 and at 5
+    assert draft_of(latest, context) == [5, 6]
+    assert draft_of(earliest, context) == [7, 8]
+    # The longest n-gram still comes first: "1 2" (first at 2) before the 1-gram "2" (first at 0).
+    assert draft_of(earliest, [2, 5, 1, 2, 9, 1, 2]) == [9, 1]
+    # In a loop the most recent occurrence's continuation is cut short by the context's end;
+    # the first one's is not.
+    loop = [3, 4, 4, 4, 4]
+    assert draft_of(NgramDrafter(3, max_ngram=1), loop) == [4]
+    assert draft_of(NgramDrafter(3, max_ngram=1, match="earliest"), loop) == [4, 4, 4]
+    assert draft_of(NgramDrafter(3, max_ngram=3, match="earliest"), loop) == [4]  # one "4 4 4"
+    with pytest.raises(ValueError, match="match must be one of"):
+        NgramDrafter(2, match="first")
+
+
 def test_the_context_is_asked_before_the_corpus_at_each_length():
     drafter = NgramDrafter(2, max_ngram=2, corpus=LookupCorpus(CORPUS, max_ngram=2))
     assert draft_of(drafter, [1, 2, 6, 8, 1, 2]) == [6, 8]  # "1 2" seen earlier here
@@ -77,31 +95,46 @@ def target():
     return Transformer.from_hf(tiny_llama(0))
 
 
-def test_greedy_through_a_corpus_is_lossless_and_uses_it(target):
+@pytest.mark.parametrize("match", ["latest", pytest.param("earliest", marks=pytest.mark.slow)])
+def test_greedy_through_a_corpus_is_lossless_and_uses_it(target, match):
     """The corpus holds the target's own greedy answers to other prompts, as the
-    self-distillation cache does; the answers here must equal plain greedy decoding."""
+    self-distillation cache does; the answers here must equal plain greedy decoding, under
+    either match rule (the context alone too)."""
     others = [[3 + i, 9, 4 + 2 * i] for i in range(8)]
     corpus = LookupCorpus([generate(target, p, max_new_tokens=24).tokens for p in others])
     accepted = 0
     for prompt in ([5, 9, 6], [11, 9, 7], [20, 21]):
         expected = generate(target, prompt, max_new_tokens=24).tokens
         for k, nodes in ((1, 1), (3, 3), (1, 3), (3, 6)):
-            drafter = NgramDrafter(k, corpus=corpus, max_nodes=nodes)
+            drafter = NgramDrafter(k, corpus=corpus, max_nodes=nodes, match=match)
             result = generate(target, prompt, drafter=drafter, max_new_tokens=24)
             assert result.tokens == expected
             accepted += result.stats.accepted
-    plain = sum(generate(target, p, drafter=NgramDrafter(3), max_new_tokens=24).stats.accepted
-                for p in ([5, 9, 6], [11, 9, 7], [20, 21]))
-    assert accepted > plain  # the corpus's drafts were really used
+    alone = [generate(target, p, drafter=NgramDrafter(3, match=match), max_new_tokens=24)
+             for p in ([5, 9, 6], [11, 9, 7], [20, 21])]
+    assert [r.tokens for r in alone] == [generate(target, p, max_new_tokens=24).tokens
+                                         for p in ([5, 9, 6], [11, 9, 7], [20, 21])]
+    assert accepted > sum(r.stats.accepted for r in alone)  # the corpus's drafts were used
 
 
-def test_sampling_through_a_corpus_follows_the_target_law():
+def test_greedy_through_the_earliest_match_is_lossless(target):
+    """The context alone, vLLM's rule, on a prompt that repeats itself (the complete run checks
+    the rule with a corpus and under sampling too)."""
+    prompt = [5, 9, 6, 5, 9, 6, 5, 9]
+    result = generate(target, prompt, drafter=NgramDrafter(3, match="earliest"),
+                      max_new_tokens=16)
+    assert result.tokens == generate(target, prompt, max_new_tokens=16).tokens
+    assert result.stats.accepted > 0
+
+
+@pytest.mark.parametrize("match", ["latest", pytest.param("earliest", marks=pytest.mark.slow)])
+def test_sampling_through_a_corpus_follows_the_target_law(match):
     target = Transformer.from_hf(tiny_llama(3, vocab=8, layers=1, hidden=16, std=0.5))
     prompt = [2, 3, 4, 2, 3, 4, 2, 3]
     greedy = generate(target, prompt, max_new_tokens=4).tokens
     # Only the corpus knows what follows the prompt's greedy answer; the context knows the rest.
     corpus = LookupCorpus([prompt + greedy, greedy + greedy])
     for nodes in (3, 6):
-        drafter = NgramDrafter(3, corpus=corpus, max_nodes=nodes)
+        drafter = NgramDrafter(3, corpus=corpus, max_nodes=nodes, match=match)
         assert sampled_pvalue(target, drafter, SamplingParams(1.0),
                               FAST_LAW_SAMPLES) > P_VALUE_FLOOR

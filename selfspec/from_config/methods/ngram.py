@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from selfspec.checks import is_count
 from selfspec.drafters import LookupCorpus, NgramDrafter
+from selfspec.drafters.ngram import MATCHES
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import SHIPPED, Loaded, MethodEntry, always
 from selfspec.from_config.models import load_tokenizer
@@ -56,7 +57,17 @@ def ngram_drafter(cfg_ngram: DictConfig, k: int, corpus: LookupCorpus | None,
     a tree of max(k, tree_nodes) nodes when tree_nodes is set)."""
     nodes = k if corpus is None or tree_nodes is None else max(k, tree_nodes)
     return NgramDrafter(num_draft_tokens=k, max_ngram=int(cfg_ngram.max_ngram), corpus=corpus,
-                        max_nodes=nodes)
+                        max_nodes=nodes, match=context_match(cfg_ngram))
+
+
+def context_match(cfg_ngram: DictConfig) -> str:
+    """ngram.match, checked: which earlier occurrence of the context's n-gram is continued."""
+    match = str(cfg_ngram.get("match", MATCHES[0]))
+    if match not in MATCHES:
+        raise ValueError(f"ngram.match must be {' or '.join(MATCHES)} (the most recent earlier "
+                         f"occurrence of the last n-gram, or the first: vLLM's rule), got "
+                         f"{match!r}")
+    return match
 
 
 def tree_node_counts(cfg_ngram: DictConfig) -> list[int | None]:
@@ -70,6 +81,7 @@ def check_ngram_settings(cfg_ngram: DictConfig, cfg_model: DictConfig) -> list[i
     if cfg_ngram.get("corpus"):
         corpus_path(cfg_ngram, cfg_model)
     lookup_settings(cfg_ngram)
+    context_match(cfg_ngram)
     return tree_node_counts(cfg_ngram)
 
 

@@ -3,9 +3,11 @@
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
+from selfspec.from_config.common import CONF_DIR
 from selfspec.from_config.generation import build_drafter, generation_settings
-from selfspec.from_config.methods.ngram import corpus_path
+from selfspec.from_config.methods.ngram import context_match, corpus_path, ngram_drafter
 from selfspec.from_config.models import load_target, load_tokenizer
 
 
@@ -36,3 +38,14 @@ def test_the_shipped_corpus_is_the_models_own_answers_file(cfg_of):
     assert path.name == f"{cfg.model.answers}.gz" and path.stat().st_size > 100_000
     with pytest.raises(FileNotFoundError, match="no answers ship for model=tiny"):
         generation_settings(cfg_of("generate", "drafter=ngram", "ngram.corpus=shipped"))
+
+
+
+def test_ngram_match_picks_the_drafters_rule():
+    cfg_ngram = OmegaConf.load(CONF_DIR / "ngram" / "lookup.yaml")
+    assert ngram_drafter(cfg_ngram, 3, None).match == "latest"  # the default
+    cfg_ngram.match = "earliest"
+    assert ngram_drafter(cfg_ngram, 3, None).match == "earliest"
+    cfg_ngram.match = "first"
+    with pytest.raises(ValueError, match="ngram.match must be latest or earliest"):
+        context_match(cfg_ngram)
