@@ -37,11 +37,12 @@ from tqdm import tqdm
 
 from selfspec.cli import exit_on_user_error
 from selfspec.corpus import HELDOUT_BUCKETS, read_source, stdlib_files, stdlib_manifest_sha256
+from selfspec.divergences import kl_to_teacher
 from selfspec.errors import SelfspecError
+from selfspec.heads.base import LossOutput
 from selfspec.training.checkpoints import CHECKPOINT_PREFIX, RUN_CONFIG, record_run_config
 from selfspec.training.data import EOS_TOKEN, pack_token_stream, token_stream
 from selfspec.training.loop import TrainSettings, fit, make_accelerator
-from selfspec.training.losses import LossOutput, kl_to_teacher
 from selfspec.training.rows import TokenRows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -659,7 +660,7 @@ def stage_draft(ctx: Ctx) -> None:
     weaker, comparison = compare_lines(run.metrics, target_metrics)
     notes = [f"- distilled from selfspec-tiny (`../target`, {n_params(teacher):,} parameters): "
              f"loss = {1 - hard:g} x KL(target || draft) of the next-token laws "
-             f"(`selfspec.training.losses.kl_to_teacher`) + {hard:g} x next-token cross entropy; "
+             f"(`selfspec.divergences.kl_to_teacher`) + {hard:g} x next-token cross entropy; "
              "the curve's train loss is that mix", comparison]
     card = Card("selfspec-tiny-draft", "The small-draft-model baseline for selfspec-tiny: same "
                 "tokenizer, distilled from the target so that it imitates it.", run.model,

@@ -324,7 +324,7 @@ def fit_medusa_heads(target, continuations: dict, num_heads: int = 4, steps: int
     """Medusa heads fit (AdamW, full batch) to the target's own greedy continuations, given as
     {prompt tuple: new tokens}; returns (heads in eval mode, the last step's metrics)."""
     from selfspec.heads import MedusaConfig, MedusaHeads
-    from selfspec.training.losses import medusa_loss
+    from selfspec.heads.medusa import medusa_loss
 
     tokens, mask = continuation_rows(continuations)
     with torch.no_grad():

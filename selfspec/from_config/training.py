@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import check_count
 from selfspec.decode import generate
+from selfspec.divergences import DIVERGENCES
 from selfspec.drafters import Drafter
 from selfspec.errors import SelfspecError
 from selfspec.from_config.common import device, positive_int, sampling_params
@@ -48,7 +49,6 @@ from selfspec.training.data import (
     self_distill,
     self_distill_rows,
 )
-from selfspec.training.divergences import DIVERGENCES
 from selfspec.training.features import StoreWriter
 from selfspec.training.instructions import (
     cache_name,
@@ -304,7 +304,7 @@ def head_exporter(head: torch.nn.Module, prefix: str, target: Transformer,
 
 def training_objective(cfg: DictConfig) -> str:
     """trainer.objective: the divergence a trainer fits its draft's law to the target's by
-    (`training.divergences`; unset: kl, the published default), checked."""
+    (`selfspec.divergences`; unset: kl, the published default), checked."""
     name = str(cfg.trainer.get("objective") or "kl")
     if name not in DIVERGENCES:
         raise ValueError(f"trainer.objective must be one of {', '.join(DIVERGENCES)} (the "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from selfspec.checks import check_count
@@ -207,3 +208,82 @@ def start_from_target(norm: nn.Module, lm_head: nn.Module | None, target: Transf
     if vocab is not None:
         weight = dense_weight(target.lm_head)  # [V, h] (a quantized head's dequantized)
         lm_head.weight.copy_(weight[vocab.target_ids.to(weight.device)])
+
+
+# ---- what the heads' losses share -------------------------------------------------------------
+
+
+@dataclass
+class LossOutput:
+    """loss: the scalar to minimise; metrics: plain floats to log (same keys every call)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def masked_mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Mean of values [B, T] over rows [B, T] (0, graph kept, when no row counts)."""
+    weights = rows.float()
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def agreement(logits: torch.Tensor, teacher_logits: torch.Tensor, rows: torch.Tensor) -> float:
+    """Share of the counted rows where both argmaxes agree (0 when no row counts)."""
+    return hits(logits, teacher_logits.argmax(-1), rows)
+
+
+def hits(logits: torch.Tensor, wanted: torch.Tensor, rows: torch.Tensor | None = None
+          ) -> float:
+    """Share of the counted rows (None: all) where the argmax of logits is `wanted` (0 when
+    none counts)."""
+    same = logits.detach().argmax(-1) == wanted
+    rows = torch.ones_like(same) if rows is None else rows
+    return float((same & rows).sum()) / max(float(rows.sum()), 1.0)
+
+
+def masked_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Mean cross-entropy and top-1 accuracy over the valid positions ([B, T', V], [B, T'])."""
+    count = valid.sum()
+    if count == 0:  # keep the graph connected so every head still gets a (zero) gradient
+        return logits.sum().float() * 0.0, 0.0
+    per_token = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+    )  # [B * T']
+    weights = valid.flatten().float()
+    loss = (per_token * weights).sum() / count
+    hits = (logits.detach().argmax(dim=-1) == labels) & valid  # [B, T']
+    return loss, float(hits.sum()) / float(count)
+
+
+def confidence_loss(logits: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor,
+                    prefix: str = "") -> LossOutput:
+    """A block drafter's confidence (`FeatureHead.acceptance_logits`) fitted by binary
+    cross-entropy to whether each position's drafted token is accepted, counted where the
+    position counts and every position before it in its block was accepted: position k learns
+    its chance given positions 1..k-1 accepted, which the drafter multiplies into the chance of
+    the prefix (`drafters.block.cumulative_acceptance`).
+
+    The label is the 0/1 event "the position's top token is the target's" (the data's token
+    where the target's law is not at hand, which a self-distilled row makes the target's
+    greedy token): greedy verification's exact acceptance, where block drafters are used most,
+    at hand with or without the target's law, and a rate BCE calibrates; a sampled draft's is
+    the softer 1 - TV, which the event's chance follows where the laws are peaked.
+
+    logits, accepted, valid [..., K], positions last. Metrics (`prefix`): the loss and the mean
+    |sigmoid - accepted| over the counted positions (0 when none counts)."""
+    if not logits.shape == accepted.shape == valid.shape:
+        raise ValueError(f"confidence_loss: logits, accepted and valid must share one shape "
+                         f"[..., K], got {list(logits.shape)}, {list(accepted.shape)}, "
+                         f"{list(valid.shape)}")
+    kept = (accepted.bool() & valid.bool()).long().cumprod(dim=-1).bool()  # [..., K]
+    before = torch.ones_like(kept)
+    before[..., 1:] = kept[..., :-1]  # every earlier position counted and accepted
+    rows = valid.bool() & before
+    target = accepted.float()
+    bce = F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
+    loss = masked_mean(bce, rows)
+    error = masked_mean((torch.sigmoid(logits.detach().float()) - target).abs(), rows)
+    return LossOutput(loss, {f"{prefix}confidence_loss": float(loss.detach()),
+                             f"{prefix}confidence_error": float(error)})

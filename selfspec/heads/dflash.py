@@ -30,10 +30,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from selfspec.checks import is_count, is_int_in
-from selfspec.heads.base import AttentionShape, FeatureHead, FeatureHeadConfig
+from selfspec.divergences import Divergence, forward_kl, target_log_probs
+from selfspec.heads.base import (
+    AttentionShape,
+    FeatureHead,
+    FeatureHeadConfig,
+    LossOutput,
+    confidence_loss,
+)
 from selfspec.model import (
     DecoderLayer,
     Linear,
@@ -224,3 +232,63 @@ class PrefixKeys:
 
     def advance(self, t: int) -> None:
         pass
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+
+def dflash_weights(slots: int, gamma: float, device: torch.device | str = "cpu"
+                   ) -> torch.Tensor:
+    """[slots] DFlash's position weights: slot k (1-based) weighs exp(-(k - 1) / gamma), so
+    the first drafted tokens, on which every later one's acceptance depends, count most."""
+    if not gamma > 0:
+        raise ValueError(f"dflash: gamma must be > 0 (slot k weighs exp(-(k-1)/gamma)), "
+                         f"got {gamma}")
+    return torch.exp(-torch.arange(slots, device=device, dtype=torch.float32) / gamma)
+
+
+def dflash_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    gamma: float,
+    teacher_logits: torch.Tensor | None = None,
+    divergence: Divergence = forward_kl,
+    confidence: torch.Tensor | None = None,
+) -> LossOutput:
+    """A block drafter's loss: over blocks and their slots k = 1..K, the weighted mean of
+    exp(-(k - 1) / gamma) x the cross-entropy of slot k's scores against the data (labels) or,
+    given teacher_logits, `divergence` between slot k's law and the target's; plus, given the
+    confidence head's logits [B, A, K], `confidence_loss` of them against each slot's top-1
+    hit (the label, or the teacher's argmax).
+
+    logits [B, A, K, V]: block a's slot k scores its token; labels [B, A, K] (ids among the V
+    scored); valid [B, A, K] which slots count; teacher_logits [B, A, K, V] or None. Metrics:
+    the loss and top-1 per slot (the share of counted slots whose argmax is the label, or the
+    teacher's argmax), and `dflash/top1` over all slots. No valid slot gives 0."""
+    if logits.dim() != 4 or labels.shape != logits.shape[:3] or valid.shape != labels.shape:
+        raise ValueError(f"dflash_loss: logits [B, A, K, V] with labels and valid [B, A, K], "
+                         f"got {list(logits.shape)}, {list(labels.shape)}, {list(valid.shape)}")
+    if teacher_logits is not None and teacher_logits.shape != logits.shape:
+        raise ValueError(f"dflash_loss: teacher_logits must be {list(logits.shape)}, got "
+                         f"{list(teacher_logits.shape)}")
+    slots = logits.shape[2]
+    if teacher_logits is None:
+        per_slot = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(),
+                                   reduction="none").view(labels.shape)  # [B, A, K]
+        wanted = labels
+    else:
+        per_slot = divergence(logits, target_log_probs(teacher_logits))
+        wanted = teacher_logits.argmax(-1)
+    weights = dflash_weights(slots, gamma, logits.device) * valid.float()  # [B, A, K]
+    loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
+    hits = (logits.detach().argmax(-1) == wanted) & valid
+    metrics = {"dflash/loss": float(loss.detach()),
+               "dflash/top1": float(hits.sum()) / max(float(valid.sum()), 1.0)}
+    for k in range(slots):
+        count = float(valid[..., k].sum())
+        metrics[f"dflash/slot{k + 1}_top1"] = float(hits[..., k].sum()) / max(count, 1.0)
+    if confidence is None:
+        return LossOutput(loss, metrics)
+    confident = confidence_loss(confidence, hits, valid, "dflash/")
+    return LossOutput(loss + confident.loss, metrics | confident.metrics)

@@ -8,8 +8,8 @@ through the target's own LM head (used, never owned):
 - `adapter` (Kangaroo): RMSNorm, one attention layer with its own K/V cache over the
   committed context, a residual, RMSNorm, then the target's LM head; no MLP. It starts as the
   `norm` exit (zero attention output, the target's final norm weights: `init_from_target`)
-  and learns the target's final law (`selfspec.training.losses.exit_loss`: forward KL, or
-  another `training.divergences` objective).
+  and learns the target's final law (`exit_loss` below: forward KL, or another
+  `selfspec.divergences` objective).
 
 A head records its exit layer: a head for one E never drafts from another (the drafter and
 `from_config.methods.early_exit.load_early_exit` refuse it). Trainable modules only: no
@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from selfspec.checks import is_count
-from selfspec.heads.base import AttentionShape, Head
+from selfspec.divergences import Divergence, forward_kl, target_log_probs
+from selfspec.heads.base import (
+    AttentionShape,
+    Head,
+    LossOutput,
+    agreement,
+    masked_cross_entropy,
+    masked_mean,
+)
 from selfspec.heads.io import check_sizes
 from selfspec.model import (
     Attention,
@@ -140,3 +148,57 @@ def check_exit_target(who: str, head: ExitHead, target: Transformer) -> None:
         check_exit_layer(ours.exit_layer, theirs.num_layers)
     except ValueError as error:
         raise ValueError(f"{who}: {error} for this {theirs.num_layers}-layer target") from None
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+
+def exit_loss(
+    exit_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    hard_weight: float = 0.0,
+    divergence: Divergence = forward_kl,
+) -> LossOutput:
+    """An early exit's loss: `divergence` from the target's final law (Kangaroo: forward KL,
+    the soft cross-entropy less the target's entropy), plus hard_weight x cross-entropy to the
+    tokens themselves.
+
+    exit_logits, target_logits: [B, T, V]; position t predicts token t + 1, so it counts when
+    loss_mask[:, t + 1] is set (None: every position but the last). tokens [B, T]: needed
+    when hard_weight > 0. Metrics: the soft term (the divergence), the KL to the target (0 for
+    a perfect exit, whatever the objective) and top-1, the share of counted positions where
+    both argmaxes agree (greedy drafting's acceptance, token by token).
+    """
+    _check_exit_inputs(exit_logits, target_logits, tokens, loss_mask, hard_weight)
+    exit_rows, teacher = exit_logits[:, :-1], target_logits[:, :-1]  # [B, T-1, V]
+    rows = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+    rows = rows if loss_mask is None else loss_mask[:, 1:].bool()
+    law = target_log_probs(teacher)  # [B, T-1, V]
+    soft_loss = masked_mean(divergence(exit_rows, law), rows)
+    kl = soft_loss if divergence is forward_kl else masked_mean(forward_kl(exit_rows, law), rows)
+    metrics = {"soft_loss": float(soft_loss.detach()), "kl": float(kl.detach()),
+               "top1": agreement(exit_rows, teacher, rows)}
+    if hard_weight == 0:
+        return LossOutput(soft_loss, metrics)
+    hard, _ = masked_cross_entropy(exit_rows, tokens[:, 1:], rows)
+    metrics["hard_loss"] = float(hard.detach())
+    return LossOutput(soft_loss + hard_weight * hard, metrics)
+
+
+def _check_exit_inputs(
+    exit_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor | None,
+    loss_mask: torch.Tensor | None, hard_weight: float,
+) -> None:
+    if exit_logits.dim() != 3 or exit_logits.shape != target_logits.shape:
+        raise ValueError(f"exit_loss: exit_logits and target_logits must both be [B, T, V], got "
+                         f"{list(exit_logits.shape)} and {list(target_logits.shape)}")
+    for name, value in (("loss_mask", loss_mask), ("tokens", tokens)):
+        if value is not None and value.shape != exit_logits.shape[:2]:
+            raise ValueError(f"exit_loss: {name} must be [B, T] = {list(exit_logits.shape[:2])}, "
+                             f"got {list(value.shape)}")
+    if not hard_weight >= 0:
+        raise ValueError(f"exit_loss: hard_weight must be >= 0, got {hard_weight}")
+    if hard_weight > 0 and tokens is None:
+        raise ValueError("exit_loss: hard_weight > 0 needs the tokens (hard labels)")

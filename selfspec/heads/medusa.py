@@ -5,7 +5,7 @@ t + k + 2 (the target's own LM head predicts t + 1). Each head is `num_layers` r
 followed by a vocabulary projection: its own (Medusa-1's released heads), or the target's frozen
 LM head shared by all heads (`shared_lm_head`, as the later Medusa releases do), computed for
 every head in one matmul. Trainable modules only: decoding lives in
-`selfspec.drafters.medusa`, the loss in `selfspec.training.losses`.
+`selfspec.drafters.medusa`; the loss is `medusa_loss` below.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from selfspec.checks import check_count, is_int_in
-from selfspec.heads.base import Head
+from selfspec.divergences import Divergence, forward_kl, target_log_probs
+from selfspec.heads.base import Head, LossOutput, agreement, masked_cross_entropy, masked_mean
 from selfspec.heads.draft_vocab import (
     DraftVocab,
     default_vocab,
@@ -192,3 +193,74 @@ class MedusaHeads(Head):
         for head in self.heads:
             head.lm_head.weight.copy_(rows)
         return self
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+
+def medusa_loss(
+    head_logits: torch.Tensor,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    decay: float = 0.8,
+    teacher_logits: torch.Tensor | None = None,
+    divergence: Divergence = forward_kl,
+) -> LossOutput:
+    """Medusa-1 loss: sum over heads k of decay**k * cross-entropy of head k, or, given the
+    target's logits, of `divergence` between head k's law and the target's.
+
+    head_logits: [B, T, K, V] head k at position t predicts tokens[t + k + 2] (the target's own
+        LM head predicts t + 1), so head k is scored on positions t < T - k - 2.
+    tokens: [B, T] the sequence the hidden states were computed on.
+    loss_mask: [B, T] bool/0-1, whether a token counts as a *prediction target* (e.g. only
+        assistant replies); None = every token.
+    teacher_logits: [B, T, V] the target's logits (position i: the law of token i + 1), or
+    None: against the tokens. Head k at t then meets the target's law at t + k + 1, and its
+    top-1 is agreement with that law's argmax.
+    A head with no valid position contributes 0 to the loss and reports 0 for its metrics.
+    """
+    _check_medusa_inputs(head_logits, tokens, loss_mask, decay)
+    if teacher_logits is not None and teacher_logits.shape != head_logits[:, :, 0].shape:
+        raise ValueError(f"medusa_loss: teacher_logits must be [B, T, V] = "
+                         f"{list(head_logits[:, :, 0].shape)}, got {list(teacher_logits.shape)}")
+    batch, length, num_heads, _ = head_logits.shape
+    mask = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    total = head_logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for k in range(num_heads):
+        shift = k + 2
+        logits = head_logits[:, : max(length - shift, 0), k]  # [B, T - k - 2, V]
+        labels, valid = tokens[:, shift:], mask[:, shift:]  # [B, T - k - 2]
+        if teacher_logits is None:
+            head_loss, top1 = masked_cross_entropy(logits, labels, valid)
+        else:
+            teacher = teacher_logits[:, shift - 1: length - 1]  # the laws of tokens t + k + 2
+            head_loss = masked_mean(divergence(logits, target_log_probs(teacher)), valid)
+            top1 = agreement(logits, teacher, valid)
+        total = total + decay**k * head_loss
+        metrics[f"medusa/head{k}_loss"] = float(head_loss.detach())
+        metrics[f"medusa/head{k}_top1"] = top1
+    return LossOutput(total, metrics)
+
+
+def _check_medusa_inputs(
+    head_logits: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor | None, decay: float
+) -> None:
+    if head_logits.dim() != 4:
+        raise ValueError(
+            f"medusa_loss: head_logits must be [B, T, K, V], got shape {list(head_logits.shape)}; "
+            f"pass MedusaHeads(hidden [B, T, H])"
+        )
+    if tokens.shape != head_logits.shape[:2] or tokens.is_floating_point():
+        raise ValueError(
+            f"medusa_loss: tokens must be integer ids of shape [B, T] = "
+            f"{list(head_logits.shape[:2])} (head_logits' first two dims), got "
+            f"{tokens.dtype} {list(tokens.shape)}"
+        )
+    if loss_mask is not None and loss_mask.shape != tokens.shape:
+        raise ValueError(
+            f"medusa_loss: loss_mask must have the tokens' shape {list(tokens.shape)}, got "
+            f"{list(loss_mask.shape)}"
+        )
+    if not decay > 0:
+        raise ValueError(f"medusa_loss: decay must be > 0 (head k weighs decay**k), got {decay}")

@@ -29,6 +29,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from selfspec.errors import SelfspecError
+from selfspec.heads.base import LossOutput
 from selfspec.quiet import quiet_imports
 from selfspec.tracking import Tracker
 from selfspec.training.best import KEEP, BestStep
@@ -39,7 +40,6 @@ from selfspec.training.checkpoints import (
     resume_checkpoint,
     save_checkpoint,
 )
-from selfspec.training.losses import LossOutput
 from selfspec.training.rows import TokenRows
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Training objectives: a target plus a trainable head, whose forward is the loss.
 
-`selfspec.training.loop.fit` trains any of these; each method adds one class here, a head in
-`selfspec.heads` and a loss in `selfspec.training.losses`. Each takes `objective`, the name of
-the divergence its draft's law is fitted to the target's by (`training.divergences`: kl, the
+`selfspec.training.loop.fit` trains any of these; each method adds one class here, and a head
+and its loss in `selfspec.heads`. Each takes `objective`, the name of
+the divergence its draft's law is fitted to the target's by (`selfspec.divergences`: kl, the
 published default, tv, reverse_kl, jsd, lk). With a frozen target its features
 are computed without gradients, or read from a feature source (`features.FeatureCache`, a
 feature store's `features.StoredFeatures`), and handed to the head explicitly; Medusa-2 also
@@ -20,29 +20,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.checks import check_count, is_count
-from selfspec.heads.dflash import DFlashHead, PrefixKeys
+from selfspec.divergences import Divergence, divergence, kl_to_teacher
+from selfspec.heads.base import LossOutput
+from selfspec.heads.dflash import DFlashHead, PrefixKeys, dflash_loss
 from selfspec.heads.draft_vocab import DraftVocab
 from selfspec.heads.eagle import EagleHead
-from selfspec.heads.early_exit import ExitHead
-from selfspec.heads.medusa import MedusaHeads
+from selfspec.heads.eagle_losses import (
+    eagle3_loss,
+    eagle_loss,
+    parallel_confidence_loss,
+    parallel_eagle3_loss,
+)
+from selfspec.heads.early_exit import ExitHead, exit_loss
+from selfspec.heads.medusa import MedusaHeads, medusa_loss
 from selfspec.model import Transformer
-from selfspec.training.divergences import Divergence, divergence
 from selfspec.training.features import (
     FeatureCache,
     FeatureSource,
     TargetStates,
     target_states,
-)
-from selfspec.training.losses import (
-    LossOutput,
-    dflash_loss,
-    eagle3_loss,
-    eagle_loss,
-    exit_loss,
-    kl_to_teacher,
-    medusa_loss,
-    parallel_confidence_loss,
-    parallel_eagle3_loss,
 )
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ from selfspec.drafters.gemma4_assistant import (
     shared_kv,
     shared_layers,
 )
+from selfspec.heads.base import LossOutput
 from selfspec.heads.gemma4_assistant import Gemma4Assistant, teacher_forced_masks
 from selfspec.model import Transformer
 from selfspec.sampling import logits_to_probs
-from selfspec.training.losses import LossOutput
 from selfspec.tree import Tree
 
 T1 = SamplingParams(temperature=1.0)

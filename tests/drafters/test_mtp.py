@@ -23,8 +23,8 @@ from mtp_reference import QWEN3_NEXT, mtp_target
 
 from selfspec import SamplingParams, Tree, generate
 from selfspec.drafters.mtp import MtpDrafter
+from selfspec.heads.base import LossOutput
 from selfspec.sampling import logits_to_probs
-from selfspec.training.losses import LossOutput
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42, 3, 9], [3]]
 NEW_TOKENS = 20

@@ -28,12 +28,12 @@ from selfspec.drafters import (
 )
 from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookahead import LookaheadDrafter
+from selfspec.heads.base import LossOutput
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.model import ModelConfig, attention_kernels
 from selfspec.model.transformer import _kv_for_kernels
 from selfspec.sampling import check_generator, sample
 from selfspec.training.loop import TrainSettings, _evaluate, _micro_batch
-from selfspec.training.losses import LossOutput
 from selfspec.training.rows import TokenRows
 from selfspec.verify import verify_linear
 

@@ -83,7 +83,7 @@ def test_the_walk_finds_a_planted_circle_through_a_typing_only_import(tmp_path):
 # dataclasses they exchange), so it sits below the loop that uses it.
 LAYERS = (
     ("leaves", ("errors", "checks", "devices", "metrics", "files", "quiet", "tracking",
-                "corpus")),
+                "corpus", "divergences")),
     ("core", ("verify", "sampling", "tree", "ranking")),
     ("model", ("model",)),
     ("step", ("step", "drafters.base")),

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
+from selfspec.divergences import DIVERGENCES
 from selfspec.from_config.methods import mtp
 from selfspec.from_config.methods.dflash import check_dflash_settings, dflash_head, dflash_objective
 from selfspec.from_config.methods.eagle import check_eagle_settings, eagle_head, eagle_objective
@@ -26,7 +27,6 @@ from selfspec.from_config.methods.small_model import (
 from selfspec.from_config.training import TrainingRun
 from selfspec.heads.draft_vocab import token_counts
 from selfspec.model import Transformer
-from selfspec.training.divergences import DIVERGENCES
 from selfspec.training.rows import TokenRows
 
 EAGLE3 = ("eagle.version=3", "eagle.draft_vocab_size=32", "eagle.target_layers=[0,1,2]",

@@ -15,11 +15,11 @@ from helpers import adam_fit, continuation_rows, tiny_model
 
 from selfspec import generate
 from selfspec.drafters.mtp import MtpDrafter
+from selfspec.heads.base import LossOutput
 from selfspec.model import ModelConfig, Transformer
 from selfspec.model.loading import with_random_mtp
 from selfspec.model.mla import LatentAttention
 from selfspec.model.moe import grouped_sigmoid_routing
-from selfspec.training.losses import LossOutput
 from selfspec.tree import Tree
 
 transformers = pytest.importorskip("transformers", reason="pip install transformers")

@@ -1,7 +1,8 @@
-"""Training a block drafter's confidence (training/losses.py's `confidence_loss` and
-`parallel_confidence_loss`; the DFlash and P-EAGLE objectives with confidence_head): by hand on
-small cases, a position counted only after every earlier one was accepted, its gradient kept
-from the block's layers, and a few steps that teach it the block's hit rates."""
+"""Training a block drafter's confidence (`confidence_loss` of heads/base.py and
+`parallel_confidence_loss` of heads/eagle_losses.py; the DFlash and P-EAGLE objectives with
+confidence_head): by hand on small cases, a position counted only after every earlier one was
+accepted, its gradient kept from the block's layers, and a few steps that teach it the block's
+hit rates."""
 
 import math
 
@@ -9,7 +10,8 @@ import torch
 from helpers import continuation_rows, dflash_head_config, random_eagle_head
 
 from selfspec.heads import DFlashHead, EagleConfig
-from selfspec.training.losses import confidence_loss, parallel_confidence_loss
+from selfspec.heads.base import confidence_loss
+from selfspec.heads.eagle_losses import parallel_confidence_loss
 from selfspec.training.objectives import DFlashObjective, Eagle3Objective
 
 

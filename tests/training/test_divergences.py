@@ -1,4 +1,4 @@
-"""The objectives a draft's law is fitted to the target's by (`training.divergences`): each is
+"""The objectives a draft's law is fitted to the target's by (`selfspec.divergences`): each is
 zero exactly where the laws agree, matches a hand computation, masks, has finite gradients that
 lower it, and TV is the verifier's rejection rate; every trainer takes every name."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 from helpers import FAST_LAW_SAMPLES
 
-from selfspec.training.divergences import (
+from selfspec.divergences import (
     DIVERGENCES,
     acceptance,
     divergence,
     divergence_loss,
     target_log_probs,
 )
-from selfspec.training.losses import medusa_loss
+from selfspec.heads.medusa import medusa_loss
 from selfspec.verify import verify_linear
 
 NAMES = list(DIVERGENCES)

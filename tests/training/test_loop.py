@@ -22,6 +22,7 @@ from helpers import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from selfspec.heads.base import LossOutput
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
 from selfspec.tracking import Tracker, read_metrics
@@ -34,7 +35,6 @@ from selfspec.training.loop import (
     fit,
     make_accelerator,
 )
-from selfspec.training.losses import LossOutput
 from selfspec.training.objectives import MedusaObjective
 
 TESTS = Path(__file__).parents[1]

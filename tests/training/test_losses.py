@@ -1,19 +1,17 @@
-"""The training losses (losses.py) against hand computations: Medusa, EAGLE, exits, KL."""
+"""The training losses (each beside its head: heads/medusa.py, heads/eagle_losses.py,
+heads/early_exit.py, heads/dflash.py; the KL to a teacher in selfspec/divergences.py) against
+hand computations: Medusa, EAGLE, exits, KL."""
 
 import math
 
 import pytest
 import torch
 
-from selfspec.training.losses import (
-    dflash_loss,
-    eagle3_loss,
-    eagle_loss,
-    exit_loss,
-    kl_to_teacher,
-    medusa_loss,
-    soft_cross_entropy,
-)
+from selfspec.divergences import kl_to_teacher, soft_cross_entropy
+from selfspec.heads.dflash import dflash_loss
+from selfspec.heads.eagle_losses import eagle3_loss, eagle_loss
+from selfspec.heads.early_exit import exit_loss
+from selfspec.heads.medusa import medusa_loss
 
 # ---- Medusa ----------------------------------------------------------------------------------
 

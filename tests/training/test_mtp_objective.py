@@ -10,10 +10,10 @@ from mtp_reference import mtp_target
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from selfspec.divergences import divergence
 from selfspec.drafters.mtp import MtpHead
 from selfspec.from_config.methods import mtp as method
 from selfspec.from_config.training import TrainingRun
-from selfspec.training.divergences import divergence
 from selfspec.training.objectives import MtpObjective
 from selfspec.training.rows import TokenRows
 

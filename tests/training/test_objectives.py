@@ -17,11 +17,13 @@ from helpers import (
 )
 
 from selfspec import Transformer, generate
+from selfspec.divergences import kl_to_teacher, soft_cross_entropy
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.heads.draft_vocab import draft_vocabulary
+from selfspec.heads.eagle_losses import eagle_loss
+from selfspec.heads.early_exit import exit_loss
 from selfspec.model.kv_cache import KVCache
 from selfspec.model.lora import LINEAR_LAYERS
-from selfspec.training.losses import eagle_loss, exit_loss, kl_to_teacher, soft_cross_entropy
 from selfspec.training.objectives import (
     DFlashObjective,
     DraftModelObjective,

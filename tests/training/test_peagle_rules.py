@@ -6,8 +6,8 @@ loss (`parallel_eagle3_loss`: one mean a copy, or pooled, one mean over every ke
 import pytest
 import torch
 
-from selfspec.training.divergences import forward_kl
-from selfspec.training.losses import parallel_eagle3_loss
+from selfspec.divergences import forward_kl
+from selfspec.heads.eagle_losses import parallel_eagle3_loss
 from selfspec.training.objectives import copy_keep_chances, kept_copies
 
 ANCHORS = 50_000  # the share's standard error is below 2.3e-3

@@ -1,5 +1,6 @@
 """The distribution-matching objectives a draft's law q is fitted to the target's law p by:
-one name, one pure function, for every trainer's loss (`DIVERGENCES`, `divergence`).
+one name, one pure function, for every trainer's loss (`DIVERGENCES`, `divergence`); and the
+cross-entropies and the next-token KL to a teacher that several methods' losses share.
 
 Speculative sampling keeps a token drafted from q with probability
 alpha(p, q) = sum_v min(p_v, q_v) = 1 - TV(p, q), so tau rewards a small total variation;
@@ -39,6 +40,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LK_ETA = 3.0  # the LK hybrid's decay: lambda = exp(-LK_ETA * alpha)
@@ -114,6 +116,44 @@ def target_log_probs(target: torch.Tensor, is_logits: bool = True) -> torch.Tens
     probabilities (zeros stay -inf: a law restricted to some tokens)."""
     target = target.detach().float()
     return torch.log_softmax(target, dim=-1) if is_logits else target.log()
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[...] -sum softmax(teacher) * log_softmax(logits) over the last dimension (fp32)."""
+    return cross_entropy_to(logits, torch.softmax(teacher_logits.float(), dim=-1))
+
+
+def cross_entropy_to(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[...] -sum probs * log_softmax(logits) over the last dimension (fp32)."""
+    return -(probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+
+def kl_to_teacher(
+    logits: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean KL(teacher || model) of the next-token laws, over the positions whose next token
+    counts (Medusa-2's self-distillation: the teacher is the unadapted target).
+
+    logits, teacher_logits: [B, T, V]; position t predicts token t + 1, so it counts when
+    loss_mask[:, t + 1] is set (None = every position). No valid position gives 0.
+    """
+    if logits.shape != teacher_logits.shape or logits.dim() != 3:
+        raise ValueError(
+            f"kl_to_teacher: logits and teacher_logits must both be [B, T, V], got "
+            f"{list(logits.shape)} and {list(teacher_logits.shape)}"
+        )
+    if loss_mask is not None and loss_mask.shape != logits.shape[:2]:
+        raise ValueError(
+            f"kl_to_teacher: loss_mask must be [B, T] = {list(logits.shape[:2])}, got "
+            f"{list(loss_mask.shape)}"
+        )
+    model = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T - 1, V]
+    teacher = F.log_softmax(teacher_logits[:, :-1].float(), dim=-1)
+    per_position = F.kl_div(model, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
+    valid = torch.ones_like(per_position) if loss_mask is None else loss_mask[:, 1:].float()
+    mean = (per_position * valid).sum() / valid.sum().clamp(min=1.0)
+    return mean.clamp(min=0.0)  # a KL is >= 0; between near-equal laws rounding dips below
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
