@@ -4,9 +4,10 @@ serves is exported by `export_head(..., "vllm", ...)`, served, its output equals
 decoding's, and vLLM's mean acceptance length equals selfspec's for the same head, draft shape
 (a chain of DEPTH tokens) and prompts, within TAU_TOLERANCE. vLLM counts a step only when it
 drafted something, so selfspec's figure is taken over its drafting steps too (for the heads,
-which draft every step, that is its tau). n-gram lookup's rules differ (vLLM continues the
-earliest occurrence of the longest matched n-gram, selfspec the most recent): vLLM's rule,
-re-expressed here as a drafter, runs through selfspec's loop for the comparison.
+which draft every step, that is its tau). vLLM's n-gram proposer continues the earliest
+occurrence of the longest matched n-gram: selfspec's `NgramDrafter(match="earliest")`, which
+proposes what vLLM's own proposer function proposes on every context tried, and which is
+compared (selfspec's default, the most recent occurrence, is recorded beside it).
 
 The heads are random but built to accept on the prompts' loops (a period-1 run of one token,
 where proposing the last token again is right): an EAGLE-1 head with a large fc bias that
@@ -21,6 +22,7 @@ RESULTS_ENV names a JSON file that collects the per-head figures (docs/results/v
 
 import json
 import os
+import random
 import subprocess
 from pathlib import Path
 
@@ -30,7 +32,13 @@ from helpers import random_dflash_head, random_eagle_head, random_medusa_heads
 from tokenizers import Tokenizer
 
 from selfspec import Transformer, generate
-from selfspec.drafters import DFlashDrafter, EagleDrafter, NgramDrafter, SmallModelDrafter
+from selfspec.drafters import (
+    DFlashDrafter,
+    DraftContext,
+    EagleDrafter,
+    NgramDrafter,
+    SmallModelDrafter,
+)
 from selfspec.drafters.medusa import MedusaDrafter
 from selfspec.heads import (
     DFlashConfig,
@@ -40,6 +48,7 @@ from selfspec.heads import (
     draft_vocabulary,
 )
 from selfspec.heads.export import export_head
+from selfspec.measure.replay import GreedyRecord, record_greedy, replay
 from selfspec.metrics import GenerationStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,11 +88,15 @@ def plain(target, prompts) -> list[list[int]]:
 
 
 def serve(folder: Path, prompts: list[list[int]], speculative: dict | None = None,
-          model: Path = TINY / "target") -> dict:
+          model: Path = TINY / "target", max_new: int = MAX_NEW) -> dict:
     """vLLM's greedy tokens and speculative counters for the prompts."""
+    return run_side(folder, {"model": str(model), "prompts": prompts, "max_tokens": max_new,
+                             "speculative_config": speculative})
+
+
+def run_side(folder: Path, job: dict) -> dict:
+    """vllm_side.py's answer to `job`, run with the python of vLLM's venv."""
     folder.mkdir(parents=True, exist_ok=True)
-    job = {"model": str(model), "prompts": prompts, "max_tokens": MAX_NEW,
-           "speculative_config": speculative}
     (folder / "job.json").write_text(json.dumps(job))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(PYTHON), str(SIDE), str(folder / "job.json"),
@@ -260,20 +273,22 @@ def test_the_draft_model_serves_in_vllm_with_selfspecs_acceptance(tmp_path, targ
     assert_served_like_selfspec("draft_model", served, plain, ours)
 
 
-class EarliestMatchNgram(NgramDrafter):
-    """vLLM's n-gram rule, re-expressed as a selfspec drafter: the longest suffix n-gram
-    (max_ngram down to min_ngram) that occurred earlier, continued from its *earliest*
-    occurrence (selfspec's NgramDrafter continues the most recent one, whose continuation the
-    end of the context can cut short)."""
+def vllm_scheduled_stats(target, prompts, make_drafter) -> GenerationStats:
+    """selfspec's counters on vLLM's schedule: vLLM's first new token comes from the prefill,
+    undrafted, where selfspec's first step verifies a draft of the prompt alone; replayed from
+    the second token on (selfspec/measure/replay.py), the steps are vLLM's."""
+    stats = GenerationStats()
+    for prompt in prompts:
+        tokens = record_greedy(target, prompt, MAX_NEW).tokens  # [MAX_NEW + lookahead]
+        later = GreedyRecord(prompt + tokens[:1], tokens[1:], MAX_NEW - 1)
+        stats.merge(replay(target, make_drafter(), later))
+    return stats
 
-    def _context_chain(self, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            windows = tokens[:-1].unfold(0, n, 1)  # [L - n, n]: n-grams with a successor
-            hits = torch.nonzero((windows == tokens[-n:]).all(dim=1)).flatten()
-            if hits.numel():
-                start = int(hits[0]) + n
-                return n, tokens[start:start + self.num_draft_tokens]
-        return 0, tokens[:0]
+
+def counters(stats: GenerationStats) -> dict:
+    """vLLM's speculative counters, as selfspec's stats count them."""
+    return {"drafts": stats.position_drafted[0], "accepted": stats.accepted,
+            "accepted_per_pos": list(stats.position_accepted)}
 
 
 def test_ngram_serves_in_vllm_with_selfspecs_acceptance_under_its_rule(tmp_path, target,
@@ -282,6 +297,38 @@ def test_ngram_serves_in_vllm_with_selfspecs_acceptance_under_its_rule(tmp_path,
                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     record("ngram_selfspec_rule", served, selfspec_stats(
         target, prompts, lambda: NgramDrafter(DEPTH, max_ngram=3, min_ngram=1)))
-    ours = selfspec_stats(target, prompts,
-                          lambda: EarliestMatchNgram(DEPTH, max_ngram=3, min_ngram=1))
-    assert_served_like_selfspec("ngram_vllm_rule", served, plain, ours)
+    earliest = lambda: NgramDrafter(DEPTH, max_ngram=3, min_ngram=1, match="earliest")  # noqa: E731
+    assert_served_like_selfspec("ngram_vllm_rule", served, plain,
+                                selfspec_stats(target, prompts, earliest))
+    # What is left of the gap is the first token's schedule: on vLLM's, the counters agree.
+    scheduled = vllm_scheduled_stats(target, prompts, earliest)
+    record("ngram_vllm_rule_vllm_schedule", served, scheduled)
+    assert counters(scheduled) == {key: served[key]
+                                   for key in ("drafts", "accepted", "accepted_per_pos")}
+
+
+def ngram_cases(count: int, seed: int = 0) -> list[dict]:
+    """Random contexts over a few tokens (so n-grams recur, in loops too) and settings of
+    vLLM's prompt_lookup_min / prompt_lookup_max / num_speculative_tokens."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        vocab, length = rng.choice([2, 3, 5]), rng.randint(1, 40)
+        min_n = rng.randint(1, 3)
+        cases.append({"context": [rng.randrange(vocab) for _ in range(length)], "min_n": min_n,
+                      "max_n": rng.randint(min_n, 4), "k": rng.randint(1, 5)})
+    return cases
+
+
+def ngram_proposal(case: dict, match: str) -> list[int]:
+    drafter = NgramDrafter(case["k"], max_ngram=case["max_n"], min_ngram=case["min_n"],
+                           match=match)
+    return drafter.propose(DraftContext(torch.tensor(case["context"]), None)).tokens.tolist()
+
+
+def test_the_earliest_match_proposes_what_vllms_ngram_proposer_does(tmp_path):
+    cases = ngram_cases(400)
+    theirs = run_side(tmp_path, {"ngram_cases": cases})["proposals"]
+    assert [ngram_proposal(c, "earliest") for c in cases] == theirs
+    differ = sum(ngram_proposal(c, "latest") != t for c, t in zip(cases, theirs, strict=True))
+    assert differ > 40, differ  # the default rule would fail: the comparison bites

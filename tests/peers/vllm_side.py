@@ -9,6 +9,10 @@ engine per call (an engine starts in seconds on the CPU, so one call serves ever
 OUT.json: {"tokens": [[new token ids]], "drafts", "draft_tokens", "accepted",
 "accepted_per_pos"}: vLLM's speculative counters summed over the prompts (zeros without a
 speculative config).
+
+A job {"ngram_cases": [{"context": [ids], "min_n", "max_n", "k"}]} runs no engine: it asks
+vLLM's own n-gram proposer (the compiled function its `NgramProposer` calls for each request)
+for each context's proposal, OUT.json {"proposals": [[ids]]}.
 """
 
 import json
@@ -46,9 +50,23 @@ def serve(job: dict) -> dict:
     return result
 
 
+def ngram_proposals(job: dict) -> dict:
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as propose,
+    )
+
+    no_length_cap = 1 << 30  # its max_model_len: never the limit here
+    return {"proposals": [
+        propose(np.array(case["context"], dtype=np.int32), case["min_n"], case["max_n"],
+                no_length_cap, case["k"]).tolist()
+        for case in job["ngram_cases"]]}
+
+
 if __name__ == "__main__":  # vLLM's engine must not start on import (its workers re-import)
     job_file, out_file = sys.argv[1:3]
     with open(job_file) as f:
-        done = serve(json.load(f))
+        job = json.load(f)
+    done = ngram_proposals(job) if "ngram_cases" in job else serve(job)
     with open(out_file, "w") as f:
         json.dump(done, f)
