@@ -27,7 +27,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from selfspec.from_config.methods.eagle import eagle_config, eagle_head, eagle_objective
-from selfspec.from_config.methods.early_exit import early_exit_heads, early_exit_layers
+from selfspec.from_config.methods.early_exit import (
+    EarlyExitObjective,
+    early_exit_heads,
+    early_exit_layers,
+)
 from selfspec.from_config.methods.medusa import medusa_heads, medusa_objective
 from selfspec.from_config.models import load_target
 from selfspec.heads.early_exit import ExitHead
@@ -41,7 +45,6 @@ from selfspec.training.features import (
     data_key,
     store_spec,
 )
-from selfspec.training.objectives import EarlyExitObjective
 from selfspec.training.rows import TokenRows
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -21,12 +21,12 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import suite_threads, tiny_llama  # noqa: E402
 
+from selfspec.from_config.methods.medusa import Medusa2Objective, MedusaObjective  # noqa: E402
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from selfspec.model import Transformer  # noqa: E402
 from selfspec.model.lora import LoraSettings, add_lora, save_adapter  # noqa: E402
 from selfspec.tracking import Tracker  # noqa: E402
 from selfspec.training.loop import TrainSettings, fit, make_accelerator  # noqa: E402
-from selfspec.training.objectives import Medusa2Objective, MedusaObjective  # noqa: E402
 from selfspec.training.rows import TokenRows  # noqa: E402
 
 ZERO = {

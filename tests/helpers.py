@@ -626,8 +626,8 @@ def random_dflash_head(config, seed: int, std: float = 0.2):
 def fit_dflash_head(target, continuations: dict, steps: int = 60, anchors: int = 16, **config):
     """A DFlash head fit (AdamW, full batch, cross-entropy) to the target's own greedy
     continuations, given as {prompt tuple: new tokens}. Returns (head in eval mode, metrics)."""
+    from selfspec.from_config.methods.dflash import DFlashObjective
     from selfspec.heads import DFlashHead
-    from selfspec.training.objectives import DFlashObjective
 
     tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)
@@ -652,8 +652,8 @@ def random_exit(target, exit_layer: int, kind: str, seed: int = 1, std: float = 
 def fit_exits(target, continuations: dict, layers=(1, 2, 3), steps: int = 40):
     """Adapter exits at `layers` fit together (AdamW, full batch) to the target's own greedy
     continuations; returns ({E: head in eval mode}, the last step's metrics)."""
+    from selfspec.from_config.methods.early_exit import EarlyExitObjective
     from selfspec.heads import ExitConfig, ExitHead
-    from selfspec.training.objectives import EarlyExitObjective
 
     tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)
@@ -680,9 +680,9 @@ def perturbed_lora(model, seed: int = 0, std: float = 0.05):
 def medusa2_objective(seed: int = 1):
     """A Medusa-2 objective: 2 fresh heads and rank-4 adapters on the toy target."""
     from selfspec import Transformer
+    from selfspec.from_config.methods.medusa import Medusa2Objective
     from selfspec.heads import MedusaConfig, MedusaHeads
     from selfspec.model.lora import LoraSettings, add_lora
-    from selfspec.training.objectives import Medusa2Objective
 
     base = Transformer.from_hf(tiny_llama(0))
     torch.manual_seed(seed)

@@ -89,7 +89,7 @@ class MtpHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """`target_logits`, under the name the EAGLE-1 objective scores a head's outputs by
-        (`training.objectives.MtpObjective` fine-tunes the module as it trains a head)."""
+        (`from_config.methods.mtp.MtpObjective` fine-tunes the module as it trains a head)."""
         return self.target_logits(hidden, lm_head)
 
 

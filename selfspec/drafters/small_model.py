@@ -44,7 +44,7 @@ class SmallModelDrafter:
     draft nothing; verification grows by W - 1 rows (on SmolLM2, MT-bench: the first token
     right in 25% of steps, one of the top three in 36%).
 
-    mask_token_id: PARD, a draft trained to fill masks (`training.objectives`,
+    mask_token_id: PARD, a draft trained to fill masks (`from_config.methods.small_model`,
     DraftModelObjective's `parallel`): all k tokens come from one forward over the newly
     committed tokens then k - 1 mask tokens, the output after the root and after each mask
     giving a law per position, none depending on a drafted token (a chain of their top

@@ -114,7 +114,7 @@ MASK = 63
 def pard_draft(target, plain_greedy):
     """The target's first two layers trained (PARD's replicated rows, 4 copies) on the target's
     own greedy continuations of PROMPTS."""
-    from selfspec.training.objectives import DraftModelObjective
+    from selfspec.from_config.methods.small_model import DraftModelObjective
 
     tokens, mask = continuation_rows(plain_greedy)
     torch.manual_seed(0)

@@ -7,9 +7,9 @@ from helpers import medusa2_objective, perturbed_lora, tiny_llama
 
 from selfspec import Transformer, generate
 from selfspec.drafters.medusa import MedusaDrafter
+from selfspec.from_config.methods.medusa import Medusa2Objective
 from selfspec.model.lora import merge_adapter, save_adapter
 from selfspec.training.loop import TrainSettings, fit, make_accelerator
-from selfspec.training.objectives import Medusa2Objective
 from selfspec.training.rows import TokenRows
 
 

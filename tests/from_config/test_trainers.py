@@ -21,6 +21,7 @@ from selfspec.from_config.methods.eagle import (
     eagle_trainer_drafter,
 )
 from selfspec.from_config.methods.early_exit import (
+    EarlyExitObjective,
     check_early_exit_settings,
     early_exit_heads,
     early_exit_objective,
@@ -33,13 +34,13 @@ from selfspec.from_config.methods.medusa import (
     medusa_objective,
 )
 from selfspec.from_config.methods.small_model import (
+    DraftModelObjective,
     check_draft_model_settings,
     draft_from_target,
     draft_model_objective,
 )
 from selfspec.heads.draft_vocab import token_counts
 from selfspec.model import Transformer
-from selfspec.training.objectives import DraftModelObjective, EarlyExitObjective
 from selfspec.training.rows import TokenRows
 
 

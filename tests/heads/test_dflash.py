@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import dflash_head_config, random_dflash_head
 
+from selfspec.from_config.methods.dflash import DFlashObjective, anchor_blocks
 from selfspec.heads import DFlashConfig, DFlashHead, describe_target, load_head, save_head
 from selfspec.heads.dflash import default_target_layers
 from selfspec.model.kv_cache import KVCache
-from selfspec.training.objectives import DFlashObjective, anchor_blocks
 
 
 def test_default_target_layers_follow_the_references_spacing():

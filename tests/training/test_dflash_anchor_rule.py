@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import dflash_head_config, random_dflash_head
 
+from selfspec.from_config.methods.dflash import DFlashObjective, anchor_blocks
 from selfspec.heads import DFlashHead
-from selfspec.training.objectives import DFlashObjective, anchor_blocks
 
 LENGTH = 20
 

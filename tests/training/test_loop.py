@@ -22,6 +22,7 @@ from helpers import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from selfspec.from_config.methods.medusa import MedusaObjective
 from selfspec.heads.base import LossOutput
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
@@ -35,7 +36,6 @@ from selfspec.training.loop import (
     fit,
     make_accelerator,
 )
-from selfspec.training.objectives import MedusaObjective
 
 TESTS = Path(__file__).parents[1]
 

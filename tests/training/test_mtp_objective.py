@@ -13,8 +13,8 @@ from safetensors import safe_open
 from selfspec.divergences import divergence
 from selfspec.drafters.mtp import MtpHead
 from selfspec.from_config.methods import mtp as method
+from selfspec.from_config.methods.mtp import MtpObjective
 from selfspec.from_config.training import TrainingRun
-from selfspec.training.objectives import MtpObjective
 from selfspec.training.rows import TokenRows
 
 ROWS = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(0))

@@ -18,25 +18,22 @@ from helpers import (
 
 from selfspec import Transformer, generate
 from selfspec.divergences import kl_to_teacher, soft_cross_entropy
+from selfspec.from_config.methods.dflash import DFlashObjective
+from selfspec.from_config.methods.medusa import Medusa2Objective
+from selfspec.from_config.methods.small_model import DraftModelObjective
 from selfspec.heads import MedusaConfig, MedusaHeads
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.eagle_losses import eagle_loss
 from selfspec.heads.early_exit import exit_loss
 from selfspec.model.kv_cache import KVCache
 from selfspec.model.lora import LINEAR_LAYERS
-from selfspec.training.objectives import (
-    DFlashObjective,
-    DraftModelObjective,
-    Eagle3Objective,
-    EagleObjective,
-    Medusa2Objective,
-)
+from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
 # ---- Medusa ----------------------------------------------------------------------------------
 
 
 def test_shared_lm_head_heads_train_their_blocks_and_leave_the_target_frozen(target):
-    from selfspec.training.objectives import MedusaObjective
+    from selfspec.from_config.methods.medusa import MedusaObjective
 
     heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=64, num_heads=2,
                                      shared_lm_head=True))
@@ -48,7 +45,7 @@ def test_shared_lm_head_heads_train_their_blocks_and_leave_the_target_frozen(tar
 
 
 def test_cached_features_give_the_same_loss_and_run_the_target_once_per_row(target):
-    from selfspec.training.objectives import MedusaObjective
+    from selfspec.from_config.methods.medusa import MedusaObjective
 
     heads = reduced_medusa_heads(target, list(range(0, 64, 2)))
     rows = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -338,8 +335,8 @@ def test_one_run_trains_several_exits_towards_the_target(target4, greedy4, fitte
 
 
 def test_anchors_are_drawn_among_positions_whose_next_token_is_supervised(target):
+    from selfspec.from_config.methods.dflash import anchor_blocks
     from selfspec.heads import DFlashHead
-    from selfspec.training.objectives import anchor_blocks
 
     tokens = torch.randint(2, 63, (3, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(3, 20, dtype=torch.bool)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
-from selfspec.checks import is_count, is_number
+from selfspec.checks import check_count, is_count, is_number
 from selfspec.drafters import DFlashDrafter
 from selfspec.from_config import training
 from selfspec.from_config.common import as_list
@@ -36,7 +37,8 @@ from selfspec.from_config.methods.entry import (
     when_set,
 )
 from selfspec.from_config.models import model_config, model_plan
-from selfspec.heads.dflash import DFlashConfig, DFlashHead
+from selfspec.heads.base import LossOutput
+from selfspec.heads.dflash import DFlashConfig, DFlashHead, PrefixKeys, dflash_loss
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
@@ -45,8 +47,183 @@ from selfspec.model import ModelConfig, Transformer
 from selfspec.model.plan import head_training_lines
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
-from selfspec.training.objectives import ANCHOR_RULES, DFlashObjective
+from selfspec.training.objectives import (
+    detached_confidence,
+    feature_source,
+    freeze,
+    frozen_states,
+    law_objective,
+)
 from selfspec.training.rows import TokenRows
+
+# ---- objective -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockFeatures:
+    """What a block drafter learns from, of training rows [B, T]: the frozen target's residual
+    streams at the head's `target_layers` (each [B, T, H]) and, for the loss against its law,
+    its normed last hidden state [B, T, H] (None: cross-entropy against the data), whose
+    logits come back through the target's LM head. A forward computes them
+    (`DFlashObjective.features`); a feature store may supply them instead."""
+
+    streams: tuple[torch.Tensor, ...]
+    last_hidden: torch.Tensor | None = None
+
+
+ANCHOR_RULES = ("next", "specforge")  # which positions may root a DFlash training block
+
+
+class DFlashObjective(nn.Module):
+    """DFlash: per row, `anchors` block starts are drawn among the positions `anchor_rule`
+    allows (`anchor_blocks`; from `generator`, or torch's default generator, which `fit` seeds and
+    checkpoints; held-out evaluation draws from a fixed seed). A block at anchor a is
+    [token a, mask x (B - 1)] at positions a..a + B - 1; it attends to the context strictly
+    before a (every draft layer's keys of the target's fused streams there) and to itself,
+    bidirectionally, never to another block. Slot k predicts token a + k, scored against the
+    data or (teacher=True) against the target's law at a + k - 1 by `objective`, slot k weighing
+    exp(-(k - 1) / gamma) (`heads.dflash.dflash_loss`). With a draft vocabulary, slots whose token
+    lies outside it do not count and the law is restricted to it.
+    cache_features: keep each row's streams (`FeatureCache`) for runs of many epochs;
+    features: read them from elsewhere (a feature store)."""
+
+    def __init__(self, target: Transformer, head: DFlashHead, anchors: int = 16,
+                 gamma: float = 4.0, teacher: bool = False,
+                 generator: torch.Generator | None = None, cache_features: bool = False,
+                 features: FeatureSource | None = None, objective: str = "kl",
+                 anchor_rule: str = "next"):
+        super().__init__()
+        check_count("anchors", anchors, owner="DFlashObjective")
+        if anchor_rule not in ANCHOR_RULES:
+            raise ValueError(f"DFlashObjective: anchor_rule must be one of "
+                             f"{', '.join(ANCHOR_RULES)}, got {anchor_rule!r}")
+        if objective != "kl" and not teacher:
+            raise ValueError(f"DFlashObjective: objective {objective!r} fits the draft's law to "
+                             f"the target's: give teacher=True (against the data only kl, the "
+                             f"cross-entropy, applies)")
+        if not gamma > 0:
+            raise ValueError(f"DFlashObjective: gamma must be > 0, got {gamma}")
+        self.target, self.head, self.anchors = freeze(target), head, anchors
+        self.gamma, self.teacher, self.generator = float(gamma), bool(teacher), generator
+        self.anchor_rule = anchor_rule
+        self.features = feature_source(head.config.target_layers, cache_features, features,
+                                       "DFlashObjective")
+        self.objective, self.divergence = objective, law_objective(objective, "DFlashObjective")
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        return self.loss(tokens, loss_mask, self.block_features(tokens))
+
+    @torch.no_grad()
+    def block_features(self, tokens: torch.Tensor) -> BlockFeatures:
+        """The frozen target's streams (and last hidden state, for teacher=True) of rows
+        tokens [B, T]."""
+        states = frozen_states(self.target, tokens, self.head.config.target_layers,
+                               self.features)
+        return BlockFeatures(states.streams, states.last if self.teacher else None)
+
+    def loss(self, tokens: torch.Tensor, loss_mask: torch.Tensor, features: BlockFeatures
+             ) -> LossOutput:
+        """The loss of rows tokens [B, T] (loss_mask [B, T]: which tokens are prediction
+        targets) from their target features; no target layer runs here, only its embedding
+        and LM head."""
+        blocks = anchor_blocks(tokens, loss_mask, self.head.config, self.anchors,
+                               self._generator(tokens.device), self.anchor_rule)
+        states = self.block_states(features, blocks)  # [B, A, K, h]
+        logits = self.head.logits(states, self.target.lm_head)  # [B, A, K, V']
+        batch, length = tokens.shape
+        labels, valid = blocks.labels, blocks.valid
+        teacher = None
+        if features.last_hidden is not None:
+            at = (blocks.label_positions - 1).clamp(max=length - 1)  # [B, A, K]: law of a + k
+            rows = features.last_hidden[torch.arange(batch, device=tokens.device)[:, None, None],
+                                        at]  # [B, A, K, H]
+            with torch.no_grad():
+                teacher = self.target.logits_of(rows)  # [B, A, K, V]
+        vocab = self.head.draft_vocab
+        if vocab is not None:
+            labels, kept = vocab.draft_ids(labels)
+            valid = valid & kept
+            if teacher is not None:
+                teacher = teacher[..., vocab.t2d]
+        return dflash_loss(logits, labels, valid, self.gamma, teacher, self.divergence,
+                           detached_confidence(self.head, states))
+
+    def block_logits(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
+        """[B, A, K, V'] each block's slot scores (K = block_size - 1) over its context."""
+        return self.head.logits(self.block_states(features, blocks), self.target.lm_head)
+
+    def block_states(self, features: BlockFeatures, blocks: AnchorBlocks) -> torch.Tensor:
+        """[B, A, K, h] each block's slot states (K = block_size - 1) over its context."""
+        batch, length, _ = features.streams[0].shape
+        context = self.head.context(features.streams)  # [B, T, h]
+        positions = torch.arange(length, device=context.device)
+        keys = PrefixKeys(self.head.context_keys(context, positions))
+        embeds = self.target.embed_tokens(blocks.tokens).detach()  # [B, N, h]
+        hidden = self.head(embeds, blocks.positions, keys, mask=blocks.mask)  # [B, N, h]
+        size = self.head.config.block_size
+        return hidden.view(batch, -1, size, hidden.shape[-1])[:, :, 1:]  # [B, A, K, h]
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.training:
+            return self.generator
+        return torch.Generator(device=device).manual_seed(0)  # the same held-out blocks
+
+
+@dataclass(frozen=True)
+class AnchorBlocks:
+    """A batch's training blocks, A per row of B slots (N = A x B rows): tokens [B, N] (each
+    block's anchor token, then the mask token), positions [B, N], mask [B, N, T + N] (the
+    context strictly before its anchor, and its own block), label_positions [B, A, B - 1]
+    (a + k), labels [B, A, B - 1] (the tokens there) and valid [B, A, B - 1] (a drawn anchor,
+    a label inside the row and supervised)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    label_positions: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def anchor_blocks(tokens: torch.Tensor, loss_mask: torch.Tensor, config, anchors: int,
+                  generator: torch.Generator | None, rule: str = "next") -> AnchorBlocks:
+    """Up to `anchors` distinct anchors per row, drawn uniformly among the positions `rule`
+    allows (fixed shapes: a row with fewer has blocks that count nothing), and the blocks at
+    them. rule "next": a >= 1 whose next token a + 1 is supervised; "specforge" (SpecForge's
+    rule): a >= 0 with tokens a and a + 1 both supervised (a = 0 roots a block with no
+    context)."""
+    batch, length = tokens.shape
+    device, size = tokens.device, config.block_size
+    count = max(1, min(anchors, length - 2))
+    allowed = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    supervised = loss_mask.bool()
+    if rule == "specforge":
+        allowed[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
+    else:
+        allowed[:, 1:-1] = supervised[:, 2:]  # anchor a: token a + 1 is supervised
+    keys = torch.rand(batch, length, generator=generator, device=device)
+    keys = keys.masked_fill(~allowed, -1.0)
+    chosen, order = torch.topk(keys, count, dim=-1)  # [B, A]
+    drawn, anchor = chosen >= 0, order  # [B, A] each
+    offsets = torch.arange(size, device=device)
+    positions = anchor[..., None] + offsets  # [B, A, S]
+    ids = torch.full((batch, count, size), config.mask_token_id, dtype=torch.long,
+                     device=device)
+    ids[..., 0] = tokens.gather(1, anchor)
+    label_positions = positions[..., 1:]  # [B, A, S - 1]
+    inside = label_positions < length
+    at = label_positions.clamp(max=length - 1).flatten(1)
+    labels = tokens.gather(1, at).view_as(label_positions)
+    supervised = loss_mask.bool().gather(1, at).view_as(label_positions)
+    context = torch.arange(length, device=device) < anchor[..., None]  # [B, A, T]
+    own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=device)] * count)
+    mask = torch.cat([context.repeat_interleave(size, dim=1),
+                      own.expand(batch, -1, -1)], dim=-1)  # [B, N, T + N]
+    return AnchorBlocks(ids.flatten(1), positions.flatten(1), mask, label_positions, labels,
+                        drawn[..., None] & inside & supervised)
+
+
+# ---- entry -----------------------------------------------------------------------------------
 
 HEAD = "dflash_head"  # the setting naming the head's export folder
 

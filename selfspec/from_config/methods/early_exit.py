@@ -14,11 +14,13 @@ the first early_exit.confidence_threshold, the report beside the norm exit at ea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from selfspec.checks import is_count
 from selfspec.drafters import EarlyExitDrafter
@@ -34,7 +36,8 @@ from selfspec.from_config.methods.entry import (
     when_set,
 )
 from selfspec.from_config.models import load_target, model_config, model_plan
-from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer
+from selfspec.heads.base import LossOutput
+from selfspec.heads.early_exit import ExitConfig, ExitHead, check_exit_layer, exit_loss
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.measure.grid import Variant
 from selfspec.measure.method_costs import CostRow, TreeChoices
@@ -43,7 +46,49 @@ from selfspec.model.plan import trainable_line
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
 from selfspec.training.loop import state_part
-from selfspec.training.objectives import EarlyExitObjective
+from selfspec.training.objectives import feature_source, freeze, frozen_outputs, law_objective
+
+# ---- objective -------------------------------------------------------------------------------
+
+
+class EarlyExitObjective(nn.Module):
+    """Early exits at several layers E of the frozen target, trained together from one target
+    forward (so that a sweep can pick E): each exit reads the residual stream after its layer
+    and learns the target's final law (`exit_loss`: by `objective`, plus hard_weight x
+    cross-entropy to the tokens). The loss is the mean over exits; metrics are per exit,
+    `exit/E{E}_*`. features: the target's states read from elsewhere (a feature store holding
+    the exit layers) instead of its forward."""
+
+    def __init__(self, target: Transformer, heads: Sequence[ExitHead], hard_weight: float = 0.0,
+                 features: FeatureSource | None = None, objective: str = "kl"):
+        super().__init__()
+        layers = [head.exit_layer for head in heads]
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"EarlyExitObjective: give one exit per layer E (at least one), "
+                             f"got exit layers {layers}")
+        if not hard_weight >= 0:
+            raise ValueError(f"EarlyExitObjective: hard_weight must be >= 0, got {hard_weight}")
+        self.target, self.heads = freeze(target), nn.ModuleList(heads)
+        self.hard_weight = hard_weight
+        self.features = feature_source(tuple(layers), False, features, "EarlyExitObjective")
+        self.objective = objective
+        self.divergence = law_objective(objective, "EarlyExitObjective")
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        layers = tuple(head.exit_layer for head in self.heads)
+        _, streams, target_logits, _ = frozen_outputs(self.target, tokens, layers, self.features)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        total, metrics = target_logits.new_zeros(()), {}
+        for head, hidden in zip(self.heads, streams, strict=True):
+            logits = head.logits(hidden, positions, self.target)  # [B, T, V]
+            part = exit_loss(logits, target_logits, tokens, loss_mask, self.hard_weight,
+                             self.divergence)
+            total = total + part.loss / len(self.heads)
+            metrics |= {f"exit/E{head.exit_layer}_{k}": v for k, v in part.metrics.items()}
+        return LossOutput(total, metrics)
+
+
+# ---- entry -----------------------------------------------------------------------------------
 
 NO_STOP = "nostop"
 KINDS = ("norm", "adapter")

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
+from selfspec.divergences import kl_to_teacher
 from selfspec.drafters import MedusaDrafter, MedusaProductDrafter
 from selfspec.from_config import training
 from selfspec.from_config.common import checked_settings
@@ -32,9 +35,10 @@ from selfspec.from_config.methods.entry import (
     when_set,
 )
 from selfspec.from_config.models import load_target, model_config, model_plan, target_quantization
+from selfspec.heads.base import LossOutput
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from selfspec.measure.grid import Variant
 from selfspec.measure.lossless import greedy_agreement
 from selfspec.measure.method_costs import EAGLE2_PAPER, CostRow, TreeChoices
@@ -51,9 +55,102 @@ from selfspec.model.plan import head_training_lines, trainable_line
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
 from selfspec.training.loop import state_part
-from selfspec.training.objectives import Medusa2Objective, MedusaObjective
+from selfspec.training.objectives import feature_source, freeze, frozen_states, law_objective
 from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+
+# ---- objective -------------------------------------------------------------------------------
+
+
+class MedusaObjective(nn.Module):
+    """Medusa-1: heads read the frozen target's last hidden state and learn the tokens after
+    the next one (head k predicts t + k + 2), with per-head weights decay**k: the tokens'
+    cross-entropy (objective kl, the published loss), or another objective against the
+    target's own law of that token (its LM head over the same states, restricted to the
+    heads' draft vocabulary).
+    cache_features: keep each row's features (`FeatureCache`) for runs of many epochs;
+    features: read them from elsewhere (a feature store)."""
+
+    def __init__(self, target: Transformer, heads: MedusaHeads, decay: float = 0.8,
+                 cache_features: bool = False, features: FeatureSource | None = None,
+                 objective: str = "kl"):
+        super().__init__()
+        self.target, self.heads, self.decay = freeze(target), heads, decay
+        self.features = feature_source((), cache_features, features, "MedusaObjective")
+        self.objective, self.divergence = objective, law_objective(objective, "MedusaObjective")
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
+        labels, mask = self.heads.labels(tokens, loss_mask)
+        logits = self.heads(hidden, self.target.lm_head)
+        teacher = None
+        if self.objective != "kl":
+            with torch.no_grad():
+                teacher = medusa_teacher(self.heads, self.target.logits_of(hidden))
+        return medusa_loss(logits, labels, mask, decay=self.decay, teacher_logits=teacher,
+                           divergence=self.divergence)
+
+
+def medusa_teacher(heads: MedusaHeads, target_logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V'] the target's logits over the heads' draft vocabulary (all V without one)."""
+    vocab = heads.draft_vocab
+    return target_logits if vocab is None else target_logits[..., vocab.t2d]
+
+
+class Medusa2Objective(nn.Module):
+    """Medusa-2: heads and LoRA adapters on the target train together.
+
+    The heads read the *adapted* target's hidden state. The adapted target's own LM head is
+    what verification will use, so its law is pulled towards the unadapted target's by a KL
+    term weighted lm_weight; the teacher is the same model with its adapters disabled, so no
+    second copy of the target is held.
+    target: the target wrapped by `selfspec.model.lora.add_lora` (only the adapters train).
+    adapter_lr_scale: the adapters learn at this fraction of the heads' rate, so the target
+    moves slowly while the heads catch up with it.
+    """
+
+    def __init__(
+        self, target: PeftModel, heads: MedusaHeads, decay: float = 0.8, lm_weight: float = 1.0,
+        adapter_lr_scale: float = 0.25, objective: str = "kl",
+    ):
+        super().__init__()
+        if not lm_weight >= 0:
+            raise ValueError(f"Medusa2Objective: lm_weight must be >= 0, got {lm_weight}")
+        if not adapter_lr_scale > 0:
+            raise ValueError(
+                f"Medusa2Objective: adapter_lr_scale must be > 0, got {adapter_lr_scale}")
+        self.target, self.heads, self.decay, self.lm_weight = target, heads, decay, lm_weight
+        self.adapter_lr_scale = adapter_lr_scale
+        self.objective = objective
+        self.divergence = law_objective(objective, "Medusa2Objective")
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The heads at lr, the target's adapters at lr * adapter_lr_scale (for `fit`)."""
+        adapters = [p for p in self.target.parameters() if p.requires_grad]
+        return [{"params": list(self.heads.parameters()), "lr": lr},
+                {"params": adapters, "lr": lr * self.adapter_lr_scale}]
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        with torch.no_grad(), self.target.disable_adapter():
+            teacher = self.target(tokens, positions).logits  # [B, T, V] the unadapted target
+        out = self.target(tokens, positions)
+        logits = self.heads(out.last_hidden, self.target.get_base_model().lm_head)
+        # objectives other than kl meet the adapted target's law, which verification uses
+        adapted = None if self.objective == "kl" else medusa_teacher(self.heads,
+                                                                     out.logits.detach())
+        heads = medusa_loss(logits, *self.heads.labels(tokens, loss_mask), decay=self.decay,
+                            teacher_logits=adapted, divergence=self.divergence)
+        kl = kl_to_teacher(out.logits, teacher, loss_mask)
+        metrics = heads.metrics | {"medusa/lm_kl": float(kl.detach())}
+        return LossOutput(heads.loss + self.lm_weight * kl, metrics)
+
+
+# ---- entry -----------------------------------------------------------------------------------
 
 HEADS = "medusa_heads"  # the setting naming the heads' export folder
 

@@ -9,7 +9,7 @@ nodes, mtp.top_k children per frontier node), at each draft length k.
 
 Trainer (train/mtp.py, conf/train_mtp.yaml): FastMTP's recipe, the target's first MTP module
 fine-tuned on the target's own answers with the rest of the target frozen
-(`training.objectives.MtpObjective`); a target that ships none gets a fresh one of
+(`MtpObjective` below); a target that ships none gets a fresh one of
 mtp.add_module's layout. The export is the target's whole folder (config.json, weights in the
 checkpoint's layout, tokenizer) with the fine-tuned MTP keys: model=local model.path=<export>
 drafts with it; the judge and the report load the export's MTP keys into the target they run.
@@ -24,13 +24,16 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
+from torch import nn
 
-from selfspec.checks import is_count
+from selfspec.checks import check_count, is_count
 from selfspec.drafters.mtp import MtpDrafter, MtpHead
 from selfspec.from_config import training
 from selfspec.from_config.common import as_list
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
 from selfspec.from_config.models import model_config, model_plan
+from selfspec.heads.base import LossOutput
+from selfspec.heads.early_exit import exit_loss
 from selfspec.measure.grid import Variant
 from selfspec.measure.method_costs import CostRow
 from selfspec.model import ModelConfig, Transformer
@@ -41,9 +44,64 @@ from selfspec.model.plan import trainable_line
 from selfspec.model.transformer import MtpModule
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
-from selfspec.training.objectives import MtpObjective
+from selfspec.training.objectives import EagleObjective, frozen_outputs
 from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
+
+# ---- objective -------------------------------------------------------------------------------
+
+
+class MtpObjective(EagleObjective):
+    """FastMTP: a target's own MTP module (`head`, the drafter's `MtpHead` over it) fine-tuned
+    on the frozen rest of the target. Row t reads (token t+1, the target's normed last hidden
+    state h_t), as an EAGLE-1 head's row does, and the module's law of token t+2 meets the
+    target's law there by `objective` (`EagleObjective`'s token term alone: the module's
+    outputs are no features of the target's to regress on). Only the module's own layers
+    train: the target, and a NextN module's LM head (a copy of the target's, which DeepSeek
+    shares), stay frozen. feature_noise, cache_features and features as `EagleObjective`.
+
+    steps > 1: FastMTP's recursion, the module applied again to its own outputs as a chain
+    drafts: step s's row t reads token t+s and step s - 1's output at row t, and meets the
+    target's law of token t+s+1 (`exit_loss`, position by position); step s weighs
+    decay**(s - 1), the weights summing to 1, and the gradient flows through the chain."""
+
+    def __init__(self, target: Transformer, head: nn.Module, feature_noise: float = 0.0,
+                 cache_features: bool = False, features: FeatureSource | None = None,
+                 objective: str = "kl", steps: int = 1, decay: float = 0.8):
+        super().__init__(target, head, feature_weight=0.0, token_weight=1.0,
+                         feature_noise=feature_noise, cache_features=cache_features,
+                         features=features, objective=objective)
+        check_count("steps", steps, owner="MtpObjective")
+        if not decay > 0:
+            raise ValueError(f"MtpObjective: decay must be > 0, got {decay}")
+        self.steps, self.decay = steps, float(decay)
+        for name, param in head.module.named_parameters():  # freeze() froze the module too
+            param.requires_grad_(not name.startswith("head."))
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        if self.steps > 1:
+            return self._recursive(tokens, loss_mask)
+        out = super().forward(tokens, loss_mask)  # its feature term weighs 0: not reported
+        return LossOutput(out.loss, {k.replace("eagle/", "mtp/"): v for k, v in
+                                     out.metrics.items() if k != "eagle/feature_loss"})
+
+    def _recursive(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        last, _, target_logits, embeds = frozen_outputs(self.target, tokens, (), self.features)
+        weights = [self.decay ** s for s in range(self.steps)]
+        feature, total, metrics = self._noisy(last), target_logits.new_zeros(()), {}
+        for step, weight in enumerate(weights, 1):
+            rows = tokens.shape[1] - step
+            positions = torch.arange(rows, device=tokens.device)
+            feature = self.head(embeds[:, step:], feature[:, :rows], positions)  # [B, rows, H]
+            part = exit_loss(self.head.logits(feature), target_logits[:, step:],
+                             loss_mask=loss_mask[:, step:], divergence=self.divergence)
+            total = total + weight / sum(weights) * part.loss
+            metrics |= {f"mtp/step{step}_loss": part.metrics["soft_loss"],
+                        f"mtp/step{step}_top1": part.metrics["top1"]}
+        return LossOutput(total, metrics | {"mtp/top1": metrics["mtp/step1_top1"]})
+
+
+# ---- entry -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

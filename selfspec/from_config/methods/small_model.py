@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
+from torch import nn
 
 from selfspec.checks import is_count, is_int_in
 from selfspec.drafters import SmallModelDrafter
@@ -44,20 +46,101 @@ from selfspec.from_config.models import (
     resolve_model_path,
     target_quantization,
 )
+from selfspec.heads.base import LossOutput
 from selfspec.heads.draft_vocab import (
     DraftVocab,
     load_draft_vocab,
     most_frequent,
     save_token_counts,
 )
+from selfspec.heads.early_exit import exit_loss
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
 from selfspec.model.plan import trainable_line
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
 from selfspec.training.loop import state_part
-from selfspec.training.objectives import DraftModelObjective
+from selfspec.training.objectives import (
+    feature_source,
+    freeze,
+    frozen_states,
+    law_objective,
+    parallel_rows,
+)
 from selfspec.training.rows import TokenRows
+
+# ---- objective -------------------------------------------------------------------------------
+
+
+class DraftModelObjective(nn.Module):
+    """A separate draft model distilled on the frozen target's law (`exit_loss`: by
+    `objective`, plus hard_weight x cross-entropy to the tokens). Only the draft's
+    parameters that require grad train (a draft cut from the target keeps its embedding and
+    LM head frozen).
+
+    draft_vocab: both laws restricted to those ids (EAGLE-3's loss), the draft scoring only
+    them, as it will when drafting; on a small real target the full LM head and its softmax
+    are most of a training step. cache_features: the target's last hidden states are computed
+    once per row and its LM head re-applied, not its layers (see FeatureCache); features: read
+    them from elsewhere (a feature store).
+
+    parallel: K > 1 trains PARD's parallel draft, which fills k - 1 mask tokens
+    (`mask_token_id`) after the last real one in one forward: the row is replicated K times
+    (`parallel_rows`), copy j holding the mask at every position, and the mask at position p of
+    copy j sees the real tokens up to p - j and the masks of copies 1..j at p - j + 1..p, so
+    it stands where a draft's j-th mask stands and learns the target's law at p, as the
+    real row does. Every copy's rows count alike."""
+
+    def __init__(self, target: Transformer, draft: Transformer, hard_weight: float = 0.0,
+                 cache_features: bool = False, draft_vocab: DraftVocab | None = None,
+                 features: FeatureSource | None = None, parallel: int = 1,
+                 mask_token_id: int | None = None, objective: str = "kl"):
+        super().__init__()
+        if not hard_weight >= 0:
+            raise ValueError(f"DraftModelObjective: hard_weight must be >= 0, got {hard_weight}")
+        if hard_weight and draft_vocab is not None:
+            raise ValueError("DraftModelObjective: hard_weight > 0 with a draft vocabulary is not "
+                             "supported (tokens outside it have no label); set one of them")
+        if not is_count(parallel) or (parallel > 1) != (mask_token_id is not None):
+            raise ValueError(f"DraftModelObjective: parallel must be an integer >= 1, with a "
+                             f"mask_token_id when > 1, got {parallel!r} and {mask_token_id!r}")
+        self.target, self.draft, self.hard_weight = freeze(target), draft, hard_weight
+        self.parallel, self.mask_token_id = parallel, mask_token_id
+        self.features = feature_source((), cache_features, features, "DraftModelObjective")
+        self.objective = objective
+        self.divergence = law_objective(objective, "DraftModelObjective")
+        ids = None if draft_vocab is None else draft_vocab.target_ids
+        self.register_buffer("vocab_ids", ids, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
+        with torch.no_grad():
+            hidden = frozen_states(self.target, tokens, (), self.features).last  # [B, T, H]
+            teacher = self._scores(self.target, hidden)
+        rows = parallel_rows(tokens, loss_mask, self.parallel, self.mask_token_id)
+        out = self.draft(rows.tokens, rows.positions, mask=rows.mask, with_logits=False,
+                         return_hidden=(self.draft.config.num_layers,))
+        logits = self._scores(self.draft, self.draft.norm(out.hidden[0]))  # [B, K T, V]
+        copies = logits.view(*tokens.shape[:1], self.parallel, tokens.shape[1], -1)
+        parts = [exit_loss(copies[:, j], teacher, tokens, rows.loss_mask[:, j],
+                           self.hard_weight, self.divergence) for j in range(self.parallel)]
+        part = parts[0]
+        metrics = {f"draft/{k}": v for k, v in part.metrics.items()}
+        if self.parallel == 1:
+            return LossOutput(part.loss, metrics)
+        counts = rows.loss_mask[:, :, 1:].sum(dim=(0, 2)).float()  # [K] rows each copy counts
+        loss = sum(p.loss * n for p, n in zip(parts, counts, strict=True)) / counts.sum().clamp(
+            min=1.0)
+        metrics |= {f"draft/mask{j}_top1": p.metrics["top1"] for j, p in enumerate(parts) if j}
+        return LossOutput(loss, metrics)
+
+    def _scores(self, model: Transformer, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, T, K] over the draft vocabulary) of final-norm states."""
+        weight = model.lm_head.weight
+        weight = weight if self.vocab_ids is None else weight[self.vocab_ids]
+        return model.final_logits(F.linear(normed, weight)).float()
+
+
+# ---- entry -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
