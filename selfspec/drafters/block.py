@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from selfspec.checks import is_count, is_number
+from selfspec.checks import is_count, is_int_in, is_number
 from selfspec.drafters.base import DecodeSetup, Draft
 from selfspec.heads.io import check_fused_target
 from selfspec.model.kv_cache import KVCache
@@ -48,8 +48,14 @@ class BlockDrafter:
     fused target layers, its cache of committed positions (eager) or its static drafting
     (`_static`), and the `law` its tokens are drawn under."""
 
-    def __init__(self, head: Any, k: int, tree_nodes: int | None, sampled_children: bool,
+    def __init__(self, head: Any, num_draft_tokens: int | None = None, *,
+                 tree_nodes: int | None = None, sampled_children: bool = True,
                  confidence_threshold: float | None = None) -> None:
+        most, why = self.most_tokens(head)
+        k = most if num_draft_tokens is None else num_draft_tokens
+        if not is_int_in(k, range(1, most + 1)):
+            raise ValueError(f"{type(self).__name__}: num_draft_tokens must be in 1..{most} "
+                             f"({why}), got {k!r}")
         self.head, self.k, self.sampled_children = head, k, bool(sampled_children)
         self.shape = BlockShape.checked(type(self).__name__, k, tree_nodes,
                                         head.config.output_vocab_size)
@@ -61,6 +67,12 @@ class BlockDrafter:
         self._committed = 0  # head cache slots holding committed context
         self._static: Any = None  # drafting in static shapes, kept across generations
         self._use_static = False
+
+    @staticmethod
+    def most_tokens(head: Any) -> tuple[int, str]:
+        """The most tokens one forward of `head` drafts (num_draft_tokens' default and
+        bound), and where that bound comes from, for the refusal of a larger one."""
+        raise NotImplementedError
 
     def _begin(self, setup: DecodeSetup) -> None:
         """A generation's start: the target checked against the head, its settings kept, the

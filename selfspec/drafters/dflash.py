@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.block import BlockDrafter, Drafted
 from selfspec.heads.dflash import DFlashHead
@@ -50,15 +49,10 @@ class DFlashDrafter(BlockDrafter):
     head: DFlashHead
     _static: StaticDFlashDraft | None
 
-    def __init__(self, head: DFlashHead, num_draft_tokens: int | None = None, *,
-                 tree_nodes: int | None = None, sampled_children: bool = True,
-                 confidence_threshold: float | None = None) -> None:
+    @staticmethod
+    def most_tokens(head: DFlashHead) -> tuple[int, str]:
         block = head.config.block_size
-        k = block - 1 if num_draft_tokens is None else num_draft_tokens
-        if not is_int_in(k, range(1, block)):
-            raise ValueError(f"DFlashDrafter: num_draft_tokens must be in 1..{block - 1} (the "
-                             f"head's block of {block} slots drafts up to {block - 1}), got {k!r}")
-        super().__init__(head, k, tree_nodes, sampled_children, confidence_threshold)
+        return block - 1, f"the head's block of {block} slots drafts up to {block - 1}"
 
     def begin(self, setup: DecodeSetup) -> None:
         self._begin(setup)

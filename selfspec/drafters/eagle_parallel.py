@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.checks import is_int_in
 from selfspec.drafters.base import DecodeSetup, Draft, DraftContext
 from selfspec.drafters.block import BlockDrafter, Drafted
 from selfspec.drafters.eagle import committed_pairs
@@ -45,19 +44,14 @@ class ParallelEagleDrafter(BlockDrafter):
     head: EagleHead
     _static: StaticParallelDraft | None
 
-    def __init__(self, head: EagleHead, num_draft_tokens: int | None = None, *,
-                 tree_nodes: int | None = None, sampled_children: bool = True,
-                 confidence_threshold: float | None = None) -> None:
+    @staticmethod
+    def most_tokens(head: EagleHead) -> tuple[int, str]:
         most = head.config.parallel
         if most < 2:
             raise ValueError("ParallelEagleDrafter: the head drafts one token a forward "
                              "(parallel=1); draft it with EagleDrafter, or train one with "
                              "eagle.parallel=K")
-        k = most if num_draft_tokens is None else num_draft_tokens
-        if not is_int_in(k, range(1, most + 1)):
-            raise ValueError(f"ParallelEagleDrafter: num_draft_tokens must be in 1..{most} (the "
-                             f"head drafts up to {most} tokens a forward), got {k!r}")
-        super().__init__(head, k, tree_nodes, sampled_children, confidence_threshold)
+        return most, f"the head drafts up to {most} tokens a forward"
 
     def begin(self, setup: DecodeSetup) -> None:
         self._begin(setup)
