@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${PEERS_DIR:-$PWD/.peers}"
-PEERS=(speculators vllm arctic)
+PEERS=(speculators vllm arctic dflash specforge)
 TORCH_PIN="torch==2.13.0"
 
 usage() { echo "usage: $0 <peer> | --list   (peers: ${PEERS[*]})" >&2; exit 2; }
@@ -106,6 +106,39 @@ build_arctic() {
     rm -rf "$src"
     "$dir/venv/bin/python" -c "from arctic_inference.suffix_decoding import SuffixDecodingCache; \
 print('arctic-inference 0.3.0 suffix_decoding', SuffixDecodingCache(8).max_tree_depth)"
+    "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
+}
+
+build_dflash() {
+    local dir="$ROOT/dflash"
+    fresh_venv "$dir"
+    # dflash 0.1.0 is z-lab's reference DFlashDraftModel (Qwen3 layers). Its `local` extra pins
+    # torch==2.13.0 (the CPU build the constraints file holds) and transformers==5.15.0, below
+    # the project's own; its own requirements are pinned exactly too, so a plain install does.
+    pip_in "$dir" "$TORCH_PIN" "dflash[local]==0.1.0"
+    "$dir/venv/bin/python" -c "from importlib.metadata import version as v; \
+from dflash import DFlashDraftModel; import torch; print('dflash', v('dflash'), 'torch', \
+torch.__version__, 'transformers', v('transformers'))"
+    "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
+}
+
+build_specforge() {
+    local dir="$ROOT/specforge"
+    fresh_venv "$dir"
+    pip_in "$dir" "$TORCH_PIN"
+    # specforge 0.2.0 pins torch==2.11.0 and sglang==0.5.14 (its online feature capture, which
+    # needs a GPU). Its draft models and exporters import none of sglang, yunchang (sequence
+    # parallelism), openai-harmony, tensorboard or wandb, so it is installed --no-deps beside
+    # its other requirements, pinned here: its own transformers==5.8.1, and the CPU torch the
+    # constraints file holds. Its hub and typing-extensions are the versions pip resolved.
+    pip_in "$dir" \
+        transformers==5.8.1 datasets==5.1.0 accelerate==1.15.0 safetensors==0.8.0 \
+        huggingface-hub==1.33.0 numpy==2.4.6 pydantic==2.14.4 psutil==7.2.2 pyyaml==6.0.3 \
+        requests==2.34.2 tqdm==4.70.1 typing-extensions==4.16.0
+    pip_in "$dir" --no-deps specforge==0.2.0
+    "$dir/venv/bin/python" -c "from importlib.metadata import version as v; \
+import specforge.modeling.draft, torch; print('specforge', v('specforge'), 'torch', \
+torch.__version__, 'transformers', v('transformers'))"
     "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
 }
 

@@ -1,0 +1,149 @@
+"""SpecForge's side of tests/peers/test_specforge.py: run with the python of SpecForge's own
+venv (scripts/peers.sh specforge), never imported by the suite (selfspec is not installed
+there). Every tensor travels in safetensors files. The drafts are SpecForge's own classes,
+built as its trainer builds them (`AutoDraftModelConfig.from_file` of a draft config.json,
+`AutoDraftModel.from_config`), written as its exporters write them (`save_pretrained`, then
+its `apply_legacy_rope_scaling`), and read back as it reads them: DFlash with
+`AutoDraftModel.from_pretrained`, EAGLE-3 as its exporters materialise one (`load_eagle3`).
+
+    python specforge_side.py save INPUTS OUT_DIR   # random DFlash and EAGLE-3 drafts, saved
+    python specforge_side.py load INPUTS OUT_DIR   # OUT_DIR/{dflash,eagle3} loaded and scored
+
+INPUTS (safetensors): `input_ids` [T], `anchors` [A] (DFlash block roots), `eagle3_hidden`
+[T, 3h] (EAGLE-3's fused streams); metadata `target` (the target's transformers folder) and,
+for `save`, `sizes` (JSON). Writes OUT_DIR/logits.safetensors: `dflash` [A * block, V] (as
+dflash_side.py scores it, with SpecForge's `extract_context_feature`) and `eagle3`
+[T, draft V] (the draft's backbone and logits as SpecForge's EAGLE-3 trainer runs them, one
+step: row t reads token t and the fused streams at t); metadata `read` (JSON, by kind).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from dflash_side import block_logits, draft_config, load_target, randomize, read_inputs
+from dflash_side import what_was_read as dflash_read
+from safetensors.torch import save_file
+
+
+def build(config_json: dict, folder: Path):
+    """A draft as SpecForge's trainer builds one from its draft config file."""
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "draft_config.json").write_text(json.dumps(config_json))
+    return AutoDraftModel.from_config(AutoDraftModelConfig.from_file(folder / "draft_config.json"))
+
+
+def save(model, folder: Path) -> None:
+    """As SpecForge's exporters write a draft (`specforge.export.to_hf`)."""
+    from specforge.export.checkpoint_io import apply_legacy_rope_scaling
+
+    model.save_pretrained(folder)
+    apply_legacy_rope_scaling(str(folder))
+
+
+def new_dflash(sizes: dict, folder: Path):
+    config = draft_config(sizes).to_dict() | {"architectures": ["DFlashDraftModel"]}
+    model = build(config, folder)
+    randomize(model, sizes["seed"])
+    return model
+
+
+def new_eagle3(sizes: dict, target: str, folder: Path):
+    """A random EAGLE-3 draft fusing sizes' `eagle3_layer_ids` (SpecForge's numbering, the
+    output of each layer: `eagle_config`), with a draft vocabulary of every other id first and
+    the target's embedding (as its trainer loads it)."""
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "vocab_size": sizes["vocab_size"], "hidden_size": sizes["hidden_size"],
+              "intermediate_size": sizes["intermediate_size"], "num_hidden_layers": 1,
+              "num_attention_heads": sizes["num_attention_heads"],
+              "num_key_value_heads": sizes["num_key_value_heads"],
+              "head_dim": sizes["head_dim"], "rms_norm_eps": sizes["rms_norm_eps"],
+              "max_position_embeddings": 64, "hidden_act": "silu",
+              "rope_parameters": {"rope_type": "default", "rope_theta": sizes["rope_theta"]},
+              "draft_vocab_size": sizes["draft_vocab_size"],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": sizes["eagle3_layer_ids"]}}
+    model = build(config, folder)
+    randomize(model, sizes["seed"] + 1)
+    vocab, draft = sizes["vocab_size"], sizes["draft_vocab_size"]
+    ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])[:draft].sort().values
+    with torch.no_grad():
+        model.t2d.zero_()
+        model.t2d[ids] = True
+        model.d2t.copy_(ids - torch.arange(draft))
+    model.load_embedding(target, embedding_key="model.embed_tokens.weight")
+    return model
+
+
+def load(folder: Path):
+    from specforge.modeling.auto import AutoDraftModel
+
+    return AutoDraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def load_eagle3(folder: Path):
+    """SpecForge's EAGLE-3 draft as its exporters materialise one (`materialize_draft`): built
+    from the folder's config, the weights loaded into it. Its `from_pretrained` (transformers
+    5.8.1) leaves the RoPE tables of its own rotary class (`inv_freq`, `cos_cached`,
+    `sin_cached`: buffers outside the state dict) as uninitialised memory, so the logits it
+    gives are garbage or NaN (docs/peers.md, findings)."""
+    from safetensors.torch import load_file
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(folder / "config.json"))
+    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight"}, (missing, unexpected)
+    return model.float().eval()
+
+
+def eagle3_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[T, draft V]: the steps of SpecForge's EAGLE-3 training forward (sdpa backend), one
+    test-time-training step, the tokens fed unshifted (as selfspec's side feeds them)."""
+    hidden = t["eagle3_hidden"][None]  # [1, T, 3h]
+    ids = t["input_ids"][None]
+    with torch.no_grad():
+        projected = model.project_hidden_states(hidden)
+        mask = model.prepare_decoder_attention_mask(
+            torch.ones_like(ids, dtype=torch.bool), projected, 1, ids.shape[1], 0)
+        out = model.backbone(input_embeds=model.embed_input_ids(ids), hidden_states=projected,
+                             cache_hidden=[[], []], attention_mask=mask,
+                             position_ids=torch.arange(ids.shape[1])[None], use_cache=True)
+        return model.compute_logits(out)[0]
+
+
+def eagle3_read(model) -> dict:
+    c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    return {"eagle_config": getattr(c, "eagle_config", None), "rope_theta": rope.get("rope_theta"),
+            "draft_vocab_size": model.draft_vocab_size,
+            "inv_freq_1": float(model.midlayer.self_attn.rotary_emb.inv_freq[1])}
+
+
+def main(mode: str, inputs: str, out: str) -> None:
+    from specforge.modeling.draft import dflash as module
+
+    torch.set_num_threads(1)
+    t, meta = read_inputs(inputs)
+    out_dir = Path(out)
+    if mode == "save":
+        sizes = json.loads(meta["sizes"])
+        save(new_dflash(sizes, out_dir / "built_dflash"), out_dir / "dflash")
+        save(new_eagle3(sizes, meta["target"], out_dir / "built_eagle3"), out_dir / "eagle3")
+    dflash, eagle3 = load(out_dir / "dflash"), load_eagle3(out_dir / "eagle3")
+    # SpecForge embeds with the target's frozen embedding, which it loads from the target
+    # whether or not the draft folder holds one (an SGLang-layout folder does not)
+    eagle3.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
+    logits = {"dflash": block_logits(module, dflash, load_target(meta["target"]), t),
+              "eagle3": eagle3_logits(eagle3, t)}
+    read = {"dflash": dflash_read(dflash), "eagle3": eagle3_read(eagle3)}
+    save_file({k: v.contiguous() for k, v in logits.items()}, str(out_dir / "logits.safetensors"),
+              metadata={"read": json.dumps(read)})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
