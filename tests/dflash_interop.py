@@ -66,11 +66,13 @@ def peer_sizes(target: Transformer, seed: int) -> dict:
 
 
 def run_side(peer: str, mode: str, out: Path, inputs: dict, target_folder: Path,
-             sizes: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+             sizes: dict | None = None, **more: str) -> tuple[dict[str, torch.Tensor], dict]:
     """tests/peers/<peer>_side.py in the peer's venv: its logits by kind (`dflash`
-    [A * block, V], ...) and what it read from each folder (JSON, by kind)."""
+    [A * block, V], ...) and what it read from each folder (JSON, by kind). more: further
+    metadata the side reads (paths)."""
     out.mkdir(parents=True, exist_ok=True)
     metadata = {"target": str(target_folder)} | ({"sizes": json.dumps(sizes)} if sizes else {})
+    metadata |= more
     save_file(inputs, str(out / "inputs.safetensors"), metadata=metadata)
     side = ROOT / "tests" / "peers" / f"{peer}_side.py"
     done = subprocess.run([str(peer_python(peer)), str(side), mode,
