@@ -14,7 +14,8 @@ INPUTS (safetensors): `input_ids` [T], `anchors` [A] (DFlash block roots), `eagl
 [T, 3h] (EAGLE-3's fused streams); metadata `target` (the target's transformers folder) and,
 for `save` and `train`, `sizes` (JSON); for `train`, `features` (SpecForge's offline rows).
 Writes OUT_DIR/logits.safetensors: `dflash` [A * block, V] (as dflash_side.py scores it, with
-SpecForge's `extract_context_feature`) and (but `train`) `eagle3` [T, draft V] (the draft's
+SpecForge's `extract_context_feature`), and but for `train`, `dflash_training` (the same rows
+from its DFlash training forward) and `eagle3` [T, draft V] (the draft's
 backbone and logits as SpecForge's EAGLE-3 trainer runs them, one step: row t reads token t
 and the fused streams at t); metadata `read` (JSON, by kind).
 """
@@ -30,6 +31,7 @@ import torch
 from dflash_side import block_logits, draft_config, load_target, randomize, read_inputs
 from dflash_side import what_was_read as dflash_read
 from safetensors.torch import save_file
+from specforge.modeling.draft.dflash import extract_context_feature as extract_context
 
 
 def build(config_json: dict, folder: Path):
@@ -102,6 +104,25 @@ def load_eagle3(folder: Path):
                                                 strict=False)
     assert not unexpected and set(missing) <= {"embed_tokens.weight"}, (missing, unexpected)
     return model.float().eval()
+
+
+def dflash_training_logits(model, target, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[A * block, V]: SpecForge's DFlash training forward (`OnlineDFlashModel`, sdpa masks)
+    over the whole row at once, every anchor's block beside the others, its random choice of
+    anchors fixed to the inputs' `anchors`; the target's LM head scores the blocks."""
+    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+
+    ids = t["input_ids"][None]  # [1, T]
+    anchors = t["anchors"][None]
+    trainer = OnlineDFlashModel(model, target.lm_head, target.get_input_embeddings(),
+                                model.mask_token_id, block_size=model.block_size,
+                                attention_backend="sdpa", num_anchors=anchors.shape[1])
+    trainer._sample_anchor_positions = lambda *_: (anchors, torch.ones_like(anchors).bool())
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        context = extract_context(hidden, model.target_layer_ids)  # [1, T, n h]
+        _, _, out = trainer._forward_draft_blocks(ids, context, torch.ones_like(ids))
+        return target.lm_head(out)[0]
 
 
 def eagle3_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -180,7 +201,9 @@ def main(mode: str, inputs: str, out: str) -> None:
     # SpecForge embeds with the target's frozen embedding, which it loads from the target
     # whether or not the draft folder holds one (an SGLang-layout folder does not)
     eagle3.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
-    logits = {"dflash": block_logits(module, dflash, load_target(meta["target"]), t),
+    target = load_target(meta["target"])
+    logits = {"dflash": block_logits(module, dflash, target, t),
+              "dflash_training": dflash_training_logits(dflash, target, t),
               "eagle3": eagle3_logits(eagle3, t)}
     read = {"dflash": dflash_read(dflash), "eagle3": eagle3_read(eagle3)}
     save_file({k: v.contiguous() for k, v in logits.items()}, str(out_dir / "logits.safetensors"),

@@ -3,9 +3,10 @@
 `AutoDraftModel.from_pretrained`, and the drafts it builds from a draft config and writes as its
 exporters do load in `selfspec.heads.load_head`; in both directions the two sides' logits agree
 on the same inputs (fp32, within 1e-4). DFlash takes the fused streams from each side's own
-forward of the target; EAGLE-3 is scored on the same random fused streams, one step of
-SpecForge's training forward (its draft model's backbone and logits; not its loss, whose
-Triton kernel needs a GPU).
+forward of the target, and is scored both block by block as SpecForge drafts and all blocks at
+once by its training forward (`OnlineDFlashModel`, its anchors fixed); EAGLE-3 is scored on
+the same random fused streams, one step of SpecForge's training forward (its draft model's
+backbone and logits; not its loss, whose Triton kernel needs a GPU).
 
 SpecForge's side runs in a subprocess (tests/peers/specforge_side.py) with the python of the
 venv `scripts/peers.sh specforge` builds; without it these tests skip.
@@ -97,6 +98,7 @@ def test_a_dflash_export_loads_in_specforge_with_selfspecs_logits(exported, setu
     assert read["dflash"]["inv_freq_1"] == pytest.approx(
         expected_inv_freq_1(setup[1].config.head_dim), rel=1e-6)
     assert max_difference(ours["dflash"], theirs["dflash"]) < TOLERANCE
+    assert max_difference(ours["dflash"], theirs["dflash_training"]) < TOLERANCE
 
 
 def test_an_eagle3_export_loads_in_specforge_with_selfspecs_logits(exported, setup):
@@ -132,7 +134,9 @@ def test_a_dflash_draft_specforge_writes_loads_in_selfspec_with_its_logits(saved
     assert isinstance(head, DFlashHead) and head.config.target_layers == STREAMS
     assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
     assert head.config.rope_theta == ROPE_THETA
-    assert max_difference(block_logits(head, target, inputs), theirs["dflash"]) < TOLERANCE
+    ours = block_logits(head, target, inputs)
+    assert max_difference(ours, theirs["dflash"]) < TOLERANCE
+    assert max_difference(ours, theirs["dflash_training"]) < TOLERANCE
 
 
 def test_an_eagle3_draft_specforge_writes_loads_in_selfspec_with_its_logits(saved, setup):
