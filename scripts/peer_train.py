@@ -5,6 +5,7 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
         --target ~/.cache/selfspec/models/smollm2-135m --out runs/speculators-eagle3 --steps 600
     python scripts/peer_train.py dflash --store features/smollm2-dflash --target ... --out ...
     python scripts/peer_train.py eagle3 ... --data-only   # the data and the flags, no training
+    python scripts/peer_train.py dflash --peer specforge --store ... --target ... --out ...
 
 1. The store's training rows, then its held-out rows, are written in speculators' offline layout
    (`selfspec.training.speculators_data`; the store must hold the fused streams and the
@@ -22,6 +23,12 @@ selfspec's trainer settings, and load the result into selfspec for its evaluator
    cross-entropy, the rows' rarest token as the mask (or `--mask-token-id`), the target's LM
    head. The heads take the shape selfspec loads: no extra norms, full attention, the
    target's embedding frozen.
+   With `--peer specforge` (DFlash only: SpecForge's EAGLE-3 loss is a Triton kernel), the
+   rows go in SpecForge's offline layout (`selfspec.training.specforge_data`) and SpecForge's
+   own trainer learns from them in its venv (scripts/peers.sh specforge) through
+   scripts/specforge_cpu_train.py, with the same settings (AdamW without weight decay, linear
+   warmup then cosine, clipping at 1, `--anchors` blocks a row, the same decay and mask);
+   the draft's config is selfspec's `--to dflash` layout of a head of that shape.
 3. The last checkpoint is loaded by `selfspec.heads.load_head` and written as a selfspec
    export (`--out`/export, what selfspec's evaluators read); `summary.json` in --out holds
    both folders, speculators' logged losses, its training tokens/s (rows x seq_len a step, as
@@ -45,6 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".peers" / "speculators" / "venv" / "bin" / "python"
 CPU_TRAIN = ROOT / "scripts" / "speculators_cpu_train.py"
+SPECFORGE_PYTHON = ROOT / ".peers" / "specforge" / "venv" / "bin" / "python"
+SPECFORGE_TRAIN = ROOT / "scripts" / "specforge_cpu_train.py"
 REPLAY_METHOD = {"eagle3": ("eagle", "eagle_head"), "dflash": ("dflash", "dflash_head")}
 
 
@@ -71,7 +80,9 @@ class Settings:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=sorted(REPLAY_METHOD), help="the head speculators trains")
+    p.add_argument("kind", choices=sorted(REPLAY_METHOD), help="the head the peer trains")
+    p.add_argument("--peer", choices=["speculators", "specforge"], default="speculators",
+                   help="whose trainer (SpecForge: DFlash only)")
     p.add_argument("--store", required=True, help="a finished selfspec feature store")
     p.add_argument("--target", required=True, help="the target's transformers folder")
     p.add_argument("--out", required=True, help="where the data, checkpoints and summary go")
@@ -170,6 +181,72 @@ def last_checkpoint(out: Path) -> Path:
     return epochs[-1]
 
 
+def with_specforge(args: argparse.Namespace, s: Settings, target, target_folder: Path, store,
+                   layers: tuple[int, ...], out: Path) -> dict:
+    """DFlash by SpecForge's own trainer on the store's training rows; its head loaded and
+    written as a selfspec export; the summary."""
+    import torch
+
+    from selfspec.heads import DFlashConfig, DFlashHead, load_head
+    from selfspec.heads.draft_vocab import rarest_token, token_counts
+    from selfspec.heads.export import export_head
+    from selfspec.heads.io import describe_target, save_head
+    from selfspec.training.specforge_data import write_specforge_dflash_rows
+    from selfspec.training.speculators_data import store_rows
+
+    if not SPECFORGE_PYTHON.is_file():
+        raise FileNotFoundError(f"SpecForge's venv is absent ({SPECFORGE_PYTHON}): build it "
+                                f"with scripts/peers.sh specforge")
+    mask = args.mask_token_id
+    if mask is None:  # as selfspec's trainer picks it
+        mask = rarest_token(token_counts(store_rows(store, args.max_rows).tokens,
+                                         target.config.vocab_size))
+    rows = write_specforge_dflash_rows(store, out / "features", layers, args.max_rows)
+    shape = DFlashConfig.for_target(target.config, mask_token_id=mask, num_layers=s.num_layers,
+                                    block_size=s.block_size, target_layers=layers)
+    export_head(DFlashHead(shape), "dflash", out / "draft", base_model=str(target_folder),
+                target_layers_count=target.config.num_layers)  # its config.json: the shape
+    settings = {"target": str(target_folder), "features": str(out / "features"),
+                "draft_config": str(out / "draft" / "config.json"), "out": str(out),
+                "steps": s.steps, "batch": s.batch, "lr": s.lr, "warmup": s.warmup,
+                "anchors": s.anchors, "gamma": s.gamma, "seq_len": store.index.seq_len,
+                "seed": s.seed, "max_grad_norm": 1.0}
+    (out / "specforge_settings.json").write_text(json.dumps(settings, indent=1))
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    start = time.perf_counter()
+    done = subprocess.run([str(SPECFORGE_PYTHON), str(SPECFORGE_TRAIN),
+                           str(out / "specforge_settings.json")], env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"SpecForge's trainer failed (exit {done.returncode}); its log: "
+                           f"{out / 'specforge.log'}\n{done.stderr[-3000:]}")
+    steps = [json.loads(line) for line in
+             (out / "specforge_metrics.jsonl").read_text().splitlines()]
+    if len(steps) != s.steps:
+        raise RuntimeError(f"SpecForge logged {len(steps)} training steps, not the {s.steps} "
+                           f"asked for: see {out / 'specforge.log'}")
+    head = load_head(out / "dflash", target=target, allow_other_base=True)
+    export = save_head(out / "export", head, head.config, describe_target(target))
+    seconds = sum(step["perf/optimizer_step_time_s"] for step in steps)
+    method, head_setting = REPLAY_METHOD[args.kind]
+    summary = {
+        "kind": args.kind, "peer": "specforge", "head": str(out / "dflash"),
+        "export": str(export), "loaded_as": type(head).__name__, "settings": asdict(s),
+        "layers": list(layers), "mask_token_id": mask, "train_rows": rows,
+        "seq_len": store.index.seq_len, "losses": [step["loss"] for step in steps],
+        # counted as selfspec's trainer counts (tokens_seen: rows x seq_len a step), over
+        # SpecForge's own per-step optimizer time
+        "tokens_per_s": s.steps * s.batch * store.index.seq_len / seconds,
+        "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
+        "replay": f"python eval/replay.py model=<the target> 'methods=[{method}]' "
+                  f"{head_setting}={export} data=mt_bench num_prompts=80",
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     import torch
@@ -186,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     s = Settings(**{k: getattr(args, k) for k in asdict(Settings())})
+    if args.peer == "specforge" and args.kind != "dflash":
+        raise ValueError("SpecForge's EAGLE-3 loss launches a Triton kernel, which needs a GPU: "
+                         "train dflash with --peer specforge, or eagle3 with --peer speculators")
     out, target_folder = Path(args.out), Path(args.target).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = Transformer.from_pretrained(target_folder).eval()
@@ -194,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
                else dflash.default_target_layers(config.num_layers))
     layers = tuple(args.layers or default)
     store = FeatureStore(args.store)
+    if args.peer == "specforge":
+        return with_specforge(args, s, target, target_folder, store, layers, out)
     data = write_offline_rows(store, out / "data", layers, config.num_layers, args.kind,
                               args.max_rows)
     flags = common_flags(s, data, target_folder, out)

@@ -8,14 +8,13 @@ its `apply_legacy_rope_scaling`), and read back as it reads them: DFlash with
 
     python specforge_side.py save INPUTS OUT_DIR   # random DFlash and EAGLE-3 drafts, saved
     python specforge_side.py load INPUTS OUT_DIR   # OUT_DIR/{dflash,eagle3} loaded and scored
-    python specforge_side.py train INPUTS OUT_DIR  # its DFlash trainer on offline rows, exported
 
 INPUTS (safetensors): `input_ids` [T], `anchors` [A] (DFlash block roots), `eagle3_hidden`
 [T, 3h] (EAGLE-3's fused streams); metadata `target` (the target's transformers folder) and,
-for `save` and `train`, `sizes` (JSON); for `train`, `features` (SpecForge's offline rows).
-Writes OUT_DIR/logits.safetensors: `dflash` [A * block, V] (as dflash_side.py scores it, with
-SpecForge's `extract_context_feature`), and but for `train`, `dflash_training` (the same rows
-from its DFlash training forward) and `eagle3` [T, draft V] (the draft's
+for `save`, `sizes` (JSON). Writes OUT_DIR/logits.safetensors, for each folder present:
+`dflash` [A * block, V] (as dflash_side.py scores it, with SpecForge's
+`extract_context_feature`) and `dflash_training` (the same rows from its DFlash training
+forward); `eagle3` [T, draft V] (the draft's
 backbone and logits as SpecForge's EAGLE-3 trainer runs them, one step: row t reads token t
 and the fused streams at t); metadata `read` (JSON, by kind).
 """
@@ -23,7 +22,6 @@ and the fused streams at t); metadata `read` (JSON, by kind).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -148,64 +146,30 @@ def eagle3_read(model) -> dict:
             "inv_freq_1": float(model.midlayer.self_attn.rotary_emb.inv_freq[1])}
 
 
-def train_dflash(sizes: dict, target: str, features: str, out: Path) -> str:
-    """SpecForge's own DFlash trainer (`specforge train`), `sizes["steps"]` steps on the
-    offline rows under `features`, on the CPU (one process, `NO_SHARD`, sdpa attention, fp32);
-    its checkpoint exported as its `to_hf` exporter writes one, to OUT_DIR/dflash. Its log."""
-    from specforge.export.to_hf import export_to_hf
-
-    draft = out / "draft_config.json"
-    draft.write_text(json.dumps(draft_config(sizes).to_dict() | {
-        "architectures": ["DFlashDraftModel"]}))
-    run = {"model": {"target_model_path": target, "draft_model_config": str(draft),
-                     "torch_dtype": "float32", "mask_token_id": sizes["mask_token_id"]},
-           "data": {"hidden_states_path": features, "max_length": sizes["seq_len"],
-                    "dataloader_num_workers": 0},
-           "training": {"strategy": "dflash", "max_steps": sizes["steps"],
-                        "batch_size": sizes["batch"], "fsdp_sharding": "NO_SHARD",
-                        "attention_backend": "sdpa", "learning_rate": sizes["lr"],
-                        "lr_scheduler": "constant", "warmup_ratio": 0.0,
-                        "num_anchors": sizes["anchors"], "log_interval": 1,
-                        "save_interval": sizes["steps"], "seed": sizes["seed"]},
-           "output_dir": str(out / "run"), "run_id": "selfspec-rows"}
-    (out / "run.json").write_text(json.dumps(run))
-    done = subprocess.run([str(Path(sys.executable).with_name("specforge")), "train",
-                           "--config", str(out / "run.json")],
-                          capture_output=True, text=True, timeout=500)
-    if done.returncode != 0:
-        raise RuntimeError(f"specforge train failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-    checkpoint = out / "run" / f"selfspec-rows-step{sizes['steps']}"
-    export_to_hf(str(checkpoint), str(draft), str(out / "dflash"))
-    return done.stdout + done.stderr
-
-
 def main(mode: str, inputs: str, out: str) -> None:
     from specforge.modeling.draft import dflash as module
 
     torch.set_num_threads(1)
     t, meta = read_inputs(inputs)
     out_dir = Path(out)
-    if mode == "train":  # DFlash only: SpecForge's trainer on selfspec's rows
-        log = train_dflash(json.loads(meta["sizes"]), meta["target"], meta["features"], out_dir)
-        (out_dir / "specforge_train.log").write_text(log)
-        dflash = load(out_dir / "dflash")
-        logits = block_logits(module, dflash, load_target(meta["target"]), t)
-        save_file({"dflash": logits.contiguous()}, str(out_dir / "logits.safetensors"),
-                  metadata={"read": json.dumps({"dflash": dflash_read(dflash)})})
-        return
     if mode == "save":
         sizes = json.loads(meta["sizes"])
         save(new_dflash(sizes, out_dir / "built_dflash"), out_dir / "dflash")
         save(new_eagle3(sizes, meta["target"], out_dir / "built_eagle3"), out_dir / "eagle3")
-    dflash, eagle3 = load(out_dir / "dflash"), load_eagle3(out_dir / "eagle3")
-    # SpecForge embeds with the target's frozen embedding, which it loads from the target
-    # whether or not the draft folder holds one (an SGLang-layout folder does not)
-    eagle3.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
     target = load_target(meta["target"])
-    logits = {"dflash": block_logits(module, dflash, target, t),
-              "dflash_training": dflash_training_logits(dflash, target, t),
-              "eagle3": eagle3_logits(eagle3, t)}
-    read = {"dflash": dflash_read(dflash), "eagle3": eagle3_read(eagle3)}
+    logits, read = {}, {}
+    if (out_dir / "dflash").is_dir():
+        dflash = load(out_dir / "dflash")
+        logits["dflash"] = block_logits(module, dflash, target, t)
+        logits["dflash_training"] = dflash_training_logits(dflash, target, t)
+        read["dflash"] = dflash_read(dflash)
+    if (out_dir / "eagle3").is_dir():
+        eagle3 = load_eagle3(out_dir / "eagle3")
+        # SpecForge embeds with the target's frozen embedding, which it loads from the target
+        # whether or not the draft folder holds one (an SGLang-layout folder does not)
+        eagle3.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
+        logits["eagle3"] = eagle3_logits(eagle3, t)
+        read["eagle3"] = eagle3_read(eagle3)
     save_file({k: v.contiguous() for k, v in logits.items()}, str(out_dir / "logits.safetensors"),
               metadata={"read": json.dumps(read)})
 

@@ -1,17 +1,20 @@
-"""SpecForge's own DFlash trainer on selfspec's rows: a tiny feature store converted to
-SpecForge's offline layout (`selfspec.training.specforge_data`), two training steps by
-`specforge train` (0.2.0, in its venv, on the CPU: one process, `NO_SHARD`, sdpa attention),
-its checkpoint exported by its own `to_hf` exporter and loaded by `selfspec.heads.load_head`
-with SpecForge's own logits (fp32, within 1e-4). Skipped without the venv
-(scripts/peers.sh specforge)."""
+"""SpecForge's own DFlash trainer on selfspec's rows (scripts/peer_train.py dflash --peer
+specforge): a tiny feature store converted to SpecForge's offline layout
+(`selfspec.training.specforge_data`), two training steps by `specforge train` (0.2.0, in its
+venv, on the CPU: one process, `NO_SHARD`, sdpa attention, fp32; scripts/specforge_cpu_train.py),
+its checkpoint exported by its own `to_hf` exporter and loaded by `selfspec.heads.load_head`,
+from SpecForge's folder and from the selfspec export the runner writes, with SpecForge's own
+logits (fp32, within 1e-4). Skipped without the venv (scripts/peers.sh specforge)."""
 
-import re
+import math
+import sys
 
 import pytest
 import torch
 from dflash_interop import (
     BLOCK,
-    MASK,
+    DRAFT_LAYERS,
+    ROOT,
     STREAMS,
     TOLERANCE,
     block_logits,
@@ -19,13 +22,11 @@ from dflash_interop import (
     make_target,
     max_difference,
     peer_python,
-    peer_sizes,
     run_side,
 )
 from helpers import train_and_heldout_store
 
 from selfspec.heads import DFlashHead, load_head
-from selfspec.training.specforge_data import write_specforge_dflash_rows
 
 ROW_LENGTH, STEPS = 16, 2
 
@@ -39,44 +40,51 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A store of a random 8-layer target (6 training rows of 16 tokens), its training rows in
-    SpecForge's layout, SpecForge's DFlash trained on them and exported; its logits."""
+    """A store of a random 8-layer target (6 training rows of 16 tokens, the first 3 tokens
+    unsupervised), SpecForge's DFlash trained on it by peer_train.py; SpecForge's logits of
+    the head it exported."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import peer_train
+
     folder = tmp_path_factory.mktemp("specforge_train")
     target = make_target(folder / "target")
-    store, _ = train_and_heldout_store(target, folder / "store", STREAMS, length=ROW_LENGTH)
-    rows = write_specforge_dflash_rows(store, folder / "features", STREAMS)
-    sizes = peer_sizes(target, seed=3) | {"steps": STEPS, "batch": 1, "lr": 3e-3,
-                                          "anchors": 2, "seq_len": ROW_LENGTH}
+    train_and_heldout_store(target, folder / "store", STREAMS, length=ROW_LENGTH)
+    summary = peer_train.main([
+        "dflash", "--peer", "specforge", "--store", str(folder / "store"),
+        "--target", str(folder / "target"), "--out", str(folder / "out"),
+        "--steps", str(STEPS), "--batch", "2", "--warmup", "1", "--anchors", "2",
+        "--block-size", str(BLOCK), "--num-layers", str(DRAFT_LAYERS),
+        "--layers", *map(str, STREAMS), "--threads", "1"])
     inputs = make_inputs()
-    theirs, _ = run_side("specforge", "train", folder / "out", inputs, folder / "target", sizes,
-                         features=str(folder / "features"))
-    return folder, target, inputs, rows, theirs["dflash"]
+    theirs, _ = run_side("specforge", "load", folder / "out", inputs, folder / "target")
+    return folder, target, inputs, summary, theirs
 
 
 def test_the_rows_are_written_as_specforge_reads_them(trained):
-    folder, target, _, rows, _ = trained
-    files = sorted((folder / "features").glob("*.ckpt"))
-    assert rows == 6 and len(files) == 6
+    folder, target, _, summary, _ = trained
+    files = sorted((folder / "out" / "features").glob("*.ckpt"))
+    assert summary["train_rows"] == len(files) == 6
     row = torch.load(files[0])
     assert row["input_ids"].shape == row["loss_mask"].shape == (ROW_LENGTH,)
-    assert row["hidden_states"].shape == (ROW_LENGTH, len(STREAMS) * target.config.hidden_size)
     with torch.no_grad():  # the fused streams, in order, from the target's own forward
         streams = target(row["input_ids"][None], torch.arange(ROW_LENGTH),
                          return_hidden=STREAMS).hidden
     assert torch.allclose(row["hidden_states"], torch.cat(streams, -1)[0], atol=1e-5)
 
 
-def test_specforge_trained_the_steps_asked(trained):
-    folder = trained[0]
-    log = (folder / "out" / "specforge_train.log").read_text()
-    losses = [float(x) for x in re.findall(r"step \d+: \{[^}]*'loss': ([0-9.eE+-]+)", log)]
-    assert len(losses) == STEPS and all(0 < loss < 20 for loss in losses)
+def test_specforge_trains_the_asked_steps_with_finite_losses(trained):
+    summary = trained[3]
+    assert summary["peer"] == "specforge" and len(summary["losses"]) == STEPS
+    assert all(map(math.isfinite, summary["losses"])) and math.isfinite(summary["tokens_per_s"])
 
 
-def test_the_head_specforge_trained_loads_in_selfspec_with_its_logits(trained):
-    folder, target, inputs, _, theirs = trained
-    head = load_head(folder / "out" / "dflash", target=target, allow_other_base=True)
+@pytest.mark.parametrize("where", ["head", "export"])
+def test_its_head_loads_in_selfspec_with_specforges_logits(trained, where):
+    _, target, inputs, summary, theirs = trained
+    head = load_head(summary[where], target=target, allow_other_base=True)
     assert isinstance(head, DFlashHead) and head.config.target_layers == STREAMS
-    assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
-    assert max_difference(block_logits(head, target, inputs), theirs) < TOLERANCE
-
+    assert (head.config.block_size, head.config.mask_token_id) == \
+        (BLOCK, summary["mask_token_id"])
+    ours = block_logits(head, target, inputs)
+    assert max_difference(ours, theirs["dflash"]) < TOLERANCE
+    assert max_difference(ours, theirs["dflash_training"]) < TOLERANCE
