@@ -22,3 +22,11 @@ def test_the_passes_hold_the_steps_and_none_begins_after_the_last(steps, rows, b
     per_pass = math.ceil(rows / batch)  # a last, short batch is a step too
     passes = peer_train.epochs_for(steps, rows, batch)
     assert (passes - 1) * per_pass < steps <= passes * per_pass
+
+
+def test_specforges_eagle3_is_refused_before_anything_runs(tmp_path):
+    """SpecForge's EAGLE-3 loss is a Triton kernel: --peer specforge trains DFlash only."""
+    with pytest.raises(ValueError, match="Triton kernel.*--peer speculators"):
+        peer_train.main(["eagle3", "--peer", "specforge", "--store", str(tmp_path / "store"),
+                         "--target", str(tmp_path / "target"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
