@@ -37,7 +37,7 @@ def sweep_command(args, folder: Path) -> list[str]:
             f"bench.batch_sizes=[{batches}]", "samplings=[greedy]", "stop_at_eos=false",
             f"threads={args.threads}", "wandb.enabled=false", "progress=false",
             "methods=[ngram,eagle]", "ngram.corpus=shipped", "eagle_head=shipped",
-            "num_draft_tokens=[1,3]", f"hydra.run.dir={folder}"]
+            "num_draft_tokens=[1,3]", "baseline=shared", f"hydra.run.dir={folder}"]
 
 
 def prompt_ids(args) -> list[list[int]]:
