@@ -85,17 +85,26 @@ def run_side(peer: str, mode: str, out: Path, inputs: dict, target_folder: Path,
 
 
 def block_logits(head: DFlashHead, target: Transformer, inputs: dict) -> torch.Tensor:
-    """[A * B, V], selfspec's: the streams from its own forward of the target; each anchor a's
-    block [token a, mask x B - 1] (the head's block size B and mask token) at positions
-    a..a + B - 1 over the context of positions < a, scored by the target's LM head."""
+    """[A * B, V], selfspec's: the streams from its own forward of the target, scored by
+    `streams_block_logits`."""
     ids = inputs["input_ids"]
+    with torch.no_grad():
+        streams = target(ids[None], torch.arange(len(ids)),
+                         return_hidden=head.config.target_layers).hidden
+    return streams_block_logits(head, target, ids, streams, inputs["anchors"].tolist())
+
+
+def streams_block_logits(head: DFlashHead, target: Transformer, ids: torch.Tensor,
+                         streams: tuple[torch.Tensor, ...], anchors: list[int]) -> torch.Tensor:
+    """[A * B, V], selfspec's: each anchor a's block [token a, mask x B - 1] (the head's block
+    size B and mask token) at positions a..a + B - 1 over the context the fused `streams`
+    (each [1, T, h]) give positions < a, scored by the target's LM head."""
     positions = torch.arange(len(ids))
     size, mask = head.config.block_size, head.config.mask_token_id
     out = []
     with torch.no_grad():
-        streams = target(ids[None], positions, return_hidden=head.config.target_layers).hidden
         context = head.context(streams)  # [1, T, h]
-        for a in inputs["anchors"].tolist():
+        for a in anchors:
             keys = head.context_keys(context[:, :a], positions[:a])
             block = torch.cat([ids[a:a + 1], torch.full((size - 1,), mask)])
             hidden = head(target.embed_tokens(block[None]), positions[a:a + size],

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_interop import streams_block_logits
 from helpers import random_dflash_head, random_eagle_head, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from selfspec import Transformer
 from selfspec.heads import DFlashConfig, DFlashHead, EagleConfig, EagleHead, load_head
-from selfspec.heads.dflash import PrefixKeys
 from selfspec.heads.export import export_head
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,20 +115,9 @@ def peagle_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.T
 
 
 def dflash_logits(head: DFlashHead, target: Transformer, inputs: dict) -> torch.Tensor:
-    """[A * BLOCK, V]: each anchor a's block [token a, mask x BLOCK - 1] at positions
-    a..a + BLOCK - 1, over the context of positions < a."""
+    """[A * BLOCK, V]: the shared DFlash scoring over the random `dflash_hidden` streams."""
     streams = inputs["dflash_hidden"][None].split(H, dim=-1)
-    ids, positions = inputs["input_ids"], inputs["positions"]
-    out = []
-    with torch.no_grad():
-        context = head.context(streams)  # [1, T, h]
-        for a in ANCHORS:
-            keys = head.context_keys(context[:, :a], positions[:a])
-            block = torch.cat([ids[a:a + 1], torch.full((BLOCK - 1,), MASK)])
-            hidden = head(target.embed_tokens(block[None]), positions[a:a + BLOCK],
-                          PrefixKeys(keys))
-            out.append(head.logits(hidden, lm_head=target.lm_head)[0])
-    return torch.cat(out)
+    return streams_block_logits(head, target, inputs["input_ids"], streams, ANCHORS)
 
 
 def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
