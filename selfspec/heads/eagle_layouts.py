@@ -13,6 +13,11 @@
   vocabulary; P-EAGLE adds `mask_token_id`, its tokens a forward as the greedy proposal's
   `speculative_tokens`, and `mask_hidden` [1, 1, 3h]: the mask pairs' feature *before* `fc`
   (ours is [h], after it; `mask_hidden_through_fc` / `mask_hidden_before_fc` convert).
+- SpecForge's P-EAGLE (`PEagleDraftModel`, written by `--to sglang`): SGLang's EAGLE-3 config
+  (`eagle_config` ids) with that architecture, `layers.0.*` names, the same [1, 1, 3h]
+  `mask_hidden`, and `mask_token_id` and `num_depths` (K), which SpecForge keeps in its training
+  config, not the draft's: selfspec writes them and reads them back (`dflash_config`'s
+  `mask_token_id`, where SpecForge's trainer looks, is read too).
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from selfspec.model import ModelConfig
 
 LAYOUT_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3",
                 "speculators-eagle3": "EAGLE-3 (speculators layout)",
-                "speculators-peagle": "P-EAGLE (speculators layout)"}
+                "speculators-peagle": "P-EAGLE (speculators layout)",
+                "specforge-peagle": "P-EAGLE (SpecForge's PEagleDraftModel)"}
+SPECFORGE_PEAGLE = "PEagleDraftModel"
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -56,7 +63,35 @@ def read_eagle(found: HeadFolder) -> PublishedHead | None:
     state = found.state()
     if "fc.weight" not in state:
         return None
+    if found.config.get("architectures") == [SPECFORGE_PEAGLE]:
+        return _read_specforge_peagle(found.path, found.config, state, found.target_num_layers)
     return _read_eagle(found.path, found.config, state, found.target_num_layers)
+
+
+def _read_specforge_peagle(folder: Path, config: dict, state: dict,
+                           target_num_layers: int | None) -> PublishedHead:
+    """SpecForge's P-EAGLE draft: one layer of EAGLE-3's shape, its mask feature converted
+    through fc; its embedding (SpecForge trains it by default) must be the target's."""
+    if config.get("norm_before_residual") or int(config.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"load_head: {folder}: selfspec's P-EAGLE head is one EAGLE-3 layer "
+                         f"keeping the raw feature as its residual; this SpecForge draft has "
+                         f"{config.get('num_hidden_layers')} layer(s), norm_before_residual "
+                         f"{bool(config.get('norm_before_residual'))}: train it with "
+                         f"num_hidden_layers 1 and norm_before_residual false")
+    mask = config.get("mask_token_id", (config.get("dflash_config") or {}).get("mask_token_id"))
+    parallel = config.get("num_depths")
+    if mask is None or parallel is None or "mask_hidden" not in state:
+        raise ValueError(f"load_head: {folder} holds a SpecForge P-EAGLE draft without "
+                         f"mask_token_id, num_depths or mask_hidden: add to its config.json the "
+                         f"mask token and the depths (tokens a forward) it was trained with")
+    embedding = state.get("embed_tokens.weight")
+    state = state | {"mask_hidden": mask_hidden_through_fc(state["fc.weight"],
+                                                           state["mask_hidden"])}
+    found = _read_eagle(folder, config, state, target_num_layers, parallel=int(parallel),
+                        mask_token_id=int(mask))
+    found.layout = "specforge-peagle"
+    found.target_copies = {} if embedding is None else {"embed_tokens": embedding}
+    return found
 
 
 def read_speculators_eagle(folder: Path, config: dict, flat: dict, layer: dict, state: dict,
@@ -226,11 +261,11 @@ def write_eagle(head: EagleHead, request: ExportRequest) -> Written:
     if to in ("medusa", "dflash"):
         raise ExportRefused(f"an EAGLE head is not a {to.capitalize()} head: export with --to "
                             f"vllm, sglang or eagle")
-    if c.parallel > 1:
-        raise ExportRefused(f"a P-EAGLE head (parallel={c.parallel}) has no layout in the "
-                            f"engines' EAGLE-3 formats (its mask_hidden would be lost): export it "
-                            f"with --to speculators (speculators' P-EAGLE layout), or serve "
-                            f"its selfspec export folder with selfspec")
+    if c.parallel > 1 and to != "sglang":
+        raise ExportRefused(f"a P-EAGLE head (parallel={c.parallel}) has no layout in {to}'s "
+                            f"EAGLE-3 format (its mask_hidden would be lost): export it with "
+                            f"--to speculators (speculators' P-EAGLE layout) or --to sglang "
+                            f"(SpecForge's), or serve its selfspec export folder with selfspec")
     _check_llama_layer(c, to)
     state = {k: v for k, v in head.state_dict().items()}
     llama = c.layer_config().to_hf()
@@ -283,6 +318,8 @@ def write_eagle(head: EagleHead, request: ExportRequest) -> Written:
                      f"l); a draft vocabulary of {c.draft_vocab_size} tokens (d2t, t2d)")
         if to == "eagle":
             notes.append(_reference_embedding(config, state, request.target_embedding))
+    if c.parallel > 1:
+        return _specforge_peagle(head, config, state, notes)
     method = "eagle" if c.version == 1 else "eagle3"
     if to == "vllm":
         command = vllm_command(base, {"method": method, "model": "{OUT}",
@@ -400,6 +437,28 @@ def _speculators_peagle(head: EagleHead, state: dict) -> tuple[str, int, dict]:
     return "peagle", head.config.parallel, {
         "architectures": ["PEagleSpeculator"], "mask_token_id": head.config.mask_token_id,
         "embed_requires_grad": False}
+
+
+def _specforge_peagle(head: EagleHead, config: dict, state: dict, notes: list[str]
+                      ) -> Written:
+    """SGLang's EAGLE-3 folder as SpecForge's P-EAGLE draft (`PEagleDraftModel`): `layers.0.*`,
+    the mask feature before fc, and the two settings SpecForge keeps outside the draft's
+    config (its mask token, its depths: K)."""
+    c = head.config
+    try:
+        before = mask_hidden_before_fc(head.fc.weight.detach(), head.mask_hidden.detach())
+    except ValueError as exc:
+        raise ExportRefused(str(exc)) from None
+    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    state["mask_hidden"] = before.view(1, 1, -1)
+    config |= {"architectures": [SPECFORGE_PEAGLE], "norm_before_residual": False,
+               "mask_token_id": c.mask_token_id, "num_depths": c.parallel}
+    notes.append(f"SpecForge's P-EAGLE: {c.parallel} tokens a forward (num_depths), mask token "
+                 f"{c.mask_token_id}; mask_hidden written [1, 1, {before.numel()}], before fc, "
+                 f"which maps it onto selfspec's (the export checks it)")
+    command = ("python -c \"from specforge.modeling.auto import AutoDraftModel; "
+               "AutoDraftModel.from_pretrained('{OUT}')\"")
+    return config, state, "model.safetensors", command, notes
 
 
 EAGLE_LAYOUTS = HeadLayouts(write=write_eagle, name=lambda head: f"EAGLE-{head.config.version}",

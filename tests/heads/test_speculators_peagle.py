@@ -1,7 +1,10 @@
 """P-EAGLE in speculators' layout without speculators: its mask feature enters before `fc`
 ([3h]), ours after it ([h]). The conversion is exact both ways while fc has full row rank and
-refused where it has not; an export read back by `load_head` drafts as the head it came from.
-(speculators' own classes load these folders in tests/peers/test_speculators.py.)"""
+refused where it has not; an export read back by `load_head` drafts as the head it came from,
+in speculators' layout and in SpecForge's (`--to sglang`). (The peers' own classes load these
+folders in tests/peers/test_speculators.py and test_specforge.py.)"""
+
+import json
 
 import pytest
 import torch
@@ -62,9 +65,10 @@ def drafted_logits(head: EagleHead, target: Transformer) -> torch.Tensor:
         return head.logits(head(embeds, features, torch.arange(6 + PARALLEL - 1)))[0, 5:]
 
 
-def test_a_peagle_export_reads_back_as_the_same_drafter(target, tmp_path):
+@pytest.mark.parametrize("to", ["speculators", "sglang"])  # sglang: SpecForge's PEagleDraftModel
+def test_a_peagle_export_reads_back_as_the_same_drafter(target, tmp_path, to):
     head = peagle_head(target)
-    export_head(head, "speculators", tmp_path, base_model="target",
+    export_head(head, to, tmp_path, base_model="target",
                 target_embedding=target.embed_tokens.weight)
     assert load_file(str(tmp_path / "model.safetensors"))["mask_hidden"].shape == (1, 1, 3 * H)
     loaded = load_head(tmp_path, target=target, allow_other_base=True)
@@ -72,3 +76,15 @@ def test_a_peagle_export_reads_back_as_the_same_drafter(target, tmp_path):
     assert (loaded.config.parallel, loaded.config.mask_token_id) == (PARALLEL, MASK)
     assert (loaded.mask_hidden - head.mask_hidden).abs().max() < 1e-5
     assert (drafted_logits(loaded, target) - drafted_logits(head, target)).abs().max() < 1e-4
+
+
+def test_a_specforge_peagle_folder_without_its_depths_is_refused(target, tmp_path):
+    """SpecForge keeps K in its training config: a draft folder that does not name it is
+    refused, naming what to add, rather than read with a guessed K."""
+    export_head(peagle_head(target), "sglang", tmp_path, base_model="target")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["PEagleDraftModel"] and config["num_depths"] == PARALLEL
+    del config["num_depths"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="without mask_token_id, num_depths or mask_hidden"):
+        load_head(tmp_path, target=target, allow_other_base=True)
