@@ -3,11 +3,11 @@ venv (scripts/peers.sh specforge), never imported by the suite (selfspec is not 
 there). Every tensor travels in safetensors files. The drafts are SpecForge's own classes,
 built as its trainer builds them (`AutoDraftModelConfig.from_file` of a draft config.json,
 `AutoDraftModel.from_config`), written as its exporters write them (`save_pretrained`, then
-its `apply_legacy_rope_scaling`), and read back as it reads them: DFlash with
+its `apply_legacy_rope_scaling`), and read back as it reads them: DFlash and P-EAGLE with
 `AutoDraftModel.from_pretrained`, EAGLE-3 as its exporters materialise one (`load_eagle3`).
 
-    python specforge_side.py save INPUTS OUT_DIR   # random DFlash and EAGLE-3 drafts, saved
-    python specforge_side.py load INPUTS OUT_DIR   # OUT_DIR/{dflash,eagle3} loaded and scored
+    python specforge_side.py save INPUTS OUT_DIR   # random DFlash, EAGLE-3, P-EAGLE drafts, saved
+    python specforge_side.py load INPUTS OUT_DIR   # OUT_DIR/{dflash,eagle3,peagle} loaded, scored
 
 INPUTS (safetensors): `input_ids` [T], `anchors` [A] (DFlash block roots), `eagle3_hidden`
 [T, 3h] (EAGLE-3's fused streams); metadata `target` (the target's transformers folder) and,
@@ -16,7 +16,10 @@ for `save`, `sizes` (JSON). Writes OUT_DIR/logits.safetensors, for each folder p
 `extract_context_feature`) and `dflash_training` (the same rows from its DFlash training
 forward); `eagle3` [T, draft V] (the draft's
 backbone and logits as SpecForge's EAGLE-3 trainer runs them, one step: row t reads token t
-and the fused streams at t); metadata `read` (JSON, by kind).
+and the fused streams at t); `peagle` [rows, draft V] (its P-EAGLE training forward,
+`OnlinePEagleModel`, up to the logits, with its sampled rows fixed to the inputs'
+`peagle_anchor` and `peagle_depth`, over the same fused streams); metadata `read` (JSON, by
+kind). P-EAGLE's sizes add `mask_token_id` and `parallel` (its `num_depths`).
 """
 
 from __future__ import annotations
@@ -60,7 +63,15 @@ def new_eagle3(sizes: dict, target: str, folder: Path):
     """A random EAGLE-3 draft fusing sizes' `eagle3_layer_ids` (SpecForge's numbering, the
     output of each layer: `eagle_config`), with a draft vocabulary of every other id first and
     the target's embedding (as its trainer loads it)."""
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+    model = build(eagle3_config(sizes), folder)
+    randomize(model, sizes["seed"] + 1)
+    with_draft_vocabulary(model, sizes)
+    model.load_embedding(target, embedding_key="model.embed_tokens.weight")
+    return model
+
+
+def eagle3_config(sizes: dict) -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
               "vocab_size": sizes["vocab_size"], "hidden_size": sizes["hidden_size"],
               "intermediate_size": sizes["intermediate_size"], "num_hidden_layers": 1,
               "num_attention_heads": sizes["num_attention_heads"],
@@ -70,14 +81,28 @@ def new_eagle3(sizes: dict, target: str, folder: Path):
               "rope_parameters": {"rope_type": "default", "rope_theta": sizes["rope_theta"]},
               "draft_vocab_size": sizes["draft_vocab_size"],
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": sizes["eagle3_layer_ids"]}}
-    model = build(config, folder)
-    randomize(model, sizes["seed"] + 1)
+
+
+def with_draft_vocabulary(model, sizes: dict) -> None:
+    """A draft vocabulary of every other id first (d2t, t2d)."""
     vocab, draft = sizes["vocab_size"], sizes["draft_vocab_size"]
     ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])[:draft].sort().values
     with torch.no_grad():
         model.t2d.zero_()
         model.t2d[ids] = True
         model.d2t.copy_(ids - torch.arange(draft))
+
+
+def new_peagle(sizes: dict, target: str, folder: Path):
+    """A random one-layer P-EAGLE draft (`PEagleDraftModel`) of EAGLE-3's sizes, its mask
+    token and depths written into its draft config (SpecForge's trainer takes both from its
+    training config; a draft folder has to name them to be read elsewhere)."""
+    config = eagle3_config(sizes) | {"architectures": ["PEagleDraftModel"],
+                                     "mask_token_id": sizes["mask_token_id"],
+                                     "num_depths": sizes["parallel"]}
+    model = build(config, folder)
+    randomize(model, sizes["seed"] + 2)
+    with_draft_vocabulary(model, sizes)
     model.load_embedding(target, embedding_key="model.embed_tokens.weight")
     return model
 
@@ -138,6 +163,42 @@ def eagle3_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
         return model.compute_logits(out)[0]
 
 
+def peagle_logits(model, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[rows, draft V]: SpecForge's P-EAGLE training forward up to the logits, its COD
+    sampling replaced by the inputs' rows (anchor, depth) and its loss by a capture of the
+    logits. Its flex attention runs eagerly (its compiled kernel options are GPU tuning), and
+    its loss module, which imports Triton at import time, is stood in for: only the logits
+    are compared."""
+    import types
+
+    sys.modules["specforge.core.loss"] = types.ModuleType("specforge.core.loss")
+    sys.modules["specforge.core.loss"].LogSoftmaxLoss = None
+    from specforge.algorithms.peagle import model as peagle
+    from specforge.modeling.draft import peagle as layers
+    from torch.nn.attention.flex_attention import flex_attention
+
+    layers.compile_friendly_flex_attention = (
+        lambda query, key, value, block_mask, enable_gqa, kernel_options:
+        flex_attention(query, key, value, block_mask=block_mask, enable_gqa=enable_gqa))
+    rows = (t["peagle_anchor"], t["peagle_depth"])
+    peagle.generate_cod_sample_indices = lambda **_: rows
+    captured = {}
+
+    def capture(logits, **_):
+        captured["logits"] = logits
+        return logits.sum(), {}
+
+    peagle.compute_peagle_metrics = capture
+    ids = t["input_ids"][None]  # [1, T]
+    trainer = peagle.OnlinePEagleModel(model, model.config.mask_token_id,
+                                       num_depths=model.config.num_depths)
+    with torch.no_grad():
+        trainer(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids),
+                target=torch.zeros(1, ids.shape[1], model.vocab_size),
+                hidden_states=t["eagle3_hidden"][None])
+    return captured["logits"][0]
+
+
 def eagle3_read(model) -> dict:
     c = model.config
     rope = getattr(c, "rope_parameters", None) or {}
@@ -156,6 +217,7 @@ def main(mode: str, inputs: str, out: str) -> None:
         sizes = json.loads(meta["sizes"])
         save(new_dflash(sizes, out_dir / "built_dflash"), out_dir / "dflash")
         save(new_eagle3(sizes, meta["target"], out_dir / "built_eagle3"), out_dir / "eagle3")
+        save(new_peagle(sizes, meta["target"], out_dir / "built_peagle"), out_dir / "peagle")
     target = load_target(meta["target"])
     logits, read = {}, {}
     if (out_dir / "dflash").is_dir():
@@ -170,6 +232,16 @@ def main(mode: str, inputs: str, out: str) -> None:
         eagle3.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
         logits["eagle3"] = eagle3_logits(eagle3, t)
         read["eagle3"] = eagle3_read(eagle3)
+    if (out_dir / "peagle").is_dir():
+        peagle = load(out_dir / "peagle")
+        # a folder selfspec writes holds no embedding: SpecForge's builder loads the target's
+        peagle.load_embedding(meta["target"], embedding_key="model.embed_tokens.weight")
+        logits["peagle"] = peagle_logits(peagle, t)
+        read["peagle"] = {"mask_token_id": peagle.config.mask_token_id,
+                          "num_depths": peagle.config.num_depths,
+                          "layers": len(peagle.layers),
+                          "mask_hidden": list(peagle.mask_hidden.shape),
+                          "inv_freq_1": float(peagle.rotary_emb.inv_freq[1])}
     save_file({k: v.contiguous() for k, v in logits.items()}, str(out_dir / "logits.safetensors"),
               metadata={"read": json.dumps(read)})
 
