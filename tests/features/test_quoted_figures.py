@@ -1182,9 +1182,12 @@ SERVING_VLLM = Quoted(
     columns={
         "vLLM mean acceptance length": Column(("vllm_mean_acceptance_length",)),
         "selfspec's, same steps counted": Column(("selfspec_mean_acceptance_length",)),
+        "selfspec's on vLLM's schedule": Column(
+            ("selfspec_vllm_schedule_mean_acceptance_length",)),
         "selfspec tau": Column(("selfspec_tau",)),
-        "drafting steps vLLM / selfspec": Column(("vllm_drafting_steps",
-                                                  "selfspec_drafting_steps")),
+        "drafting steps vLLM / selfspec / selfspec on vLLM's schedule": Column(
+            ("vllm_drafting_steps", "selfspec_drafting_steps",
+             "selfspec_vllm_schedule_counters.drafts")),
         "acceptance by position, vLLM / selfspec": Column(
             tuple(f"{side}_acceptance_by_position.{d}" for side in ("vllm", "selfspec")
                   for d in range(3))),
