@@ -15,6 +15,7 @@ venv `scripts/peers.sh specforge` builds; without it these tests skip.
 """
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -39,6 +40,7 @@ from dflash_interop import (
 )
 from eagle_interop import eagle3_logits, peagle_logits, peagle_rows
 from helpers import random_eagle_head
+from safetensors.torch import load_file, save_file
 
 from selfspec import Transformer
 from selfspec.heads import DFlashHead, EagleConfig, EagleHead, load_head
@@ -182,3 +184,15 @@ def test_a_peagle_draft_specforge_writes_loads_in_selfspec_with_its_logits(saved
     assert head.config.target_layers == EAGLE3_STREAMS and head.config.rope_theta == ROPE_THETA
     assert max_difference(eagle_logits("peagle", head, target, inputs),
                           theirs["peagle"]) < TOLERANCE
+
+
+def test_a_specforge_peagle_draft_with_a_trained_embedding_is_refused(saved, setup, tmp_path):
+    """SpecForge's P-EAGLE trainer trains the draft's embedding and saves it, and its draft
+    embeds with it; selfspec's heads embed with the target's, so such a folder is refused."""
+    out, _ = saved
+    shutil.copytree(out / "peagle", tmp_path / "peagle")
+    weights = load_file(str(tmp_path / "peagle" / "model.safetensors"))
+    weights["embed_tokens.weight"] = weights["embed_tokens.weight"] * 1.1
+    save_file(weights, str(tmp_path / "peagle" / "model.safetensors"))
+    with pytest.raises(ValueError, match="holds its own embed_tokens"):
+        load_head(tmp_path / "peagle", target=setup[1], allow_other_base=True)

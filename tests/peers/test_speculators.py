@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_interop import streams_block_logits
+from eagle_interop import eagle3_logits, peagle_logits, peagle_rows
 from helpers import random_dflash_head, random_eagle_head, tiny_llama
 from safetensors.torch import load_file, save_file
 
@@ -60,16 +61,7 @@ def inputs() -> dict[str, torch.Tensor]:
     torch.manual_seed(7)
     return {"input_ids": torch.randint(0, V - 1, (T,)), "positions": torch.arange(T),
             "eagle3_hidden": torch.randn(T, 3 * H), "dflash_hidden": torch.randn(T, 3 * H),
-            "anchors": torch.tensor(ANCHORS), **peagle_rows()}
-
-
-def peagle_rows() -> dict[str, torch.Tensor]:
-    """P-EAGLE rows in speculators' sampled order: every position at depth 0, then each
-    anchor of ANCHORS at depth 1, at depth 2, ... K - 1 (the row of anchor a at depth d stands
-    at position a + d)."""
-    anchors = [*range(T)] + ANCHORS * (PARALLEL - 1)
-    depths = [0] * T + [d for d in range(1, PARALLEL) for _ in ANCHORS]
-    return {"peagle_anchor": torch.tensor(anchors), "peagle_depth": torch.tensor(depths)}
+            "anchors": torch.tensor(ANCHORS), **peagle_rows(T, ANCHORS, PARALLEL)}
 
 
 def run_side(mode: str, folder: Path, inputs: dict, metadata: dict | None = None
@@ -86,32 +78,13 @@ def run_side(mode: str, folder: Path, inputs: dict, metadata: dict | None = None
 # ---- selfspec's logits on the same inputs ------------------------------------------------
 
 
-def eagle3_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.Tensor:
-    """[T, draft V]: row t reads (token t, fused streams t), one pass (no fed-back draft)."""
-    streams = inputs["eagle3_hidden"][None].split(H, dim=-1)
-    embeds = target.embed_tokens(inputs["input_ids"][None])
-    with torch.no_grad():
-        out = head(embeds, head.target_feature(None, streams), inputs["positions"])
-        return head.logits(out)[0]
-
-
-def peagle_logits(head: EagleHead, target: Transformer, inputs: dict) -> torch.Tensor:
-    """[rows, draft V] in peagle_rows' order, as selfspec drafts: depth 0 is the head over the
-    real pairs; anchor a's depth d the (d)-th of K - 1 mask pairs riding after the real pairs
-    0..a, causally, at positions a + 1..a + K - 1 (ParallelEagleDrafter's forward)."""
-    streams = inputs["eagle3_hidden"][None].split(H, dim=-1)
-    feature = head.target_feature(None, streams)  # [1, T, h]
-    embeds = target.embed_tokens(inputs["input_ids"][None])  # [1, T, h]
-    mask_embed, mask_feature = head.mask_pairs(target.embed_tokens.weight[MASK], PARALLEL - 1)
-    rows = [eagle3_logits(head, target, inputs)]
-    with torch.no_grad():
-        for depth in range(1, PARALLEL):
-            for a in ANCHORS:
-                out = head(torch.cat([embeds[:, :a + 1], mask_embed[None]], dim=1),
-                           torch.cat([feature[:, :a + 1], mask_feature[None]], dim=1),
-                           torch.arange(a + PARALLEL))
-                rows.append(head.logits(out)[0, a + depth][None])
-    return torch.cat(rows)
+def eagle_logits(kind: str, head: EagleHead, target: Transformer, inputs: dict
+                 ) -> torch.Tensor:
+    """EAGLE-3's [T, draft V] or P-EAGLE's [rows, draft V] (eagle_interop's shared scoring)."""
+    ids, fused = inputs["input_ids"], inputs["eagle3_hidden"]
+    if kind == "peagle":
+        return peagle_logits(head, target, ids, fused, ANCHORS)
+    return eagle3_logits(head, target, ids, fused)
 
 
 def dflash_logits(head: DFlashHead, target: Transformer, inputs: dict) -> torch.Tensor:
@@ -149,8 +122,8 @@ def exported(tmp_path_factory, target, target_folder, inputs):
                     target_embedding=target.embed_tokens.weight,
                     target_lm_head=target.lm_head.weight)
     theirs = run_side("load", out, inputs)
-    ours = {"eagle3": eagle3_logits(eagle, target, inputs),
-            "peagle": peagle_logits(peagle, target, inputs),
+    ours = {"eagle3": eagle_logits("eagle3", eagle, target, inputs),
+            "peagle": eagle_logits("peagle", peagle, target, inputs),
             "dflash": dflash_logits(dflash, target, inputs)}
     return out, ours, theirs
 
@@ -200,11 +173,11 @@ def test_a_head_speculators_saves_loads_in_selfspec_with_its_logits(saved, targe
     if kind == "eagle3":
         assert isinstance(head, EagleHead) and head.config.target_layers == EAGLE3_LAYERS
         assert head.config.draft_vocab_size == DRAFT_V
-        ours = eagle3_logits(head, target, inputs)
+        ours = eagle_logits("eagle3", head, target, inputs)
     elif kind == "peagle":
         assert isinstance(head, EagleHead) and head.config.target_layers == EAGLE3_LAYERS
         assert (head.config.parallel, head.config.mask_token_id) == (PARALLEL, MASK)
-        ours = peagle_logits(head, target, inputs)
+        ours = eagle_logits("peagle", head, target, inputs)
     else:
         assert isinstance(head, DFlashHead) and head.config.target_layers == DFLASH_LAYERS
         assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
