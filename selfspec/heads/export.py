@@ -9,7 +9,7 @@ envelope for `--to speculators`.
 | Medusa | yes: top-1 chains | no | yes | no | no | no |
 | EAGLE-1 | fc bias folded into attention biases | yes | no | yes | no | no |
 | EAGLE-3 | yes | yes | no | default fused layers only | no | yes |
-| P-EAGLE | no | no | no | no | no | yes (mask feature before fc) |
+| P-EAGLE | no | as SpecForge's PEagleDraftModel | no | no | no | yes (mask feature before fc) |
 | DFlash | q/k norms, draft vocab | q/k norms, target's LM head | no | no | as SGLang | q/k norms |
 
 speculators (its `SpeculatorModel.from_pretrained`) needs the target: its embedding is written
