@@ -341,8 +341,8 @@ def fit_eagle_head(target, continuations: dict, version: int = 1, steps: int = 6
     """An EAGLE head fit (AdamW, full batch) to the target's own greedy continuations, given as
     {prompt tuple: new tokens}; EAGLE-3 heads (version 3) get their draft vocabulary from those
     rows and train with a 3-step training-time test. Returns (head in eval mode, metrics)."""
+    from selfspec.from_config.methods.eagle import Eagle3Objective, EagleObjective
     from selfspec.heads import EagleConfig, EagleHead, draft_vocabulary
-    from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
     tokens, mask = continuation_rows(continuations)
     torch.manual_seed(0)

@@ -20,11 +20,11 @@ from helpers import (
 
 from selfspec import SamplingParams, Transformer, generate
 from selfspec.drafters import ParallelEagleDrafter
+from selfspec.from_config.methods.eagle import Eagle3Objective, parallel_pairs
 from selfspec.heads import EagleConfig, EagleHead
 from selfspec.heads.export import export_head
 from selfspec.heads.io import describe_target, load_head, save_head
 from selfspec.heads.layouts import ExportRefused
-from selfspec.training.objectives import Eagle3Objective, parallel_pairs
 
 PROMPTS = [
     torch.randint(2, 63, (n,), generator=torch.Generator().manual_seed(n)).tolist()

@@ -22,6 +22,7 @@ from helpers import (
 
 from selfspec import generate
 from selfspec.from_config.methods.dflash import DFlashObjective
+from selfspec.from_config.methods.eagle import Eagle3Objective, EagleObjective
 from selfspec.from_config.methods.early_exit import EarlyExitObjective
 from selfspec.from_config.methods.medusa import MedusaObjective
 from selfspec.from_config.methods.small_model import DraftModelObjective
@@ -37,7 +38,6 @@ from selfspec.heads import (
 )
 from selfspec.heads.export import export_head
 from selfspec.heads.io import load_head
-from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
 METHODS = ("medusa", "eagle1", "eagle3", "peagle", "dflash", "early_exit", "draft")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES + MOE_FAMILIES

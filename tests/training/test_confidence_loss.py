@@ -10,10 +10,10 @@ import torch
 from helpers import continuation_rows, dflash_head_config, random_eagle_head
 
 from selfspec.from_config.methods.dflash import DFlashObjective
+from selfspec.from_config.methods.eagle import Eagle3Objective
 from selfspec.heads import DFlashHead, EagleConfig
 from selfspec.heads.base import confidence_loss
 from selfspec.heads.eagle_losses import parallel_confidence_loss
-from selfspec.training.objectives import Eagle3Objective
 
 
 def bce(logit: float, label: float) -> float:

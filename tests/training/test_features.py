@@ -222,10 +222,10 @@ def objective(method: str, target, features):
         reduced_medusa_heads,
     )
 
+    from selfspec.from_config.methods.eagle import Eagle3Objective, EagleObjective
     from selfspec.from_config.methods.early_exit import EarlyExitObjective
     from selfspec.from_config.methods.medusa import MedusaObjective
     from selfspec.from_config.methods.small_model import DraftModelObjective
-    from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
     source = None if features is None else StoredFeatures(features, {
         "eagle3": EAGLE3_LAYERS, "early_exit": (1,)}.get(method, ()))

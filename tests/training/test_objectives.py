@@ -19,6 +19,7 @@ from helpers import (
 from selfspec import Transformer, generate
 from selfspec.divergences import kl_to_teacher, soft_cross_entropy
 from selfspec.from_config.methods.dflash import DFlashObjective
+from selfspec.from_config.methods.eagle import Eagle3Objective, EagleObjective
 from selfspec.from_config.methods.medusa import Medusa2Objective
 from selfspec.from_config.methods.small_model import DraftModelObjective
 from selfspec.heads import MedusaConfig, MedusaHeads
@@ -27,7 +28,6 @@ from selfspec.heads.eagle_losses import eagle_loss
 from selfspec.heads.early_exit import exit_loss
 from selfspec.model.kv_cache import KVCache
 from selfspec.model.lora import LINEAR_LAYERS
-from selfspec.training.objectives import Eagle3Objective, EagleObjective
 
 # ---- Medusa ----------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from selfspec.divergences import forward_kl
+from selfspec.from_config.methods.eagle import copy_keep_chances, kept_copies
 from selfspec.heads.eagle_losses import parallel_eagle3_loss
-from selfspec.training.objectives import copy_keep_chances, kept_copies
 
 ANCHORS = 50_000  # the share's standard error is below 2.3e-3
 

@@ -30,6 +30,7 @@ from selfspec.checks import check_count, is_count
 from selfspec.drafters.mtp import MtpDrafter, MtpHead
 from selfspec.from_config import training
 from selfspec.from_config.common import as_list
+from selfspec.from_config.methods.eagle import EagleObjective
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
 from selfspec.from_config.models import model_config, model_plan
 from selfspec.heads.base import LossOutput
@@ -44,7 +45,7 @@ from selfspec.model.plan import trainable_line
 from selfspec.model.transformer import MtpModule
 from selfspec.tracking import Tracker
 from selfspec.training.features import FeatureSource
-from selfspec.training.objectives import EagleObjective, frozen_outputs
+from selfspec.training.objectives import frozen_outputs
 from selfspec.training.rows import TokenRows
 from selfspec.tree import Tree
 
