@@ -4,7 +4,11 @@
 - z-lab's `DFlashDraftModel` (read by SGLang and vLLM): a Qwen3 config.json of the draft's
   layers with `dflash_config` {block_size, mask_token_id, target_layer_ids (the output of that
   layer: ours - 1)}; `layers.{i}.*` with q/k norms, `norm`, `fc`, `hidden_norm`, and (vLLM)
-  `lm_head` + `d2t` for a draft vocabulary.
+  `lm_head` + `d2t` for a draft vocabulary. z-lab's dflash 0.1.0 also reads, from
+  `dflash_config` or the top level, settings selfspec's head does not compute
+  (`ZLAB_EXTRAS`: a scale on the block's embeddings and on the logits, logit soft-capping,
+  causal or sliding-window draft layers, DFlash 2's convolutions and candidate selector): a
+  folder that sets one is refused (`refuse_zlab_extras`) rather than drafted differently.
 - speculators' DFlash part (inside the envelope `selfspec.heads.export` writes and
   `selfspec.heads.published` reads): the layers as Qwen3's, the fused layers in
   `aux_hidden_state_layer_ids` (HF's `hidden_states[l]`: ours), `lm_head` only with a draft
@@ -70,7 +74,43 @@ def read_speculators_dflash(folder: Path, config: dict, flat: dict, layer: dict,
     return found, copies
 
 
+# z-lab's settings (dflash 0.1.0's `_draft_value` names) and the value under which selfspec's
+# head computes the same function (None: unset)
+ZLAB_EXTRAS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+               "final_logit_softcapping": None, "conv_kernel_size": None,
+               "conv_group_size": None, "selector_rank": None, "selector_top_k": None}
+
+
+def refuse_zlab_extras(folder: Path, config: dict) -> None:
+    """Refuse a DFlash draft whose config sets what z-lab's DFlashDraftModel or
+    DFlash2DraftModel computes and selfspec's DFlashHead does not."""
+    d = config.get("dflash_config") or {}
+    settings = {name: d.get(name, config.get(name)) for name in ZLAB_EXTRAS}
+    found = [f"{name} {value}" for name, value in settings.items()
+             if _sets(name, value, ZLAB_EXTRAS[name])]
+    if "DFlash2DraftModel" in (config.get("architectures") or ()):
+        found.append("architecture DFlash2DraftModel")
+    if any(t != "full_attention" for t in config.get("layer_types") or ()):
+        found.append(f"layer_types {config['layer_types']}")
+    if config.get("is_causal"):
+        found.append("is_causal true")
+    if found:
+        raise ValueError(f"load_head: {folder}: a DFlash draft with {', '.join(found)}, which "
+                         f"selfspec's DFlash head does not compute (its layers attend the whole "
+                         f"block, unscaled, with no soft-capping): serve it with z-lab's dflash")
+
+
+def _sets(name: str, value, neutral) -> bool:
+    """Whether a z-lab setting changes the draft (soft-capping at 0 or below is off)."""
+    if value is None:
+        return False
+    if name == "final_logit_softcapping":
+        return float(value) > 0
+    return value != neutral
+
+
 def _read_dflash(folder: Path, config: dict, state: dict) -> PublishedHead:
+    refuse_zlab_extras(folder, config)
     d = config.get("dflash_config") or {}
     mask = d.get("mask_token_id", config.get("mask_token_id"))
     if mask is None:
@@ -106,7 +146,7 @@ def _dflash_layers(config: dict, d: dict, draft_layers: int, folder: Path) -> tu
     """DFlash's fused streams in our numbering: dflash_config.target_layer_ids (the output of
     that layer: one less than ours) or vLLM's eagle_aux_hidden_state_layer_ids (ours), else
     the references' default for num_target_layers and as many streams as draft layers."""
-    ids = d.get("target_layer_ids")
+    ids = d.get("target_layer_ids", config.get("target_layer_ids"))  # z-lab reads both
     found = agreed_layers(folder, {
         "dflash_config.target_layer_ids, which counts one less": ids and [i + 1 for i in ids],
         "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids")})
