@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,8 @@ def vllm_configs(eagle_folder: Path | None) -> dict[str, dict | None]:
 
 
 def export_eagle(folder: Path) -> tuple[Path | None, str]:
-    """The shipped EAGLE head in vLLM's layout, or None and the exporter's refusal."""
+    """The shipped EAGLE head in vLLM's layout under folder (a scratch folder: the weights are
+    not results), or None and the exporter's refusal."""
     out = folder / "eagle_vllm"
     done = subprocess.run([sys.executable, str(ROOT / "scripts/export_heads.py"),
                            str(SHIPPED_EAGLE), "--to", "vllm", str(out)],
@@ -155,15 +157,17 @@ def main() -> None:
     subprocess.run(command, check=True)
     results = json.loads((args.out / "selfspec/results.json").read_text())
     prompts = prompt_ids(args)
-    eagle_folder, eagle_note = export_eagle(args.out)
     served = {}
-    for label, spec in vllm_configs(eagle_folder).items():
-        served[label] = {b: serve({"model": str(TARGET), "prompts": prompts,
-                                   "max_tokens": args.max_new_tokens, "batch": b,
-                                   "speculative_config": spec}, args.out / "vllm",
-                                  f"{label}_b{b}", args.threads)
-                         for b in args.batch_sizes}
-        print(label, {b: round(r.get("tokens_per_s", 0), 2) for b, r in served[label].items()})
+    with tempfile.TemporaryDirectory() as scratch:
+        eagle_folder, eagle_note = export_eagle(Path(scratch))
+        for label, spec in vllm_configs(eagle_folder).items():
+            served[label] = {b: serve({"model": str(TARGET), "prompts": prompts,
+                                       "max_tokens": args.max_new_tokens, "batch": b,
+                                       "speculative_config": spec}, args.out / "vllm",
+                                      f"{label}_b{b}", args.threads)
+                             for b in args.batch_sizes}
+            print(label, {b: round(r.get("tokens_per_s", 0), 2)
+                          for b, r in served[label].items()})
     plain_tokens = {b: r.get("tokens") for b, r in served["plain"].items()}
     ours, theirs = selfspec_rows(results), vllm_rows(served, plain_tokens)
     anchor = {"command": " ".join(["python", "scripts/vllm_anchor.py", *sys.argv[1:]]),

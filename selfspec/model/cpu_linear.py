@@ -7,6 +7,7 @@ thresholds and `linear`."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 
@@ -28,6 +29,10 @@ ELEMENTWISE_MAX_WEIGHT = 16_384
 # CPU's last-level cache (the 32 MB tiny target) ran 3-5 rows faster as W @ x.T; one whose
 # weights stream from memory every forward (SmolLM2, 538 MB) ran them far faster packed.
 PACKED_FROM_MODEL_BYTES = 64 << 20
+# `few_row_form` times a weight's forms over copies of it that fill this much (and at most this
+# many copies), more than a CPU's last-level cache holds.
+STREAMED_BYTES = 64 << 20
+STREAMED_COPIES = 64
 # The exact mode (`use_invariant_products`): off the CPU's fp32 forms, a product runs in blocks
 # of exactly this many rows, the last padded with zeros, so that one kernel of one shape sums
 # every row whatever rows came with it. On an H200 cuBLAS summed a row of a 64-row product in
@@ -173,13 +178,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out the same bits however many came with them (packed: the weight's packed copy, if that
     is the form; else one kept beside the weight). With `fastest` (a model whose weights
     stream from memory, the one whose products of 3 rows or more take the packed copy:
-    `Linear`) one or two rows take instead the faster of `W @ x.T` and MKL's own `x @ W.T` for
-    the weight's shape, timed on its first one-row product at this thread count
-    (`few_row_form`), since which is faster differs from one CPU to another: on one Xeon host
-    `W @ x.T` ran SmolLM2's 49,152 x 576 LM head three times as fast as MKL's matrix-vector
-    product (plain decoding 1.3x faster); on another the latter ran it 3x faster, Gemma 3's
-    262,144 x 640 LM head 2.5x faster, and plain decoding twice as fast. A one-row product's
-    bits may then differ from the same row's among others."""
+    `Linear`) one or two rows take instead the fastest of `W @ x.T`, MKL's own `x @ W.T` and
+    the packed product for the weight's shape and row count, timed reading the weight from
+    memory (`few_row_form`), since which is faster differs from one CPU to another: on one
+    Xeon host `W @ x.T` ran SmolLM2's 49,152 x 576 LM head three times as fast as MKL's
+    matrix-vector product (plain decoding 1.3x faster); on another the latter ran it 3x
+    faster, Gemma 3's 262,144 x 640 LM head 2.5x faster, and plain decoding twice as fast. A
+    one-row product's bits may then differ from the same row's among others, unless the
+    invariant form is the one taken (as it is when it runs within FEW_ROW_TIE of the
+    fastest)."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     if not _few_rows_on_cpu(x, rows):
@@ -188,7 +195,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # transposed products before it), and MKL took 5x as long over that layout.
     flat = x.reshape(rows, in_features).contiguous()
     if fastest and rows <= 2:
-        out = FEW_ROW_FORMS[few_row_form(weight)](flat, weight)
+        out = _few_row_product(few_row_form(weight, rows), flat, weight, packed)
     else:
         out = _invariant_product(flat, weight, packed)
     if bias is not None:
@@ -231,7 +238,19 @@ def _packed_product(rows: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
-FEW_ROW_FORMS = {"transposed": _transposed, "mkl": lambda rows, weight: rows @ weight.t()}
+def _few_row_product(form: str, rows: torch.Tensor, weight: torch.Tensor,
+                     packed: PackedWeight | None) -> torch.Tensor:
+    if form == "mkl":
+        return rows @ weight.t()
+    if form == "packed":
+        return _packed_product(rows, (packed or _packed_copy(weight)).of(weight))
+    return _transposed(rows, weight)
+
+
+FEW_ROW_FORMS = ("transposed", "mkl", "packed")  # packed: where oneDNN is there
+# A one- or two-row product takes the invariant form unless another runs this much faster:
+# then a plain decoding step's row comes out the bits a verification's does.
+FEW_ROW_TIE = 1.1
 _CHOSEN: dict[tuple, str] = {}
 _INVARIANT: dict[tuple, str] = {}
 _PACKED_COPIES: dict[int, PackedWeight] = {}  # by the id of a weight alive
@@ -286,18 +305,39 @@ def _packed_copy(weight: torch.Tensor) -> PackedWeight:
     return _PACKED_COPIES[key]
 
 
-def few_row_form(weight: torch.Tensor) -> str:
-    """The faster form of FEW_ROW_FORMS for one row times this weight's shape at this thread
-    count, each timed (best of three runs, after one) the first time, then kept."""
-    key = (tuple(weight.shape), torch.get_num_threads())
+def few_row_form(weight: torch.Tensor, rows: int = 1) -> str:
+    """The form of FEW_ROW_FORMS a product of `rows` (1 or 2) rows by this weight's shape takes
+    at this thread count: the fastest, timed the first time (best of three runs, after one),
+    then kept; the invariant form where it runs within FEW_ROW_TIE of it. Each form is timed
+    over copies of the weight that fill STREAMED_BYTES, so that it reads them from memory as a
+    model too large for the CPU's caches does: a single weight timed again and again stays in
+    the cache, where MKL's matrix-vector product won on an AVX-512 EPYC host and then ran a
+    SmolLM2 step's products at half the speed of the packed ones (58 against 28 ms)."""
+    key = (tuple(weight.shape), torch.get_num_threads(), rows)
     if key not in _CHOSEN:
         with torch.no_grad():
-            w = weight.detach()
-            row = torch.randn(1, w.shape[1], dtype=w.dtype, generator=torch.Generator()
-                              .manual_seed(0)).to(w.device)
-            _CHOSEN[key] = min(FEW_ROW_FORMS, key=lambda name: _seconds(
-                lambda: FEW_ROW_FORMS[name](row, w)))
+            seconds = _streamed_seconds(weight.detach(), rows)
+        fastest = min(seconds.values())
+        invariant = invariant_form(weight)
+        _CHOSEN[key] = invariant if seconds.get(invariant, math.inf) <= FEW_ROW_TIE * fastest \
+            else min(seconds, key=seconds.get)
     return _CHOSEN[key]
+
+
+def _streamed_seconds(weight: torch.Tensor, rows: int) -> dict[str, float]:
+    """Each form's seconds for `rows` rows times every one of as many random copies of the
+    weight as fill STREAMED_BYTES (at least one, at most STREAMED_COPIES)."""
+    generator = torch.Generator().manual_seed(0)
+    size = weight.numel() * weight.element_size()
+    copies = [torch.randn(weight.shape, generator=generator).to(weight)
+              for _ in range(max(1, min(STREAMED_COPIES, STREAMED_BYTES // size)))]
+    x = torch.randn(rows, weight.shape[1], generator=generator).to(weight)
+    forms = [form for form in FEW_ROW_FORMS
+             if form != "packed" or torch.backends.mkldnn.is_available()]
+    packed = [PackedWeight() for _ in copies] if "packed" in forms else []
+    return {form: _seconds(lambda form=form: [
+        _few_row_product(form, x, w, packed[i] if packed else None)
+        for i, w in enumerate(copies)]) for form in forms}
 
 
 def _seconds(product) -> float:

@@ -62,9 +62,43 @@ def test_few_rows_keep_their_bits_among_others_and_a_streamed_weight_takes_its_f
             fast = cpu_linear.linear(x[:rows], weight, fastest=True)
             torch.testing.assert_close(fast, torch.nn.functional.linear(x[:rows], weight),
                                        rtol=1e-5, atol=1e-4)
-    form = cpu_linear.few_row_form(weight)
-    assert form in cpu_linear.FEW_ROW_FORMS
-    assert cpu_linear._CHOSEN[(tuple(weight.shape), torch.get_num_threads())] == form
+    for rows in (1, 2):
+        form = cpu_linear.few_row_form(weight, rows)
+        assert form in cpu_linear.FEW_ROW_FORMS
+        assert cpu_linear._CHOSEN[(tuple(weight.shape), torch.get_num_threads(), rows)] == form
+
+
+@pytest.mark.parametrize("seconds, chosen", [
+    ({"transposed": 3.0, "mkl": 1.0, "packed": 1.05}, "packed"),  # the invariant one, in a tie
+    ({"transposed": 3.0, "mkl": 1.0, "packed": 1.5}, "mkl"),  # else the fastest
+    ({"transposed": 1.0, "mkl": 2.0}, "transposed"),  # no oneDNN
+])
+def test_one_or_two_rows_take_the_fastest_form_or_the_invariant_one_within_a_tie(
+        monkeypatch, seconds, chosen):
+    """A streamed weight's one- or two-row product takes the form timed fastest, unless the
+    form whose rows keep their bits among others runs within FEW_ROW_TIE of it."""
+    from selfspec.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_linear, "invariant_form", lambda weight: "packed")
+    monkeypatch.setattr(cpu_linear, "_streamed_seconds", lambda weight, rows: seconds)
+    assert cpu_linear.few_row_form(torch.zeros(8, 4), 2) == chosen
+
+
+def test_the_forms_are_timed_over_copies_that_fill_the_streamed_bytes(monkeypatch):
+    """Timed over one weight again and again, a form reads it from the cache, not from memory
+    as a large model's step does: the timing takes as many copies as fill STREAMED_BYTES."""
+    from selfspec.model import cpu_linear
+
+    seen = []
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 10 * 64 * 32 * 4)
+    monkeypatch.setattr(cpu_linear, "_few_row_product",
+                        lambda form, x, w, packed: seen.append((form, w.data_ptr())))
+    seconds = cpu_linear._streamed_seconds(torch.zeros(64, 32), 1)
+    assert set(seconds) <= set(cpu_linear.FEW_ROW_FORMS) and "mkl" in seconds
+    runs = 4  # one untimed, three timed
+    assert len(seen) == len(seconds) * runs * 10
+    assert len({ptr for _, ptr in seen}) == 10  # ten weights, each read in turn
 
 
 def test_a_form_whose_rows_depend_on_their_company_is_not_taken(monkeypatch):
