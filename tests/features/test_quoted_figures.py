@@ -1240,6 +1240,60 @@ MODELS_HYBRID_COSTS = Quoted(
     rows={"hybrid": lambda: _hybrid("hybrid"), "dense": lambda: _hybrid("dense")},
 )
 
+TRAINERS = "peers_trainers_small/summary.json"
+PEERS_TRAINERS = Quoted(
+    doc="docs/peers.md",
+    header="| head | trainer | held-out tau",
+    key_columns=2,
+    columns={
+        "held-out tau (± s.e.)": Column(("tau", "tau_standard_error")),
+        "training tokens/s": Column(("training_tokens_per_s",)),
+    },
+    rows={
+        label: (lambda k=key: [_with_file(_json(TRAINERS)["heads"][k], TRAINERS)])
+        for label, key in (
+            ("EAGLE-3 | selfspec", "eagle3/selfspec"),
+            ("EAGLE-3 | speculators", "eagle3/speculators"),
+            ("DFlash | selfspec", "dflash/selfspec"),
+            ("DFlash | speculators", "dflash/speculators"),
+            ("DFlash | SpecForge", "dflash/specforge"),
+        )
+    },
+)
+
+ANCHOR = "vllm_anchor/anchor.json"
+
+
+def _anchor_row(batch: str, best: bool) -> list[Source]:
+    """A batch size's plain or best figures of the anchor: selfspec's and vLLM's tokens/s and
+    their ratio."""
+    data = _json(ANCHOR)
+    ratios = data["ratios"][batch]
+    if best:
+        ours, theirs, ratio = ratios["selfspec_best"][1], ratios["vllm_best"][1], ratios["best"]
+    else:
+        ours = data["selfspec"]["plain"][batch]["tokens_per_s"]
+        theirs, ratio = data["vllm"]["plain"][batch]["tokens_per_s"], ratios["plain"]
+    return [{"selfspec": ours, "vllm": theirs, "ratio": ratio, "_file": ANCHOR}]
+
+
+SERVING_ANCHOR = Quoted(
+    doc="docs/serving.md",
+    header="| batch | decoding |",
+    key_columns=2,
+    columns={
+        "selfspec tokens/s": Column(("selfspec",)),
+        "vLLM tokens/s": Column(("vllm",)),
+        "selfspec / vLLM": Column(("ratio",)),
+    },
+    rows={
+        "1 | plain": lambda: _anchor_row("1", False),
+        "1 | the best": lambda: _anchor_row("1", True),
+        "8 | plain": lambda: _anchor_row("8", False),
+        "8 | the best": lambda: _anchor_row("8", True),
+    },
+)
+
 QUOTED = (
     README_RESULTS,
     SMOLLM2_GREEDY,
@@ -1274,6 +1328,8 @@ QUOTED = (
     GPU_SMOLLM2_SHAPE,
     GPU_COMPILED,
     SERVING_VLLM,
+    SERVING_ANCHOR,
+    PEERS_TRAINERS,
 )
 
 
