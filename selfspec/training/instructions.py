@@ -121,7 +121,7 @@ def stdlib_instructions(count: int) -> list[str]:
 
     if count < 1:
         raise ValueError(f"stdlib_instructions: count must be >= 1, got {count}")
-    found = list(_training_names())
+    found = list(documented_names())
     random.Random(0).shuffle(found)
     n = len(found)
     every = (_instruction(found[i % n], i % n + i // n) for i in range(n * len(TEMPLATES)))
@@ -159,15 +159,15 @@ def general_instructions(count: int) -> list[str]:
     return prompts
 
 
-@functools.lru_cache(maxsize=1)
-def _training_names() -> tuple[Documented, ...]:
-    """documented_names(), parsed once a process (seconds of the stdlib's source)."""
-    return tuple(documented_names())
-
-
-def documented_names() -> Iterator[Documented]:
+@functools.cache
+def documented_names() -> tuple[Documented, ...]:
     """Public top-level functions and classes with a docstring of at least 8 words, from the
-    training side of the stdlib split."""
+    training side of the stdlib split; parsed once a process (seconds of the stdlib's
+    source)."""
+    return tuple(_documented())
+
+
+def _documented() -> Iterator[Documented]:
     root = stdlib_root()
     for path in stdlib_files("train"):
         module = _module_name(path.relative_to(root).as_posix())

@@ -90,7 +90,7 @@ def test_each_style_asks_every_pair_again_after_the_plain_prompts():
 
 
 def test_stdlib_prompts_ask_each_name_in_every_template_once_the_names_run_out():
-    names = len(list(instructions.documented_names()))
+    names = len(instructions.documented_names())
     every = stdlib_instructions(10**6)
     assert len(every) == len(set(every)) > 0.99 * names * len(instructions.TEMPLATES)
     assert every[:names] == stdlib_instructions(names)
