@@ -19,7 +19,7 @@ from peers.test_speculators import (
     MASK,
     assert_close,
     dflash_logits,
-    eagle3_logits,
+    eagle_logits,
 )
 from safetensors.torch import load_file, save_file
 
@@ -100,7 +100,7 @@ def test_its_head_loads_in_selfspec_with_speculators_logits(trained, where):
     theirs = load_file(str(out / "logits.safetensors"))[kind]
     if kind == "eagle3":
         assert head.config.draft_vocab_size == DRAFT_V
-        assert_close(eagle3_logits(head, target, inputs), theirs)
+        assert_close(eagle_logits("eagle3", head, target, inputs), theirs)
     else:
         assert (head.config.block_size, head.config.mask_token_id) == (BLOCK, MASK)
         assert_close(dflash_logits(head, target, inputs), theirs)
