@@ -185,7 +185,6 @@ def with_specforge(args: argparse.Namespace, s: Settings, target, target_folder:
                    layers: tuple[int, ...], out: Path) -> dict:
     """DFlash by SpecForge's own trainer on the store's training rows; its head loaded and
     written as a selfspec export; the summary."""
-    import torch
 
     from selfspec.heads import DFlashConfig, DFlashHead, load_head
     from selfspec.heads.draft_vocab import rarest_token, token_counts
@@ -228,28 +227,17 @@ def with_specforge(args: argparse.Namespace, s: Settings, target, target_folder:
                            f"asked for: see {out / 'specforge.log'}")
     head = load_head(out / "dflash", target=target, allow_other_base=True)
     export = save_head(out / "export", head, head.config, describe_target(target))
-    seconds = sum(step["perf/optimizer_step_time_s"] for step in steps)
-    method, head_setting = REPLAY_METHOD[args.kind]
+    seconds = sum(step["perf/optimizer_step_time_s"] for step in steps)  # its wall a step
     summary = {
         "kind": args.kind, "peer": "specforge", "head": str(out / "dflash"),
         "export": str(export), "loaded_as": type(head).__name__, "settings": asdict(s),
         "layers": list(layers), "mask_token_id": mask, "train_rows": rows,
-        "seq_len": store.index.seq_len, "losses": [step["loss"] for step in steps],
-        # counted as selfspec's trainer counts (tokens_seen: rows x seq_len a step), over
-        # SpecForge's own per-step optimizer time
-        "tokens_per_s": s.steps * s.batch * store.index.seq_len / seconds,
-        "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
-        "replay": f"python eval/replay.py model=<the target> 'methods=[{method}]' "
-                  f"{head_setting}={export} data=mt_bench num_prompts=80",
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
-    return summary
+        "seq_len": store.index.seq_len, "losses": [step["loss"] for step in steps]}
+    return write_summary(out, args, s, summary, seconds, wall)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    import torch
 
     from selfspec import Transformer
     from selfspec.heads import dflash, eagle, load_head
@@ -304,18 +292,29 @@ def main(argv: list[str] | None = None) -> dict:
     # selfspec's evaluators read a selfspec export: the head as loaded, written once more
     export = save_head(out / "export", head, head.config, describe_target(target))
     seconds = sum(step["profile"]["step_ms"] for step in steps) / 1000  # fetch to optimizer
-    method, head_setting = REPLAY_METHOD[args.kind]
     summary = {
         "kind": args.kind, "head": str(folder), "export": str(export),
         "loaded_as": type(head).__name__,
         "settings": asdict(s), "layers": list(layers), "train_rows": data.train_rows,
         "heldout_rows": data.heldout_rows, "seq_len": data.seq_len,
-        "losses": [step["train"]["loss"] for step in steps],
-        # counted as selfspec's trainer counts (tokens_seen: rows x seq_len a step)
-        "tokens_per_s": s.steps * s.batch * data.seq_len / seconds,
+        "losses": [step["train"]["loss"] for step in steps]}
+    return write_summary(out, args, s, summary, seconds, wall)
+
+
+def write_summary(out: Path, args: argparse.Namespace, s: Settings, summary: dict,
+                  seconds: float, wall: float) -> dict:
+    """A peer's run summary completed with what every run reports and written to
+    out/summary.json: training tokens/s counted as selfspec's trainer counts them (tokens_seen:
+    rows x seq_len a step) over `seconds`, the peer's own time for its steps; the wall time,
+    the threads, and the command that replays the export."""
+    import torch
+
+    method, head_setting = REPLAY_METHOD[args.kind]
+    summary |= {
+        "tokens_per_s": s.steps * s.batch * summary["seq_len"] / seconds,
         "wall_s": wall, "torch_threads": args.threads or torch.get_num_threads(),
         "replay": f"python eval/replay.py model=<the target> 'methods=[{method}]' "
-                  f"{head_setting}={export} data=mt_bench num_prompts=80",
+                  f"{head_setting}={summary['export']} data=mt_bench num_prompts=80",
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1))
