@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -26,10 +27,53 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, args: Sequence[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """Run a repository script in this process as `python script args...` would, sparing a
+    test the seconds of a new interpreter; returns (exit status, stdout, stderr)."""
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # restored afterwards (the boundary sets it)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(sys, "argv", [str(REPO / script), *args])
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
+
+    # the script's @hydra.main starts Hydra afresh; a test's open compose context comes back
+    composing = Singleton._instances.pop(GlobalHydra, None)
+    code, threads = 0, torch.get_num_threads()
+    try:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        torch.set_num_threads(threads)  # a script may set its own (threads=...)
+        Singleton._instances.pop(GlobalHydra, None)
+        if composing is not None:
+            Singleton._instances[GlobalHydra] = composing
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def suite_threads() -> int:
     """The torch threads of the test suite (SELFSPEC_TEST_THREADS, default 1), shared by the
     processes of a test that starts several."""
     return int(os.environ.get("SELFSPEC_TEST_THREADS", "1"))
+
+
+def covering(*axes: Sequence) -> list:
+    """The cross product of `axes` as pytest params, all but one diagonal marked slow: the
+    quick run still tries every value of every axis once, the complete run every combination.
+    For a test's stacked parametrizations whose product is too dear for the quick run."""
+    import itertools
+
+    import pytest
+
+    width = max(len(axis) for axis in axes)
+    quick = {tuple(i % len(axis) for axis in axes) for i in range(width)}
+    return [pytest.param(*(axis[i] for axis, i in zip(axes, index, strict=True)),
+                         marks=() if index in quick else pytest.mark.slow)
+            for index in itertools.product(*(range(len(axis)) for axis in axes))]
 
 
 P_VALUE_FLOOR = 1e-3  # a fixed seed makes each test deterministic; this bounds its false alarms

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers import (
+    covering,
     eagle_head_config,
     exact_two_token_law,
     first_layers,
@@ -96,10 +97,10 @@ KINDS = ["ngram", "ngram corpus", "draft model", "medusa static tree", "eagle-1 
          "union", "oracle"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("rows", "k"), [(2, 1), (3, 3), (5, 6)])
+@pytest.mark.parametrize("kind, shape", covering(KINDS, [(2, 1), (3, 3), (5, 6)]))
 def test_every_drafters_batched_greedy_output_is_each_prompts_own(target, drafters, alone,
-                                                                  kind, rows, k):
+                                                                  kind, shape):
+    rows, k = shape
     prompts = PROMPTS[:rows]
     results = generate(target, prompts, drafter=drafters[kind](k), max_new_tokens=NEW_TOKENS)
     assert [r.tokens for r in results] == [alone[tuple(p)] for p in prompts]

@@ -11,6 +11,7 @@ import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
     committed_context,
+    covering,
     dflash_head_config,
     fit_dflash_head,
     host_reads_per_step,
@@ -59,8 +60,7 @@ def fitted(target, plain_greedy):
 # ---- lossless greedy -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block", [2, 3, 5, 9, 16])
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block, shape", covering([2, 3, 5, 9, 16], list(SHAPES)))
 def test_greedy_is_lossless_with_random_heads(target, plain_greedy, block, shape):
     head = random_dflash_head(dflash_head_config(target, block_size=block), seed=block)
     greedy_with_dflash(target, head, plain_greedy, **SHAPES[shape])

@@ -7,6 +7,7 @@ from helpers import (
     FAST_LAW_SAMPLES,
     assert_drafted_sampling_is_exact,
     committed_context,
+    covering,
     eagle_head_config,
     fit_eagle_head,
     random_eagle_head,
@@ -61,8 +62,7 @@ def fitted_heads(target, plain_greedy):
     return {1: v1, 3: v3}
 
 
-@pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize("mode", list(DRAFTERS))
+@pytest.mark.parametrize("mode, version", covering(list(DRAFTERS), [1, 3]))
 def test_greedy_is_lossless_with_random_heads(target, plain_greedy, version, mode):
     head = random_eagle_head(eagle_head_config(target, version), seed=2)
     greedy_with_eagle(target, head, DRAFTERS[mode], plain_greedy)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     assert_drafted_sampling_is_exact,
+    covering,
     fit_exits,
     law_samples,
     random_exit,
@@ -39,25 +40,24 @@ def fitted_exits(target, plain_greedy):
 # ---- lossless greedy -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["norm", "adapter"])
-@pytest.mark.parametrize("exit_layer", [1, 2, 3])
-@pytest.mark.parametrize("k, threshold", [(1, None), (3, None), (5, None), (5, 0.6)])
-def test_greedy_is_lossless_with_random_exits(target, plain_greedy, kind, exit_layer, k,
-                                              threshold):
+@pytest.mark.parametrize("length, kind, exit_layer", covering(
+    [(1, None), (3, None), (5, None), (5, 0.6)], ["norm", "adapter"], [1, 2, 3]))
+def test_greedy_is_lossless_with_random_exits(target, plain_greedy, length, kind, exit_layer):
+    k, threshold = length
     drafter = EarlyExitDrafter(random_exit(target, exit_layer, kind), k, threshold)
     for prompt in PROMPTS:
         out = generate(target, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS)
         assert out.tokens == plain_greedy[tuple(prompt)]
 
 
-@pytest.mark.parametrize("exit_layer", [1, 2, 3])
-@pytest.mark.parametrize("k, threshold", [(4, None), (6, 0.6)])
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static_steps"])
+@pytest.mark.parametrize("exit_layer, length, static", covering(
+    [1, 2, 3], [(4, None), (6, 0.6)], [False, True]))
 def test_greedy_is_lossless_and_accepted_with_trained_exits(
-    target, plain_greedy, fitted_exits, exit_layer, k, threshold, static
+    target, plain_greedy, fitted_exits, exit_layer, length, static
 ):
     """static: the target's other forwards run as static steps (CUDA graphs on CUDA) in the
     cache the exit's drafts write into."""
+    k, threshold = length
     drafter = EarlyExitDrafter(fitted_exits[0][exit_layer], k, threshold)
     accepted, drafted = 0, 0
     for prompt in PROMPTS:

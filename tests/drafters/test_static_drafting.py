@@ -15,6 +15,7 @@ from helpers import (
     P_VALUE_FLOOR,
     SAMPLING_PROMPT,
     assert_drafted_sampling_is_exact,
+    covering,
     eagle_head_config,
     exact_two_token_law,
     fit_eagle_head,
@@ -103,8 +104,7 @@ def fitted_eagle(target, plain_greedy):
     return {1: v1, 3: v3}
 
 
-@pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize("mode", list(EAGLE))
+@pytest.mark.parametrize("mode, version", covering(list(EAGLE), [1, 3]))
 def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_eagle, version,
                                                  mode):
     taus = {}
@@ -116,8 +116,8 @@ def test_static_eagle_drafts_the_host_side_trees(target, plain_greedy, fitted_ea
     assert min(taus["fitted"]) > 2.0, taus  # steps commit several pairs: the padded feed
 
 
-@pytest.mark.parametrize("k, vocab, candidates", [(4, None, 1), (6, None, 1), (3, 40, 1),
-                                                  (4, None, 3), (3, 40, 4)])
+@pytest.mark.parametrize("k, vocab, candidates", [(4, None, 1), (3, 40, 4), *(pytest.param(
+    *case, marks=pytest.mark.slow) for case in ((6, None, 1), (3, 40, 1), (4, None, 3)))])
 def test_a_draft_models_greedy_chain_stays_on_the_device(exit_target, k, vocab, candidates):
     """The draft model's greedy chain, each argmax fed on without a read, and its first
     token's candidates: the host-side drafts, step by step, and one host read a step."""
@@ -159,9 +159,7 @@ LAWS = {"t1": SamplingParams(1.0), "t06": SamplingParams(0.6),
         "top_k2": SamplingParams(1.0, top_k=2)}  # fewer than most nodes' children
 
 
-@pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize("mode", list(SAMPLED))
-@pytest.mark.parametrize("law", list(LAWS))
+@pytest.mark.parametrize("law, mode, version", covering(list(LAWS), list(SAMPLED), [1, 3]))
 def test_static_eagle_draws_the_host_side_trees(target, version, mode, law):
     """Sampled children: the same draws from the same generator, node for node, and so the
     same tokens out; the laws agree to float32 rounding (attention over every slot of a
@@ -226,9 +224,9 @@ def test_sampled_chains_verified_by_draws_made_ahead_keep_the_target_law(drafter
                                      cuda_graphs=True)
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "draft_model_candidates", "adapter_exit",
-                                     "norm_exit"])
-@pytest.mark.parametrize("law", ["t1", "top_p", "top_k"])
+@pytest.mark.parametrize("drafter, law", covering(
+    ["draft_model", "draft_model_candidates", "adapter_exit", "norm_exit"],
+    ["t1", "top_p", "top_k"]))
 def test_a_sampled_chain_draws_on_the_device_as_on_the_host(exit_target, drafter, law):
     """At T > 0 too, the device chain draws what the host chain draws (`sample_rows` both;
     a draft model's first candidates by Gumbel-top-k both), and a step reads the host
@@ -454,9 +452,8 @@ def _refused(maker: str):
     return refuse
 
 
-@pytest.mark.parametrize("mode", [None, "eagle2_chosen", "medusa_tree", "medusa_products",
-                                  *SAMPLED])
-@pytest.mark.parametrize("law", ["t1", "top_p", "top_k"])
+@pytest.mark.parametrize("mode, law", covering(
+    [None, "eagle2_chosen", "medusa_tree", "medusa_products", *SAMPLED], ["t1", "top_p", "top_k"]))
 def test_a_sampled_step_reads_the_host_once(target, fitted_medusa, mode, law):
     """At T > 0 chosen candidates are verified by one draw per row and sampled trees by
     every node's tests at once (`verify.tree_draws`), all made on the device, under top-k

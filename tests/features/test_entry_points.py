@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-import runpy
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from helpers import sharegpt_file
+from helpers import run_script, sharegpt_file
 
 from selfspec.cli import USAGE_ERROR
 
@@ -215,18 +213,7 @@ def run_entry(script: str, args: list[str], run_dir: Path, monkeypatch, capsys) 
         args = [*args, "wandb.enabled=false"]
     if not script.startswith("scripts/"):
         args = [*args, f"hydra.run.dir={run_dir}"]
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # restored afterwards (the boundary sets it)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setattr(sys, "argv", [str(ROOT / script), *args])
-    code, threads = 0, torch.get_num_threads()
-    try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        torch.set_num_threads(threads)  # an entry point may set its own (threads=...)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_script(script, args, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("script, args, says", BAD_INPUTS,

@@ -2,13 +2,10 @@
 speedup it prints carries the answers' repetition."""
 
 import re
-import subprocess
-import sys
 
-from helpers import load_entry
+from helpers import load_entry, run_script
 
 from selfspec import generate
-from selfspec.from_config.common import REPO_ROOT
 from selfspec.from_config.models import load_target, load_tokenizer, resolve_model_path
 from selfspec.from_config.prompts import encode_prompt_texts, prompt_set, prompts
 from selfspec.measure.passes import repeated_ngram_share
@@ -21,15 +18,13 @@ def test_dry_run_prints_the_plan_of_a_70b_model(cfg_of, capsys):
     assert "68,976,648,192" in out and "68.98 B" in out and "8 GPUs" in out
 
 
-def test_generate_without_weights_fails_cleanly(tmp_path):
-    script = REPO_ROOT / "eval/generate.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "model=llama2-7b", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert run.returncode != 0
-    assert "meta-llama/Llama-2-7b-hf" in run.stderr and "model.path=" in run.stderr
-    assert "Traceback" not in run.stderr
+def test_generate_without_weights_fails_cleanly(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_script("eval/generate.py", ["model=llama2-7b", f"hydra.run.dir={tmp_path}"],
+                              monkeypatch, capsys)
+    assert code == 2
+    assert "meta-llama/Llama-2-7b-hf" in err and "model.path=" in err
+    assert "Traceback" not in err
 
 
 def test_every_printed_speedup_carries_the_repetition_of_the_answers(cfg_of, capsys):

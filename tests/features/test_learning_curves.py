@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import sharegpt_file, three_layer_target
+from helpers import run_script, sharegpt_file, three_layer_target
 
 ENTRY = Path(__file__).resolve().parents[2] / "train" / "learning_curves.py"
 
@@ -52,9 +52,10 @@ def test_two_methods_train_for_the_same_budget_and_draw_their_curves(tmp_path, q
     assert "finished with another config (optim.lr:" in other.stderr.strip().splitlines()[-1]
 
 
-def test_a_bad_method_list_is_one_line():
-    done = subprocess.run([sys.executable, str(ENTRY), "methods=[medusa,eagle4]"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: methods: give a list of "
+def test_a_bad_method_list_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_script("train/learning_curves.py", ["methods=[medusa,eagle4]"],
+                              monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("error: methods: give a list of "
                                                            "medusa, eagle1")

@@ -80,18 +80,21 @@ def test_eagle_runs_go_over_fewer_self_distilled_rows_for_several_epochs(cfg_of,
 
 def test_general_chat_prompts_come_first_and_a_bad_count_is_refused(cfg_of, monkeypatch):
     from selfspec.from_config import training as build_training
-    from selfspec.training.instructions import general_instructions, stdlib_instructions
+    from selfspec.training.instructions import general_instructions
 
     asked = []
     monkeypatch.setattr(build_training, "self_distilled_conversations",
                         lambda prompts, *args, **kwargs: asked.append(prompts) or [])
+    # the stdlib's own list is test_instructions'; its parse costs seconds a process
+    monkeypatch.setattr(build_training, "stdlib_instructions",
+                        lambda count: [f"stdlib {i}" for i in range(count)])
     target = Transformer.from_hf(tiny_llama(0))
     cfg = cfg_of("train_eagle", "train_data.source=instructions", "train_data.num_prompts=3",
                  "train_data.general_prompts=5", "train_data.cache_dir=null",
                  "run_dir=/tmp/unused")
     build_training.instruction_conversations(cfg, target, None)
     # general first: the held-out twentieth comes from the kind of prompt evaluation asks
-    assert asked == [general_instructions(5) + stdlib_instructions(3)]
+    assert asked == [general_instructions(5) + ["stdlib 0", "stdlib 1", "stdlib 2"]]
     for bad in (-1, "2", True):
         cfg.train_data.general_prompts = bad
         with pytest.raises(ValueError, match="general_prompts must be an integer >= 0"):

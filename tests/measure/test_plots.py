@@ -4,6 +4,7 @@ integer ticks on integer axes (draft length, draft position, N), whatever the sw
 from __future__ import annotations
 
 import pytest
+from helpers import covering
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -98,8 +99,8 @@ def assert_integer_x(fig: Figure) -> None:
         assert xs and all(low <= x <= high for x in xs), f"data {xs} outside {low}..{high}"
 
 
-@pytest.mark.parametrize("sweep", SWEEPS)
-@pytest.mark.parametrize("make", FIGURES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("make, sweep", covering(list(FIGURES), list(SWEEPS)),
+                         ids=lambda v: getattr(v, "__name__", v))
 def test_sweep_figures_lay_out_for_one_panel_as_for_many(make, sweep):
     rows = sweep_rows(sweep)
     fig = make(rows)

@@ -6,13 +6,11 @@ CPU parts; where CUDA is present the tiny target is also split between cuda:0 an
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_exit, random_medusa_heads, tiny_llama, tiny_model
+from helpers import random_exit, random_medusa_heads, run_script, tiny_llama, tiny_model
 
 from selfspec import Transformer, generate
 from selfspec.drafters import EarlyExitDrafter, MedusaDrafter, NgramDrafter
@@ -68,18 +66,20 @@ def test_sequential_fills_the_first_gpu_before_the_next(llama70b):
     assert counts[0] > 40 and counts[2:] == [0, 0], counts
 
 
-@pytest.mark.parametrize("entry", [["train/medusa.py"], pytest.param(
-    ["eval/sweep.py", "methods=[small_model,ngram]"], marks=pytest.mark.slow)])
-def test_the_dry_run_prints_the_placement_and_each_devices_memory(entry, tmp_path):
+@pytest.mark.parametrize("entry", [["train/medusa.py"],
+                                   ["eval/sweep.py", "methods=[small_model,ngram]"]])
+def test_the_dry_run_prints_the_placement_and_each_devices_memory(entry, tmp_path, monkeypatch,
+                                                                  capsys):
     """The field's reference pair: Llama-2-70B over four GPUs, Llama-2-7B drafting beside its
     LM head; planned here, where there is no GPU and no weight."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / entry[0]), *entry[1:], "model=llama2-70b", "dry_run=true",
-         "model.device_map=auto", "model.max_memory={0: 80GiB, 1: 80GiB, 2: 80GiB, 3: 80GiB}",
-         "device=cuda:0"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert ("plan for llama2-7b" in done.stdout) == (entry[0] == "eval/sweep.py")
-    rows = [line.split() for line in done.stdout.splitlines()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_script(entry[0], [
+        *entry[1:], "model=llama2-70b", "dry_run=true", "model.device_map=auto",
+        "model.max_memory={0: 80GiB, 1: 80GiB, 2: 80GiB, 3: 80GiB}", "device=cuda:0",
+        "wandb.enabled=false"], monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert ("plan for llama2-7b" in out) == (entry[0] == "eval/sweep.py")
+    rows = [line.split() for line in out.splitlines()
             if line.strip().startswith("cuda:")]
     assert [row[0] for row in rows] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     weights = [float(row[row.index("weights") + 1]) for row in rows]
@@ -125,14 +125,14 @@ def test_a_device_this_machine_lacks_is_refused_before_any_load():
         check_present(absent)
 
 
-def test_the_command_line_refuses_an_absent_device_in_one_line(tmp_path):
+def test_the_command_line_refuses_an_absent_device_in_one_line(tmp_path, monkeypatch, capsys):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "eval" / "generate.py"), "model=tiny", "device=cpu",
-         f"model.device_map={{0-1: cpu, 2-7: {count + 3}}}", "drafter=none"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    line = done.stderr.strip().splitlines()[-1]
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_script("eval/generate.py", [
+        "model=tiny", "device=cpu", f"model.device_map={{0-1: cpu, 2-7: {count + 3}}}",
+        "drafter=none"], monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: model.device_map places the model on cuda:{count + 3}")
 
 
