@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
+from selfspec.from_config.methods import resumable_changes
 from selfspec.from_config.training import check_kept_run
 from selfspec.measure.curves import final_report, judge_share, rising, tau_curve
 from selfspec.measure.plots import learning_curves_figure
@@ -74,7 +75,7 @@ def check_kept(trainer: str, command: list[str], run_dir: Path) -> None:
     """A finished run is kept only if its trainer was given what `command` gives it now
     (the check of a resume): a curve never mixes runs of two configs."""
     cfg = compose(f"train_{trainer}", [o for o in command if not o.startswith("hydra.")])
-    check_kept_run(cfg, run_dir)
+    check_kept_run(cfg, run_dir, resumable_changes())
 
 
 def checked_methods(cfg: DictConfig) -> dict[str, list[str]]:

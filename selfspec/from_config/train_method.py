@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from selfspec.from_config.common import set_threads
 from selfspec.from_config.features import trainer_features
-from selfspec.from_config.methods import trainer
+from selfspec.from_config.methods import resumable_changes, trainer
 from selfspec.from_config.methods.entry import TrainingRun
 from selfspec.from_config.training import (
     deepspeed_config,
@@ -34,7 +34,7 @@ def train_method(cfg: DictConfig, name: str) -> None:
     set_threads(cfg, "trainer.threads")
     if cfg.dry_run:
         return method.dry_run(cfg)
-    settings, target, tokenizer = start_training(cfg, method.check)
+    settings, target, tokenizer = start_training(cfg, method.check, resumable_changes())
     judge = tau_judge(cfg, target, partial(method.drafters, cfg),
                       replayable=method.replayable(cfg))
     train, heldout = training_rows(cfg, tokenizer, target)

@@ -60,49 +60,48 @@ from selfspec.training.instructions import (
 from selfspec.training.loop import FitResult, TrainSettings, state_part
 from selfspec.training.rows import TokenRows
 
-# Settings a resumed run may change: they shape neither the weights nor the optimizer.
+# Settings a resumed run of any trainer may change: they shape neither the weights nor the
+# optimizer. A method's own such settings (how its report drafts) are its TrainerEntry's
+# `report_settings`; `methods.resumable_changes()` is the whole list.
 RESUMABLE_CHANGES = (
     "trainer.resume", "trainer.stop_after", "trainer.threads", "trainer.log_every",
     "trainer.eval_every", "trainer.eval_rows", "trainer.save_every", "trainer.keep_checkpoints",
     "train_data.cache_dir", "final_eval", "wandb", "tree", "data", "sampling", "device",
     "dry_run", "num_gpus", "run_dir",
-    # EAGLE: how the report drafts, not what the head learns
-    "eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children",
-    # DFlash: how the report drafts
-    "dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children",
-    # early exit: how the report drafts
-    "early_exit.num_draft_tokens", "early_exit.confidence_threshold",
 )
 
 
 def start_training(
-    cfg: DictConfig, check_method_settings: Callable[[DictConfig], Any]
+    cfg: DictConfig, check_method_settings: Callable[[DictConfig], Any],
+    may_change: tuple[str, ...],
 ) -> tuple[TrainSettings, Transformer, Any]:
     """What every trainer does first: check every setting (the trainer's, the method's via
     check_method_settings, the device) before any model loads, record the run's config (a
-    resume with other settings is refused), then load the target and its tokenizer.
-    Returns (settings, target, tokenizer)."""
+    resume with other settings than `may_change` is refused), then load the target and its
+    tokenizer. Returns (settings, target, tokenizer)."""
     settings = train_settings(cfg)
     check_method_settings(cfg)
     device(cfg)
-    record_run_config(cfg, settings)
+    record_run_config(cfg, settings, may_change)
     target = load_target(cfg)
     return settings, target, load_tokenizer(target.source)
 
 
-def record_run_config(cfg: DictConfig, settings: TrainSettings) -> None:
-    """Keep cfg in the run folder; a resume with other weight- or optimizer-shaping settings
-    is refused (see `training.record_run_config`)."""
+def record_run_config(cfg: DictConfig, settings: TrainSettings,
+                      may_change: tuple[str, ...]) -> None:
+    """Keep cfg in the run folder; a resume that changes a setting outside `may_change` (those
+    that shape neither the weights nor the optimizer) is refused (see
+    `training.record_run_config`)."""
     checkpoints.record_run_config(settings.run_dir, OmegaConf.to_container(cfg, resolve=True),
-                               resume=settings.resume, may_change=RESUMABLE_CHANGES)
+                                  resume=settings.resume, may_change=may_change)
 
 
-def check_kept_run(cfg: DictConfig, run_dir: str | Path) -> None:
+def check_kept_run(cfg: DictConfig, run_dir: str | Path, may_change: tuple[str, ...]) -> None:
     """Refuse to keep a finished run of run_dir that was trained with settings other than
-    cfg's (the check a resume makes, without training): a curve never mixes runs of two
-    configs."""
+    cfg's outside `may_change` (the check a resume makes, without training): a curve never
+    mixes runs of two configs."""
     changes = checkpoints.config_changes(run_dir, OmegaConf.to_container(cfg, resolve=True),
-                                         RESUMABLE_CHANGES)
+                                         may_change)
     if changes:
         raise SelfspecError(f"{run_dir} finished with another config ({changes}); remove that "
                             f"folder to train it again, or run with its values")

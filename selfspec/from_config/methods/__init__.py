@@ -12,10 +12,11 @@ import pkgutil
 from types import ModuleType
 
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
+from selfspec.from_config.training import RESUMABLE_CHANGES
 from selfspec.measure.method_costs import CostRow
 
 __all__ = ["Loaded", "MethodEntry", "TrainerEntry", "cost_rows", "entry", "method_names",
-           "registry", "trainer", "trainers"]
+           "registry", "resumable_changes", "trainer", "trainers"]
 
 
 @functools.cache
@@ -62,3 +63,9 @@ def trainer(name: str) -> TrainerEntry:
     if name not in found:
         raise ValueError(f"unknown trainer {name!r}: choose from {', '.join(found)}")
     return found[name]
+
+
+def resumable_changes() -> tuple[str, ...]:
+    """The settings a resumed run may change: those every trainer shares
+    (`training.RESUMABLE_CHANGES`) and every trainer's `report_settings`."""
+    return RESUMABLE_CHANGES + tuple(s for t in trainers().values() for s in t.report_settings)

@@ -443,4 +443,5 @@ ENTRIES = (MethodEntry(
 TRAINER = TrainerEntry(
     name="dflash", config="train_dflash", check=check_dflash_settings, dry_run=dry_run,
     module=dflash_head, streams=lambda head: head.config.target_layers, objective=objective,
-    exporter=exporter, drafters=dflash_drafters, report=report)
+    exporter=exporter, drafters=dflash_drafters, report=report,
+    report_settings=("dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children"))

@@ -546,4 +546,5 @@ ENTRIES = (MethodEntry(
 TRAINER = TrainerEntry(
     name="eagle", config="train_eagle", check=check_eagle_settings, dry_run=dry_run,
     module=eagle_head, streams=lambda head: head.config.target_layers, objective=objective,
-    exporter=exporter, drafters=eagle_drafters, report=report)
+    exporter=exporter, drafters=eagle_drafters, report=report,
+    report_settings=("eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children"))

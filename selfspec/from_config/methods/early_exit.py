@@ -315,4 +315,5 @@ TRAINER = TrainerEntry(
     name="early_exit", config="train_early_exit", check=check_early_exit_settings,
     dry_run=dry_run, module=lambda cfg, target, train: early_exit_heads(cfg, target),
     objective=objective, exporter=exporter, drafters=early_exit_drafters, report=report,
-    streams=lambda heads: [head.exit_layer for head in heads], replayable=never)
+    streams=lambda heads: [head.exit_layer for head in heads], replayable=never,
+    report_settings=("early_exit.num_draft_tokens", "early_exit.confidence_threshold"))

@@ -197,6 +197,8 @@ class TrainerEntry:
     report(cfg, export, metrics, tracker): tau and speedup of the export on held-out prompts.
     replayable(cfg): whether the judge may replay its drafts over recorded answers (a drafter
         that drafts in the target's own cache, or a target the training changes, may not).
+    report_settings: its settings (dotted keys) that change only how the judge and the report
+        draft, not what the module learns: a resumed run may change them.
     """
 
     name: str
@@ -210,3 +212,4 @@ class TrainerEntry:
     report: Callable[[DictConfig, Path, dict, Tracker], None]
     streams: Callable[[Any], Iterable[int]] = _no_streams
     replayable: Callable[[DictConfig], bool] = always
+    report_settings: tuple[str, ...] = ()

@@ -51,3 +51,18 @@ def test_each_trainer_is_its_methods_module_and_a_shim_over_the_one_main():
         shim = (root / "train" / f"{name}.py").read_text()
         assert f'@hydra_entry_point("{trainer.config}")' in shim, name
         assert f'train_method(cfg, "{name}")' in shim and shim.count("\ndef ") == 1, name
+
+
+def test_a_resume_may_change_each_trainers_report_settings_which_its_config_holds(cfg_of):
+    """A trainer's `report_settings` (how its report drafts) join the settings every trainer
+    may change on resume; each names a setting of its own config, under its method's section,
+    so a renamed setting is not silently left changeable or unchangeable."""
+    changeable = methods.resumable_changes()
+    assert {"trainer.resume", "eagle.depth", "dflash.tree_nodes",
+            "early_exit.confidence_threshold"} <= set(changeable)
+    assert not {"eagle.version", "dflash.block_size", "optim"} & set(changeable)
+    for name, trainer in trainers().items():
+        cfg = cfg_of(trainer.config) if trainer.report_settings else None
+        for key in trainer.report_settings:
+            section, setting = key.split(".")
+            assert section == name and setting in cfg[section], key
