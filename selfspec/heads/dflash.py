@@ -41,6 +41,7 @@ from selfspec.heads.base import (
     FeatureHeadConfig,
     LossOutput,
     confidence_loss,
+    vocab_scores,
 )
 from selfspec.model import (
     DecoderLayer,
@@ -203,11 +204,11 @@ class DFlashHead(FeatureHead):
         """[..., output_vocab_size] fp32 scores of normed hidden states: through the head's own
         LM head (a draft vocabulary) or the target's (pass it)."""
         if self.config.owns_lm_head:
-            return self.lm_head(hidden).float()
+            return vocab_scores(self.lm_head, hidden)
         if lm_head is None:
             raise ValueError("DFlashHead.logits: the head scores through the target's LM head: "
                              "pass lm_head=target.lm_head")
-        return lm_head(hidden).float()
+        return vocab_scores(lm_head, hidden)
 
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from selfspec.checks import is_count, is_int_in
-from selfspec.heads.base import AttentionShape, FeatureHead, FeatureHeadConfig
+from selfspec.heads.base import AttentionShape, FeatureHead, FeatureHeadConfig, vocab_scores
 from selfspec.model import (
     MLP,
     Attention,
@@ -243,8 +243,8 @@ class EagleHead(FeatureHead):
             if lm_head is None:
                 raise ValueError("EagleHead.logits: EAGLE-1 scores through the target's LM head: "
                                  "pass lm_head=target.lm_head")
-            return lm_head(hidden).float()
-        return self.lm_head(self.norm(hidden)).float()
+            return vocab_scores(lm_head, hidden)
+        return vocab_scores(self.lm_head, self.norm(hidden))
 
     def _scored_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """EAGLE-3's LM head reads its outputs through the final norm."""
