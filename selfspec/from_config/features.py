@@ -15,10 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import is_int_in
 from selfspec.from_config.common import positive_int, set_threads
+from selfspec.from_config.methods import store_layer_names
 from selfspec.from_config.models import load_target, load_tokenizer
 from selfspec.from_config.training import training_rows
-from selfspec.heads.dflash import default_target_layers as dflash_target_layers
-from selfspec.heads.eagle import default_target_layers
 from selfspec.model import Transformer
 from selfspec.model.fingerprint import cache_key
 from selfspec.training.features import (
@@ -104,19 +103,18 @@ def store_settings(cfg: DictConfig) -> dict:
 
 def store_layers(cfg: DictConfig, num_layers: int) -> tuple[int, ...]:
     """store.layers: residual streams kept beside the last hidden state, each a layer count l
-    (the stream after l layers: an early exit at E reads E), `eagle3` (EAGLE-3's default
-    fused layers for this target) or `dflash` (a DFlash head's default ones)."""
+    (the stream after l layers: an early exit at E reads E) or a trainer's name for its
+    module's default streams on this target (its `TrainerEntry.store_layers`)."""
+    named = store_layer_names()
     layers: list[int] = []
     for item in OmegaConf.to_container(cfg.store.layers) or []:
-        if item == "eagle3":
-            layers += default_target_layers(num_layers)
-        elif item == "dflash":
-            layers += dflash_target_layers(num_layers)
+        if item in named:
+            layers += named[item](num_layers)
         elif is_int_in(item, range(num_layers + 1)):
             layers.append(item)
         else:
             raise ValueError(f"store.layers: each entry is a layer count in [0, {num_layers}], "
-                             f"eagle3 or dflash, got {item!r}")
+                             f"{' or '.join(named)}, got {item!r}")
     return tuple(sorted(set(layers)))
 
 

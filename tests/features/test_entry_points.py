@@ -78,7 +78,7 @@ BAD_INPUTS = [
     (STORE, ["store.out=null"], r"store.out: give the folder to write the feature store into"),
     (STORE, ["store.rows_per_shard=0"], r"store.rows_per_shard must be an integer >= 1"),
     (STORE, ["store.layers=[9]"], r"store.layers: each entry is a layer count in \[0, 8\], "
-                                  r"eagle3 or dflash, got 9"),
+                                  r"dflash or eagle3, got 9"),
     (STORE, ["model=local", "model.path={toy}", "store.layers=[]", "train_data.source=jsonl"],
      r"train_data.source=jsonl needs train_data.path"),
     (TRAIN, ["model=local", "model.path={toy}", "train_data.source=sharegpt",

@@ -10,7 +10,10 @@ def test_store_layers_name_eagle3s_fused_layers_and_exit_layers(cfg_of):
     cfg = cfg_of("store", "store.layers=[eagle3,10,15]")
     assert store_layers(cfg, 30) == (2, 10, 15, 27)  # sorted, once each
     assert store_layers(cfg_of("store", "store.layers=[]"), 30) == ()
-    with pytest.raises(ValueError, match=r"store.layers: each entry is a layer count in \[0, 8\]"):
+    # each trainer's name for its default streams (its TrainerEntry.store_layers)
+    assert store_layers(cfg_of("store", "store.layers=[dflash,eagle3]"), 30) == (2, 15, 27, 28)
+    with pytest.raises(ValueError, match=r"store.layers: each entry is a layer count in \[0, 8\], "
+                                         r"dflash or eagle3, got 'eagle2'"):
         store_layers(cfg_of("store", "store.layers=[eagle2]"), 8)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
@@ -16,7 +17,7 @@ from selfspec.from_config.training import RESUMABLE_CHANGES
 from selfspec.measure.method_costs import CostRow
 
 __all__ = ["Loaded", "MethodEntry", "TrainerEntry", "cost_rows", "entry", "method_names",
-           "registry", "resumable_changes", "trainer", "trainers"]
+           "registry", "resumable_changes", "store_layer_names", "trainer", "trainers"]
 
 
 @functools.cache
@@ -69,3 +70,10 @@ def resumable_changes() -> tuple[str, ...]:
     """The settings a resumed run may change: those every trainer shares
     (`training.RESUMABLE_CHANGES`) and every trainer's `report_settings`."""
     return RESUMABLE_CHANGES + tuple(s for t in trainers().values() for s in t.report_settings)
+
+
+def store_layer_names() -> dict[str, Callable[[int], Iterable[int]]]:
+    """Every name `store.layers` may give for a trainer's default residual streams (its
+    `store_layers`), each the layers for a target of that many layers, sorted by name."""
+    found = {name: layers for t in trainers().values() for name, layers in t.store_layers.items()}
+    return dict(sorted(found.items()))

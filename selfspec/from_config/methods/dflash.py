@@ -38,7 +38,13 @@ from selfspec.from_config.methods.entry import (
 )
 from selfspec.from_config.models import model_config, model_plan
 from selfspec.heads.base import LossOutput
-from selfspec.heads.dflash import DFlashConfig, DFlashHead, PrefixKeys, dflash_loss
+from selfspec.heads.dflash import (
+    DFlashConfig,
+    DFlashHead,
+    PrefixKeys,
+    default_target_layers,
+    dflash_loss,
+)
 from selfspec.heads.draft_vocab import draft_vocabulary
 from selfspec.heads.io import load_head
 from selfspec.measure.grid import Variant
@@ -444,4 +450,5 @@ TRAINER = TrainerEntry(
     name="dflash", config="train_dflash", check=check_dflash_settings, dry_run=dry_run,
     module=dflash_head, streams=lambda head: head.config.target_layers, objective=objective,
     exporter=exporter, drafters=dflash_drafters, report=report,
-    report_settings=("dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children"))
+    report_settings=("dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children"),
+    store_layers={"dflash": default_target_layers})

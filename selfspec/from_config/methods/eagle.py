@@ -38,7 +38,7 @@ from selfspec.from_config.methods.entry import (
 from selfspec.from_config.models import model_config, model_plan
 from selfspec.heads.base import LossOutput
 from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary, load_draft_vocab
-from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle import EagleConfig, EagleHead, default_target_layers
 from selfspec.heads.eagle_losses import (
     eagle3_loss,
     eagle_loss,
@@ -547,4 +547,5 @@ TRAINER = TrainerEntry(
     name="eagle", config="train_eagle", check=check_eagle_settings, dry_run=dry_run,
     module=eagle_head, streams=lambda head: head.config.target_layers, objective=objective,
     exporter=exporter, drafters=eagle_drafters, report=report,
-    report_settings=("eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children"))
+    report_settings=("eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children"),
+    store_layers={"eagle3": default_target_layers})

@@ -199,6 +199,8 @@ class TrainerEntry:
         that drafts in the target's own cache, or a target the training changes, may not).
     report_settings: its settings (dotted keys) that change only how the judge and the report
         draft, not what the module learns: a resumed run may change them.
+    store_layers: names `store.layers` may give (the feature store command's) for the residual
+        streams its module reads by default, each the layers for a target of that many layers.
     """
 
     name: str
@@ -213,3 +215,4 @@ class TrainerEntry:
     streams: Callable[[Any], Iterable[int]] = _no_streams
     replayable: Callable[[DictConfig], bool] = always
     report_settings: tuple[str, ...] = ()
+    store_layers: dict[str, Callable[[int], Iterable[int]]] = field(default_factory=dict)
