@@ -86,16 +86,13 @@ def grid_lines(cfg: DictConfig, method: MethodEntry, lengths: tuple[int, ...]
 def sweep_dry_run(cfg: DictConfig) -> str:
     """What a sweep would put where, without weights: the target's memory plan and placement,
     and the draft model's plan where a method runs it (beside the LM head, on cfg.device)."""
-    names = {method.name for method in sweep_methods(cfg)}
+    runs_draft = any(method.runs_draft_model for method in sweep_methods(cfg))
     text = [model_plan(cfg).format()]
     draft = cfg.model.get("draft")
-    if names & DRAFT_MODEL_METHODS and draft is not None and draft.get("arch") is not None:
+    if runs_draft and draft is not None and draft.get("arch") is not None:
         plan = plan_model(model_config(draft), draft.name, int(cfg.num_gpus))
         text += [f"draft model (on {cfg.device}, beside the LM head):", plan.format()]
     return "\n".join(text)
-
-
-DRAFT_MODEL_METHODS = {"small_model", "hf_assisted"}  # the methods that run model.draft
 
 
 def sweep_methods(cfg: DictConfig) -> tuple[MethodEntry, ...]:

@@ -5,6 +5,7 @@ import torch
 from helpers import group_options, toy
 from omegaconf import OmegaConf
 
+from selfspec.from_config import sweeps
 from selfspec.from_config.common import CONF_DIR
 from selfspec.from_config.models import ModelNotAvailable, model_config, resolve_model_path
 from selfspec.from_config.sweeps import plan_sweep, timing_models
@@ -76,3 +77,25 @@ def test_the_random_moe_target_is_qwen3_30b_a3b_at_half_depth():
     with torch.no_grad():
         ours, theirs = target(tokens, torch.arange(9)).logits, hf_model(tokens).logits
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_dry_run_plans_the_draft_model_only_for_a_method_that_runs_it(cfg_of, monkeypatch):
+    """A method's `runs_draft_model` (small_model, hf_assisted) decides whether the sweep's dry
+    run plans model.draft beside the target (the plans themselves: tests/model/test_placement.py;
+    here they are stand-ins, to skip building a 70B model on meta tensors)."""
+    class Plan:
+        def __init__(self, name: str):
+            self.name = name
+
+        def format(self) -> str:
+            return f"plan for {self.name}"
+
+    monkeypatch.setattr(sweeps, "model_plan", lambda cfg: Plan(cfg.model.name))
+    monkeypatch.setattr(sweeps, "plan_model", lambda config, name, gpus: Plan(name))
+
+    def plan(methods: str) -> str:
+        return sweeps.sweep_dry_run(cfg_of("sweep", "model=llama2-70b", f"methods={methods}"))
+
+    assert plan("[ngram,hf_assisted]").splitlines()[-1] == "plan for llama2-7b"
+    assert plan("[small_model]").splitlines()[-1] == "plan for llama2-7b"
+    assert plan("[ngram,hf_prompt_lookup]") == "plan for llama2-70b"

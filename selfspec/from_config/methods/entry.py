@@ -101,6 +101,7 @@ class MethodEntry:
     head: its trainable head class, if any; color: its colour in the figures; order: where it
     stands in lists (menus, a sweep's default methods).
     cost_rows: its rows of eval/bench_decode.py's draft costs with random heads, by name.
+    runs_draft_model: whether it runs model.draft, a second model (a sweep's dry run plans it).
     """
 
     name: str
@@ -117,6 +118,7 @@ class MethodEntry:
     color: str | None = None
     order: int = 100
     cost_rows: dict[str, CostRow] = field(default_factory=dict)
+    runs_draft_model: bool = False
 
     def __post_init__(self) -> None:
         if (self.drafter is None) == (self.method is None):

@@ -82,7 +82,8 @@ def _peer(name: str, peer: str | None, summary: str, kind: str, order: int) -> M
 
     colors = {"assisted": "tab:purple", "lookup": "tab:brown", "plain": "tab:gray"}
     return MethodEntry(name=name, summary=summary, variants=variants, load=load, method=method,
-                       check=check, lengths=lengths, color=colors[kind], order=order)
+                       check=check, lengths=lengths, color=colors[kind], order=order,
+                       runs_draft_model=assisted)
 
 
 ENTRIES = (

@@ -387,7 +387,7 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
 ENTRIES = (MethodEntry(
     name="small_model", summary="a separate small draft model with the target's tokenizer",
     variants=variants, load=load, drafter=drafter, check=check, default_when=always,
-    color="tab:blue", order=0),)
+    color="tab:blue", order=0, runs_draft_model=True),)
 
 TRAINER = TrainerEntry(
     name="draft", config="train_draft", check=check_draft_model_settings, dry_run=dry_run,
