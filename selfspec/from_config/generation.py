@@ -3,26 +3,20 @@ length (`num_draft_tokens=`), with the one variant its settings describe."""
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from selfspec.checks import check_count
 from selfspec.decode import GenerationSettings
 from selfspec.drafters import Drafter
-from selfspec.drafters.confidence import check_confidence_threshold
-from selfspec.from_config.common import device, positive_int, sampling_params
+from selfspec.from_config.common import device, sampling_params
 from selfspec.from_config.methods import Loaded, MethodEntry, entry, registry
 from selfspec.from_config.models import compile_steps, resolve_model_path
 from selfspec.measure.grid import Variant
 from selfspec.model import Transformer
 
 PLAIN = "none"  # drafter=none: plain decoding only
-# Settings that moved: the old key (still read, with a warning) and the new one.
-RENAMED = {"confidence_threshold": "small_model.confidence_threshold",
-           "draft_vocab": "small_model.draft_vocab",
-           "first_candidates": "small_model.first_candidates"}
 
 
 class DrafterChoice(NamedTuple):
@@ -68,18 +62,9 @@ def drafter_choice(cfg: DictConfig) -> DrafterChoice:
 
 def renamed_settings(cfg: DictConfig) -> None:
     """Read the settings given under their old keys into the new ones, with a warning that
-    names the new key."""
-    for old, new in RENAMED.items():
-        value = cfg.get(old)
-        if value is None:
-            continue
-        if old == "first_candidates":
-            positive_int(cfg, old)
-        elif old == "confidence_threshold":
-            check_confidence_threshold("drafter=small_model", value)
-        warnings.warn(f"{old}= is deprecated: use {new}= (read as {new}={value})", FutureWarning,
-                      stacklevel=2)
-        OmegaConf.update(cfg, new, value, force_add=True)
+    names the new key: each method's `read_old_keys`."""
+    for method in registry().values():
+        method.read_old_keys(cfg)
 
 
 def build_drafter(cfg: DictConfig, target: Transformer) -> Drafter | None:

@@ -151,6 +151,9 @@ def test_an_old_key_is_read_with_a_warning_naming_the_new_one(quick_build, compo
                                            r"small_model.first_candidates="):
         method, variant, k = drafter_choice(cfg)
     assert (method.name, variant.first_candidates, k) == ("small_model", 3, 4)
+    # the method's own read_old_keys checks an old key as it was given
+    with pytest.raises(ValueError, match=r"drafter=small_model: confidence_threshold must lie"):
+        drafter_choice(compose_cfg("generate", *toy(quick_build)[:3], "confidence_threshold=2"))
 
 
 def test_every_method_is_a_sweep_and_lossless_method(quick_build, compose_cfg):

@@ -5,6 +5,7 @@ trainer (`TRAINER`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -61,6 +62,19 @@ def _nothing_to_check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     return None
 
 
+def _no_old_keys(cfg: DictConfig) -> None:
+    return None
+
+
+def read_moved_setting(cfg: DictConfig, old: str, new: str) -> None:
+    """A setting given under its old key `old`, read into `new` with a warning that names the
+    new key (a method's `read_old_keys`)."""
+    value = cfg.get(old)
+    warnings.warn(f"{old}= is deprecated: use {new}= (read as {new}={value})", FutureWarning,
+                  stacklevel=3)
+    OmegaConf.update(cfg, new, value, force_add=True)
+
+
 def never(cfg: DictConfig) -> bool:
     return False
 
@@ -102,6 +116,8 @@ class MethodEntry:
     stands in lists (menus, a sweep's default methods).
     cost_rows: its rows of eval/bench_decode.py's draft costs with random heads, by name.
     runs_draft_model: whether it runs model.draft, a second model (a sweep's dry run plans it).
+    read_old_keys(cfg): its settings given under the keys they had before they moved, checked
+        and read into their new keys with a warning (eval/generate.py reads them).
     """
 
     name: str
@@ -119,6 +135,7 @@ class MethodEntry:
     order: int = 100
     cost_rows: dict[str, CostRow] = field(default_factory=dict)
     runs_draft_model: bool = False
+    read_old_keys: Callable[[DictConfig], None] = _no_old_keys
 
     def __post_init__(self) -> None:
         if (self.drafter is None) == (self.method is None):

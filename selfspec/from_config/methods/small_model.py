@@ -30,12 +30,13 @@ from selfspec.checks import is_count, is_int_in
 from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config import training
-from selfspec.from_config.common import as_list, device
+from selfspec.from_config.common import as_list, device, positive_int
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
     TrainerEntry,
     always,
+    read_moved_setting,
 )
 from selfspec.from_config.models import (
     compile_steps,
@@ -182,6 +183,23 @@ def variants(cfg: DictConfig, with_comparisons: bool = True) -> tuple[SmallModel
 
 def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
     resolve_model_path(draft_model_config(cfg), "model.draft")
+
+
+OLD_KEYS = ("confidence_threshold", "draft_vocab", "first_candidates")  # before small_model.*
+
+
+def read_old_keys(cfg: DictConfig) -> None:
+    """Its settings given under their old top-level keys (`first_candidates=3`), checked under
+    the key given, read into small_model.* with a warning."""
+    for old in OLD_KEYS:
+        value = cfg.get(old)
+        if value is None:
+            continue
+        if old == "first_candidates":
+            positive_int(cfg, old)
+        elif old == "confidence_threshold":
+            check_confidence_threshold("drafter=small_model", value)
+        read_moved_setting(cfg, old, f"small_model.{old}")
 
 
 def draft_model(loaded: Loaded) -> Transformer:
@@ -387,7 +405,7 @@ def report(cfg: DictConfig, export: Path, metrics: dict, tracker: Tracker) -> No
 ENTRIES = (MethodEntry(
     name="small_model", summary="a separate small draft model with the target's tokenizer",
     variants=variants, load=load, drafter=drafter, check=check, default_when=always,
-    color="tab:blue", order=0, runs_draft_model=True),)
+    color="tab:blue", order=0, runs_draft_model=True, read_old_keys=read_old_keys),)
 
 TRAINER = TrainerEntry(
     name="draft", config="train_draft", check=check_draft_model_settings, dry_run=dry_run,
