@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.divergences import Divergence, divergence
-from selfspec.heads.dflash import DFlashHead
-from selfspec.heads.eagle import EagleHead
+from selfspec.heads.base import FeatureHead
 from selfspec.model import Transformer
 from selfspec.training.features import (
     FeatureCache,
@@ -69,8 +68,7 @@ def frozen_states(target: Transformer, tokens: torch.Tensor, layers: tuple[int, 
     return TargetStates(states.last, tuple(kept[i] for i in layers))
 
 
-def detached_confidence(head: DFlashHead | EagleHead, states: torch.Tensor
-                        ) -> torch.Tensor | None:
+def detached_confidence(head: FeatureHead, states: torch.Tensor) -> torch.Tensor | None:
     """A block drafter's confidence logits of its states [..., h] (None: the head has no
     confidence head), from the states detached: the confidence learns from the block, and its
     gradient never reaches the layers that make the block's laws."""
