@@ -69,7 +69,7 @@ def _check_eagle_inputs(
 
 def eagle3_loss(
     step_outputs: list[torch.Tensor],
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | DraftTeacher,
     t2d: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     decay: float = 0.8,
@@ -82,7 +82,8 @@ def eagle3_loss(
     step_outputs: per step j, [B, T-1, ...]: row t scores token t+2+j (`EagleHead.unroll`);
     scores turns the rows that count ([n, ...]) into draft-vocabulary logits [n, Vd] (the
     head's norm and LM head, run on no other row; default: the outputs are the logits).
-    target_logits: [B, T, V] the target's logits on the row (position i: the law of token i+1).
+    target_logits: [B, T, V] the target's logits on the row (position i: the law of token i+1),
+    or their `DraftTeacher`.
     t2d: [V] bool, the draft vocabulary. loss_mask: [B, T] whether a token is a prediction
     target (None: every token). Row t of step j counts when token t+2+j exists and counts, and
     the target's argmax at t+1+j lies in the draft vocabulary. Metrics per step: the loss,
@@ -91,11 +92,11 @@ def eagle3_loss(
     """
     if not decay > 0:
         raise ValueError(f"eagle3_loss: decay must be > 0 (step j weighs decay**j), got {decay}")
-    batch, length, _ = target_logits.shape
-    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    teacher = DraftTeacher.given(target_logits, t2d)
+    batch, length = teacher.in_vocab.shape
+    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
     mask = mask if loss_mask is None else loss_mask.bool()
-    teacher = DraftTeacher.of(target_logits, t2d)
-    total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
+    total, metrics = teacher.log_probs.new_zeros((), dtype=torch.float32), {}
     for j, outputs in enumerate(step_outputs):
         n = max(length - 2 - j, 0)  # rows whose token t+2+j exists
         law = teacher.at(slice(1 + j, 1 + j + n))  # the laws of tokens t+2+j: [B, n, ...]
@@ -129,6 +130,26 @@ class DraftTeacher:
         return cls(t2d[target_logits.argmax(-1)], target_log_probs(restricted),
                    restricted.argmax(-1))
 
+    @classmethod
+    def at_rows(cls, last: torch.Tensor, needed: torch.Tensor,
+                logits_of: Callable[[torch.Tensor], torch.Tensor], t2d: torch.Tensor
+                ) -> DraftTeacher:
+        """The laws at the positions needed [B, T] marks alone, from the target's last hidden
+        states [B, T, H] through its LM head (logits_of): a chat row's prompt is a third of
+        its tokens, and the whole-vocabulary product a fifth of an EAGLE-3 step. Elsewhere
+        in_vocab is False, so no loss row reads them."""
+        part = cls.of(logits_of(last[needed]), t2d)  # [m, ...]
+        in_vocab = torch.zeros_like(needed)
+        log_probs = part.log_probs.new_zeros(*needed.shape, part.log_probs.shape[-1])
+        top = part.top.new_zeros(needed.shape)
+        in_vocab[needed], log_probs[needed], top[needed] = part.in_vocab, part.log_probs, part.top
+        return cls(in_vocab, log_probs, top)
+
+    @classmethod
+    def given(cls, target: torch.Tensor | DraftTeacher, t2d: torch.Tensor) -> DraftTeacher:
+        """target as it is when already a teacher, else the laws of its logits [B, T, V]."""
+        return target if isinstance(target, DraftTeacher) else cls.of(target, t2d)
+
     def at(self, index: slice | torch.Tensor) -> DraftTeacher:
         """The laws at positions `index` (of dimension 1)."""
         return DraftTeacher(self.in_vocab[:, index], self.log_probs[:, index],
@@ -139,7 +160,7 @@ def parallel_eagle3_loss(
     logits: torch.Tensor,
     copies: torch.Tensor,
     positions: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | DraftTeacher,
     t2d: torch.Tensor,
     count: int,
     loss_mask: torch.Tensor | None = None,
@@ -161,11 +182,11 @@ def parallel_eagle3_loss(
     if not decay > 0:
         raise ValueError(f"parallel_eagle3_loss: decay must be > 0 (copy j weighs decay**j), "
                          f"got {decay}")
-    batch, length, _ = target_logits.shape
-    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    teacher = DraftTeacher.given(target_logits, t2d)
+    batch, length = teacher.in_vocab.shape
+    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
     mask = mask if loss_mask is None else loss_mask.bool()
-    teacher = DraftTeacher.of(target_logits, t2d)
-    total, metrics = target_logits.new_zeros((), dtype=torch.float32), {}
+    total, metrics = teacher.log_probs.new_zeros((), dtype=torch.float32), {}
     counted = 0
     for j in range(count):
         picked = ((copies == j) & (positions + 2 < length)).nonzero().flatten()  # [n]
@@ -190,7 +211,7 @@ def parallel_confidence_loss(
     logits: torch.Tensor,
     copies: torch.Tensor,
     positions: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | DraftTeacher,
     t2d: torch.Tensor,
     count: int,
     loss_mask: torch.Tensor | None = None,
@@ -201,9 +222,9 @@ def parallel_confidence_loss(
     row counts where its token exists and counts and the target's argmax lies in the draft
     vocabulary; it is accepted where its top token is that argmax). A copy that was not kept
     counts nothing, nor do the copies after it."""
-    batch, length, _ = target_logits.shape
-    teacher = DraftTeacher.of(target_logits, t2d)
-    mask = torch.ones(batch, length, dtype=torch.bool, device=target_logits.device)
+    teacher = DraftTeacher.given(target_logits, t2d)
+    batch, length = teacher.in_vocab.shape
+    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
     mask = mask if loss_mask is None else loss_mask.bool()
     exists = positions + 2 < length  # [N]
     law = teacher.at((positions + 1).clamp(max=length - 1))  # the laws of tokens p + 2

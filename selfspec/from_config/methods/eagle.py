@@ -40,6 +40,7 @@ from selfspec.heads.base import LossOutput
 from selfspec.heads.draft_vocab import DraftVocab, draft_vocabulary, load_draft_vocab
 from selfspec.heads.eagle import EagleConfig, EagleHead, default_target_layers
 from selfspec.heads.eagle_losses import (
+    DraftTeacher,
     eagle3_loss,
     eagle_loss,
     parallel_confidence_loss,
@@ -56,7 +57,6 @@ from selfspec.training.objectives import (
     detached_confidence,
     feature_source,
     freeze,
-    frozen_outputs,
     frozen_states,
     law_objective,
     parallel_rows,
@@ -342,18 +342,26 @@ class Eagle3Objective(nn.Module):
         self.objective, self.divergence = objective, law_objective(objective, "Eagle3Objective")
 
     def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> LossOutput:
-        last, streams, target_logits, embeds = frozen_outputs(
-            self.target, tokens, self.head.config.target_layers, self.features)
-        feature = self.head.target_feature(last, streams)[:, :-1]  # [B, T-1, H]
+        with torch.no_grad():
+            states = frozen_states(self.target, tokens, self.head.config.target_layers,
+                                   self.features)
+            embeds = self.target.embed_tokens(tokens)
+            # the target's laws where a loss row reads them: position p's, when token p + 1
+            # counts (not a chat row's prompt)
+            needed = torch.cat([loss_mask[:, 1:].bool(), torch.zeros_like(
+                loss_mask[:, :1], dtype=torch.bool)], dim=1)  # [B, T]
+            teacher = DraftTeacher.at_rows(states.last, needed, self.target.logits_of,
+                                           self.head.t2d)
+        feature = self.head.target_feature(states.last, states.streams)[:, :-1]  # [B, T-1, H]
         if self.head.config.parallel > 1:
-            return self._parallel(tokens, loss_mask, feature, target_logits)
+            return self._parallel(tokens, loss_mask, feature, teacher)
         hidden = self.head.unroll(embeds, feature, self.steps)  # steps x [B, T-1, H]
         # the head's LM head scores only the rows that count (a chat row's prompt does not)
-        return eagle3_loss(hidden, target_logits, self.head.t2d, loss_mask, decay=self.decay,
+        return eagle3_loss(hidden, teacher, self.head.t2d, loss_mask, decay=self.decay,
                            scores=self.head.logits, divergence=self.divergence)
 
     def _parallel(self, tokens: torch.Tensor, loss_mask: torch.Tensor, feature: torch.Tensor,
-                  target_logits: torch.Tensor) -> LossOutput:
+                  teacher: DraftTeacher) -> LossOutput:
         """P-EAGLE: row t of copy 0 reads (token t+1, f_t); copy j's row t, a mask pair,
         stands where a draft's j-th mask pair stands after the real pair t - j, and both score
         token t + 2."""
@@ -368,14 +376,14 @@ class Eagle3Objective(nn.Module):
             feature.shape[0], masks, -1).to(feature)], dim=1)  # [B, N, h]
         hidden = self.head(embeds, features, pairs.positions, mask=pairs.mask)
         logits = self.head.logits(hidden)
-        out = parallel_eagle3_loss(logits, pairs.copies, pairs.positions, target_logits,
+        out = parallel_eagle3_loss(logits, pairs.copies, pairs.positions, teacher,
                                    self.head.t2d, config.parallel, loss_mask, decay=self.decay,
                                    divergence=self.divergence, pooled=self.pooled)
         confidence = detached_confidence(self.head, hidden)
         if confidence is None:
             return out
         confident = parallel_confidence_loss(confidence, logits, pairs.copies, pairs.positions,
-                                             target_logits, self.head.t2d, config.parallel,
+                                             teacher, self.head.t2d, config.parallel,
                                              loss_mask)
         return LossOutput(out.loss + confident.loss, out.metrics | confident.metrics)
 
