@@ -2,7 +2,7 @@
 
     python train/eagle.py -m eagle.version=3 trainer.objective=kl,tv,reverse_kl,jsd,lk \\
         trainer.keep_best=last trainer.tau_prompts=32 hydra.sweep.dir=outputs/objectives/eagle3
-    python scripts/objectives_table.py outputs/objectives/eagle3
+    python scripts/objectives_table.py outputs/objectives/eagle3 [--out objectives.json]
 
 Hydra's multirun trains one head per objective, in folders 0, 1, ... of the sweep folder, on the
 same rows for the same steps. A run's held-out tau is its last evaluation's (`eval/tau`: greedy
@@ -77,12 +77,37 @@ def _versus(run: ObjectiveRun, kl: ObjectiveRun | None) -> str:
     return f"{run.tau - kl.tau:+.3f}{_error(combined)}"
 
 
+def records(runs: list[ObjectiveRun]) -> list[dict]:
+    """The table's rows as JSON records (vs_kl and its combined error None for kl itself)."""
+    kl = next((r for r in runs if r.objective == "kl"), None)
+    rows = []
+    for run in runs:
+        row = {"objective": run.objective, "folder": str(run.folder), "step": run.step,
+               "tau": run.tau, "tau_se": run.tau_se, "vs_kl": None, "vs_kl_se": None}
+        if kl is not None and run is not kl:
+            row["vs_kl"] = run.tau - kl.tau
+            if run.tau_se is not None and kl.tau_se is not None:
+                row["vs_kl_se"] = math.sqrt(run.tau_se**2 + kl.tau_se**2)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", type=Path, nargs="+",
                         help="hydra.sweep.dir of a trainer.objective sweep (one per method)")
-    for sweep in parser.parse_args(argv).sweeps:
-        print(f"{sweep}:\n{table(objective_runs(sweep))}")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the rows of every sweep here as JSON")
+    args = parser.parse_args(argv)
+    found = {}
+    for sweep in args.sweeps:
+        runs = objective_runs(sweep)
+        print(f"{sweep}:\n{table(runs)}")
+        found[str(sweep)] = records(runs)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": "python scripts/objectives_table.py " + " ".join(
+            argv), "sweeps": found}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

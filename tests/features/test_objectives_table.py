@@ -38,6 +38,11 @@ def test_the_table_reads_each_runs_last_tau_and_compares_it_with_kls(script, tmp
     lines = capsys.readouterr().out.splitlines()
     assert "| kl | 20 | 2.000 +- 0.030 |  |" in lines
     assert "| tv | 20 | 2.050 +- 0.040 | +0.050 +- 0.050 |" in lines  # sqrt(.03^2 + .04^2)
+    script.main([str(tmp_path), "--out", str(tmp_path / "out" / "objectives.json")])
+    rows = json.loads((tmp_path / "out" / "objectives.json").read_text())["sweeps"][str(tmp_path)]
+    assert [(r["objective"], r["tau"], r["vs_kl"]) for r in rows] == [
+        ("kl", 2.0, None), ("tv", 2.05, pytest.approx(0.05))]
+    assert rows[1]["vs_kl_se"] == pytest.approx(0.05)
     with pytest.raises(SystemExit) as refused:
         exit_on_user_error(script.main, [str(tmp_path / "none")])
     err = capsys.readouterr().err
