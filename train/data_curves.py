@@ -20,12 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from learning_curves import METHODS, check_kept, model_overrides
+from learning_curves import check_kept, model_overrides
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.checks import is_count
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
+from selfspec.from_config.methods import CurveVariant, curve_variants
 from selfspec.measure.curves import tau_curve
 from selfspec.measure.plots import data_curves_figure
 
@@ -47,28 +48,28 @@ def main(cfg: DictConfig) -> None:
     print(f"figures in {folder.resolve()}")
 
 
-def train_all(cfg: DictConfig, methods: dict[str, list[str]], sizes: list[int]
+def train_all(cfg: DictConfig, methods: dict[str, CurveVariant], sizes: list[int]
               ) -> dict[str, dict[int, list]]:
     """Every method on every answer set, the smaller sets first (a finished run is kept)."""
     folder = Path(cfg.run_dir)
     store = build_store(cfg, folder / "store", max(sizes)) if cfg.store.enabled else None
     results: dict[str, dict[int, list]] = {name: {} for name in methods}
     for answers in sizes:
-        for name, (trainer, *settings) in methods.items():
+        for name, variant in methods.items():
             run_dir = folder / name / f"N{answers}"
-            command = [*trainer_overrides(cfg, run_dir, answers, store), *settings,
+            command = [*trainer_overrides(cfg, run_dir, answers, store), *variant.overrides,
                        *(cfg.method_overrides.get(name) or [])]
             if finished(run_dir, float(cfg.epochs)):
-                check_kept(trainer, command, run_dir)
+                check_kept(variant.trainer, command, run_dir)
             else:
-                print(f"== {name}, {answers:,} answers: train/{trainer}.py, {cfg.epochs} epochs",
-                      flush=True)
-                run([TRAIN / f"{trainer}.py", *command], f"{name} N={answers}")
+                print(f"== {name}, {answers:,} answers: train/{variant.trainer}.py, "
+                      f"{cfg.epochs} epochs", flush=True)
+                run([TRAIN / f"{variant.trainer}.py", *command], f"{name} N={answers}")
             results[name][answers] = tau_curve(run_dir)
     return results
 
 
-def finished_runs(cfg: DictConfig, methods: dict[str, list[str]], sizes: list[int]
+def finished_runs(cfg: DictConfig, methods: dict[str, CurveVariant], sizes: list[int]
                   ) -> dict[str, dict[int, list]]:
     """draw_only: the curves of the runs that finished so far, training nothing (a long run
     can be drawn while it goes on)."""
@@ -93,20 +94,21 @@ def with_earlier(results: dict[str, dict[int, list]], earlier: list[str] | None
     return {name: dict(sorted(by_size.items())) for name, by_size in merged.items()}
 
 
-def checked(cfg: DictConfig) -> tuple[dict[str, list[str]], list[int]]:
+def checked(cfg: DictConfig) -> tuple[dict[str, CurveVariant], list[int]]:
+    known = curve_variants()
     methods = OmegaConf.to_container(cfg.methods)
-    if not isinstance(methods, list) or not methods or not set(methods) <= set(METHODS):
-        raise SelfspecError(f"methods: give a list of {', '.join(METHODS)}, got {methods}")
+    if not isinstance(methods, list) or not methods or not set(methods) <= set(known):
+        raise SelfspecError(f"methods: give a list of {', '.join(known)}, got {methods}")
     sizes = OmegaConf.to_container(cfg.answers)
     if not isinstance(sizes, list) or not sizes or not all(map(is_count, sizes)):
         raise SelfspecError(f"answers: give a list of training set sizes >= 1, got {sizes}")
     if not cfg.epochs > 0 or not int(cfg.tau_prompts) >= 2:
         raise SelfspecError(f"epochs must be > 0 and tau_prompts >= 2 (a standard error needs "
                             f"two prompts), got {cfg.epochs} and {cfg.tau_prompts}")
-    unknown = set(cfg.method_overrides or {}) - set(METHODS)
+    unknown = set(cfg.method_overrides or {}) - set(known)
     if unknown:
         raise SelfspecError(f"method_overrides: unknown methods {sorted(unknown)}")
-    return {name: METHODS[name] for name in methods}, sorted(set(sizes))
+    return {name: known[name] for name in methods}, sorted(set(sizes))
 
 
 def build_store(cfg: DictConfig, out: Path, answers: int) -> Path:

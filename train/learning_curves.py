@@ -26,18 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.cli import hydra_entry_point
 from selfspec.errors import SelfspecError
-from selfspec.from_config.methods import resumable_changes
+from selfspec.from_config.methods import CurveVariant, curve_variants, resumable_changes
 from selfspec.from_config.training import check_kept_run
 from selfspec.measure.curves import final_report, judge_share, rising, tau_curve
 from selfspec.measure.plots import learning_curves_figure
 
 TRAIN = Path(__file__).resolve().parent
-# Each method's trainer and the settings that make it that method.
-METHODS = {"medusa": ["medusa", "medusa.version=1"], "eagle1": ["eagle", "eagle.version=1"],
-           "eagle2": ["eagle", "eagle.version=2"], "eagle3": ["eagle", "eagle.version=3"],
-           "peagle": ["eagle", "eagle.version=3", "eagle.parallel=4"], "dflash": ["dflash"],
-           "early_exit": ["early_exit"], "draft": ["draft"],
-           "pard": ["draft", "draft_model.parallel=4"]}
 
 
 @hydra_entry_point("learning_curves")
@@ -45,14 +39,15 @@ def main(cfg: DictConfig) -> None:
     methods = checked_methods(cfg)
     folder = Path(cfg.run_dir)
     results = {}
-    for name, (trainer, *settings) in methods.items():
+    for name, variant in methods.items():
         run_dir = folder / name
-        command = [*trainer_overrides(cfg, run_dir), *settings, *method_overrides(cfg, name)]
+        command = [*trainer_overrides(cfg, run_dir), *variant.overrides,
+                   *method_overrides(cfg, name)]
         if (run_dir / "summary.json").exists():  # written last: the run finished before
-            check_kept(trainer, command, run_dir)
+            check_kept(variant.trainer, command, run_dir)
             print(f"== {name}: kept, its run in {run_dir} finished", flush=True)
         else:
-            train_one(name, trainer, command, run_dir)
+            train_one(name, variant.trainer, command, run_dir)
         results[name] = {"curve": tau_curve(run_dir), **final_report(run_dir)}
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     labels = {f"{name} ({r['speedup']:.2f}x)": r["curve"] for name, r in results.items()}
@@ -78,18 +73,21 @@ def check_kept(trainer: str, command: list[str], run_dir: Path) -> None:
     check_kept_run(cfg, run_dir, resumable_changes())
 
 
-def checked_methods(cfg: DictConfig) -> dict[str, list[str]]:
+def checked_methods(cfg: DictConfig) -> dict[str, CurveVariant]:
+    """The chosen variants (each trainer's `curve_variants`), the budget and the overrides
+    checked."""
+    known = curve_variants()
     methods = OmegaConf.to_container(cfg.methods)
-    if not isinstance(methods, list) or not methods or not set(methods) <= set(METHODS):
-        raise SelfspecError(f"methods: give a list of {', '.join(METHODS)}, got {methods}")
+    if not isinstance(methods, list) or not methods or not set(methods) <= set(known):
+        raise SelfspecError(f"methods: give a list of {', '.join(known)}, got {methods}")
     if not cfg.minutes > 0 or not int(cfg.eval_every) >= 1:
         raise SelfspecError(f"minutes must be > 0 and eval_every >= 1, got {cfg.minutes} and "
                             f"{cfg.eval_every}")
-    unknown = set(cfg.method_overrides or {}) - set(METHODS)
+    unknown = set(cfg.method_overrides or {}) - set(known)
     if unknown:
         raise SelfspecError(f"method_overrides: unknown methods {sorted(unknown)}; give some of "
-                            f"{', '.join(METHODS)}")
-    return {name: METHODS[name] for name in methods}
+                            f"{', '.join(known)}")
+    return {name: known[name] for name in methods}
 
 
 def trainer_overrides(cfg: DictConfig, run_dir: Path) -> list[str]:

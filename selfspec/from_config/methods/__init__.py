@@ -12,12 +12,13 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
-from selfspec.from_config.methods.entry import Loaded, MethodEntry, TrainerEntry
+from selfspec.from_config.methods.entry import CurveVariant, Loaded, MethodEntry, TrainerEntry
 from selfspec.from_config.training import RESUMABLE_CHANGES
 from selfspec.measure.method_costs import CostRow
 
-__all__ = ["Loaded", "MethodEntry", "TrainerEntry", "cost_rows", "entry", "method_names",
-           "registry", "resumable_changes", "store_layer_names", "trainer", "trainers"]
+__all__ = ["CurveVariant", "Loaded", "MethodEntry", "TrainerEntry", "cost_rows",
+           "curve_variants", "entry", "method_names", "registry", "resumable_changes",
+           "store_layer_names", "trainer", "trainers"]
 
 
 @functools.cache
@@ -77,3 +78,16 @@ def store_layer_names() -> dict[str, Callable[[int], Iterable[int]]]:
     `store_layers`), each the layers for a target of that many layers, sorted by name."""
     found = {name: layers for t in trainers().values() for name, layers in t.store_layers.items()}
     return dict(sorted(found.items()))
+
+
+def curve_variants() -> dict[str, CurveVariant]:
+    """Every variant the learning and data curves may train (each trainer's `curve_variants`),
+    by name, the trainers in their `order`; a name two trainers give is refused."""
+    found: dict[str, CurveVariant] = {}
+    for t in sorted(trainers().values(), key=lambda t: (t.order, t.name)):
+        for name, overrides in t.curve_variants.items():
+            if name in found:
+                raise ValueError(f"curve variant {name!r} is given by trainers "
+                                 f"{found[name].trainer} and {t.name}: rename one")
+            found[name] = CurveVariant(t.name, tuple(overrides))
+    return found

@@ -451,4 +451,4 @@ TRAINER = TrainerEntry(
     module=dflash_head, streams=lambda head: head.config.target_layers, objective=objective,
     exporter=exporter, drafters=dflash_drafters, report=report,
     report_settings=("dflash.num_draft_tokens", "dflash.tree_nodes", "dflash.sampled_children"),
-    store_layers={"dflash": default_target_layers})
+    store_layers={"dflash": default_target_layers}, curve_variants={"dflash": ()}, order=45)

@@ -556,4 +556,7 @@ TRAINER = TrainerEntry(
     module=eagle_head, streams=lambda head: head.config.target_layers, objective=objective,
     exporter=exporter, drafters=eagle_drafters, report=report,
     report_settings=("eagle.total_tokens", "eagle.depth", "eagle.top_k", "eagle.sampled_children"),
-    store_layers={"eagle3": default_target_layers})
+    store_layers={"eagle3": default_target_layers},
+    curve_variants={"eagle1": ("eagle.version=1",), "eagle2": ("eagle.version=2",),
+                    "eagle3": ("eagle.version=3",),
+                    "peagle": ("eagle.version=3", "eagle.parallel=4")}, order=40)

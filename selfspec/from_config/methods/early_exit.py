@@ -316,4 +316,5 @@ TRAINER = TrainerEntry(
     dry_run=dry_run, module=lambda cfg, target, train: early_exit_heads(cfg, target),
     objective=objective, exporter=exporter, drafters=early_exit_drafters, report=report,
     streams=lambda heads: [head.exit_layer for head in heads], replayable=never,
-    report_settings=("early_exit.num_draft_tokens", "early_exit.confidence_threshold"))
+    report_settings=("early_exit.num_draft_tokens", "early_exit.confidence_threshold"),
+    curve_variants={"early_exit": ()}, order=50)

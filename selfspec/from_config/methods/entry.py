@@ -6,7 +6,7 @@ trainer (`TRAINER`)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -220,6 +220,9 @@ class TrainerEntry:
         draft, not what the module learns: a resumed run may change them.
     store_layers: names `store.layers` may give (the feature store command's) for the residual
         streams its module reads by default, each the layers for a target of that many layers.
+    curve_variants: the variants train/learning_curves.py and train/data_curves.py may train,
+        by name (medusa, eagle3, pard), each the overrides of its config that select it.
+    order: where its curve variants stand among every trainer's.
     """
 
     name: str
@@ -235,3 +238,14 @@ class TrainerEntry:
     replayable: Callable[[DictConfig], bool] = always
     report_settings: tuple[str, ...] = ()
     store_layers: dict[str, Callable[[int], Iterable[int]]] = field(default_factory=dict)
+    curve_variants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    order: int = 100
+
+
+@dataclass(frozen=True)
+class CurveVariant:
+    """One line of the learning and data curves: its trainer (train/<trainer>.py) and the
+    overrides that select it."""
+
+    trainer: str
+    overrides: tuple[str, ...]

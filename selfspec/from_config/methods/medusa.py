@@ -432,4 +432,5 @@ ENTRIES = (MethodEntry(
 TRAINER = TrainerEntry(
     name="medusa", config="train_medusa", check=check_medusa_settings, dry_run=dry_run,
     module=medusa_heads, objective=objective, exporter=exporter, drafters=medusa_drafters,
-    report=report, replayable=lambda cfg: medusa_version(cfg) == 1)
+    report=report, replayable=lambda cfg: medusa_version(cfg) == 1,
+    curve_variants={"medusa": ("medusa.version=1",)}, order=20)

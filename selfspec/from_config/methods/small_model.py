@@ -410,4 +410,5 @@ ENTRIES = (MethodEntry(
 TRAINER = TrainerEntry(
     name="draft", config="train_draft", check=check_draft_model_settings, dry_run=dry_run,
     module=lambda cfg, target, train: draft_from_target(cfg, target), objective=objective,
-    exporter=exporter, drafters=draft_model_drafters, report=report)
+    exporter=exporter, drafters=draft_model_drafters, report=report,
+    curve_variants={"draft": (), "pard": ("draft_model.parallel=4",)}, order=60)

@@ -2,6 +2,7 @@
 head folders, methods run by default once their setting is given, trainers in their methods'
 modules."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,27 @@ def test_a_resume_may_change_each_trainers_report_settings_which_its_config_hold
         for key in trainer.report_settings:
             section, setting = key.split(".")
             assert section == name and setting in cfg[section], key
+
+
+def test_the_curve_variants_are_each_trainers_in_order_and_select_a_setting_of_its_config(cfg_of):
+    """`methods.curve_variants()` gathers each trainer's `curve_variants` in the trainers'
+    `order`; each override sets a setting its trainer's config holds, so a renamed setting
+    does not leave a learning curve training the wrong variant."""
+    variants = methods.curve_variants()
+    assert list(variants) == ["medusa", "eagle1", "eagle2", "eagle3", "peagle", "dflash",
+                              "early_exit", "draft", "pard"]
+    assert variants["peagle"] == methods.CurveVariant("eagle", ("eagle.version=3",
+                                                                 "eagle.parallel=4"))
+    for name, variant in filter(lambda item: item[1].overrides, variants.items()):
+        cfg = cfg_of(trainers()[variant.trainer].config, *variant.overrides)
+        for override in variant.overrides:
+            key, value = override.split("=")
+            assert OmegaConf.select(cfg, key, default=None) is not None, (name, key)
+            assert str(OmegaConf.select(cfg, key)) == value, (name, key)
+
+
+def test_a_curve_variant_two_trainers_give_is_refused(monkeypatch):
+    twin = dataclasses.replace(trainers()["dflash"], curve_variants={"medusa": ()})
+    monkeypatch.setattr(methods, "trainers", lambda: {**trainers(), "dflash": twin})
+    with pytest.raises(ValueError, match="'medusa' is given by trainers medusa and dflash"):
+        methods.curve_variants()
