@@ -290,11 +290,9 @@ def load_tokenizer(folder: str | Path):
         raise ValueError(f"cannot load the tokenizer in {folder} ({exc})") from None
 
 
-def draft_model_config(
-    cfg: DictConfig,
-    otherwise: str = "choose another method (e.g. drafter=ngram; in a sweep, leave "
-                     "small_model and hf_assisted out of methods)",
-) -> DictConfig:
+def draft_model_config(cfg: DictConfig, otherwise: str) -> DictConfig:
+    """model.draft's settings, or an error that says how to give one or, `otherwise`, what
+    else to do (the caller knows which methods run it)."""
     draft_cfg = cfg.model.get("draft")
     if draft_cfg is None or not any(draft_cfg.get(f) for f in ("path", "asset", "hf_id")):
         raise ValueError(

@@ -12,13 +12,17 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
+from omegaconf import DictConfig
+
 from selfspec.from_config.methods.entry import CurveVariant, Loaded, MethodEntry, TrainerEntry
+from selfspec.from_config.models import draft_model_config
 from selfspec.from_config.training import RESUMABLE_CHANGES
 from selfspec.measure.method_costs import CostRow
 
 __all__ = ["CurveVariant", "Loaded", "MethodEntry", "TrainerEntry", "cost_rows",
-           "curve_variants", "entry", "method_names", "registry", "resumable_changes",
-           "store_layer_names", "trainer", "trainers"]
+           "curve_variants", "draft_model_methods", "draft_model_settings", "entry",
+           "method_names", "registry", "resumable_changes", "store_layer_names", "trainer",
+           "trainers"]
 
 
 @functools.cache
@@ -50,6 +54,20 @@ def entry(name: str) -> MethodEntry:
     if name not in methods:
         raise ValueError(f"unknown method {name!r}: choose from {', '.join(methods)}")
     return methods[name]
+
+
+def draft_model_methods() -> tuple[str, ...]:
+    """The methods that run model.draft (each entry's `runs_draft_model`), in their order."""
+    return tuple(name for name, e in registry().items() if e.runs_draft_model)
+
+
+def draft_model_settings(cfg: DictConfig) -> DictConfig:
+    """model.draft's settings, or an error naming the methods that run it, for a sweep to
+    leave out. Read at call time: the modules of those methods call it, after the registry
+    found them."""
+    return draft_model_config(cfg, otherwise=f"choose another method (e.g. drafter=ngram; in "
+                              f"a sweep, leave {' and '.join(draft_model_methods())} out of "
+                              f"methods)")
 
 
 @functools.cache

@@ -13,9 +13,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from selfspec.from_config.common import device
+from selfspec.from_config.methods import draft_model_settings
 from selfspec.from_config.methods.entry import Loaded, MethodEntry
 from selfspec.from_config.models import (
-    draft_model_config,
     load_hf_model,
     resolve_model_path,
     target_quantization,
@@ -44,7 +44,7 @@ def hf_target(loaded: Loaded) -> Any:
 
 
 def hf_draft(loaded: Loaded) -> Any:
-    folder = resolve_model_path(draft_model_config(loaded.cfg), "model.draft")
+    folder = resolve_model_path(draft_model_settings(loaded.cfg), "model.draft")
     return _hf_model(loaded, "hf_draft", folder)
 
 
@@ -62,7 +62,7 @@ def _peer(name: str, peer: str | None, summary: str, kind: str, order: int) -> M
                              f"the model.quantize={cfg.model.quantize} one: leave it out of "
                              f"methods, or set model.quantize=null")
         if assisted:
-            resolve_model_path(draft_model_config(cfg), "model.draft")
+            resolve_model_path(draft_model_settings(cfg), "model.draft")
 
     def load(loaded: Loaded, chosen: tuple[Variant, ...]) -> None:
         hf_target(loaded)

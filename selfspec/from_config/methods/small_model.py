@@ -31,6 +31,7 @@ from selfspec.drafters import SmallModelDrafter
 from selfspec.drafters.confidence import check_confidence_threshold
 from selfspec.from_config import training
 from selfspec.from_config.common import as_list, device, positive_int
+from selfspec.from_config.methods import draft_model_settings
 from selfspec.from_config.methods.entry import (
     Loaded,
     MethodEntry,
@@ -40,7 +41,6 @@ from selfspec.from_config.methods.entry import (
 )
 from selfspec.from_config.models import (
     compile_steps,
-    draft_model_config,
     load_model,
     model_config,
     model_plan,
@@ -182,7 +182,7 @@ def variants(cfg: DictConfig, with_comparisons: bool = True) -> tuple[SmallModel
 
 
 def check(cfg: DictConfig, lengths: tuple[int, ...]) -> None:
-    resolve_model_path(draft_model_config(cfg), "model.draft")
+    resolve_model_path(draft_model_settings(cfg), "model.draft")
 
 
 OLD_KEYS = ("confidence_threshold", "draft_vocab", "first_candidates")  # before small_model.*
@@ -206,7 +206,7 @@ def draft_model(loaded: Loaded) -> Transformer:
     """model.draft, loaded once (hf_assisted reads the same folder)."""
     cfg = loaded.cfg
     return loaded.once("draft_model", lambda: load_model(
-        draft_model_config(cfg), "model.draft", cfg.model.dtype, device(cfg),
+        draft_model_settings(cfg), "model.draft", cfg.model.dtype, device(cfg),
         compile_steps(cfg)))
 
 

@@ -91,3 +91,15 @@ def test_a_curve_variant_two_trainers_give_is_refused(monkeypatch):
     monkeypatch.setattr(methods, "trainers", lambda: {**trainers(), "dflash": twin})
     with pytest.raises(ValueError, match="'medusa' is given by trainers medusa and dflash"):
         methods.curve_variants()
+
+
+def test_no_draft_model_names_the_methods_that_run_one(monkeypatch):
+    """The methods to leave out are those whose entry says `runs_draft_model`, read from the
+    registry: a method that starts running one is named without another edit."""
+    cfg = OmegaConf.create({"model": {"name": "m", "draft": None}})
+    with pytest.raises(ValueError, match="leave small_model and hf_assisted out of methods"):
+        methods.draft_model_settings(cfg)
+    ngram = dataclasses.replace(registry()["ngram"], runs_draft_model=True)
+    monkeypatch.setattr(methods, "registry", lambda: {**registry(), "ngram": ngram})
+    with pytest.raises(ValueError, match="leave small_model and ngram and hf_assisted out"):
+        methods.draft_model_settings(cfg)
