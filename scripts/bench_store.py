@@ -26,15 +26,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from selfspec.from_config.methods.eagle import eagle_config, eagle_head, eagle_objective
-from selfspec.from_config.methods.early_exit import (
-    EarlyExitObjective,
-    early_exit_heads,
-    early_exit_layers,
-)
-from selfspec.from_config.methods.medusa import medusa_heads, medusa_objective
+from selfspec.from_config.methods import CurveVariant, curve_variants, trainer
+from selfspec.from_config.methods.entry import TrainingRun
 from selfspec.from_config.models import load_target
-from selfspec.heads.early_exit import ExitHead
 from selfspec.model import Transformer
 from selfspec.training import data
 from selfspec.training.features import (
@@ -48,10 +42,9 @@ from selfspec.training.features import (
 from selfspec.training.rows import TokenRows
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-METHODS = {"medusa": ("train_medusa", ["medusa.version=1"]),
-           "eagle2": ("train_eagle", ["eagle.version=2"]),
-           "eagle3": ("train_eagle", ["eagle.version=3"]),
-           "early_exit": ("train_early_exit", [])}
+VARIANTS: dict[str, CurveVariant] = curve_variants()  # each method's trainer and overrides
+MEASURED = [name for name, v in VARIANTS.items()  # --methods' default: each trainer's
+            if name in trainer(v.trainer).store_bench]  # `store_bench`
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -61,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     configs = {name: config(name, args, overrides.get(name, [])) for name in args.methods}
     target = load_target(next(iter(configs.values())))
     rows = random_rows(target, args.rows, args.seq_len)
-    layers = needed_layers(configs, target)
+    layers = needed_layers(configs, target, rows)
     with tempfile.TemporaryDirectory() as folder:
         report = {"model": args.model, "threads": args.threads, "rows": args.rows,
                   "seq_len": args.seq_len, "dtype": args.dtype, "layers": list(layers),
@@ -82,7 +75,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="a conf/model name")
     parser.add_argument("--model-path", help="model=local's folder")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=MEASURED, choices=list(VARIANTS))
     parser.add_argument("--override", action="append", default=[],
                         help="METHOD:KEY=VALUE, a config override of one method's trainer")
     parser.add_argument("--rows", type=int, default=16, help="rows generated and stored")
@@ -102,19 +95,20 @@ def method_overrides(items: list[str]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for item in items:
         method, _, override = item.partition(":")
-        if method not in METHODS or "=" not in override:
+        if method not in VARIANTS or "=" not in override:
             raise SystemExit(f"error: --override {item!r}: give METHOD:KEY=VALUE with METHOD "
-                             f"one of {', '.join(METHODS)}")
+                             f"one of {', '.join(VARIANTS)}")
         found.setdefault(method, []).append(override)
     return found
 
 
 def config(method: str, args: argparse.Namespace, extra: list[str]):
-    name, settings = METHODS[method]
+    variant = VARIANTS[method]
     model = [f"model={args.model}"] + ([f"model.path={args.model_path}"] if args.model_path
                                        else [])
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(name, overrides=[*model, *settings, *extra, "run_dir=/tmp/unused"])
+        return compose(trainer(variant.trainer).config,
+                       overrides=[*model, *variant.overrides, *extra, "run_dir=/tmp/unused"])
 
 
 def random_rows(target: Transformer, count: int, length: int) -> TokenRows:
@@ -123,13 +117,12 @@ def random_rows(target: Transformer, count: int, length: int) -> TokenRows:
     return TokenRows(tokens, torch.ones_like(tokens))
 
 
-def needed_layers(configs: dict, target: Transformer) -> tuple[int, ...]:
+def needed_layers(configs: dict, target: Transformer, rows: TokenRows) -> tuple[int, ...]:
+    """The residual streams the methods' modules read (each trainer's `streams`), sorted."""
     layers: set[int] = set()
     for name, cfg in configs.items():
-        if name == "eagle3":
-            layers |= set(eagle_config(cfg, target.config).target_layers)
-        if name == "early_exit":
-            layers |= set(early_exit_layers(cfg, target.config.num_layers))
+        entry = trainer(VARIANTS[name].trainer)
+        layers |= set(entry.streams(entry.module(cfg, target, rows)))
     return tuple(sorted(layers))
 
 
@@ -180,20 +173,16 @@ def store_build(target, rows: TokenRows, args, layers, folder: Path) -> dict:
 
 
 def objective(method: str, cfg, target: Transformer, rows: TokenRows, features):
-    """The method's training objective, composed as its trainer composes it."""
-    if method == "medusa":
-        heads = medusa_heads(cfg, target, rows)
-        return medusa_objective(cfg, target, heads, features)
-    if method.startswith("eagle"):
-        head = eagle_head(cfg, target, rows)
-        return eagle_objective(cfg, target, head, features)
-    heads: list[ExitHead] = early_exit_heads(cfg, target)
-    return EarlyExitObjective(target, heads, features=features)
+    """The method's training objective over a fresh module, composed as its trainer composes
+    it (`TrainerEntry.module` and `objective`)."""
+    entry = trainer(VARIANTS[method].trainer)
+    run = TrainingRun(cfg, target, None, rows, entry.module(cfg, target, rows))
+    return entry.objective(run, features)
 
 
 def training(name: str, cfg, target: Transformer, rows: TokenRows, args, store: Path) -> dict:
     """Training steps (forward, backward, AdamW) of one method, online and from the store."""
-    layers = needed_layers({name: cfg}, target)
+    layers = needed_layers({name: cfg}, target, rows)
     arms = {}
     for arm, features in (("online", None),
                           ("from_store", StoredFeatures(FeatureStore(store), layers))):

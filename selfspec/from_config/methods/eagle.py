@@ -559,4 +559,5 @@ TRAINER = TrainerEntry(
     store_layers={"eagle3": default_target_layers},
     curve_variants={"eagle1": ("eagle.version=1",), "eagle2": ("eagle.version=2",),
                     "eagle3": ("eagle.version=3",),
-                    "peagle": ("eagle.version=3", "eagle.parallel=4")}, order=40)
+                    "peagle": ("eagle.version=3", "eagle.parallel=4")},
+    store_bench=("eagle2", "eagle3"), order=40)

@@ -317,4 +317,4 @@ TRAINER = TrainerEntry(
     objective=objective, exporter=exporter, drafters=early_exit_drafters, report=report,
     streams=lambda heads: [head.exit_layer for head in heads], replayable=never,
     report_settings=("early_exit.num_draft_tokens", "early_exit.confidence_threshold"),
-    curve_variants={"early_exit": ()}, order=50)
+    curve_variants={"early_exit": ()}, store_bench=("early_exit",), order=50)

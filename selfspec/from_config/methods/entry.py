@@ -222,6 +222,7 @@ class TrainerEntry:
         streams its module reads by default, each the layers for a target of that many layers.
     curve_variants: the variants train/learning_curves.py and train/data_curves.py may train,
         by name (medusa, eagle3, pard), each the overrides of its config that select it.
+    store_bench: its curve variants scripts/bench_store.py measures when not told which.
     order: where its curve variants stand among every trainer's.
     """
 
@@ -239,7 +240,14 @@ class TrainerEntry:
     report_settings: tuple[str, ...] = ()
     store_layers: dict[str, Callable[[int], Iterable[int]]] = field(default_factory=dict)
     curve_variants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    store_bench: tuple[str, ...] = ()
     order: int = 100
+
+    def __post_init__(self) -> None:
+        unknown = set(self.store_bench) - set(self.curve_variants)
+        if unknown:
+            raise ValueError(f"trainer {self.name!r}: store_bench names {sorted(unknown)}, "
+                             f"not among its curve_variants {list(self.curve_variants)}")
 
 
 @dataclass(frozen=True)

@@ -433,4 +433,5 @@ TRAINER = TrainerEntry(
     name="medusa", config="train_medusa", check=check_medusa_settings, dry_run=dry_run,
     module=medusa_heads, objective=objective, exporter=exporter, drafters=medusa_drafters,
     report=report, replayable=lambda cfg: medusa_version(cfg) == 1,
-    curve_variants={"medusa": ("medusa.version=1",)}, order=20)
+    curve_variants={"medusa": ("medusa.version=1",)},
+    store_bench=("medusa",), order=20)

@@ -93,6 +93,14 @@ def test_a_curve_variant_two_trainers_give_is_refused(monkeypatch):
         methods.curve_variants()
 
 
+def test_a_trainer_may_measure_by_default_only_its_own_curve_variants():
+    """`store_bench` (scripts/bench_store.py's default) names curve variants of its trainer."""
+    eagle = trainers()["eagle"]
+    assert set(eagle.store_bench) <= set(eagle.curve_variants)
+    with pytest.raises(ValueError, match=r"store_bench names \['medusa'\]"):
+        dataclasses.replace(eagle, store_bench=("eagle3", "medusa"))
+
+
 def test_no_draft_model_names_the_methods_that_run_one(monkeypatch):
     """The methods to leave out are those whose entry says `runs_draft_model`, read from the
     registry: a method that starts running one is named without another edit."""
