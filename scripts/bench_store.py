@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from selfspec.cli import exit_on_user_error
+from selfspec.errors import SelfspecError
 from selfspec.from_config.methods import CurveVariant, curve_variants, trainer
 from selfspec.from_config.methods.entry import TrainingRun
 from selfspec.from_config.models import load_target
@@ -96,8 +98,8 @@ def method_overrides(items: list[str]) -> dict[str, list[str]]:
     for item in items:
         method, _, override = item.partition(":")
         if method not in VARIANTS or "=" not in override:
-            raise SystemExit(f"error: --override {item!r}: give METHOD:KEY=VALUE with METHOD "
-                             f"one of {', '.join(VARIANTS)}")
+            raise SelfspecError(f"--override {item!r}: give METHOD:KEY=VALUE with METHOD one "
+                                f"of {', '.join(VARIANTS)}")
         found.setdefault(method, []).append(override)
     return found
 
@@ -209,4 +211,4 @@ def steps(trained, optimizer, rows: TokenRows, args) -> Callable[[], int]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import torch
-from helpers import suite_threads
+from helpers import run_script, suite_threads
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_store.py"
 
@@ -30,3 +30,12 @@ def test_the_store_benchmark_reports_every_arm_as_json(tmp_path):
     for method in ("medusa", "eagle3"):
         rates = report["training"][method]["tokens_per_s"]
         assert rates["online"] > 0 and rates["from_store"] > 0
+
+
+
+def test_a_bad_override_is_one_line_and_exit_2(monkeypatch, capsys):
+    code, _, err = run_script("scripts/bench_store.py", ["--override", "nomethod:a=1"],
+                              monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    assert err.startswith("error: --override 'nomethod:a=1': give METHOD:KEY=VALUE")
+    assert err.count("\n") == 1
