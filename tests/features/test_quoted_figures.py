@@ -1261,6 +1261,32 @@ PEERS_TRAINERS = Quoted(
     },
 )
 
+OBJECTIVES = "tiny_objectives/objectives.json"
+
+
+def _objective(sweep: str, objective: str) -> list[Source]:
+    found = [r for r in _json(OBJECTIVES)["sweeps"][sweep] if r["objective"] == objective]
+    assert len(found) == 1, f"{OBJECTIVES}: {len(found)} runs of {objective} in {sweep}"
+    return [_with_file(found[0], OBJECTIVES)]
+
+
+TINY_OBJECTIVES = Quoted(
+    doc="docs/training.md",
+    header="| head | objective | held-out tau",
+    key_columns=2,
+    columns={
+        "held-out tau (± s.e.)": Column(("tau", "tau_se")),
+        # printed with its minus sign: every difference there is a shortfall
+        "vs kl (± s.e.)": Column((lambda s: -s["vs_kl"], "vs_kl_se")),
+    },
+    rows={
+        f"{head} | {objective}": (lambda sweep=sweep, o=objective: _objective(sweep, o))
+        for head, sweep in (("EAGLE-3", "outputs/objectives/eagle3"),
+                            ("DFlash", "outputs/objectives/dflash"))
+        for objective in ("kl", "tv", "reverse_kl", "jsd", "lk")
+    },
+)
+
 ANCHOR = "vllm_anchor/anchor.json"
 
 
@@ -1330,6 +1356,7 @@ QUOTED = (
     SERVING_VLLM,
     SERVING_ANCHOR,
     PEERS_TRAINERS,
+    TINY_OBJECTIVES,
 )
 
 
@@ -1400,7 +1427,36 @@ def _dflash_costs() -> list[float]:
     return [profile["one_token_ms"], *(profile["c"][str(n)] for n in (2, 3, 4, 5))]
 
 
+def _trainer_ratios() -> list[float]:
+    speed = {k: h["training_tokens_per_s"] for k, h in _json(TRAINERS)["heads"].items()}
+    return [speed["eagle3/selfspec"] / speed["eagle3/speculators"],
+            speed["dflash/selfspec"] / speed["dflash/speculators"],
+            speed["dflash/selfspec"] / speed["dflash/specforge"]]
+
+
+def _kl_taus() -> list[float]:
+    return [_objective(sweep, "kl")[0]["tau"]
+            for sweep in ("outputs/objectives/eagle3", "outputs/objectives/dflash")]
+
+
 PROSE = (
+    Prose(
+        "README.md",
+        "training tokens/s level on EAGLE-3 ({0.997x} speculators') and ahead on DFlash ({1.54x}\n"
+        "speculators', {1.52x} SpecForge's)",
+        _trainer_ratios,
+    ),
+    Prose(
+        "docs/peers.md",
+        "DFlash {1.54x} speculators' tokens/s and {1.52x} SpecForge's, EAGLE-3 level\n"
+        "  (418 against 419, {0.997x}",
+        lambda: [*_trainer_ratios()[1:], _trainer_ratios()[0]],
+    ),
+    Prose(
+        "README.md",
+        "held-out tau for EAGLE-3 ({2.653}) and DFlash ({1.366}) heads",
+        _kl_taus,
+    ),
     Prose(
         "docs/smollm2.md",
         "forwards of {32} ms, c(N) {1.07} / {1.47} / {1.52} / {1.53} for N = 2 to 5",
