@@ -203,7 +203,8 @@ def vocab_scores(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """[..., V] fp32: lm_head over hidden [..., h] as one 2-D product. A strided input that
     needs grad (a block's slots cut from its root) would otherwise be multiplied batch by
     batch against the weight broadcast to each: five times slower on a CPU, backward too."""
-    return lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1).float()
+    scores = lm_head(hidden.reshape(-1, hidden.shape[-1]))  # [n, V]: n may be 0
+    return scores.view(*hidden.shape[:-1], scores.shape[-1]).float()
 
 
 @torch.no_grad()
