@@ -92,10 +92,8 @@ def eagle3_loss(
     """
     if not decay > 0:
         raise ValueError(f"eagle3_loss: decay must be > 0 (step j weighs decay**j), got {decay}")
-    teacher = DraftTeacher.given(target_logits, t2d)
-    batch, length = teacher.in_vocab.shape
-    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
-    mask = mask if loss_mask is None else loss_mask.bool()
+    teacher, mask = _teacher_and_mask(target_logits, t2d, loss_mask)
+    length = mask.shape[1]
     total, metrics = teacher.log_probs.new_zeros((), dtype=torch.float32), {}
     for j, outputs in enumerate(step_outputs):
         n = max(length - 2 - j, 0)  # rows whose token t+2+j exists
@@ -156,6 +154,15 @@ class DraftTeacher:
                             self.top[:, index])
 
 
+def _teacher_and_mask(target_logits: torch.Tensor | DraftTeacher, t2d: torch.Tensor,
+                      loss_mask: torch.Tensor | None) -> tuple[DraftTeacher, torch.Tensor]:
+    """The target's laws over the draft vocabulary and the rows' mask [B, T] of tokens that
+    are prediction targets (every token when loss_mask is None)."""
+    teacher = DraftTeacher.given(target_logits, t2d)
+    mask = torch.ones_like(teacher.in_vocab) if loss_mask is None else loss_mask.bool()
+    return teacher, mask
+
+
 def parallel_eagle3_loss(
     logits: torch.Tensor,
     copies: torch.Tensor,
@@ -182,10 +189,8 @@ def parallel_eagle3_loss(
     if not decay > 0:
         raise ValueError(f"parallel_eagle3_loss: decay must be > 0 (copy j weighs decay**j), "
                          f"got {decay}")
-    teacher = DraftTeacher.given(target_logits, t2d)
-    batch, length = teacher.in_vocab.shape
-    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
-    mask = mask if loss_mask is None else loss_mask.bool()
+    teacher, mask = _teacher_and_mask(target_logits, t2d, loss_mask)
+    length = mask.shape[1]
     total, metrics = teacher.log_probs.new_zeros((), dtype=torch.float32), {}
     counted = 0
     for j in range(count):
@@ -222,10 +227,8 @@ def parallel_confidence_loss(
     row counts where its token exists and counts and the target's argmax lies in the draft
     vocabulary; it is accepted where its top token is that argmax). A copy that was not kept
     counts nothing, nor do the copies after it."""
-    teacher = DraftTeacher.given(target_logits, t2d)
-    batch, length = teacher.in_vocab.shape
-    mask = torch.ones(batch, length, dtype=torch.bool, device=teacher.top.device)
-    mask = mask if loss_mask is None else loss_mask.bool()
+    teacher, mask = _teacher_and_mask(target_logits, t2d, loss_mask)
+    batch, length = mask.shape
     exists = positions + 2 < length  # [N]
     law = teacher.at((positions + 1).clamp(max=length - 1))  # the laws of tokens p + 2
     counted = mask[:, (positions + 2).clamp(max=length - 1)] & law.in_vocab & exists  # [B, N]
