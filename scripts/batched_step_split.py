@@ -69,8 +69,7 @@ def product_forms(model: Transformer, rows_list: tuple[int, ...]) -> list[dict]:
     found = []
     for shape in shapes:
         weight = torch.randn(*shape)
-        copies = max(1, min(cpu_linear.STREAMED_COPIES,
-                            cpu_linear.STREAMED_BYTES // (weight.numel() * 4)))
+        copies = cpu_linear.streamed_copies(weight)
         for rows in rows_list:
             seconds = cpu_linear._streamed_seconds(weight, rows)
             found.append({"shape": list(shape), "rows": rows,

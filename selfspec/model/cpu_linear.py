@@ -324,13 +324,19 @@ def few_row_form(weight: torch.Tensor, rows: int = 1) -> str:
     return _CHOSEN[key]
 
 
+def streamed_copies(weight: torch.Tensor) -> int:
+    """How many copies of the weight `few_row_form` times a form over: as many as fill
+    STREAMED_BYTES, at least one, at most STREAMED_COPIES."""
+    size = weight.numel() * weight.element_size()
+    return max(1, min(STREAMED_COPIES, STREAMED_BYTES // size))
+
+
 def _streamed_seconds(weight: torch.Tensor, rows: int) -> dict[str, float]:
     """Each form's seconds for `rows` rows times every one of as many random copies of the
     weight as fill STREAMED_BYTES (at least one, at most STREAMED_COPIES)."""
     generator = torch.Generator().manual_seed(0)
-    size = weight.numel() * weight.element_size()
     copies = [torch.randn(weight.shape, generator=generator).to(weight)
-              for _ in range(max(1, min(STREAMED_COPIES, STREAMED_BYTES // size)))]
+              for _ in range(streamed_copies(weight))]
     x = torch.randn(rows, weight.shape[1], generator=generator).to(weight)
     forms = [form for form in FEW_ROW_FORMS
              if form != "packed" or torch.backends.mkldnn.is_available()]
