@@ -176,7 +176,8 @@ def fit(
     """
     set_seed(settings.seed)
     settings = settings.for_rows(len(train), accelerator.num_processes)
-    optimizer, scheduler = _optimizer_and_schedule(objective, settings)
+    optimizer, scheduler = _optimizer_and_schedule(objective, settings,
+                                                   fused=not is_deepspeed(accelerator))
     model, optimizer = accelerator.prepare(objective, optimizer)
     clock = TrainingClock()
     accelerator.register_for_checkpointing(scheduler, clock)
@@ -445,16 +446,26 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings):
+def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings,
+                            fused: bool = False):
     """AdamW over the trainable parameters: the objective's own `param_groups(lr)` when it
-    has them (e.g. a lower rate for adapters on the target), else all at settings.lr."""
+    has them (e.g. a lower rate for adapters on the target), else all at settings.lr.
+
+    fused: torch's one-kernel AdamW where every parameter allows it (CPU or CUDA floats). On
+    two CPU cores it stepped a 9M-parameter EAGLE-3 head in 5.5 ms against 31 ms. `fit` asks
+    for it except under DeepSpeed, whose ZeRO steps the client optimizer over its own
+    flattened partitions."""
     if not any(p.requires_grad for p in objective.parameters()):
         raise ValueError("the objective has no trainable parameters")
     if hasattr(objective, "param_groups"):
         groups = objective.param_groups(settings.lr)
     else:
         groups = [{"params": [p for p in objective.parameters() if p.requires_grad]}]
-    optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+    params = [p for group in groups for p in group["params"]]
+    fused = fused and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                          for p in params)
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay,
+                                  fused=fused or None)
     with quiet_imports():  # slow, and with torchao installed noisy: only when training
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 

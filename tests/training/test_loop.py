@@ -437,3 +437,23 @@ def test_epochs_set_the_steps_and_evaluate_at_the_end_of_each_pass(tmp_path):
         "step_0000008", "step_0000016", "step_0000020"]
     with pytest.raises(ValueError, match=r"trainer.epochs must be > 0 \(or null\), got 0"):
         TrainSettings(run_dir=str(tmp_path), max_steps=2, epochs=0)
+
+
+def test_fit_steps_with_the_fused_adamw_that_moves_weights_as_the_plain_one(tmp_path):
+    """The one-kernel AdamW `fit` takes (not under DeepSpeed) makes the plain AdamW's update:
+    one step from the same gradients gives the same weights to float rounding."""
+    settings = distributed_fit.settings("unused", micro_batch=4)
+    twins = [objective(), objective()]
+    optimizers = [_optimizer_and_schedule(twin, settings, fused=fused)[0]
+                  for twin, fused in zip(twins, (False, True), strict=True)]
+    assert [o.defaults["fused"] for o in optimizers] == [None, True]
+    batch = rows(4)
+    for twin, optimizer in zip(twins, optimizers, strict=True):
+        twin(batch.tokens, batch.loss_mask).loss.backward()
+        optimizer.step()
+    moved = [dict(twin.named_parameters()) for twin in twins]
+    start = dict(objective().named_parameters())
+    for name, param in moved[1].items():
+        if param.requires_grad:
+            assert not torch.equal(param, start[name]), name
+            torch.testing.assert_close(param, moved[0][name], rtol=1e-6, atol=1e-7)
