@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from selfspec.from_config.methods.medusa import MedusaObjective
+from selfspec.errors import SelfspecError
 from selfspec.heads.base import LossOutput
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
@@ -153,6 +154,16 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3, 4, 5, 6]
     losses = [r["loss"] for r in read_metrics(tmp_path / "whole")]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "split")]
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_another_runs_checkpoints(tmp_path):
+    run(tmp_path, max_steps=2)
+    with pytest.raises(SelfspecError, match="holds an earlier run's checkpoints: resume it "
+                                            "with trainer.resume=true, or train into an empty"):
+        run(tmp_path, max_steps=4)
+    AcceleratorState._reset_state(True)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # its record kept, unmixed
+    assert run(tmp_path, max_steps=4, resume=True)[0].step == 4
 
 
 def test_checkpoints_hold_the_head_not_the_frozen_target(tmp_path):
