@@ -19,6 +19,7 @@ from helpers import (
     random_exit,
     random_medusa_heads,
     tiny_llama,
+    tiny_model,
 )
 
 import selfspec.decode
@@ -301,3 +302,57 @@ def test_a_draft_model_drafts_every_row_in_one_forward_per_token(hf_target, targ
     assert [r.tokens for r in results] == [alone[tuple(p)] for p in PROMPTS]
     assert len(calls) == 3 * results[0].stats.loop_steps < 3 * sum(r.stats.steps
                                                                    for r in results)
+
+
+def test_a_batch_fills_its_prompts_in_one_forward_with_the_states_each_gets_alone(target):
+    """The batch's prefill: one forward over every row's context (the prompt but its last
+    token) padded to the longest; each row's features and cached K/V as its own prefill's."""
+    shapes = []
+    hook = target.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    try:
+        generate(target, PROMPTS, max_new_tokens=1)
+    finally:
+        hook.remove()
+    assert shapes[0] == (len(PROMPTS), max(map(len, PROMPTS)) - 1)  # then the first step
+    contexts = [torch.tensor(p[:-1]) for p in PROMPTS]
+    layers = (1, 3)
+    batch = target.new_cache(batch_size=len(PROMPTS), max_slots=32)
+    together = selfspec.decode._prefill_together(target, contexts, batch, layers)
+    assert together[2] is None  # the one-token prompt has no context
+    for b, (context, found) in enumerate(zip(contexts, together, strict=True)):
+        if not len(context):
+            continue
+        alone = target.new_cache(batch_size=1, max_slots=32)
+        own = selfspec.decode._prefill(target, context, alone, layers)
+        n = len(context)
+        assert alone.length == n and torch.equal(found.tokens, context)
+        torch.testing.assert_close(found.last_hidden, own.last_hidden, rtol=0, atol=1e-5)
+        for got, want in zip(found.hidden, own.hidden, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(batch.k[:, b, :, :n], alone.k[:, 0, :, :n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(batch.v[:, b, :, :n], alone.v[:, 0, :, :n], rtol=0, atol=1e-5)
+
+
+def test_a_prefill_leaves_the_lm_head_out_and_keeps_the_normed_states(target):
+    """A prefill's logits are never read: its forward skips the LM head, and its last
+    hidden states are the final norm's output that the LM head would read."""
+    context = torch.tensor(PROMPTS[0][:-1])
+    calls = []
+    hook = target.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        features = selfspec.decode._prefill(target, context,
+                                            target.new_cache(batch_size=1, max_slots=32), ())
+    finally:
+        hook.remove()
+    assert not calls
+    full = target(context[None], torch.arange(len(context)))
+    assert torch.equal(features.last_hidden, full.last_hidden[0])
+
+
+def test_a_batch_of_a_windowed_target_fills_its_prompts_one_row_at_a_time():
+    """Padding would pass a sliding window's mask and a recurrent layer's state: such
+    targets keep a forward a row."""
+    windowed = Transformer.from_hf(tiny_model("gemma3", 0))
+    assert not selfspec.decode._prefills_together(windowed, windowed.new_cache(2, 16))
+    plain = Transformer.from_hf(tiny_llama(0))
+    assert selfspec.decode._prefills_together(plain, plain.new_cache(2, 16))
