@@ -10,7 +10,7 @@ Runs each trainer in turn (`train/<trainer>.py`, its run in <run_dir>/<method>),
 curves.json and learning_curves.png into the run folder and prints a table. Run again in the
 same folder (hydra.run.dir=<run_dir>) after an interruption or a failed method, it keeps the
 methods whose runs finished with today's settings (another setting is refused, naming it) and
-trains the rest.
+trains the rest, a run that was cut short resumed from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main(cfg: DictConfig) -> None:
             check_kept(variant.trainer, command, run_dir)
             print(f"== {name}: kept, its run in {run_dir} finished", flush=True)
         else:
-            train_one(name, variant.trainer, command, run_dir)
+            # resumed: an interrupted run goes on from its last checkpoint (none: from step 0)
+            train_one(name, variant.trainer, [*command, "trainer.resume=true"], run_dir)
         results[name] = {"curve": tau_curve(run_dir), **final_report(run_dir)}
     (folder / "curves.json").write_text(json.dumps(results, indent=1))
     labels = {f"{name} ({r['speedup']:.2f}x)": r["curve"] for name, r in results.items()}

@@ -35,6 +35,7 @@ def record_run_config(
     refuse a config that differs from it outside `may_change` (dotted keys or prefixes of
     settings that do not shape the weights or the optimizer), naming each key and both values.
     """
+    check_fresh_start(run_dir, resume)
     path, text = Path(run_dir) / RUN_CONFIG, _config_text(config)
     if resume and path.is_file():
         changes = config_changes(run_dir, config, may_change)
@@ -46,6 +47,18 @@ def record_run_config(
     if int(os.environ.get("RANK", "0")) == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         write_atomically(path, text)
+
+
+def check_fresh_start(run_dir: str | Path, resume: bool) -> None:
+    """A run that does not resume may not start in a folder that holds another run's
+    checkpoints: their steps would mix with its own, and a resume after an interruption would
+    load the other run's newest step (checked before the folder's config is kept, which the
+    other run's resume still needs)."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    if not resume and latest_checkpoint(checkpoints) is not None:
+        raise SelfspecError(
+            f"{checkpoints} holds an earlier run's checkpoints: resume it with "
+            f"trainer.resume=true, or train into an empty folder (hydra.run.dir=...)")
 
 
 def config_changes(run_dir: str | Path, config: dict, may_change: tuple[str, ...] = ()) -> str:

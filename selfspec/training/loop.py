@@ -34,6 +34,7 @@ from selfspec.quiet import quiet_imports
 from selfspec.tracking import Tracker
 from selfspec.training.best import KEEP, BestStep
 from selfspec.training.checkpoints import (
+    check_fresh_start,
     drop_frozen_weights_from_checkpoints,
     is_deepspeed,
     latest_checkpoint,
@@ -176,7 +177,7 @@ def fit(
     """
     set_seed(settings.seed)
     settings = settings.for_rows(len(train), accelerator.num_processes)
-    _check_fresh_start(settings)
+    check_fresh_start(settings.run_dir, settings.resume)
     optimizer, scheduler = _optimizer_and_schedule(objective, settings,
                                                    fused=not is_deepspeed(accelerator))
     model, optimizer = accelerator.prepare(objective, optimizer)
@@ -445,17 +446,6 @@ def _evaluate(model, evaluation: TokenRows, settings, accelerator) -> dict[str, 
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
-
-
-def _check_fresh_start(settings: TrainSettings) -> None:
-    """A run that does not resume may not start in a folder that holds another run's
-    checkpoints: their steps would mix with its own, and a resume after an interruption would
-    load the other run's newest step."""
-    checkpoints = Path(settings.run_dir) / "checkpoints"
-    if not settings.resume and latest_checkpoint(checkpoints) is not None:
-        raise SelfspecError(
-            f"{checkpoints} holds an earlier run's checkpoints: resume it with "
-            f"trainer.resume=true, or train into an empty folder (hydra.run.dir=...)")
 
 
 def _optimizer_and_schedule(objective: torch.nn.Module, settings: TrainSettings,

@@ -22,13 +22,13 @@ from helpers import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from selfspec.from_config.methods.medusa import MedusaObjective
 from selfspec.errors import SelfspecError
+from selfspec.from_config.methods.medusa import MedusaObjective
 from selfspec.heads.base import LossOutput
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.model import Transformer
 from selfspec.tracking import Tracker, read_metrics
-from selfspec.training.checkpoints import checkpoint_problem
+from selfspec.training.checkpoints import RUN_CONFIG, checkpoint_problem, record_run_config
 from selfspec.training.loop import (
     NonFiniteLoss,
     TokenRows,
@@ -163,6 +163,9 @@ def test_a_fresh_run_refuses_a_folder_that_holds_another_runs_checkpoints(tmp_pa
         run(tmp_path, max_steps=4)
     AcceleratorState._reset_state(True)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # its record kept, unmixed
+    with pytest.raises(SelfspecError, match="holds an earlier run's checkpoints"):
+        record_run_config(tmp_path, {"trainer": {"max_steps": 4}}, resume=False)
+    assert not (tmp_path / RUN_CONFIG).exists()  # refused before any config is written
     assert run(tmp_path, max_steps=4, resume=True)[0].step == 4
 
 
