@@ -1288,10 +1288,10 @@ ANCHOR_STEPS = Quoted(
 OBJECTIVES = "tiny_objectives/objectives.json"
 
 
-def _objective(sweep: str, objective: str) -> list[Source]:
-    found = [r for r in _json(OBJECTIVES)["sweeps"][sweep] if r["objective"] == objective]
-    assert len(found) == 1, f"{OBJECTIVES}: {len(found)} runs of {objective} in {sweep}"
-    return [_with_file(found[0], OBJECTIVES)]
+def _objective(sweep: str, objective: str, path: str = OBJECTIVES) -> list[Source]:
+    found = [r for r in _json(path)["sweeps"][sweep] if r["objective"] == objective]
+    assert len(found) == 1, f"{path}: {len(found)} runs of {objective} in {sweep}"
+    return [_with_file(found[0], path)]
 
 
 TINY_OBJECTIVES = Quoted(
@@ -1315,10 +1315,7 @@ SMOLLM2_OBJECTIVES_FILE = "smollm2_objectives/objectives.json"
 
 
 def _smollm2_objective(sweep: str, objective: str) -> list[Source]:
-    found = [r for r in _json(SMOLLM2_OBJECTIVES_FILE)["sweeps"][sweep]
-             if r["objective"] == objective]
-    assert len(found) == 1, f"{SMOLLM2_OBJECTIVES_FILE}: {len(found)} runs of {objective}"
-    return [_with_file(found[0], SMOLLM2_OBJECTIVES_FILE)]
+    return _objective(sweep, objective, SMOLLM2_OBJECTIVES_FILE)
 
 
 SMOLLM2_OBJECTIVES = Quoted(
