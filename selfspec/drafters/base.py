@@ -209,6 +209,10 @@ class LearningDrafter(Drafter, Protocol):
     def finish(self, tokens: Sequence[int]) -> None:
         """The row's prompt and answer, as host ints, once it has stopped."""
 
+    def forget(self) -> None:
+        """Forget every answer learnt so far (a measurement's warmup decodes a measured
+        prompt, and must not teach the drafter its answer)."""
+
 
 def fork(drafter: Drafter) -> Drafter:
     """Another instance of `drafter` for another row of a batch, with the same weights and

@@ -43,6 +43,10 @@ class SuffixIndex:
         self._firsts: list[int] = []  # each sequence's first slot (-1: empty)
         self._lasts: list[int] = []  # each sequence's last slot (-1: empty)
 
+    def clear(self) -> None:
+        """Drop every sequence."""
+        self.__init__(self.max_depth)
+
     def start(self, tokens: Sequence[int] = ()) -> int:
         """A new sequence (its id), holding `tokens`."""
         self._firsts.append(-1)
@@ -313,6 +317,11 @@ class SuffixDrafter:
         if self._local is not None:
             self._learn(tokens[self._seen:])
             self._seen = len(tokens)
+
+    def forget(self) -> None:
+        """Empty the store (shared with this drafter's forks) and this generation's index."""
+        self.store.clear()
+        self._local, self._answer, self._seen = None, -1, 0
 
     def _learn(self, committed: Sequence[int]) -> None:
         self._local.extend(0, committed)

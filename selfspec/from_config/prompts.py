@@ -18,6 +18,7 @@ from selfspec.measure.prompts import (
     encode_conversation,
     encode_prompts,
     humaneval_prompts,
+    in_groups,
     mt_bench_prompts,
     spec_bench_prompts,
     stdlib_heldout_prompts,
@@ -59,7 +60,8 @@ def prompt_set(cfg: DictConfig) -> DictConfig:
 def prompts(cfg_data: DictConfig) -> list[Prompt]:
     """The first cfg_data.num_prompts prompts of the data config's prompt set: its `source`
     (default: its name), narrowed to `categories`, with `instruction` after each text, and
-    only those with the follow-ups its `turns` need."""
+    only those with the follow-ups its `turns` need; with `samples` = G, each G times in a row
+    (data.num_prompts counts the distinct prompts)."""
     n = int(cfg_data.num_prompts)
     if n < 1:
         raise ValueError(f"data.num_prompts must be >= 1, got {n}")
@@ -77,7 +79,8 @@ def prompts(cfg_data: DictConfig) -> list[Prompt]:
         found = [p for p in found if len(p.follow_ups) >= turns - 1]
     if cfg_data.get("per_category") is not None:
         found = by_category_in_turns(found, int(cfg_data.per_category))
-    return found[:n]
+    samples = cfg_data.get("samples")
+    return in_groups(found[:n], 1 if samples is None else int(samples))
 
 
 def _source_prompts(cfg_data: DictConfig, n: int) -> list[Prompt]:

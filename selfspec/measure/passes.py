@@ -124,6 +124,7 @@ def run_passes(
         for w in range(settings.warmup):
             _decode(decoder, _batch_at(prompts, w * batch_size, batch_size), sampling,
                     warm_tokens, settings.seed, ())
+        decoder.forget_learnt()  # the warmup decoded measured prompts
     passes = [Pass() for _ in decoders]
     for repeat in range(settings.repeats):
         for i in range(0, len(prompts), batch_size):

@@ -16,7 +16,7 @@ import torch
 
 from selfspec.decode import GenerationResult, generate
 from selfspec.devices import synchronize
-from selfspec.drafters.base import Drafter
+from selfspec.drafters.base import Drafter, LearningDrafter
 from selfspec.metrics import GenerationStats
 from selfspec.model import Transformer
 from selfspec.sampling import SamplingParams
@@ -41,6 +41,9 @@ class Decoder(Protocol):
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, max_new_tokens: int,
         seed: int, stop_ids: Sequence[int],
     ) -> tuple[list[GenerationResult], float]: ...
+
+    def forget_learnt(self) -> None:
+        """Forget what earlier calls taught it (run after a warmup on the measured prompts)."""
 
 
 @dataclass
@@ -70,6 +73,10 @@ class OurDecoder:
     ) -> tuple[list[GenerationResult], float]:
         return self._generate([list(p) for p in prompts], sampling, max_new_tokens, seed,
                               stop_ids)
+
+    def forget_learnt(self) -> None:
+        if isinstance(self.drafter, LearningDrafter):
+            self.drafter.forget()
 
     def _generate(self, prompts, sampling: SamplingParams, max_new_tokens: int, seed: int,
                   stop_ids: Sequence[int]) -> tuple[list[GenerationResult], float]:
@@ -115,6 +122,9 @@ class HFDecoder:
     @property
     def measures_draft_time(self) -> bool:
         return self.assistant is not None
+
+    def forget_learnt(self) -> None:
+        """Nothing to forget: transformers' `generate` keeps nothing between calls."""
 
     def __call__(
         self, prompt: Sequence[int], sampling: SamplingParams, max_new_tokens: int, seed: int,

@@ -86,6 +86,17 @@ def with_instruction(prompts: Sequence[Prompt], instruction: str) -> list[Prompt
     return [replace(p, text=f"{p.text}\n\n{instruction}") for p in prompts]
 
 
+def in_groups(prompts: Sequence[Prompt], samples: int) -> list[Prompt]:
+    """Each prompt `samples` times in a row (ids "<id>#1", "#2", ...): a group sampled from one
+    prompt, as RL rollouts and best-of-n draw them; a sweep seeds each position apart, so at
+    T > 0 the samples differ."""
+    if samples < 1:
+        raise ValueError(f"data.samples must be >= 1, got {samples}")
+    if samples == 1:
+        return list(prompts)
+    return [replace(p, id=f"{p.id}#{j + 1}") for p in prompts for j in range(samples)]
+
+
 def mt_bench_prompts(path: str | Path) -> list[Prompt]:
     """MT-bench questions (JSON lines with question_id, category, turns): the first turns."""
     return question_file_prompts(path, "MT-bench")

@@ -108,6 +108,9 @@ def test_lossless_reports_a_mismatch_with_its_prompt_id_and_fails(
         def __init__(self, decoder):
             self.decoder = decoder
 
+        def forget_learnt(self):
+            self.decoder.forget_learnt()
+
         def __call__(self, prompt, sampling, max_new_tokens, seed, stop_ids):
             result = self.decoder(prompt, sampling, max_new_tokens, seed, stop_ids)
             result.tokens[2] = (result.tokens[2] + 1) % 100

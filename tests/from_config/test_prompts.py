@@ -62,6 +62,19 @@ def test_long_answer_workloads_narrow_their_source_and_say_how_to_answer(cfg_of)
         prompts(cfg_of("sweep", "data=long_math", "data.categories=[poetry]").data)
 
 
+def test_rollouts_sample_each_prompt_in_a_group_of_its_own_copies(cfg_of):
+    data = cfg_of("sweep", "data=rollouts", "data.num_prompts=2").data
+    groups = prompts(data)
+    math = prompts(cfg_of("sweep", "data=rollouts", "data.num_prompts=2", "data.samples=1").data)
+    assert len(math) == 2 and len(groups) == 2 * data.samples == 16
+    assert [p.id for p in groups[:9]] == [f"{math[0].id}#{j}" for j in range(1, 9)] + [
+        f"{math[1].id}#1"]
+    assert {p.text for p in groups[:8]} == {math[0].text} and groups[8].text == math[1].text
+    assert all(p.category == "math_reasoning" for p in groups)
+    with pytest.raises(ValueError, match="data.samples must be >= 1, got 0"):
+        prompts(cfg_of("sweep", "data=rollouts", "data.samples=0").data)
+
+
 def test_a_multi_turn_workload_measures_the_turn_after_the_targets_own_answer(cfg_of, tmp_path):
     shipped = prompts(cfg_of("sweep", "data=multi_turn").data)
     assert len(shipped) == 80 and all(len(p.follow_ups) == 1 for p in shipped)

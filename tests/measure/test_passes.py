@@ -4,9 +4,16 @@ import pytest
 from helpers import tiny_llama
 
 from selfspec import SamplingParams
+from selfspec.drafters.suffix import SuffixDrafter, SuffixSettings, SuffixStore
 from selfspec.measure.grid import GridLine, GridPoint, SweepGrid, Variant
 from selfspec.measure.oracle import OracleDrafter
-from selfspec.measure.passes import BenchSettings, Method, compare_with_plain, measure_row
+from selfspec.measure.passes import (
+    BenchSettings,
+    Method,
+    compare_with_plain,
+    measure_row,
+    run_passes,
+)
 from selfspec.measure.peers import OurDecoder
 from selfspec.measure.sweep import run_sweep
 from selfspec.model import Transformer
@@ -51,3 +58,18 @@ def test_a_shared_baseline_is_measured_once_per_batch_size(quick_build):
     assert len(by_batch[1]) == len(by_batch[2]) == 1  # measured once per batch size
     assert by_batch[1] != by_batch[2]
     assert all(r.lossless for r in rows) and rows[2].prompts == 3
+
+
+def test_a_learning_drafter_forgets_its_warmup_before_it_is_timed(target):
+    """The warmup decodes a measured prompt: suffix decoding's store must not keep its
+    answer, or the timed pass would draft it from memory."""
+    store = SuffixStore(16)
+    decoder = OurDecoder(target, SuffixDrafter(store, SuffixSettings(num_draft_tokens=4)))
+    prompts = [[3, 17, 5, 9, 3, 17]]
+    run_passes([decoder], prompts, SamplingParams(), BenchSettings(max_new_tokens=8, warmup=2))
+    (answer,) = store.sequences  # the timed pass's answer alone, not the warmups'
+    assert len(answer) == 8
+    planted = OurDecoder(target, SuffixDrafter(store, SuffixSettings(num_draft_tokens=4)))
+    planted.forget_learnt = lambda: None  # a decoder that keeps what its warmup taught it
+    run_passes([planted], prompts, SamplingParams(), BenchSettings(max_new_tokens=8, warmup=1))
+    assert len(store.sequences) == 3  # the last pass's, the warmup's and the timed pass's
