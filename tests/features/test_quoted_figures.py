@@ -1206,39 +1206,26 @@ SERVING_VLLM = Quoted(
     },
 )
 
+def _suffix_against_lookups(path: str, index: int, ks: Sequence[int],
+                            sampling: str = "greedy") -> Quoted:
+    """sweeps.md's tables of suffix decoding beside the lookups, one per workload."""
+    return Quoted(
+        doc="docs/sweeps.md",
+        header="| method | k | tau | speedup (bound) |",
+        index=index,
+        columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True),
+                 "rows verified a step": Column(("nodes_per_step",))},
+        rows={f"`{m}`": (lambda m=m: _k(path, m, ks, sampling))
+              for m in ("ngram", "ngram/corpus", "suffix")},
+    )
+
+
 CODE_EDIT = "smollm2_code_edit_suffix/results.json"
-SWEEPS_CODE_EDIT = Quoted(
-    doc="docs/sweeps.md",
-    header="| method | k | tau | speedup (bound) |",
-    columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True),
-             "rows verified a step": Column(("nodes_per_step",))},
-    rows={f"`{m}`": (lambda m=m: _k(CODE_EDIT, m, (4, 8, 16, 32)))
-          for m in ("ngram", "ngram/corpus", "suffix")},
-)
-
-
 MULTI_TURN = "smollm2_multi_turn_suffix/results.json"
-SWEEPS_MULTI_TURN = Quoted(
-    doc="docs/sweeps.md",
-    header="| method | k | tau | speedup (bound) |",
-    index=1,
-    columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True),
-             "rows verified a step": Column(("nodes_per_step",))},
-    rows={f"`{m}`": (lambda m=m: _k(MULTI_TURN, m, (4, 8, 16, 32)))
-          for m in ("ngram", "ngram/corpus", "suffix")},
-)
-
-
 ROLLOUTS = "smollm2_rollouts_suffix/results.json"
-SWEEPS_ROLLOUTS = Quoted(
-    doc="docs/sweeps.md",
-    header="| method | k | tau | speedup (bound) |",
-    index=2,
-    columns={"tau": TAU, "speedup (bound)": Column(("speedup", "bound"), by_source=True),
-             "rows verified a step": Column(("nodes_per_step",))},
-    rows={f"`{m}`": (lambda m=m: _k(ROLLOUTS, m, (8, 16), "t1"))
-          for m in ("ngram", "ngram/corpus", "suffix")},
-)
+SWEEPS_CODE_EDIT = _suffix_against_lookups(CODE_EDIT, 0, (4, 8, 16, 32))
+SWEEPS_MULTI_TURN = _suffix_against_lookups(MULTI_TURN, 1, (4, 8, 16, 32))
+SWEEPS_ROLLOUTS = _suffix_against_lookups(ROLLOUTS, 2, (8, 16), "t1")
 
 
 def _hybrid(name: str) -> dict[str, list[dict]]:
