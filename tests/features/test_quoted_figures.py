@@ -1357,7 +1357,12 @@ LONG_ANSWERS = Quoted(
         "shipped EAGLE": lambda: [replay(f"{LONG}/shipped_replay.json", "eagle", 3)],
         "shipped Medusa": lambda: [replay(f"{LONG}/shipped_replay.json", "medusa", 2)],
         "EAGLE-3": lambda: [replay(f"{LONG}/eagle3_replay.json", "eagle", 3)],
-        "DFlash": lambda: [replay(f"{LONG}/shipped_replay.json", "dflash", 3)],
+        "DFlash,": lambda: [replay(f"{LONG}/shipped_replay.json", "dflash", 3)],
+        "P-EAGLE": lambda: [replay(f"{LONG}/peagle_dflash_replay.json", "eagle", 3)],
+        "DFlash with its confidence head": lambda: [
+            replay(f"{LONG}/peagle_dflash_replay.json", "dflash", 3)],
+        "the same, cut at 0.5": lambda: [
+            replay(f"{LONG}/peagle_dflash_replay.json", "dflash/conf0.5", 3)],
         "n-gram lookup": lambda: [replay(f"{LONG}/shipped_replay.json", "ngram", 3)],
     },
 )
