@@ -4,9 +4,10 @@ size follows the match length. No weights.
 
 Rows: suffix (chains) and suffix/tree (best-first trees), one per suffix.tree entry. Each
 (row, draft length) builds one drafter with an empty `SuffixStore`, and that store persists
-across everything the row then decodes: its warmup, its prompts in order and its repeats (a
-batch's rows write to it together), so later prompts draft from earlier answers, and a
-repeat finds its own prompt's earlier answer (online learning, as a server would see it).
+across everything the row then times: its prompts in order and its repeats (a batch's rows
+write to it together; the warmup's answers are forgotten first), so later prompts draft from
+earlier answers, and a repeat finds its own prompt's earlier answer (online learning, as a
+server would see it).
 """
 
 from __future__ import annotations
