@@ -1363,6 +1363,8 @@ LONG_ANSWERS = Quoted(
             replay(f"{LONG}/peagle_dflash_replay.json", "dflash", 3)],
         "the same, cut at 0.5": lambda: [
             replay(f"{LONG}/peagle_dflash_replay.json", "dflash/conf0.5", 3)],
+        "early-exit adapter": lambda: [
+            sweep(f"{LONG}/early_exit_sweep.json", "early_exit/E10/adapter/nostop", 3)],
         "n-gram lookup": lambda: [replay(f"{LONG}/shipped_replay.json", "ngram", 3)],
     },
 )
