@@ -36,16 +36,16 @@ class SuffixIndex:
         if max_depth < 2:
             raise ValueError(f"SuffixIndex: max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every sequence (an empty index)."""
         self._tokens = np.empty(256, dtype=np.int64)  # [capacity]
         self._prev = np.empty(256, dtype=np.int64)  # the sequence's slot before; -1 at its start
         self._next = np.empty(256, dtype=np.int64)  # the sequence's slot after; -1 at its end
         self.num_tokens = 0
         self._firsts: list[int] = []  # each sequence's first slot (-1: empty)
         self._lasts: list[int] = []  # each sequence's last slot (-1: empty)
-
-    def clear(self) -> None:
-        """Drop every sequence."""
-        self.__init__(self.max_depth)
 
     def start(self, tokens: Sequence[int] = ()) -> int:
         """A new sequence (its id), holding `tokens`."""
