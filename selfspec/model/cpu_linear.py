@@ -109,13 +109,14 @@ def use_packed_products(module: nn.Module, enabled: bool) -> None:
 
 
 def use_invariant_products(module: nn.Module, block_rows: int | None) -> None:
-    """The exact mode: every `Linear` in module computes each row of a product with the same
-    bits whatever rows come with it, at any row count, on any device (`invariant_linear`,
-    in blocks of block_rows off the CPU's fp32 forms); None: the fastest forms again."""
+    """The exact mode: every module in module that has one (`invariant_rows`: a `Linear`'s
+    products, `invariant_linear`; attention, `exact_mode.invariant_attention`) computes
+    each row with the same bits whatever rows come with it, at any row count, on any device
+    (in blocks of block_rows off the CPU's fp32); None: the fastest forms again."""
     if block_rows is not None:
         check_count("block_rows", block_rows, owner="use_invariant_products")
     for layer in module.modules():
-        if isinstance(layer, Linear):
+        if hasattr(layer, "invariant_rows"):
             layer.invariant_rows = block_rows
 
 

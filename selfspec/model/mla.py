@@ -29,6 +29,7 @@ from torch import nn
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import Linear
+from selfspec.model.exact_mode import invariant_attention
 from selfspec.model.rope import interleaved_rope
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a and kv_a norms keep their class's default eps
@@ -65,6 +66,7 @@ class LatentAttention(nn.Module):
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * _mscale_squared(config)
         self.interleaved = config.rope_interleave
         self.qk_norm = None
+        self.invariant_rows: int | None = None  # the exact mode's block (`invariant_attention`)
 
     def projections(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, ...]:
         """query [B, H, T, rope + nope], roped key [B, 1, T, rope] and latent [B, 1, T, rank]
@@ -92,8 +94,12 @@ class LatentAttention(nn.Module):
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, 1, S, rope], [B, 1, S, rank]
         keys, values = self.expanded(k.to(q.dtype), v.to(q.dtype))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
-                                             is_causal=attn_mask is None, scale=self.scale)
+        if self.invariant_rows is not None:
+            out = invariant_attention(q, keys, values, attn_mask, scale=self.scale,
+                                      block_rows=self.invariant_rows)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                                 is_causal=attn_mask is None, scale=self.scale)
         return out.transpose(1, 2).reshape(batch, t, -1)  # [B, T, H * v_head_dim]
 
     def expanded(self, k_rope: torch.Tensor, latent: torch.Tensor

@@ -48,6 +48,7 @@ from selfspec.checks import is_int_in
 from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
+from selfspec.model.exact_mode import invariant_attention, whole_vectors
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model.mamba import Mamba2Dims, Mamba2Mixer
 from selfspec.model.mla import LatentAttention
@@ -135,6 +136,7 @@ class Attention(nn.Module):
         self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         self.qk_norm = config.qk_norm
+        self.invariant_rows: int | None = None  # the exact mode's block (`invariant_attention`)
         # gpt-oss: a learned logit per head in the softmax's denominator (None: no sinks)
         self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks \
             else None
@@ -219,7 +221,11 @@ class Attention(nn.Module):
         batch, _, t, _ = q.shape
         if cache is not None:
             k, v = self.cached(cache, k, v)  # [B, H_kv, S, D]
-        if self.softcap is not None or self.sinks is not None:
+        if self.invariant_rows is not None:
+            out = invariant_attention(q, k, v, attn_mask, scale=self.scale,
+                                      block_rows=self.invariant_rows, softcap=self.softcap,
+                                      sinks=self.sinks)
+        elif self.softcap is not None or self.sinks is not None:
             out = _written_out_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask,
                                          self.scale, self.softcap, self.sinks)
         else:
@@ -267,6 +273,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.invariant_rows: int | None = None  # the exact mode: the gate's act on whole vectors
 
     def forward(self, x: torch.Tensor, fused: bool = False, static: bool = False
                 ) -> torch.Tensor:
@@ -276,7 +283,8 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.fused.weight, self.fused.bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        act = self.act(gate) if self.invariant_rows is None else whole_vectors(self.act, gate)
+        return self.down_proj(act * up)
 
 
 def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:

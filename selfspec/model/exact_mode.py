@@ -1,0 +1,160 @@
+"""The exact mode's attention and activations (`batch_invariant=true`; its products are
+`cpu_linear.invariant_linear`'s).
+
+An activation runs over whole vectors (`whole_vectors`): the CPU's elementwise kernels take a
+tensor's last few elements on a scalar path whose exp may round otherwise than the vector
+path's, so with a row width that is no multiple of the vector, which path an element takes
+would depend on how many rows came with it.
+
+In attention each query row's output comes out the same bits whatever rows attend beside it
+and wherever its keys sit in the cache.
+
+A row's result is a function of its visible keys in order, and of nothing else:
+- its visible keys (the mask's True slots, in slot order, which is position order) are packed
+  to the front of the row, so that a tree node's ancestors, scattered over the draft's slots,
+  line up as they do when plain decoding writes them one after another;
+- the packed keys run in chunks of KEYS_PER_CHUNK, fixed by their rank in the row, and every
+  sum runs over one chunk of one shape; chunks add up one after another, and the chunks past a
+  row's last key add exact zeros, so a longer cache leaves the row's bits as they were;
+- the softmax's maximum is taken over the whole row first (a maximum has no order), so no
+  running rescale enters the sums;
+- every exponent runs over a whole number of chunks per row, so each element takes the same
+  (vectorised) path of the CPU's exp whatever the row count;
+- off the CPU's float32, rows run in blocks of exactly block_rows, the last padded, as the
+  mode's products do (`cpu_linear.invariant_linear`), so each sum has one kernel shape.
+
+The cost: the keys are gathered per row, and the scores and the weighted values are written
+out as products and sums rather than run in a fused kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KEYS_PER_CHUNK = 64
+# A row width every CPU's vector loop divides (two vectors of 16 floats, AVX-512's stride)
+WHOLE_VECTOR = 64
+
+
+def whole_vectors(function, x: torch.Tensor) -> torch.Tensor:
+    """function(x) for an elementwise function, its last dimension padded with zeros to a
+    multiple of WHOLE_VECTOR, so every element takes the vector path whatever the rows."""
+    width = x.shape[-1]
+    spare = -width % WHOLE_VECTOR
+    if spare == 0:
+        return function(x)
+    return function(torch.nn.functional.pad(x, (0, spare)))[..., :width]
+
+
+def invariant_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, H_kv, S, D]
+    v: torch.Tensor,  # [B, H_kv, S, D_v]
+    attn_mask: torch.Tensor | None,  # [T, S] or [B, 1, T, S] bool; None: causal, no past
+    *,
+    scale: float | None,
+    block_rows: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H]: a logit per head in the denominator (gpt-oss)
+) -> torch.Tensor:
+    """[B, H, T, D_v]: SDPA's attention (with Gemma 2's soft-capping and gpt-oss's sinks where
+    given), each row computed as the module docstring says, in float32."""
+    batch, heads, t, dim = q.shape
+    kv_heads, slots = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    visible = _visible(attn_mask, batch, t, slots, q.device).reshape(batch * t, slots)
+    order, present = _packed_order(visible)  # [B*T, S_pad] each
+    order = order + (torch.arange(batch, device=q.device) * slots).repeat_interleave(t)[:, None]
+    queries = q.transpose(1, 2).reshape(batch * t, kv_heads, groups, dim).float().contiguous()
+    keys = k.transpose(1, 2).reshape(batch * slots, kv_heads, dim).float()
+    values = v.transpose(1, 2).reshape(batch * slots, kv_heads, v.shape[-1]).float()
+    scale = dim ** -0.5 if scale is None else scale
+    sink = None if sinks is None else sinks.float().view(kv_heads, groups)
+    padded = not (q.device.type == "cpu" and q.dtype == torch.float32)
+    blocks = []
+    for start in range(0, batch * t, block_rows):
+        rows = slice(start, start + block_rows)
+        block = (queries[rows], order[rows], present[rows])
+        if padded:
+            block = _padded(*block, block_rows)
+        out = _attended_rows(*block, keys, values, scale, softcap, sink)
+        blocks.append(out[:min(block_rows, batch * t - start)])
+    out = torch.cat(blocks) if len(blocks) > 1 else blocks[0]  # [B*T, H_kv, G, D_v]
+    return out.reshape(batch, t, heads, -1).transpose(1, 2).to(q.dtype)
+
+
+def _visible(attn_mask: torch.Tensor | None, batch: int, t: int, slots: int,
+             device: torch.device) -> torch.Tensor:
+    """[B, T, S] bool: the slots each row attends to."""
+    if attn_mask is None:  # causal without past: T == S
+        return torch.ones(t, slots, dtype=torch.bool, device=device).tril().expand(batch, t, slots)
+    if attn_mask.dim() == 4:  # [B, 1, T, S]: a batch's rows, each its own
+        return attn_mask[:, 0].expand(batch, t, slots)
+    return attn_mask.expand(batch, t, slots)
+
+
+def _packed_order(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows' visible slots [R, S]: [R, S_pad] the slot of each row's i-th visible key
+    (slot 0 past its last) and whether there is one, S_pad the slots rounded up to whole
+    chunks. Tensor ops only (no host read), so a captured step runs it too."""
+    rows, slots = visible.shape
+    width = -(-slots // KEYS_PER_CHUNK) * KEYS_PER_CHUNK
+    rank = visible.long().cumsum(-1) - 1
+    # every hidden slot writes to one spare column past the end, which is then dropped
+    column = torch.where(visible, rank, torch.full_like(rank, width))
+    slot = torch.arange(slots, device=visible.device).expand(rows, slots)
+    order = torch.zeros(rows, width + 1, dtype=torch.long, device=visible.device)
+    order.scatter_(1, column, slot)
+    present = torch.arange(width, device=visible.device) < visible.sum(-1, keepdim=True)
+    return order[:, :width], present
+
+
+def _padded(queries: torch.Tensor, order: torch.Tensor, present: torch.Tensor, rows: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block filled up to `rows` rows, the extra ones seeing their batch's slot 0 alone."""
+    extra = rows - queries.shape[0]
+    if extra == 0:
+        return queries, order, present
+    alone = torch.zeros_like(present[:1]).expand(extra, -1).clone()
+    alone[:, 0] = True
+    return (torch.cat((queries, queries.new_zeros(extra, *queries.shape[1:]))),
+            torch.cat((order, order.new_zeros(extra, order.shape[1]))),
+            torch.cat((present, alone)))
+
+
+def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   softcap: float | None, sink: torch.Tensor | None) -> torch.Tensor:
+    """[R, H_kv, G, D_v] for queries [R, H_kv, G, D] over their packed keys (`_packed_order`),
+    keys [B*S, H_kv, D] and values [B*S, H_kv, D_v] (each batch row's slots in turn)."""
+    chunks = [slice(start, start + KEYS_PER_CHUNK)
+              for start in range(0, order.shape[1], KEYS_PER_CHUNK)]
+    scores = torch.cat([_chunk_scores(queries, keys[order[:, chunk]], scale, softcap)
+                        for chunk in chunks], dim=-1)  # [R, H_kv, G, S_pad]
+    scores = scores.masked_fill(~present[:, None, None], float("-inf"))
+    if sink is not None:  # one more chunk: the sink's logit alone, weighing no value
+        sink_chunk = scores.new_full((*scores.shape[:-1], KEYS_PER_CHUNK), float("-inf"))
+        sink_chunk[..., 0] = sink
+        scores = torch.cat((scores, sink_chunk), dim=-1)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # hidden keys: exact zeros
+    total = torch.zeros(weights.shape[:-1], device=weights.device)
+    attended = None
+    for start in range(0, weights.shape[-1], KEYS_PER_CHUNK):
+        part = weights[..., start:start + KEYS_PER_CHUNK].contiguous()
+        total = total + part.sum(-1)
+        if start < order.shape[1]:
+            chunk_values = values[order[:, start:start + KEYS_PER_CHUNK]]  # [R, C, H_kv, D_v]
+            by_dim = chunk_values.permute(0, 2, 3, 1).contiguous()  # [R, H_kv, D_v, C]
+            weighted = (part[:, :, :, None] * by_dim[:, :, None]).sum(-1)  # [R, H_kv, G, D_v]
+            attended = weighted if attended is None else attended + weighted
+    return attended / total[..., None]
+
+
+def _chunk_scores(queries: torch.Tensor, chunk_keys: torch.Tensor, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+    """[R, H_kv, G, C]: each query's scores over its chunk of keys [R, C, H_kv, D]."""
+    products = queries[:, None] * chunk_keys[:, :, :, None]  # [R, C, H_kv, G, D]
+    scores = products.sum(-1).permute(0, 2, 3, 1).contiguous() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
