@@ -239,6 +239,17 @@ def tiny_model(family: str, seed: int, vocab: int = 64, layers: int = 2, hidden:
     return model
 
 
+def random_preset(name: str, weights: bool):
+    """The TargetSpec of conf/model/{name}.yaml (seed 3)."""
+    from omegaconf import OmegaConf
+
+    from selfspec.from_config.models import target_spec
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
+    return target_spec(cfg, weights)
+
+
 def first_layers(hf_model, layers: int = 1):
     """A copy of a `transformers` Llama keeping its first `layers` layers (shared embeddings
     and head): a draft that often agrees with it."""

@@ -28,6 +28,7 @@ Two dispatches with one result:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.model.config import ModelConfig
-from selfspec.model.cpu_linear import Linear
+from selfspec.model.cpu_linear import Linear, invariant_linear
+from selfspec.model.exact_mode import whole_vectors
 
 
 class Routing(NamedTuple):
@@ -61,6 +63,7 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.clamped = config.expert_act == "clamped_swiglu"
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.invariant_rows: int | None = None  # the exact mode (`MoE.exact_dispatch`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -74,15 +77,18 @@ class Experts(nn.Module):
         gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1)."""
         gate, up = gate_up.chunk(2, dim=-1)
         if not self.clamped:
-            return F.silu(gate) * up
+            return _activated(F.silu, gate, self.invariant_rows) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return (up + 1) * (gate * _activated(torch.sigmoid, gate * self.alpha,
+                                             self.invariant_rows))
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """[n, H] expert e over tokens x [n, H]."""
-        gate_up = F.linear(x, self.gate_up_proj[e], _row(self.gate_up_proj_bias, e))
-        return F.linear(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e))
+        """[n, H] expert e over tokens x [n, H] (in the exact mode, invariant products)."""
+        product = F.linear if self.invariant_rows is None else functools.partial(
+            invariant_linear, block_rows=self.invariant_rows)
+        gate_up = product(x, self.gate_up_proj[e], _row(self.gate_up_proj_bias, e))
+        return product(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e))
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """[N, k, H] each token's k experts (experts [N, k]) over it (x [N, H], or [N, k, H]:
@@ -108,6 +114,11 @@ def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if bias is None else bias[e]
 
 
+def _activated(function, x: torch.Tensor, invariant_rows: int | None) -> torch.Tensor:
+    """function(x), over whole vectors in the exact mode (`exact_mode.whole_vectors`)."""
+    return function(x) if invariant_rows is None else whole_vectors(function, x)
+
+
 class SharedExpert(nn.Module):
     """The expert every token runs (Qwen3-Next): a gated MLP of its own width, its output
     scaled by sigmoid(shared_expert_gate(x)), a gate [1, hidden] per layer."""
@@ -118,18 +129,20 @@ class SharedExpert(nn.Module):
         self.gate_proj = Linear(hidden, inner, bias=False)
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
+        self.invariant_rows: int | None = None  # the exact mode: its act on whole vectors
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = _activated(F.silu, self.gate_proj(x), self.invariant_rows)
+        return self.down_proj(gate * self.up_proj(x))
 
 
-def grouped_sigmoid_routing(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
+def grouped_sigmoid_routing(scores: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
                             top_groups: int, renormalise: bool, scale: float) -> Routing:
-    """DeepSeek-V3's routing of router logits [N, E]: experts are chosen by their sigmoid plus
-    the correction bias [E], among the top_groups groups (of `groups` contiguous ones) whose
-    two best such scores sum highest; their weights are their plain sigmoids, renormalised to
-    sum to 1 where asked, times scale. In fp32 throughout."""
-    scores = torch.sigmoid(logits.float())  # [N, E]
+    """DeepSeek-V3's routing by the sigmoids of the router's logits, scores [N, E]: experts
+    are chosen by their score plus the correction bias [E], among the top_groups groups (of
+    `groups` contiguous ones) whose two best such scores sum highest; their weights are their
+    plain scores, renormalised to sum to 1 where asked, times scale. In fp32 throughout."""
+    scores = scores.float()
     choice = scores + bias.float()
     n, experts = choice.shape
     by_group = choice.view(n, groups, experts // groups)
@@ -165,6 +178,7 @@ class MoE(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         elif config.shared_expert_intermediate_size:  # DeepSeek's, side by side, ungated
             self.shared_experts = SharedExpert(config)
+        self.invariant_rows: int | None = None  # the exact mode (`exact_dispatch`)
 
     @property
     def num_experts(self) -> int:
@@ -177,10 +191,14 @@ class MoE(nn.Module):
         already)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
         routing = self.route(flat)
-        out = self.static_dispatch(flat, routing) if static else \
-            self.eager_dispatch(flat, routing)
+        if self.invariant_rows is not None:
+            out = self.exact_dispatch(flat, routing)
+        else:
+            out = self.static_dispatch(flat, routing) if static else \
+                self.eager_dispatch(flat, routing)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            gate = _activated(torch.sigmoid, self.shared_expert_gate(flat), self.invariant_rows)
+            out = out + gate * self.shared_expert(flat)
         elif hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat)
         return out.view_as(x)
@@ -188,19 +206,24 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """Each token's top-k experts and weights, x [N, hidden]."""
         if self.sigmoid_routing:
+            exact = self.invariant_rows
+            logits = F.linear(x.float(), self.gate.weight.float()) if exact is None \
+                else invariant_linear(x.float(), self.gate.weight.float(), None, exact)
             routing = grouped_sigmoid_routing(
-                F.linear(x.float(), self.gate.weight.float()), self.gate.e_score_correction_bias,
+                _activated(torch.sigmoid, logits, exact), self.gate.e_score_correction_bias,
                 self.top_k, *self.groups, self.norm_topk_prob, self.routed_scale)
             return Routing(routing.experts, routing.weights.to(x.dtype))
         logits = self.gate(x)  # [N, E]
         top, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
         top = top.float()
         if self.weighs_input:
-            weights = torch.sigmoid(top)
+            weights = _activated(torch.sigmoid, top, self.invariant_rows)
         elif self.norm_topk_prob:
             weights = torch.softmax(top, dim=-1)
         else:
-            weights = torch.exp(top - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+            weights = _activated(torch.exp, top - torch.logsumexp(logits.float(), dim=-1,
+                                                                  keepdim=True),
+                                 self.invariant_rows)
         return Routing(experts, weights.to(x.dtype))
 
     def eager_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -221,6 +244,20 @@ class MoE(nn.Module):
                     self.experts.one(e, x[tokens]) * w
                 out.index_add_(0, tokens, y)
                 start += size
+        return out
+
+    def exact_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """[N, hidden] in the exact mode: every expert over every token, in fixed-shape
+        products, added in the experts' order with the unrouted ones weighted 0, so that a
+        token's sum is the same whatever tokens come with it and whether or not the step is
+        captured (E / k times the experts' work of a routed dispatch)."""
+        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        combine.scatter_(1, routing.experts, routing.weights)  # [N, E]
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            weight = combine[:, e, None]
+            out = out + (self.experts.one(e, x * weight) if self.weighs_input
+                         else self.experts.one(e, x) * weight)
         return out
 
     def static_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

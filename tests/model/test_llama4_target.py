@@ -7,7 +7,7 @@ steps, a tree across a chunk's end and its commit, greedy), written back."""
 
 import pytest
 import torch
-from helpers import WINDOW, tiny_model
+from helpers import WINDOW, random_preset, tiny_model
 
 from selfspec import generate
 from selfspec.model import ModelConfig, Transformer
@@ -123,19 +123,6 @@ def test_a_rope_less_layer_must_attend_in_full():
                     num_heads=2, num_kv_heads=2, head_dim=4, model_type="llama4_text",
                     layer_types=("chunked_attention",) * 2, attention_chunk_size=4,
                     no_rope_layers=(1,))
-
-
-def random_preset(name: str, weights: bool):
-    """The TargetSpec of conf/model/{name}.yaml (seed 3)."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from selfspec.from_config.models import target_spec
-
-    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"
-    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
-    return target_spec(cfg, weights)
 
 
 def test_the_random_preset_is_llama4_shaped():

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import adam_fit, continuation_rows, tiny_model
+from helpers import adam_fit, continuation_rows, random_preset, tiny_model
 
 from selfspec import generate
 from selfspec.drafters.mtp import MtpDrafter
@@ -162,7 +162,7 @@ def test_routing_chooses_within_the_best_groups_and_weighs_by_the_plain_sigmoid(
     the weights are the chosen experts' sigmoids without the bias, renormalised, scaled."""
     logits = torch.tensor([[1.0, 0.5, -3.0, 0.0]])
     bias = torch.tensor([0.0, 0.0, 0.0, 0.4])
-    routing = grouped_sigmoid_routing(logits, bias, top_k=2, groups=2, top_groups=1,
+    routing = grouped_sigmoid_routing(torch.sigmoid(logits), bias, top_k=2, groups=2, top_groups=1,
                                       renormalise=True, scale=2.5)
     assert sorted(routing.experts[0].tolist()) == [0, 1]
     chosen = torch.sigmoid(torch.tensor([1.0, 0.5]))
@@ -261,19 +261,6 @@ def test_its_nextn_module_fit_to_the_targets_answers_drafts_accepted_tokens(with
     batch = generate(target, PROMPTS, drafter=MtpDrafter(target, tree=Tree.chain(3)),
                      max_new_tokens=16)
     assert [r.tokens for r in batch] == plain
-
-
-def random_preset(name: str, weights: bool):
-    """The TargetSpec of conf/model/{name}.yaml (seed 3)."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from selfspec.from_config.models import target_spec
-
-    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"
-    cfg = OmegaConf.create({"model": OmegaConf.load(conf), "device": "cpu", "seed": 3})
-    return target_spec(cfg, weights)
 
 
 def test_the_random_preset_is_a_latent_moe_with_a_nextn_module():
