@@ -132,6 +132,10 @@ def test_the_diagnosis_runs_every_view_and_says_what_it_found():
         assert all(r["flips"] == 0 for r in found["rows"])
         assert [d["lossless"] for d in found["decode"]] == [True, True]
         assert "Decoding: k=1 lossless" in found["verdict"]
+    # the exact mode: every row the bits it has alone, at every layer and in its logits
+    assert all(r["logits_moved"] == 0 and r["rows_moved"] == 0 and r["first_layer"] is None
+               for r in report["invariant"]["rows"])
+    assert "every row bitwise equal to itself alone" in report["invariant"]["verdict"]
     assert target.compile_steps is False and invariant_rows_of(target) is None  # as it was
     with pytest.raises(ValueError, match="modes: unknown"):
         diagnose(target, prompt, tokens, modes=["fast"])
