@@ -20,16 +20,20 @@ A row's result is a function of its visible keys in order, and of nothing else:
   running rescale enters the sums;
 - every exponent runs over a whole number of chunks per row, so each element takes the same
   (vectorised) path of the CPU's exp whatever the row count;
-- off the CPU's float32, rows run in blocks of exactly block_rows, the last padded, as the
-  mode's products do (`cpu_linear.invariant_linear`), so each sum has one kernel shape.
+- rows are not padded: every sum has at least a chunk's worth of outputs a row (64 keys'
+  scores, or the values' width, the softmax's denominator riding along as a value of ones),
+  which keeps CUDA's reduction in one layout whatever the rows (PyTorch's reduction spreads a
+  sum over more threads only when it has few outputs). The GPU check's diagnosis says whether
+  that holds there.
 
-The cost: the keys are gathered per row, and the scores and the weighted values are written
-out as products and sums rather than run in a fused kernel.
+The cost: the keys and values are gathered per row, and the scores and the weighted values
+are written out as products and sums rather than run in a fused kernel.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 KEYS_PER_CHUNK = 64
 # A row width every CPU's vector loop divides (two vectors of 16 floats, AVX-512's stride)
@@ -43,7 +47,7 @@ def whole_vectors(function, x: torch.Tensor) -> torch.Tensor:
     spare = -width % WHOLE_VECTOR
     if spare == 0:
         return function(x)
-    return function(torch.nn.functional.pad(x, (0, spare)))[..., :width]
+    return function(F.pad(x, (0, spare)))[..., :width]
 
 
 def invariant_attention(
@@ -68,18 +72,13 @@ def invariant_attention(
     queries = q.transpose(1, 2).reshape(batch * t, kv_heads, groups, dim).float().contiguous()
     keys = k.transpose(1, 2).reshape(batch * slots, kv_heads, dim).float()
     values = v.transpose(1, 2).reshape(batch * slots, kv_heads, v.shape[-1]).float()
+    # a column of ones: the softmax's denominator summed as one more value (`_attended_rows`)
+    values = torch.cat((values, values.new_ones(*values.shape[:-1], 1)), dim=-1)
     scale = dim ** -0.5 if scale is None else scale
     sink = None if sinks is None else sinks.float().view(kv_heads, groups)
-    padded = not (q.device.type == "cpu" and q.dtype == torch.float32)
-    blocks = []
-    for start in range(0, batch * t, block_rows):
-        rows = slice(start, start + block_rows)
-        block = (queries[rows], order[rows], present[rows])
-        if padded:
-            block = _padded(*block, block_rows)
-        out = _attended_rows(*block, keys, values, scale, softcap, sink)
-        blocks.append(out[:min(block_rows, batch * t - start)])
-    out = torch.cat(blocks) if len(blocks) > 1 else blocks[0]  # [B*T, H_kv, G, D_v]
+    out = torch.cat([_attended_rows(queries[rows], order[rows], present[rows], keys, values,
+                                    scale, softcap, sink)
+                     for rows in _blocks(batch * t, block_rows)])  # [B*T, H_kv, G, D_v]
     return out.reshape(batch, t, heads, -1).transpose(1, 2).to(q.dtype)
 
 
@@ -109,24 +108,17 @@ def _packed_order(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order[:, :width], present
 
 
-def _padded(queries: torch.Tensor, order: torch.Tensor, present: torch.Tensor, rows: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block filled up to `rows` rows, the extra ones seeing their batch's slot 0 alone."""
-    extra = rows - queries.shape[0]
-    if extra == 0:
-        return queries, order, present
-    alone = torch.zeros_like(present[:1]).expand(extra, -1).clone()
-    alone[:, 0] = True
-    return (torch.cat((queries, queries.new_zeros(extra, *queries.shape[1:]))),
-            torch.cat((order, order.new_zeros(extra, order.shape[1]))),
-            torch.cat((present, alone)))
+def _blocks(count: int, size: int) -> list[slice]:
+    """Rows in blocks of `size` at most: what one block gathers stays bounded (a prefill)."""
+    return [slice(start, start + size) for start in range(0, count, size)]
 
 
 def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor, scale: float,
                    softcap: float | None, sink: torch.Tensor | None) -> torch.Tensor:
     """[R, H_kv, G, D_v] for queries [R, H_kv, G, D] over their packed keys (`_packed_order`),
-    keys [B*S, H_kv, D] and values [B*S, H_kv, D_v] (each batch row's slots in turn)."""
+    keys [B*S, H_kv, D] and values [B*S, H_kv, D_v + 1] (each batch row's slots in turn; the
+    values' last column all ones, which sums the softmax's denominator beside them)."""
     chunks = [slice(start, start + KEYS_PER_CHUNK)
               for start in range(0, order.shape[1], KEYS_PER_CHUNK)]
     scores = torch.cat([_chunk_scores(queries, keys[order[:, chunk]], scale, softcap)
@@ -137,17 +129,17 @@ def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Te
         sink_chunk[..., 0] = sink
         scores = torch.cat((scores, sink_chunk), dim=-1)
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # hidden keys: exact zeros
-    total = torch.zeros(weights.shape[:-1], device=weights.device)
-    attended = None
+    total = None  # [R, H_kv, G, D_v + 1]: the weighted values, then the weights' sum
     for start in range(0, weights.shape[-1], KEYS_PER_CHUNK):
         part = weights[..., start:start + KEYS_PER_CHUNK].contiguous()
-        total = total + part.sum(-1)
         if start < order.shape[1]:
-            chunk_values = values[order[:, start:start + KEYS_PER_CHUNK]]  # [R, C, H_kv, D_v]
-            by_dim = chunk_values.permute(0, 2, 3, 1).contiguous()  # [R, H_kv, D_v, C]
-            weighted = (part[:, :, :, None] * by_dim[:, :, None]).sum(-1)  # [R, H_kv, G, D_v]
-            attended = weighted if attended is None else attended + weighted
-    return attended / total[..., None]
+            chunk_values = values[order[:, start:start + KEYS_PER_CHUNK]]  # [R, C, H_kv, D_v+1]
+            by_dim = chunk_values.permute(0, 2, 3, 1).contiguous()  # [R, H_kv, D_v + 1, C]
+            summed = (part[:, :, :, None] * by_dim[:, :, None]).sum(-1)
+        else:  # the sinks' chunk: its weight joins the denominator alone
+            summed = F.pad(part.sum(-1, keepdim=True), (total.shape[-1] - 1, 0))
+        total = summed if total is None else total + summed
+    return total[..., :-1] / total[..., -1:]
 
 
 def _chunk_scores(queries: torch.Tensor, chunk_keys: torch.Tensor, scale: float,
