@@ -50,7 +50,7 @@ def report(figures: dict) -> str:
     if figures.get("compiled") and figures["cuda_graphs"]:
         graphs += f", compiled; {figures['setup_seconds']:.0f} s compiling and capturing"
     if figures.get("invariant_rows"):
-        graphs += f", batch-invariant products (blocks of {figures['invariant_rows']} rows)"
+        graphs += f", the exact mode (products in blocks of {figures['invariant_rows']} rows)"
     lines = [f"{figures['model']} on {profile['device']} ({profile['dtype']}, {graphs}): plain "
              f"{figures['plain_tokens_per_s']:.1f} tokens/s (Hugging Face generate "
              f"{figures['hf_plain_tokens_per_s']:.1f}); one-token forward "

@@ -87,7 +87,7 @@ def bench_headline(f: dict) -> str:
     if f.get("compiled"):
         parts.append(f"compiled, {f['setup_seconds']:.0f} s setup")
     if f.get("invariant_rows"):
-        parts.append(f"batch-invariant products (blocks of {f['invariant_rows']})")
+        parts.append(f"the exact mode (products in blocks of {f['invariant_rows']})")
     return "; ".join(parts) + lossless_said(f["oracle"] + f.get("oracle_trees", []) + batches)
 
 
