@@ -207,7 +207,8 @@ class EagleHead(FeatureHead):
         if len(hidden) != len(self.config.target_layers):
             raise ValueError(f"EagleHead: EAGLE-3 fuses {len(self.config.target_layers)} target "
                              f"states (layers {self.config.target_layers}), got {len(hidden)}")
-        return self.fc(torch.cat(hidden, dim=-1))
+        # the target's dtype may differ from the head's (a bf16 target, a head kept in fp32)
+        return self.fc(torch.cat(hidden, dim=-1).to(self.fc.weight))
 
     def forward(
         self,

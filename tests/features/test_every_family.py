@@ -14,6 +14,8 @@ One lossless case per family runs by default; the sweeps over every drafter are 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import (
@@ -47,6 +49,7 @@ from selfspec.drafters.layer_skip import LayerSkipDrafter
 from selfspec.drafters.lookahead import LookaheadDrafter
 from selfspec.heads import EagleConfig, MedusaConfig
 from selfspec.heads.draft_vocab import draft_vocabulary
+from selfspec.model.cpu_linear import INVARIANT_BLOCK_ROWS, use_invariant_products
 from selfspec.model.quantized import quantized_copy
 
 PROMPTS = FAMILY_PROMPTS
@@ -202,6 +205,31 @@ def test_every_drafter_is_lossless_on_every_family(family, name):
     """Each prompt alone, eagerly and in static steps (the drafters' static drafts
     included), and, for the drafters a batch drafts, both prompts as a batch."""
     target = family_model(family)
+    assert_lossless(target, lambda: drafter_of(name, target))
+    assert_lossless(target, lambda: drafter_of(name, target), cuda_graphs=True)
+    if name in BATCHED:
+        assert_lossless(target, lambda: drafter_of(name, target), batch=True)
+
+
+def exact_bf16(family: str) -> Transformer:
+    """The family's target in bf16 in the exact mode (`batch_invariant=true`)."""
+    target = copy.deepcopy(family_model(family)).to(torch.bfloat16)
+    use_invariant_products(target, INVARIANT_BLOCK_ROWS)
+    return target
+
+
+# quick: a tree of drafters, and EAGLE-3's fp32 head on a bf16 target; slow: every drafter on
+# a windowed family and a MoE
+EXACT_BF16_PAIRS = [("llama", "union"), ("llama", "eagle3")] + [
+    pytest.param(family, name, marks=pytest.mark.slow)
+    for family, names in (("gemma3", DRAFTERS), ("qwen3_moe", MOE_DRAFTERS)) for name in names]
+
+
+@pytest.mark.parametrize(("family", "name"), EXACT_BF16_PAIRS)
+def test_every_drafter_is_lossless_in_bf16_in_the_exact_mode(family, name):
+    """A bf16 target (its heads and draft model kept in fp32) in the exact mode: each prompt
+    alone, eagerly and in static steps, and as a batch for the drafters a batch drafts."""
+    target = exact_bf16(family)
     assert_lossless(target, lambda: drafter_of(name, target))
     assert_lossless(target, lambda: drafter_of(name, target), cuda_graphs=True)
     if name in BATCHED:
