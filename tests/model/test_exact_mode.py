@@ -128,9 +128,11 @@ CHAIN = torch.tensor([[20, 21, 22, 23]])
 @torch.inference_mode()
 def logits_of(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:
+    device = model.embed_tokens.weight.device
     cache = model.new_cache(1, 64)
-    model(PROMPT, torch.arange(PROMPT.shape[1]), cache)
-    return model(tokens, positions, cache, mask=mask).logits[0]
+    model(PROMPT.to(device), torch.arange(PROMPT.shape[1], device=device), cache)
+    return model(tokens.to(device), positions.to(device), cache,
+                 mask=None if mask is None else mask.to(device)).logits[0]
 
 
 def chain_and_tree(model: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,3 +259,16 @@ def test_without_the_mode_bf16_refuses_the_oracle_or_parts_from_plain_decoding(n
     if not parted:
         pytest.skip("this CPU's bf16 kernels keep verification rows equal to plain decoding's")
     assert parted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "random-hybrid"])
+def test_on_cuda_in_bf16_the_mode_keeps_every_rows_bits_and_the_oracle(family, never_refused):
+    """The GPU half (the check's cuda_tests part): CUDA's kernels in bf16, static steps and
+    graphs as `generate` takes them there."""
+    model = target(family, torch.bfloat16, exact=True).cuda()
+    chain, tree = chain_and_tree(model)
+    assert torch.equal(tree, chain)
+    runs = oracle_runs(model)
+    assert {name: lossless for name, (lossless, _) in runs.items()} == dict.fromkeys(runs, True)
+    assert {name: tau for name, (_, tau) in runs.items()} == never_refused
