@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 KEYS_PER_CHUNK = 64
+# Keys gathered and multiplied in one op: fewer ops a layer, a bounded working set
+KEYS_PER_GROUP = 8 * KEYS_PER_CHUNK
 # A row width every CPU's vector loop divides (two vectors of 16 floats, AVX-512's stride)
 WHOLE_VECTOR = 64
 
@@ -76,9 +78,13 @@ def invariant_attention(
     values = torch.cat((values, values.new_ones(*values.shape[:-1], 1)), dim=-1)
     scale = dim ** -0.5 if scale is None else scale
     sink = None if sinks is None else sinks.float().view(kv_heads, groups)
-    out = torch.cat([_attended_rows(queries[rows], order[rows], present[rows], keys, values,
-                                    scale, softcap, sink)
-                     for rows in _blocks(batch * t, block_rows)])  # [B*T, H_kv, G, D_v]
+    blocks = []
+    for rows in _blocks(batch * t, block_rows):
+        keys_seen = slice(None) if attn_mask is not None else slice(_causal_width(rows, t))
+        blocks.append(_attended_rows(queries[rows], order[rows, keys_seen],
+                                     present[rows, keys_seen], keys, values, scale, softcap,
+                                     sink))
+    out = torch.cat(blocks)  # [B*T, H_kv, G, D_v]
     return out.reshape(batch, t, heads, -1).transpose(1, 2).to(q.dtype)
 
 
@@ -110,7 +116,15 @@ def _packed_order(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _blocks(count: int, size: int) -> list[slice]:
     """Rows in blocks of `size` at most: what one block gathers stays bounded (a prefill)."""
-    return [slice(start, start + size) for start in range(0, count, size)]
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def _causal_width(rows: slice, t: int) -> int:
+    """How many packed keys a causal prefill's block of rows (of a batch of T rows each) can
+    see, in whole chunks: the chunks past every row's last key would add exact zeros."""
+    first, last = rows.start, rows.stop - 1
+    seen = t if first // t != last // t else last % t + 1
+    return -(-seen // KEYS_PER_CHUNK) * KEYS_PER_CHUNK
 
 
 def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Tensor,
@@ -119,34 +133,40 @@ def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Te
     """[R, H_kv, G, D_v] for queries [R, H_kv, G, D] over their packed keys (`_packed_order`),
     keys [B*S, H_kv, D] and values [B*S, H_kv, D_v + 1] (each batch row's slots in turn; the
     values' last column all ones, which sums the softmax's denominator beside them)."""
-    chunks = [slice(start, start + KEYS_PER_CHUNK)
-              for start in range(0, order.shape[1], KEYS_PER_CHUNK)]
-    scores = torch.cat([_chunk_scores(queries, keys[order[:, chunk]], scale, softcap)
-                        for chunk in chunks], dim=-1)  # [R, H_kv, G, S_pad]
+    width = order.shape[1]
+    groups = [slice(start, min(start + KEYS_PER_GROUP, width))
+              for start in range(0, width, KEYS_PER_GROUP)]
+    scores = torch.cat([_scores(queries, keys[order[:, group]], scale, softcap)
+                        for group in groups], dim=-1)  # [R, H_kv, G, S_pad]
     scores = scores.masked_fill(~present[:, None, None], float("-inf"))
     if sink is not None:  # one more chunk: the sink's logit alone, weighing no value
         sink_chunk = scores.new_full((*scores.shape[:-1], KEYS_PER_CHUNK), float("-inf"))
         sink_chunk[..., 0] = sink
         scores = torch.cat((scores, sink_chunk), dim=-1)
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # hidden keys: exact zeros
-    total = None  # [R, H_kv, G, D_v + 1]: the weighted values, then the weights' sum
-    for start in range(0, weights.shape[-1], KEYS_PER_CHUNK):
-        part = weights[..., start:start + KEYS_PER_CHUNK].contiguous()
-        if start < order.shape[1]:
-            chunk_values = values[order[:, start:start + KEYS_PER_CHUNK]]  # [R, C, H_kv, D_v+1]
-            by_dim = chunk_values.permute(0, 2, 3, 1).contiguous()  # [R, H_kv, D_v + 1, C]
-            summed = (part[:, :, :, None] * by_dim[:, :, None]).sum(-1)
-        else:  # the sinks' chunk: its weight joins the denominator alone
-            summed = F.pad(part.sum(-1, keepdim=True), (total.shape[-1] - 1, 0))
-        total = summed if total is None else total + summed
+    sums = torch.cat([_chunk_sums(weights[..., group].contiguous(), values[order[:, group]])
+                      for group in groups], dim=-1)  # [R, H_kv, G, D_v + 1, chunks]
+    total = sums[..., 0]
+    for chunk in range(1, sums.shape[-1]):  # one after another: trailing chunks add zeros
+        total = total + sums[..., chunk]
+    if sink is not None:  # its chunk's sum is its weight alone
+        total = total + F.pad(weights[..., width, None], (total.shape[-1] - 1, 0))
     return total[..., :-1] / total[..., -1:]
 
 
-def _chunk_scores(queries: torch.Tensor, chunk_keys: torch.Tensor, scale: float,
-                  softcap: float | None) -> torch.Tensor:
-    """[R, H_kv, G, C]: each query's scores over its chunk of keys [R, C, H_kv, D]."""
-    products = queries[:, None] * chunk_keys[:, :, :, None]  # [R, C, H_kv, G, D]
+def _scores(queries: torch.Tensor, group_keys: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """[R, H_kv, G, W]: each query's scores over its group of keys [R, W, H_kv, D]."""
+    products = queries[:, None] * group_keys[:, :, :, None]  # [R, W, H_kv, G, D]
     scores = products.sum(-1).permute(0, 2, 3, 1).contiguous() * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores
+
+
+def _chunk_sums(weights: torch.Tensor, group_values: torch.Tensor) -> torch.Tensor:
+    """[R, H_kv, G, D_v + 1, W / C]: each chunk's weighted values (weights [R, H_kv, G, W],
+    values [R, W, H_kv, D_v + 1]), each a sum over the chunk's KEYS_PER_CHUNK keys alone."""
+    by_dim = group_values.permute(0, 2, 3, 1).contiguous()  # [R, H_kv, D_v + 1, W]
+    products = weights[:, :, :, None] * by_dim[:, :, None]  # [R, H_kv, G, D_v + 1, W]
+    return products.unflatten(-1, (-1, KEYS_PER_CHUNK)).sum(-1)

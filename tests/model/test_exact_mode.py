@@ -53,6 +53,9 @@ def test_the_attention_is_sdpas(mask):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                               is_causal=attn_mask is None, enable_gqa=True)
     assert torch.allclose(attend(q, k, v, attn_mask), expected, atol=1e-5)
+    if attn_mask is None:  # a prefill's blocks stop at their rows' last keys: the same bits
+        causal = torch.ones(150, 150, dtype=torch.bool).tril()
+        assert torch.equal(attend(q, k, v, None), attend(q, k, v, causal))
 
 
 def test_soft_capping_and_sinks_are_the_written_out_attentions():
@@ -65,7 +68,7 @@ def test_soft_capping_and_sinks_are_the_written_out_attentions():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_row_is_the_bits_it_has_alone_and_a_longer_cache_changes_none(dtype):
-    rows, past = 70, 130  # past one block of rows and several chunks of keys
+    rows, past = 70, 470  # past one block of rows, several chunks and a group of keys
     q, k, v = qkv(rows, past + rows + 40, dtype)
     together = attend(q, k[:, :, :past + rows], v[:, :, :past + rows], causal_after(past, rows))
     longer = causal_after(past, rows + 40)[:rows]  # 40 more slots after, hidden from every row
