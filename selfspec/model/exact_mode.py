@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 KEYS_PER_CHUNK = 64
-# Keys gathered and multiplied in one op: fewer ops a layer, a bounded working set
-KEYS_PER_GROUP = 8 * KEYS_PER_CHUNK
+# Rows x keys gathered and multiplied in one op: few ops for a one-token step, a working set a
+# CPU's cache holds for a tree's 64 rows (which chunks go together changes no sum)
+ROW_KEYS_PER_OP = 128 * KEYS_PER_CHUNK
 # A row width every CPU's vector loop divides (two vectors of 16 floats, AVX-512's stride)
 WHOLE_VECTOR = 64
 
@@ -134,8 +135,8 @@ def _attended_rows(queries: torch.Tensor, order: torch.Tensor, present: torch.Te
     keys [B*S, H_kv, D] and values [B*S, H_kv, D_v + 1] (each batch row's slots in turn; the
     values' last column all ones, which sums the softmax's denominator beside them)."""
     width = order.shape[1]
-    groups = [slice(start, min(start + KEYS_PER_GROUP, width))
-              for start in range(0, width, KEYS_PER_GROUP)]
+    step = max(1, ROW_KEYS_PER_OP // (len(order) * KEYS_PER_CHUNK)) * KEYS_PER_CHUNK
+    groups = [slice(start, min(start + step, width)) for start in range(0, width, step)]
     scores = torch.cat([_scores(queries, keys[order[:, group]], scale, softcap)
                         for group in groups], dim=-1)  # [R, H_kv, G, S_pad]
     scores = scores.masked_fill(~present[:, None, None], float("-inf"))
