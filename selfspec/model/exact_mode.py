@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 KEYS_PER_CHUNK = 64
 # Rows x keys gathered and multiplied in one op: few ops for a one-token step, a working set a
-# CPU's cache holds for a tree's 64 rows (which chunks go together changes no sum)
-ROW_KEYS_PER_OP = 128 * KEYS_PER_CHUNK
+# CPU's cache holds for a tree's 64 rows, one chunk (which chunks go together changes no sum)
+ROW_KEYS_PER_OP = 64 * KEYS_PER_CHUNK
 # A row width every CPU's vector loop divides (two vectors of 16 floats, AVX-512's stride)
 WHOLE_VECTOR = 64
 
