@@ -53,6 +53,12 @@ def whole_vectors(function, x: torch.Tensor) -> torch.Tensor:
     return function(F.pad(x, (0, spare)))[..., :width]
 
 
+def activated(function, x: torch.Tensor, invariant_rows: int | None) -> torch.Tensor:
+    """function(x), over whole vectors in the exact mode (invariant_rows set by
+    `cpu_linear.use_invariant_products`)."""
+    return function(x) if invariant_rows is None else whole_vectors(function, x)
+
+
 def invariant_attention(
     q: torch.Tensor,  # [B, H, T, D]
     k: torch.Tensor,  # [B, H_kv, S, D]

@@ -28,7 +28,6 @@ Two dispatches with one result:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -38,7 +37,7 @@ from torch import nn
 
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import Linear, invariant_linear
-from selfspec.model.exact_mode import whole_vectors
+from selfspec.model.exact_mode import activated
 
 
 class Routing(NamedTuple):
@@ -77,18 +76,18 @@ class Experts(nn.Module):
         gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1)."""
         gate, up = gate_up.chunk(2, dim=-1)
         if not self.clamped:
-            return _activated(F.silu, gate, self.invariant_rows) * up
+            return activated(F.silu, gate, self.invariant_rows) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * _activated(torch.sigmoid, gate * self.alpha,
+        return (up + 1) * (gate * activated(torch.sigmoid, gate * self.alpha,
                                              self.invariant_rows))
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """[n, H] expert e over tokens x [n, H] (in the exact mode, invariant products)."""
-        product = F.linear if self.invariant_rows is None else functools.partial(
-            invariant_linear, block_rows=self.invariant_rows)
-        gate_up = product(x, self.gate_up_proj[e], _row(self.gate_up_proj_bias, e))
-        return product(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e))
+        exact = self.invariant_rows
+        gate_up = _linear(x, self.gate_up_proj[e], _row(self.gate_up_proj_bias, e), exact)
+        return _linear(self.gated(gate_up), self.down_proj[e], _row(self.down_proj_bias, e),
+                       exact)
 
     def gathered(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """[N, k, H] each token's k experts (experts [N, k]) over it (x [N, H], or [N, k, H]:
@@ -114,9 +113,12 @@ def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if bias is None else bias[e]
 
 
-def _activated(function, x: torch.Tensor, invariant_rows: int | None) -> torch.Tensor:
-    """function(x), over whole vectors in the exact mode (`exact_mode.whole_vectors`)."""
-    return function(x) if invariant_rows is None else whole_vectors(function, x)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            invariant_rows: int | None) -> torch.Tensor:
+    """F.linear, or in the exact mode the product whose rows keep their bits."""
+    if invariant_rows is None:
+        return F.linear(x, weight, bias)
+    return invariant_linear(x, weight, bias, invariant_rows)
 
 
 class SharedExpert(nn.Module):
@@ -132,7 +134,7 @@ class SharedExpert(nn.Module):
         self.invariant_rows: int | None = None  # the exact mode: its act on whole vectors
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = _activated(F.silu, self.gate_proj(x), self.invariant_rows)
+        gate = activated(F.silu, self.gate_proj(x), self.invariant_rows)
         return self.down_proj(gate * self.up_proj(x))
 
 
@@ -197,7 +199,7 @@ class MoE(nn.Module):
             out = self.static_dispatch(flat, routing) if static else \
                 self.eager_dispatch(flat, routing)
         if hasattr(self, "shared_expert"):
-            gate = _activated(torch.sigmoid, self.shared_expert_gate(flat), self.invariant_rows)
+            gate = activated(torch.sigmoid, self.shared_expert_gate(flat), self.invariant_rows)
             out = out + gate * self.shared_expert(flat)
         elif hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat)
@@ -207,21 +209,20 @@ class MoE(nn.Module):
         """Each token's top-k experts and weights, x [N, hidden]."""
         if self.sigmoid_routing:
             exact = self.invariant_rows
-            logits = F.linear(x.float(), self.gate.weight.float()) if exact is None \
-                else invariant_linear(x.float(), self.gate.weight.float(), None, exact)
+            logits = _linear(x.float(), self.gate.weight.float(), None, exact)
             routing = grouped_sigmoid_routing(
-                _activated(torch.sigmoid, logits, exact), self.gate.e_score_correction_bias,
+                activated(torch.sigmoid, logits, exact), self.gate.e_score_correction_bias,
                 self.top_k, *self.groups, self.norm_topk_prob, self.routed_scale)
             return Routing(routing.experts, routing.weights.to(x.dtype))
         logits = self.gate(x)  # [N, E]
         top, experts = logits.topk(self.top_k, dim=-1)  # [N, k]
         top = top.float()
         if self.weighs_input:
-            weights = _activated(torch.sigmoid, top, self.invariant_rows)
+            weights = activated(torch.sigmoid, top, self.invariant_rows)
         elif self.norm_topk_prob:
             weights = torch.softmax(top, dim=-1)
         else:
-            weights = _activated(torch.exp, top - torch.logsumexp(logits.float(), dim=-1,
+            weights = activated(torch.exp, top - torch.logsumexp(logits.float(), dim=-1,
                                                                   keepdim=True),
                                  self.invariant_rows)
         return Routing(experts, weights.to(x.dtype))

@@ -48,7 +48,7 @@ from selfspec.checks import is_int_in
 from selfspec.model import checkpoint
 from selfspec.model.config import ModelConfig
 from selfspec.model.cpu_linear import PACKED_FROM_MODEL_BYTES, Linear, aligned, use_packed_products
-from selfspec.model.exact_mode import invariant_attention, whole_vectors
+from selfspec.model.exact_mode import activated, invariant_attention
 from selfspec.model.kv_cache import KVCache, SegmentedKVCache
 from selfspec.model.mamba import Mamba2Dims, Mamba2Mixer
 from selfspec.model.mla import LatentAttention
@@ -283,8 +283,7 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.fused.weight, self.fused.bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        act = self.act(gate) if self.invariant_rows is None else whole_vectors(self.act, gate)
-        return self.down_proj(act * up)
+        return self.down_proj(activated(self.act, gate, self.invariant_rows) * up)
 
 
 def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:
