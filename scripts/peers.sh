@@ -142,11 +142,23 @@ torch.__version__, 'transformers', v('transformers'))"
     "$dir/venv/bin/python" -m pip freeze >"$dir/freeze.txt"
 }
 
+# The peers' venvs hold the same wheels (torch alone is 754 MB in each): identical files are
+# hard-linked after each build, which saves about 3 GB of the 7.8 GB. Each venv stays whole
+# (pip replaces a file, never writes into one); without util-linux's hardlink nothing is shared.
+share_identical_files() {
+    if command -v hardlink >/dev/null; then
+        hardlink --quiet --ignore-time "$ROOT"
+    else
+        echo "note: no hardlink command (util-linux); the peers' venvs keep their own copies" >&2
+    fi
+}
+
 [ $# -eq 1 ] || usage
 if [ "$1" = --list ]; then
     printf '%s\n' "${PEERS[@]}"
 elif [[ " ${PEERS[*]} " == *" $1 "* ]]; then
     time "build_$1"
+    share_identical_files
 else
     usage
 fi
