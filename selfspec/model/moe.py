@@ -247,13 +247,18 @@ class MoE(nn.Module):
                 start += size
         return out
 
+    def per_expert(self, routing: Routing) -> torch.Tensor:
+        """[N, E] each token's weight for every expert: its routed weights, 0 elsewhere."""
+        weights = routing.weights
+        combine = weights.new_zeros(weights.shape[0], self.num_experts)
+        return combine.scatter_(1, routing.experts, weights)
+
     def exact_dispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """[N, hidden] in the exact mode: every expert over every token, in fixed-shape
         products, added in the experts' order with the unrouted ones weighted 0, so that a
         token's sum is the same whatever tokens come with it and whether or not the step is
         captured (E / k times the experts' work of a routed dispatch)."""
-        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        combine.scatter_(1, routing.experts, routing.weights)  # [N, E]
+        combine = self.per_expert(routing)  # [N, E]
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             weight = combine[:, e, None]
@@ -271,8 +276,7 @@ class MoE(nn.Module):
                 return self.experts.gathered(x[:, None] * weights, routing.experts).sum(dim=1)
             out = self.experts.gathered(x, routing.experts)  # [N, k, hidden]
             return (out * weights).sum(dim=1)
-        combine = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        combine.scatter_(1, routing.experts, routing.weights)  # [N, E]
+        combine = self.per_expert(routing)  # [N, E]
         if self.weighs_input:  # an unrouted pair's input is 0, and so is its output
             return self.experts.every(combine.T[..., None] * x).sum(dim=0)
         return torch.einsum("ne,enh->nh", combine, self.experts.every(x))
